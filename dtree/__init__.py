@@ -1,0 +1,18 @@
+"""dtree: exact causal-LM training on prefix trees of token sequences.
+
+Each unique token is computed once, depth first, with a KV-cache stack; the gradients
+equal those of training every root-to-leaf sequence on its own.
+
+    forest = dtree.Forest.from_sequences(sequences, loss_mask=masks, advantages=adv, ...)
+    rt = dtree.TreeRuntime(model)
+    out = rt.forward_backward(forest, dtree.losses.ppo_clip(clip_eps=0.2))
+    optimizer.step()
+"""
+
+from . import losses
+from .runtime import StepOutput, TreeRuntime
+from .tree import Forest, ForestStats
+
+__version__ = "0.1.0"
+
+__all__ = ["Forest", "ForestStats", "StepOutput", "TreeRuntime", "losses", "__version__"]

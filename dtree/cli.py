@@ -1,0 +1,34 @@
+"""Command line: ``dtree stats FILE.jsonl``, ``dtree bench ...`` (see ``dtree -h``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _stats(args: argparse.Namespace) -> int:
+    from .tree import Forest
+
+    forest = Forest.from_jsonl(args.file)
+    print(forest.stats().format())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dtree", description="Exact tree training for causal LMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("stats", help="print the tree statistics of a JSONL batch")
+    p.add_argument("file", help="JSON Lines: one {\"tokens\": [...], <field>: [...]} object per sequence")
+    p.set_defaults(func=_stats)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"dtree {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,148 @@
+"""Hugging Face causal LMs through transformers' attention interface.
+
+No model-specific code: every decoder layer of a transformers 5 model calls
+``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)``.
+We register ``"dtree"`` there and switch a model's config to it only while the
+runtime runs it, so the same model object still works normally elsewhere. For a
+name that transformers has no mask function for, it builds no attention mask at
+all, so no O(T^2) mask is ever made. ``q`` and ``k`` arrive already rotated with the
+``position_ids`` we pass (tree depths), and ``module.layer_idx`` names the layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from .protocol import AttendFn, ModelSpec
+
+__all__ = ["HFTreeModel", "ATTENTION_NAME"]
+
+ATTENTION_NAME = "dtree"
+
+
+def _dtree_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: [1, H, T, D] q/k/v -> ([1, T, H, D], None)."""
+    attend: AttendFn | None = kwargs.get("dtree_attend")
+    if attend is None:
+        raise RuntimeError(
+            f"attention implementation {ATTENTION_NAME!r} only runs inside dtree.TreeRuntime; "
+            "set the model back to 'sdpa' or 'eager' to use it directly"
+        )
+    if dropout:
+        raise ValueError("attention dropout is not supported by dtree (it would break exactness); set it to 0")
+    for unsupported in ("softcap", "s_aux"):
+        if kwargs.get(unsupported) is not None:
+            raise ValueError(f"attention with {unsupported!r} is not supported by dtree yet")
+    if query.shape[0] != 1:
+        raise ValueError(f"dtree runs one packed row per call, got batch size {query.shape[0]}")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    q = query[0].transpose(0, 1)  # [T, Hq, D]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    out = attend(module.layer_idx, q, k, v, scale)
+    return out.unsqueeze(0), None
+
+
+def _register() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, _dtree_attention)
+
+
+def _effective_sliding_window(config) -> int | None:
+    window = getattr(config, "sliding_window", None)
+    if not window:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return window if any(t == "sliding_attention" for t in layer_types) else None
+    if getattr(config, "use_sliding_window", True) is False:
+        return None
+    return int(window)
+
+
+class HFTreeModel:
+    """Adapter giving a transformers ``*ForCausalLM`` the :class:`TreeModule` methods."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(model, "get_output_embeddings"):
+            raise TypeError("HFTreeModel needs a transformers causal LM (a model with .config and an output embedding)")
+        config = config.get_text_config() if hasattr(config, "get_text_config") else config
+        for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if getattr(config, attr, None):
+                raise ValueError(f"{type(model).__name__} uses {attr}, which dtree does not support yet")
+        if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
+            raise ValueError(f"{type(model).__name__} scales its logits (logit_scale), which dtree does not support yet")
+        checkpointing = getattr(type(model), "is_activation_checkpointing", None)
+        checkpointing = model.is_activation_checkpointing if checkpointing is not None else getattr(
+            model, "is_gradient_checkpointing", False
+        )
+        if checkpointing:
+            raise ValueError(
+                "HF gradient checkpointing re-runs attention inside backward, which breaks the KV stack; "
+                "disable it and use TreeRuntime(model, mode='recompute') instead"
+            )
+        self.model = model
+        self.base = getattr(model, model.base_model_prefix)
+        self.config = config
+        heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        self.spec = ModelSpec(
+            num_layers=config.num_hidden_layers,
+            num_heads=heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            head_dim=head_dim,
+            hidden_size=config.hidden_size,
+            vocab_size=config.vocab_size,
+            intermediate_size=getattr(config, "intermediate_size", 0) or 0,
+            max_positions=getattr(config, "max_position_embeddings", None),
+            sliding_window=_effective_sliding_window(config),
+            name=getattr(config, "model_type", type(model).__name__),
+        )
+        _register()
+
+    @contextlib.contextmanager
+    def _dtree_attention(self) -> Iterator[None]:
+        configs = {id(c): c for c in (self.model.config, self.config)}.values()
+        saved = [(c, c._attn_implementation) for c in configs]
+        try:
+            for c, _ in saved:
+                c._attn_implementation = ATTENTION_NAME
+            yield
+        finally:
+            for c, old in saved:
+                c._attn_implementation = old
+
+    def dtree_spec(self) -> ModelSpec:
+        return self.spec
+
+    def dtree_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn) -> torch.Tensor:
+        """[T] ids and positions -> [T, hidden] final hidden states."""
+        with self._dtree_attention():
+            out = self.base(
+                input_ids=input_ids.unsqueeze(0),
+                position_ids=position_ids.unsqueeze(0),
+                use_cache=False,
+                dtree_attend=attend,
+            )
+        return out.last_hidden_state[0]
+
+    def dtree_output_layer(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        head = self.model.get_output_embeddings()
+        return head.weight, getattr(head, "bias", None)
+
+    def parameters(self):
+        return self.model.parameters()

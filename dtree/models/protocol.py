@@ -1,0 +1,82 @@
+"""What the runtime needs from a model, and how a custom ``nn.Module`` provides it.
+
+Hugging Face causal LMs need nothing: :class:`dtree.models.hf.HFTreeModel` adapts
+them through transformers' attention interface. Any other module implements three
+methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
+
+    class MyLM(nn.Module):
+        def dtree_spec(self) -> ModelSpec: ...
+
+        def dtree_hidden_states(self, input_ids, position_ids, attend):
+            # input_ids, position_ids: [T] int64 (positions are depths in the tree)
+            # run the usual blocks; in every attention layer call
+            #     out = attend(layer_idx, q, k, v, scale)
+            # with q: [T, q_heads, head_dim], k, v: [T, kv_heads, head_dim]
+            # (after any rotary embedding), out: [T, q_heads, head_dim];
+            # do not mask or cache anything, attend() handles both
+            return final_hidden  # [T, hidden] after the final norm
+
+        def dtree_output_layer(self):
+            return self.lm_head.weight, None  # ([vocab, hidden], bias [vocab] or None)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["ModelSpec", "AttendFn", "TreeModule"]
+
+AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Shapes the runtime sizes its buffers and checks inputs with."""
+
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    vocab_size: int
+    intermediate_size: int = 0
+    max_positions: int | None = None  # longest path the model accepts
+    sliding_window: int | None = None  # paths longer than this are rejected
+    name: str = "model"
+
+    def forward_flops_per_token(self) -> float:
+        """Matmul FLOPs of one token's forward, excluding attention scores."""
+        h, d = self.hidden_size, self.head_dim
+        attn_proj = 2 * h * d * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o, k, v
+        mlp = 2 * 3 * h * self.intermediate_size  # gate, up, down
+        return self.num_layers * (attn_proj + mlp) + 2 * h * self.vocab_size
+
+    def forward_attention_flops_per_key(self) -> float:
+        """FLOPs of one (query, key) pair in the forward: QK^T and PV over all layers."""
+        return self.num_layers * 4 * self.num_heads * self.head_dim
+
+    def training_flops(self, positions: torch.Tensor | list[int] | int) -> float:
+        """Forward + backward FLOPs (3x forward) of tokens at the given positions.
+
+        A token at position ``p`` attends to ``p + 1`` keys. Pass an int ``n`` for one
+        causal sequence of ``n`` tokens."""
+        if isinstance(positions, int):
+            n, keys = positions, positions * (positions + 1) / 2
+        else:
+            pos = torch.as_tensor(positions, dtype=torch.float64)
+            n, keys = pos.numel(), float((pos + 1).sum())
+        return 3.0 * (n * self.forward_flops_per_token() + keys * self.forward_attention_flops_per_key())
+
+
+@runtime_checkable
+class TreeModule(Protocol):
+    def dtree_spec(self) -> ModelSpec: ...
+
+    def dtree_hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor: ...
+
+    def dtree_output_layer(self) -> tuple[torch.Tensor, torch.Tensor | None]: ...

@@ -1,0 +1,543 @@
+"""TreeRuntime: forward, backward and log-probs over a forest, depth first, with a KV stack.
+
+The walk (DESIGN.md section 2), over the groups of a :class:`~dtree.schedule.Schedule`::
+
+    forward(g):  zero g's gradient slots; run g's segments through the model; every
+                 attention layer pushes g's K/V onto the stack and reads the
+                 ancestors' K/V from it; compute g's loss terms (retain mode)
+    ...          all child groups, depth first
+    backward(g): autograd.backward([loss_g, K_g^l, V_g^l for every layer l],
+                                   [1,      dK_g^l, dV_g^l from the stack])
+                 the attention backward adds g's prefix gradients into the
+                 ancestors' slots, so they are complete when the ancestors pop
+
+Modes:
+    retain     the graphs of the groups on the current path stay alive between
+               forward(g) and backward(g). Activation memory ~ the path, not the tree.
+    recompute  forward(g) runs without grad (it only pushes K/V); backward(g) re-runs
+               g with grad and backpropagates at once. One group's activations are
+               alive at a time, for about one extra forward.
+
+Exactness: parameter gradients equal those of linearized training on every sequence
+with the same loss, up to floating-point rounding (tests/test_runtime_exact.py checks
+every parameter against HF run per path).
+
+Errors: inputs are validated on the host before any kernel runs. A non-finite loss is
+detected at the end of the step with a single device sync; ``param.grad`` is then
+restored to what it was before the call and a ``ValueError`` names the sequence and
+position of the first bad term.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping, Sequence
+
+import numpy as np
+import torch
+
+from .kv_stack import KVStack
+from .losses import Normalization, TokenLoss
+from .models import TreeModule, adapt
+from .ops.logprobs import token_entropy, token_logprobs
+from .ops.stack_attention import BACKENDS, SegmentLayout, stack_attention
+from .schedule import FORWARD, Schedule, build_schedule
+from .tree import Forest
+
+__all__ = ["TreeRuntime", "StepOutput"]
+
+MODES = ("retain", "recompute")
+SequenceLossFn = Callable[[list[torch.Tensor], Forest], torch.Tensor]
+
+
+@dataclass
+class StepOutput:
+    """What :meth:`TreeRuntime.forward_backward` returns.
+
+    ``loss`` is the loss value (the same number linearized training reports). The
+    rest are counters of the step: model calls, stack slots used, and the most tree
+    tokens whose autograd graph was alive at once (the activation-memory driver).
+    """
+
+    loss: float
+    num_sequences: int
+    num_unique_tokens: int
+    num_linearized_tokens: int
+    num_loss_terms: int
+    num_model_calls: int
+    stack_tokens: int
+    peak_graph_tokens: int
+    seconds: float
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class _Terms:
+    """Predictions and loss terms the step needs, per group (concatenated; see Schedule)."""
+
+    pred_row: np.ndarray
+    pred_unique: np.ndarray
+    pred_offsets: np.ndarray
+    loss_lin: np.ndarray
+    loss_pred: np.ndarray
+    loss_offsets: np.ndarray
+
+
+def _all_predictions(sched: Schedule) -> _Terms:
+    empty = np.zeros(0, dtype=np.int64)
+    return _Terms(
+        sched.pred_row, sched.pred_unique, sched.pred_offsets, empty, empty, np.zeros(sched.num_groups + 1, np.int64)
+    )
+
+
+def _loss_terms(sched: Schedule, weights: np.ndarray) -> _Terms:
+    """Keep only loss terms with a non-zero weight, and only the predictions they read:
+    masked prompt tokens never reach the LM head."""
+    g = sched.num_groups
+    entry_group = np.repeat(np.arange(g), np.diff(sched.loss_offsets))
+    keep = weights[sched.loss_lin] != 0
+    lin, grp = sched.loss_lin[keep], entry_group[keep]
+    gpred = sched.pred_offsets[grp] + sched.loss_pred[keep]
+    used = np.unique(gpred)
+    used_group = np.searchsorted(sched.pred_offsets, used, side="right") - 1
+    pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
+    loss_pred = np.searchsorted(used, gpred) - pred_offsets[grp]
+    return _Terms(
+        pred_row=sched.pred_row[used],
+        pred_unique=sched.pred_unique[used],
+        pred_offsets=pred_offsets,
+        loss_lin=lin,
+        loss_pred=loss_pred,
+        loss_offsets=np.searchsorted(grp, np.arange(g + 1)),
+    )
+
+
+class _GroupAttention:
+    """The ``attend`` callable handed to the model for one group's call."""
+
+    def __init__(self, stack: KVStack, stack_start: int, layout: SegmentLayout, backend: str, push: bool, record: bool):
+        self.stack, self.lo, self.layout, self.backend = stack, stack_start, layout, backend
+        self.push, self.record = push, record
+        self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * stack.num_layers
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if self.push:
+            self.stack.write(layer, self.lo, k.detach(), v.detach())
+        if self.record:
+            self.own[layer] = (k, v)
+        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend)
+
+
+@dataclass
+class _GroupState:
+    loss: torch.Tensor | None
+    own: list
+
+
+class TreeRuntime:
+    """Tree training for a causal LM.
+
+    Args:
+        model: a transformers causal LM (Llama, Qwen2, Qwen3, Mistral, ... any model
+            using transformers' attention interface), or a module implementing
+            :class:`dtree.models.TreeModule`.
+        mode: ``"retain"`` or ``"recompute"`` (see module docstring).
+        chunk_size: longest segment in tokens; longer trie nodes are split.
+        group_tokens: token budget of one packed model call (sibling nodes and nodes
+            of different trees run together). 0 runs one segment per call.
+        attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
+            ``"triton"``, ``"sdpa"`` or ``"reference"``.
+        logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)).
+        stack_capacity: fixed KV-stack size in tokens; None sizes it to each step's plan.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        mode: str = "retain",
+        chunk_size: int = 2048,
+        group_tokens: int = 8192,
+        attention: str = "auto",
+        logprob_chunk: int = 4096,
+        stack_capacity: int | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if attention != "auto" and attention not in BACKENDS:
+            raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
+        if chunk_size < 1 or group_tokens < 0 or logprob_chunk < 1:
+            raise ValueError("chunk_size and logprob_chunk must be >= 1 and group_tokens >= 0")
+        self.module = model
+        self.model: TreeModule = adapt(model)
+        self.spec = self.model.dtree_spec()
+        self.mode = mode
+        self.chunk_size = chunk_size
+        self.group_tokens = group_tokens
+        self.logprob_chunk = logprob_chunk
+        self.stack_capacity = stack_capacity
+        first = next(iter(model.parameters()))
+        self.device, self.dtype = first.device, first.dtype
+        self.attention = self._pick_backend(attention)
+        self._stack: KVStack | None = None
+
+    # ------------------------------------------------------------------ setup
+    def _pick_backend(self, attention: str) -> str:
+        if attention != "auto":
+            if attention == "triton":
+                from .ops.stack_attention_triton import require_triton
+
+                require_triton(self.device)
+            return attention
+        if self.device.type == "cuda":
+            try:
+                from .ops.stack_attention_triton import require_triton
+
+                require_triton(self.device)
+                return "triton"
+            except (ImportError, RuntimeError):
+                return "sdpa"
+        return "sdpa"
+
+    def plan(self, forest: Forest) -> Schedule:
+        """Validate ``forest`` against the model and build its schedule."""
+        self._validate_tokens(forest)
+        sched = build_schedule(forest, self.chunk_size, self.group_tokens)
+        if self.stack_capacity is not None and sched.stack_tokens > self.stack_capacity:
+            lengths = forest.sequence_lengths()
+            s = int(np.argmax(lengths))
+            hint = (
+                f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
+                if lengths[s] > self.stack_capacity
+                else "lower group_tokens or raise stack_capacity"
+            )
+            raise ValueError(
+                f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is "
+                f"{self.stack_capacity}: {hint}"
+            )
+        return sched
+
+    def _validate_tokens(self, forest: Forest) -> None:
+        spec = self.spec
+        bad = np.flatnonzero(forest.lin_tokens >= spec.vocab_size)
+        if bad.size:
+            s, t = forest.locate(int(bad[0]))
+            raise ValueError(
+                f"token id {int(forest.lin_tokens[bad[0]])} at sequence {s}, position {t} is outside the "
+                f"vocabulary (size {spec.vocab_size})"
+            )
+        lengths = forest.sequence_lengths()
+        s = int(np.argmax(lengths))
+        if spec.max_positions is not None and lengths[s] > spec.max_positions:
+            raise ValueError(
+                f"sequence {s} has {int(lengths[s])} tokens, longer than the model's {spec.max_positions} positions"
+            )
+        if spec.sliding_window is not None and lengths[s] > spec.sliding_window:
+            raise ValueError(
+                f"sequence {s} has {int(lengths[s])} tokens, longer than the model's sliding window "
+                f"({spec.sliding_window}); dtree does not implement sliding-window attention yet"
+            )
+
+    def _get_stack(self, capacity: int, with_grad: bool) -> KVStack:
+        spec = self.spec
+        capacity = max(capacity, self.stack_capacity or 0, 1)
+        args = (spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim)
+        if self._stack is None or not self._stack.fits(*args, self.dtype, self.device, with_grad):
+            self._stack = None  # free the old buffers before allocating new ones
+            self._stack = KVStack(*args, dtype=self.dtype, device=self.device, with_grad=with_grad)
+        return self._stack
+
+    def release_memory(self) -> None:
+        """Drop the KV stack buffers (they are kept between steps for reuse)."""
+        self._stack = None
+
+    # ------------------------------------------------------------------ public API
+    def forward_backward(
+        self,
+        forest: Forest,
+        loss: TokenLoss | SequenceLossFn,
+        *,
+        normalization: Normalization | None = None,
+    ) -> StepOutput:
+        """Accumulate into ``param.grad`` the gradient of ``loss`` over ``forest``.
+
+        Args:
+            loss: a :class:`dtree.losses.TokenLoss` (``nll``, ``ppo_clip``, ...) runs in one
+                pass. Any other callable ``fn(logprobs, forest) -> 0-d tensor``, where
+                ``logprobs`` is the list :meth:`logprobs` returns, runs in two passes
+                (log-probs, then one DFS backward seeded with ``d fn / d logprobs``),
+                which is exact for losses that are not sums of per-token terms.
+            normalization: global counts for ``token_mean``/``sequence_mean`` when the
+                batch is split over ranks (see :mod:`dtree.distributed`).
+        """
+        if isinstance(loss, TokenLoss):
+            loss.check_fields(forest)
+            sched = self.plan(forest)
+            weights = loss.weights(forest, normalization)
+            return self._train(forest, sched, loss.per_token, weights, loss.required_fields)
+        if callable(loss):
+            return self._two_pass(forest, loss)
+        raise TypeError(f"loss must be a dtree.losses.TokenLoss or a callable, got {type(loss).__name__}")
+
+    def backward_from_logprob_grads(
+        self, forest: Forest, grads: Sequence[torch.Tensor | None], *, loss_value: float = float("nan")
+    ) -> StepOutput:
+        """Second pass of the two-pass path: one DFS backward with ``d loss / d logprobs``.
+
+        Args:
+            grads: per sequence, [len - 1] gradients of the loss w.r.t. the log-probs
+                :meth:`logprobs` returned (None for a sequence the loss ignores).
+            loss_value: reported as ``StepOutput.loss``.
+        """
+        if len(grads) != forest.num_sequences:
+            raise ValueError(f"got {len(grads)} gradient tensors for {forest.num_sequences} sequences")
+        w = np.zeros(forest.num_linearized_tokens)
+        for s, g in enumerate(grads):
+            n = int(forest.seq_offsets[s + 1] - forest.seq_offsets[s]) - 1
+            if g is None:
+                continue
+            g = g.detach().double().cpu().numpy().reshape(-1)
+            if g.shape[0] != n:
+                raise ValueError(f"gradient for sequence {s} has {g.shape[0]} values, expected {n} (len - 1)")
+            bad = np.flatnonzero(~np.isfinite(g))
+            if bad.size:
+                raise ValueError(f"loss gradient is {g[bad[0]]} at sequence {s}, position {int(bad[0]) + 1}")
+            w[forest.seq_offsets[s] + 1 : forest.seq_offsets[s + 1]] = g
+        sched = self.plan(forest)
+        out = self._train(forest, sched, lambda logp, fields: logp, w, ())
+        out.loss = float(loss_value)
+        return out
+
+    @torch.no_grad()
+    def logprobs(
+        self, forest: Forest, *, with_entropy: bool = False
+    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``log p(s[t] | s[:t])`` for t = 1 .. len-1 of every sequence, in input order.
+
+        Returns one 1-D float32 tensor per sequence (empty for one-token sequences);
+        with ``with_entropy``, also the entropy of each of those predictive
+        distributions.
+        """
+        sched = self.plan(forest)
+        terms = _all_predictions(sched)
+        lp_unique = torch.full((forest.num_unique_tokens,), float("nan"), dtype=self._compute_dtype(), device=self.device)
+        ent_row = (
+            torch.full((forest.num_unique_tokens,), float("nan"), dtype=self._compute_dtype(), device=self.device)
+            if with_entropy
+            else None
+        )
+        stack = self._get_stack(sched.stack_tokens, with_grad=False)
+        dev = self._to_device(forest, sched, terms, None, ())
+        for kind, g in sched.events:
+            if kind != FORWARD:
+                continue
+            hidden = self._hidden(sched, g, stack, dev, push=True, record=False)
+            p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
+            if p1 > p0:
+                weight, bias = self.model.dtree_output_layer()
+                lp = token_logprobs(hidden[dev["pred_row"][p0:p1]], weight, dev["labels"][p0:p1], bias, self.logprob_chunk)
+                lp_unique[dev["pred_unique"][p0:p1]] = lp
+            if ent_row is not None:
+                r0, r1 = int(sched.row_offsets[g]), int(sched.row_offsets[g + 1])
+                weight, bias = self.model.dtree_output_layer()
+                ent_row[dev["row_unique"][r0:r1]] = token_entropy(hidden, weight, bias, self.logprob_chunk)
+        targets = torch.from_numpy(self._prediction_lin(forest)).to(self.device)
+        sizes = (forest.sequence_lengths() - 1).tolist()
+        lps = list(torch.split(lp_unique[torch.from_numpy(forest.lin_unique).to(self.device)[targets]], sizes))
+        if not with_entropy:
+            return lps
+        before = torch.from_numpy(forest.lin_unique).to(self.device)[targets - 1]
+        return lps, list(torch.split(ent_row[before], sizes))
+
+    # ------------------------------------------------------------------ internals
+    def _two_pass(self, forest: Forest, loss_fn: SequenceLossFn) -> StepOutput:
+        leaves = [lp.detach().requires_grad_(True) for lp in self.logprobs(forest)]
+        with torch.enable_grad():
+            value = loss_fn(leaves, forest)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise TypeError("a two-pass loss function must return a one-element tensor")
+        loss_value = float(value.detach())
+        if not np.isfinite(loss_value):
+            raise ValueError(f"the loss function returned {loss_value}; param.grad was not touched")
+        grads = torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
+        return self.backward_from_logprob_grads(forest, list(grads), loss_value=loss_value)
+
+    def _compute_dtype(self) -> torch.dtype:
+        return torch.float64 if self.dtype == torch.float64 else torch.float32
+
+    @staticmethod
+    def _prediction_lin(forest: Forest) -> np.ndarray:
+        keep = np.ones(forest.num_linearized_tokens, dtype=bool)
+        keep[forest.seq_offsets[:-1]] = False
+        return np.flatnonzero(keep)
+
+    def _to_device(
+        self, forest: Forest, sched: Schedule, terms: _Terms, weights: np.ndarray | None, field_names: Sequence[str]
+    ) -> dict[str, torch.Tensor]:
+        """Every per-step array the walk slices, moved to the device once."""
+        ints = {
+            "input_ids": forest.tokens[sched.row_unique],
+            "positions": forest.positions[sched.row_unique],
+            "row_unique": sched.row_unique,
+            "pred_row": terms.pred_row,
+            "pred_unique": terms.pred_unique,
+            "labels": forest.tokens[terms.pred_unique],
+            "loss_pred": terms.loss_pred,
+        }
+        dev = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)).to(self.device) for k, v in ints.items()}
+        cdt = self._compute_dtype()
+        if weights is not None:
+            dev["weights"] = torch.from_numpy(weights[terms.loss_lin]).to(self.device, cdt)
+            dev["fields"] = {
+                n: torch.from_numpy(forest.fields[n][terms.loss_lin]).to(self.device, cdt) for n in field_names
+            }
+        return dev
+
+    def _layout(self, sched: Schedule, g: int) -> SegmentLayout:
+        plan = sched.groups[g]
+        return SegmentLayout(
+            q_offsets=plan.seg_q_offsets,
+            own_slot=plan.stack_start + plan.seg_q_offsets[:-1],
+            prefix_ranges=plan.seg_prefix_ranges,
+        )
+
+    def _hidden(
+        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool, record: bool, attend_out: list | None = None
+    ) -> torch.Tensor:
+        r0, r1 = int(sched.row_offsets[g]), int(sched.row_offsets[g + 1])
+        attend = _GroupAttention(stack, sched.groups[g].stack_start, self._layout(sched, g), self.attention, push, record)
+        hidden = self.model.dtree_hidden_states(dev["input_ids"][r0:r1], dev["positions"][r0:r1], attend)
+        if attend_out is not None:
+            attend_out.append(attend)
+        return hidden
+
+    def _group_loss(
+        self, g: int, hidden: torch.Tensor, terms: _Terms, dev: dict, per_token: Callable, term_log: list
+    ) -> torch.Tensor | None:
+        e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
+        if e1 == e0:
+            return None
+        p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
+        weight, bias = self.model.dtree_output_layer()
+        lp = token_logprobs(hidden[dev["pred_row"][p0:p1]], weight, dev["labels"][p0:p1], bias, self.logprob_chunk)
+        logp = lp[dev["loss_pred"][e0:e1]]
+        fields = {n: f[e0:e1] for n, f in dev["fields"].items()}
+        per = per_token(logp, fields)
+        if per.shape != logp.shape:
+            raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")
+        weighted = per * dev["weights"][e0:e1]
+        term_log.append((e0, weighted.detach()))
+        return weighted.sum()
+
+    def _run_group(self, sched, g, stack, terms, dev, per_token, term_log, push: bool) -> _GroupState:
+        attends: list[_GroupAttention] = []
+        hidden = self._hidden(sched, g, stack, dev, push=push, record=True, attend_out=attends)
+        loss = self._group_loss(g, hidden, terms, dev, per_token, term_log)
+        return _GroupState(loss=loss, own=attends[0].own)
+
+    def _backward_group(self, state: _GroupState, stack: KVStack, lo: int, hi: int, seed_kv: bool) -> None:
+        tensors: list[torch.Tensor] = []
+        grads: list[torch.Tensor] = []
+        if state.loss is not None:
+            tensors.append(state.loss)
+            grads.append(torch.ones_like(state.loss))
+        if seed_kv:
+            for layer, kv in enumerate(state.own):
+                if kv is None:
+                    raise RuntimeError(f"layer {layer} never called attend(); every attention layer must")
+                gk, gv = stack.grad_slices(layer, lo, hi)
+                tensors += [kv[0], kv[1]]
+                grads += [gk.to(kv[0].dtype), gv.to(kv[1].dtype)]
+        if tensors:
+            torch.autograd.backward(tensors, grads)
+
+    def _train(
+        self,
+        forest: Forest,
+        sched: Schedule,
+        per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
+        weights: np.ndarray,
+        field_names: Sequence[str],
+    ) -> StepOutput:
+        t0 = time.perf_counter()
+        terms = _loss_terms(sched, weights)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        stashed = [p.grad for p in params]  # restored if the step fails: the call loses nothing
+        for p in params:
+            p.grad = None
+        try:
+            total, term_log, calls, peak = self._walk(sched, terms, forest, weights, field_names, per_token)
+            loss_value = float(total)  # the step's one device sync
+            if not np.isfinite(loss_value) or not all(bool(torch.isfinite(t).all()) for _, t in term_log):
+                self._raise_non_finite(forest, terms, term_log)
+        except BaseException:
+            for p, old in zip(params, stashed):
+                p.grad = old
+            raise
+        for p, old in zip(params, stashed):
+            if old is not None:
+                p.grad = old if p.grad is None else old.add_(p.grad)
+        return StepOutput(
+            loss=loss_value,
+            num_sequences=forest.num_sequences,
+            num_unique_tokens=forest.num_unique_tokens,
+            num_linearized_tokens=forest.num_linearized_tokens,
+            num_loss_terms=len(terms.loss_lin),
+            num_model_calls=calls,
+            stack_tokens=sched.stack_tokens,
+            peak_graph_tokens=peak,
+            seconds=time.perf_counter() - t0,
+        )
+
+    @staticmethod
+    def _raise_non_finite(forest: Forest, terms: _Terms, term_log: list) -> None:
+        """Name the first (sequence, position) whose loss term is not finite."""
+        bad = []
+        for e0, t in term_log:
+            local = torch.nonzero(~torch.isfinite(t)).flatten().cpu().numpy()
+            bad += [(int(terms.loss_lin[e0 + i]), float(t[i])) for i in local]
+        lin, value = min(bad) if bad else (None, float("nan"))
+        where = "at sequence {}, position {}".format(*forest.locate(lin)) if lin is not None else "in the sum"
+        raise ValueError(f"loss is not finite ({value}) {where}; param.grad was left as it was before this call")
+
+    def _walk(self, sched, terms, forest, weights, field_names, per_token):
+        stack = self._get_stack(sched.stack_tokens, with_grad=True)
+        dev = self._to_device(forest, sched, terms, weights, field_names)
+        has_children = np.zeros(sched.num_groups, dtype=bool)
+        for plan in sched.groups:
+            if plan.parent >= 0:
+                has_children[plan.parent] = True
+        live: dict[int, _GroupState] = {}
+        term_log: list[torch.Tensor] = []
+        total = torch.zeros((), dtype=self._compute_dtype(), device=self.device)
+        calls = live_tokens = peak = 0
+        for kind, g in sched.events:
+            plan = sched.groups[g]
+            lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
+            if kind == FORWARD:
+                stack.zero_grad(lo, hi)
+                calls += 1
+                if self.mode == "retain":
+                    with torch.enable_grad():
+                        live[g] = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=True)
+                    live_tokens += plan.num_tokens
+                    peak = max(peak, live_tokens)
+                else:
+                    with torch.no_grad():
+                        self._hidden(sched, g, stack, dev, push=True, record=False)
+                continue
+            if self.mode == "retain":
+                state = live.pop(g)
+                live_tokens -= plan.num_tokens
+            else:
+                calls += 1
+                with torch.enable_grad():
+                    # K/V are on the stack already; pushing again would only rewrite them
+                    state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=False)
+                peak = max(peak, plan.num_tokens)
+            if state.loss is not None:
+                total = total + state.loss.detach()
+            self._backward_group(state, stack, lo, hi, seed_kv=bool(has_children[g]))
+            del state
+        return total, term_log, calls, peak

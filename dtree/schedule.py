@@ -1,0 +1,261 @@
+"""Execution plan for one forest: chunks, model calls, DFS order, stack slots.
+
+Terms:
+
+* **segment**: a run of at most ``chunk_size`` tokens of one trie node. A long node
+  becomes a chain of segments, so one huge node never sets the memory peak.
+  Segments form a tree like the trie's nodes.
+* **group**: the segments that go through the model in one call (packed varlen).
+  A group's segments have their parents in the parent group (or are roots), so a
+  group can run as soon as its parent group has pushed its K/V. With
+  ``group_tokens=0`` every group holds one segment: plain node-by-node DFS.
+  Otherwise the children of a group's segments (its *frontier*) are packed greedily
+  into child groups of at most ``group_tokens`` tokens: siblings that share a
+  prefix, and nodes of different trees, run in one call.
+* **events**: the depth-first walk over the group tree: ``forward(g)``, then all
+  child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
+  Python's recursion limit.
+* **stack slots**: a group's K/V lives in the KV stack at
+  ``[stack_start, stack_start + num_tokens)``, right above its parent group. The
+  high-water mark over all groups is the stack capacity the plan needs.
+
+All metadata is host-side numpy, computed once per step. Per-group arrays are
+concatenated over groups (``*_offsets`` give each group's slice) so the runtime moves
+them to the device in a few copies.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .tree import Forest
+
+__all__ = ["Schedule", "GroupPlan", "build_schedule", "FORWARD", "BACKWARD"]
+
+FORWARD, BACKWARD = 0, 1
+
+
+@dataclass
+class GroupPlan:
+    """One model call.
+
+    Attributes:
+        parent: parent group id, -1 for a top-level group.
+        stack_start: first stack slot of this group's K/V.
+        num_tokens: rows in the call (``T``).
+        seg_q_offsets: [S_g+1] row offsets of the group's segments (packed varlen).
+        seg_prefix_ranges: per segment, the stack slot ranges ``[(lo, hi), ...]`` of all
+            its ancestors, root first, adjacent ranges merged. The segment's own K/V is
+            at ``stack_start + seg_q_offsets[i]`` onward and is read causally.
+    """
+
+    parent: int
+    stack_start: int
+    num_tokens: int
+    segments: list[int]
+    seg_q_offsets: np.ndarray
+    seg_prefix_ranges: list[tuple[tuple[int, int], ...]]
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    def prefix_length(self, i: int) -> int:
+        return sum(hi - lo for lo, hi in self.seg_prefix_ranges[i])
+
+
+@dataclass
+class Schedule:
+    """The plan for one forest (see module docstring).
+
+    Concatenated per-group arrays (``G`` groups):
+        row_unique:  [U] unique-token index of every row, group after group
+        row_offsets: [G+1]
+        pred_row:    [P] row (local to its group) whose logits predict ``pred_unique``
+        pred_unique: [P] unique token predicted (its id is the label)
+        pred_offsets:[G+1]
+        loss_lin:    [L] linearized token index of each loss term
+        loss_pred:   [L] index (local to its group's predictions) of its log-prob
+        loss_offsets:[G+1]
+    """
+
+    groups: list[GroupPlan]
+    events: list[tuple[int, int]]
+    stack_tokens: int
+    chunk_size: int
+    group_tokens: int
+    row_unique: np.ndarray
+    row_offsets: np.ndarray
+    pred_row: np.ndarray
+    pred_unique: np.ndarray
+    pred_offsets: np.ndarray
+    loss_lin: np.ndarray
+    loss_pred: np.ndarray
+    loss_offsets: np.ndarray
+    num_segments: int
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def group_children(self) -> list[list[int]]:
+        kids: list[list[int]] = [[] for _ in self.groups]
+        for g, plan in enumerate(self.groups):
+            if plan.parent >= 0:
+                kids[plan.parent].append(g)
+        return kids
+
+
+def _segments(forest: Forest, chunk_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
+    """Split nodes into chunks. Returns (start, length, parent, children) per segment,
+    segment ids in node preorder with a node's chunks consecutive."""
+    n_chunks = np.maximum(1, -(-forest.node_length // chunk_size))
+    first_seg = np.zeros(forest.num_nodes + 1, dtype=np.int64)
+    np.cumsum(n_chunks, out=first_seg[1:])
+    total = int(first_seg[-1])
+    node_of = np.repeat(np.arange(forest.num_nodes), n_chunks)
+    chunk_idx = np.arange(total) - first_seg[node_of]
+    start = forest.node_start[node_of] + chunk_idx * chunk_size
+    length = np.minimum(chunk_size, forest.node_start[node_of] + forest.node_length[node_of] - start)
+    parent = np.where(chunk_idx > 0, np.arange(total) - 1, -1)
+    last_seg = first_seg[1:] - 1
+    np_parent = forest.node_parent[node_of]
+    heads = chunk_idx == 0
+    parent[heads & (np_parent >= 0)] = last_seg[np_parent[heads & (np_parent >= 0)]]
+    children: list[list[int]] = [[] for _ in range(total)]
+    for s in range(total):
+        if chunk_idx[s] + 1 < n_chunks[node_of[s]]:
+            children[s].append(s + 1)
+        else:
+            n = node_of[s]
+            children[s].extend(int(first_seg[c]) for c in forest.child_index[forest.child_offsets[n] : forest.child_offsets[n + 1]])
+    return start, length, parent, children
+
+
+def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0) -> Schedule:
+    """Plan the DFS over ``forest``.
+
+    Args:
+        chunk_size: longest segment; longer nodes are split into chains.
+        group_tokens: token budget of one model call; 0 runs one segment per call.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if group_tokens < 0:
+        raise ValueError(f"group_tokens must be >= 0, got {group_tokens}")
+    seg_start, seg_len, seg_parent, seg_children = _segments(forest, chunk_size)
+    num_segs = len(seg_start)
+
+    # --- groups, as a tree, and the DFS event list over it (explicit stack)
+    groups: list[GroupPlan] = []
+    seg_group = np.full(num_segs, -1, dtype=np.int64)
+    seg_row = np.zeros(num_segs, dtype=np.int64)  # first row of the segment within its group
+
+    def pack(segs: list[int], parent: int, stack_start: int) -> list[int]:
+        """Greedy packing of ``segs`` (in order) into groups of <= group_tokens tokens."""
+        bins: list[list[int]] = []
+        size = 0
+        for s in segs:
+            n = int(seg_len[s])
+            if not bins or group_tokens == 0 or size + n > group_tokens:
+                bins.append([])
+                size = 0
+            bins[-1].append(s)
+            size += n
+        ids = []
+        for b in bins:
+            gid = len(groups)
+            offs = np.zeros(len(b) + 1, dtype=np.int64)
+            np.cumsum(seg_len[b], out=offs[1:])
+            groups.append(GroupPlan(parent, stack_start, int(offs[-1]), b, offs, []))
+            seg_group[b] = gid
+            seg_row[b] = offs[:-1]
+            ids.append(gid)
+        return ids
+
+    roots = [s for s in range(num_segs) if seg_parent[s] < 0]
+    events: list[tuple[int, int]] = []
+    high_water = 0
+    todo: list[tuple[int, bool]] = [(g, True) for g in reversed(pack(roots, -1, 0))]
+    while todo:
+        gid, entering = todo.pop()
+        if not entering:
+            events.append((BACKWARD, gid))
+            continue
+        plan = groups[gid]
+        events.append((FORWARD, gid))
+        top = plan.stack_start + plan.num_tokens
+        high_water = max(high_water, top)
+        frontier = [c for s in plan.segments for c in seg_children[s]]
+        todo.append((gid, False))
+        todo.extend((g, True) for g in reversed(pack(frontier, gid, top)))
+
+    # --- stack slots and ancestor ranges (parents precede children in segment order)
+    seg_slot = np.array([groups[seg_group[s]].stack_start for s in range(num_segs)], dtype=np.int64) + seg_row
+    seg_ranges: list[tuple[tuple[int, int], ...]] = [()] * num_segs
+    for s in range(num_segs):
+        p = seg_parent[s]
+        if p < 0:
+            continue
+        lo, hi = int(seg_slot[p]), int(seg_slot[p] + seg_len[p])
+        ranges = seg_ranges[p]
+        if ranges and ranges[-1][1] == lo:
+            seg_ranges[s] = ranges[:-1] + ((ranges[-1][0], hi),)
+        else:
+            seg_ranges[s] = ranges + ((lo, hi),)
+    for plan in groups:
+        plan.seg_prefix_ranges = [seg_ranges[s] for s in plan.segments]
+
+    # --- rows: unique tokens of each group in pack order
+    row_offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum([p.num_tokens for p in groups], out=row_offsets[1:])
+    row_unique = np.concatenate(
+        [np.concatenate([np.arange(seg_start[s], seg_start[s] + seg_len[s]) for s in p.segments]) for p in groups]
+    )
+    row_group = np.repeat(np.arange(len(groups)), [p.num_tokens for p in groups])
+    unique_group = np.empty(forest.num_unique_tokens, dtype=np.int64)
+    unique_local = np.empty(forest.num_unique_tokens, dtype=np.int64)
+    unique_group[row_unique] = row_group
+    unique_local[row_unique] = np.arange(len(row_unique)) - row_offsets[row_group]
+
+    # --- predictions: each non-root unique token is predicted by its predecessor's row
+    predicted = np.flatnonzero(forest.pred_row >= 0)
+    p_group = unique_group[forest.pred_row[predicted]]
+    order = np.argsort(p_group, kind="stable")
+    pred_unique = predicted[order]
+    pred_group = p_group[order]
+    pred_row = unique_local[forest.pred_row[pred_unique]]
+    pred_offsets = np.searchsorted(pred_group, np.arange(len(groups) + 1))
+    pred_index = np.empty(forest.num_unique_tokens, dtype=np.int64)
+    pred_index[pred_unique] = np.arange(len(pred_unique)) - pred_offsets[pred_group]
+    unique_pred_group = np.full(forest.num_unique_tokens, -1, dtype=np.int64)
+    unique_pred_group[pred_unique] = pred_group
+
+    # --- loss terms: every linearized token after its sequence's first
+    lin = np.ones(forest.num_linearized_tokens, dtype=bool)
+    lin[forest.seq_offsets[:-1]] = False
+    lin_idx = np.flatnonzero(lin)
+    l_group = unique_pred_group[forest.lin_unique[lin_idx]]
+    order = np.argsort(l_group, kind="stable")
+    loss_lin = lin_idx[order]
+    loss_pred = pred_index[forest.lin_unique[loss_lin]]
+    loss_offsets = np.searchsorted(l_group[order], np.arange(len(groups) + 1))
+
+    return Schedule(
+        groups=groups,
+        events=events,
+        stack_tokens=high_water,
+        chunk_size=chunk_size,
+        group_tokens=group_tokens,
+        row_unique=row_unique,
+        row_offsets=row_offsets,
+        pred_row=pred_row,
+        pred_unique=pred_unique,
+        pred_offsets=pred_offsets,
+        loss_lin=loss_lin,
+        loss_pred=loss_pred,
+        loss_offsets=loss_offsets,
+        num_segments=num_segs,
+    )

@@ -1,0 +1,31 @@
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (hf_models, reference, ...)
+
+warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+
+# CI runs a seeded, bounded subset; `-m slow` with DTREE_HYPOTHESIS=sweep explores more.
+settings.register_profile(
+    "ci", max_examples=20, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True
+)
+settings.register_profile(
+    "sweep", max_examples=300, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True
+)
+settings.load_profile(os.environ.get("DTREE_HYPOTHESIS", "ci"))
+
+torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -1,0 +1,114 @@
+"""Bad input gets a clear ValueError naming the sequence and position, before any
+kernel runs, and loses nothing: param.grad is exactly as before the call."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dtree
+from dtree.losses import TokenLoss
+from hf_models import VOCAB, make_model
+
+
+@pytest.fixture
+def model():
+    return make_model("llama", max_positions=64)
+
+
+def grads_of(model):
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_equal(model, before):
+    for n, p in model.named_parameters():
+        if before[n] is None:
+            assert p.grad is None, n
+        else:
+            assert torch.equal(p.grad, before[n]), n
+
+
+def test_token_outside_vocabulary(model):
+    forest = dtree.Forest.from_sequences([[1, 2, 3], [1, 2, VOCAB + 5, 4]])
+    with pytest.raises(ValueError, match=rf"token id {VOCAB + 5} at sequence 1, position 2 is outside the vocabulary"):
+        dtree.TreeRuntime(model).forward_backward(forest, dtree.losses.nll())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_path_longer_than_max_positions(model):
+    forest = dtree.Forest.from_sequences([[1, 2], list(range(1, 66))])
+    with pytest.raises(ValueError, match="sequence 1 has 65 tokens, longer than the model's 64 positions"):
+        dtree.TreeRuntime(model).logprobs(forest)
+
+
+def test_tree_larger_than_stack_capacity(model):
+    forest = dtree.Forest.from_sequences([list(range(1, 40)), list(range(1, 30)) + [50]])
+    with pytest.raises(ValueError, match=r"longest path \(sequence 0, 39 tokens\) alone exceeds it"):
+        dtree.TreeRuntime(model, stack_capacity=32).forward_backward(forest, dtree.losses.nll())
+    # the path fits, but packing siblings into one call would not: say what to change
+    forest = dtree.Forest.from_sequences([list(range(1, 20)) + [60 + i] * 10 for i in range(4)])
+    with pytest.raises(ValueError, match="lower group_tokens or raise stack_capacity"):
+        dtree.TreeRuntime(model, stack_capacity=32, group_tokens=64).forward_backward(forest, dtree.losses.nll())
+    out = dtree.TreeRuntime(model, stack_capacity=32, group_tokens=0).forward_backward(forest, dtree.losses.nll())
+    assert out.stack_tokens <= 32
+
+
+def test_missing_loss_fields(model):
+    forest = dtree.Forest.from_sequences([[1, 2, 3]], advantages=[[0, 1, 1]])
+    with pytest.raises(ValueError, match=r"needs per-token fields \['old_logprobs'\]"):
+        dtree.TreeRuntime(model).forward_backward(forest, dtree.losses.ppo_clip())
+
+
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+def test_non_finite_loss_restores_grads(model, mode):
+    seqs = [[1, 2, 3, 4], [1, 2, 5, 6, 7], [9, 8]]
+    flag = [[0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0]]  # sequence 1, position 3 goes bad
+
+    def per_token(logp, f):
+        return torch.where(f["flag"] > 0, torch.log(-logp.abs() - 1), -logp)
+
+    loss = TokenLoss(per_token, reduction="sum", required_fields=("flag",), name="explodes")
+    rt = dtree.TreeRuntime(model, mode=mode)
+    rt.forward_backward(dtree.Forest.from_sequences(seqs[:1]), dtree.losses.nll())  # existing grads to keep
+    before = grads_of(model)
+    with pytest.raises(ValueError, match=r"loss is not finite \(nan\) at sequence 1, position 3"):
+        rt.forward_backward(dtree.Forest.from_sequences(seqs, flag=flag), loss)
+    assert_grads_equal(model, before)
+
+
+def test_non_finite_two_pass_loss(model):
+    forest = dtree.Forest.from_sequences([[1, 2, 3]])
+    with pytest.raises(ValueError, match="the loss function returned -?inf"):
+        dtree.TreeRuntime(model).forward_backward(forest, lambda lps, f: lps[0].sum() * float("inf"))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_two_pass_gradient_shape(model):
+    forest = dtree.Forest.from_sequences([[1, 2, 3], [1, 4]])
+    rt = dtree.TreeRuntime(model)
+    with pytest.raises(ValueError, match=r"gradient for sequence 1 has 3 values, expected 1"):
+        rt.backward_from_logprob_grads(forest, [torch.ones(2), torch.ones(3)])
+    with pytest.raises(ValueError, match=r"loss gradient is nan at sequence 0, position 2"):
+        rt.backward_from_logprob_grads(forest, [torch.tensor([1.0, float("nan")]), None])
+
+
+def test_bad_options(model):
+    with pytest.raises(ValueError, match="mode must be one of"):
+        dtree.TreeRuntime(model, mode="fast")
+    with pytest.raises(ValueError, match="attention must be 'auto' or one of"):
+        dtree.TreeRuntime(model, attention="flash9")
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        dtree.losses.nll(reduction="mean")
+    with pytest.raises(TypeError, match="neither a transformers causal LM nor"):
+        dtree.TreeRuntime(torch.nn.Linear(3, 3))
+
+
+def test_sliding_window_rejected_when_it_matters():
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    cfg = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+    rt = dtree.TreeRuntime(AutoModelForCausalLM.from_config(cfg))
+    rt.logprobs(dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6, 7, 8]]))  # fits in the window: fine
+    with pytest.raises(ValueError, match="longer than the model's sliding window"):
+        rt.logprobs(dtree.Forest.from_sequences([list(range(1, 10))]))

@@ -1,0 +1,176 @@
+"""dtree's gradients, losses and log-probs equal linearized HF training on every path.
+
+The reference (tests/reference.py) runs the same transformers model on each sequence
+on its own; every parameter's gradient is compared (relative L2 error)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+import dtree
+from hf_models import ARCHS, make_model
+from nanogpt import NanoGPT
+from reference import grad_errors, linearized_step, path_logprobs
+from strategies import batches_with_fields
+
+FP32_TOL = 1e-5
+
+
+def run_both(model, seqs, fields=None, kind="nll", reduction="token_mean", rt_kw=None, loss_kw=None):
+    """(dtree output, reference loss, per-param errors, dtree model, reference model)."""
+    loss_kw = loss_kw or {}
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    forest = dtree.Forest.from_sequences(seqs, **(fields or {}))
+    loss = dtree.losses.nll(reduction=reduction) if kind == "nll" else dtree.losses.ppo_clip(reduction=reduction, **loss_kw)
+    out = dtree.TreeRuntime(tree_model, **(rt_kw or {})).forward_backward(forest, loss)
+    ref_loss, _ = linearized_step(ref_model, seqs, fields, kind, reduction, **loss_kw)
+    return out, ref_loss, grad_errors(tree_model, ref_model)
+
+
+def assert_exact(out, ref_loss, errs, tol=FP32_TOL):
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < tol, f"gradient of {worst} off by {errs[worst]:.2e} (all: {errs})"
+    assert abs(out.loss - ref_loss) <= tol * max(1.0, abs(ref_loss)), (out.loss, ref_loss)
+
+
+# --- DESIGN.md section 1 edge cases, each on its own and all together
+EDGE_CASES = {
+    "duplicates": [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]],
+    "prefix_of_another": [[5, 6, 7], [5, 6, 7, 8, 9, 10], [5, 6]],
+    "branch_point_many_children": [[1, 2, 3, 10], [1, 2, 3, 11, 4], [1, 2, 3, 12], [1, 2, 3, 13, 4, 4]],
+    "single_token_nodes": [[1, 2], [1, 3], [1, 2, 4], [1, 2, 5], [1, 3, 6, 7]],
+    "one_sequence": [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]],
+    "one_token_sequences": [[7], [7, 8, 9], [11]],
+    "several_trees": [[1, 2, 3], [4, 5], [1, 2, 6], [4, 7, 8], [9]],
+    "same_token_siblings_at_depth": [[1, 2, 2, 2], [1, 2, 3, 2, 2], [1, 3, 2, 2, 2]],
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("tied", [False, True])
+def test_edge_cases_all_archs(arch, tied):
+    model = make_model(arch, tied)
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    out, ref, errs = run_both(model, seqs, rt_kw=dict(group_tokens=0))
+    assert_exact(out, ref, errs)
+
+
+@pytest.mark.parametrize("case", sorted(EDGE_CASES))
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+@pytest.mark.parametrize("attention", ["reference", "sdpa"])
+def test_edge_cases(case, mode, attention):
+    out, ref, errs = run_both(make_model("llama"), EDGE_CASES[case], rt_kw=dict(mode=mode, attention=attention, chunk_size=2))
+    assert_exact(out, ref, errs)
+
+
+def test_per_path_attributes_on_shared_tokens():
+    """Sequences share tokens but keep their own advantages and masks (PPO)."""
+    seqs = [[1, 2, 3, 4, 5], [1, 2, 3, 4, 6], [1, 2, 3, 4, 5]]
+    fields = {
+        "advantages": [[0, 1.0, -0.5, 2.0, 1.0], [0, -1.0, 0.7, -2.0, 0.5], [0, 0.3, 0.3, 0.3, -3.0]],
+        "old_logprobs": [[0, -4.5, -4.6, -4.4, -4.5], [0, -4.7, -4.5, -4.6, -4.4], [0, -4.1, -4.9, -4.5, -4.6]],
+        "ref_logprobs": [[0, -4.6, -4.6, -4.5, -4.5], [0, -4.5, -4.5, -4.5, -4.4], [0, -4.2, -4.8, -4.5, -4.6]],
+        "loss_mask": [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 1, 1, 0, 1]],
+    }
+    for reduction in dtree.losses.REDUCTIONS:
+        out, ref, errs = run_both(
+            make_model("qwen2", tied=True), seqs, fields, "ppo", reduction, loss_kw=dict(clip_eps=0.1, kl_coef=0.05)
+        )
+        assert_exact(out, ref, errs)
+
+
+@given(batch=batches_with_fields(max_sequences=6, max_len=12, alphabet=5), data=st.data())
+def test_random_forests(batch, data):
+    seqs, fields = batch
+    arch = data.draw(st.sampled_from(ARCHS), label="arch")
+    kind = data.draw(st.sampled_from(["nll", "ppo"]), label="loss")
+    reduction = data.draw(st.sampled_from(dtree.losses.REDUCTIONS), label="reduction")
+    rt_kw = dict(
+        mode=data.draw(st.sampled_from(["retain", "recompute"]), label="mode"),
+        chunk_size=data.draw(st.sampled_from([1, 3, 64]), label="chunk"),
+        group_tokens=data.draw(st.sampled_from([0, 5, 64]), label="group_tokens"),
+    )
+    loss_kw = dict(kl_coef=0.1) if kind == "ppo" else {}
+    out, ref, errs = run_both(make_model(arch, tied=arch in ("qwen2", "qwen3")), seqs, fields, kind, reduction, rt_kw, loss_kw)
+    assert_exact(out, ref, errs)
+
+
+def test_logprobs_match_reference():
+    model = make_model("qwen3")
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    got, ent = dtree.TreeRuntime(model, chunk_size=3, group_tokens=7).logprobs(dtree.Forest.from_sequences(seqs), with_entropy=True)
+    with torch.no_grad():
+        for s, lp, e in zip(seqs, got, ent):
+            want = path_logprobs(model, s)
+            assert lp.shape == want.shape and torch.allclose(lp, want, atol=1e-5, rtol=1e-5)
+            logits = model(input_ids=torch.tensor([s])).logits[0, :-1].float()
+            p = torch.log_softmax(logits, -1)
+            assert torch.allclose(e, -(p.exp() * p).sum(-1), atol=1e-5)
+
+
+def test_float64_model():
+    """HF's RMSNorm computes in float32 even in a float64 model, so ~1e-7 is the floor."""
+    model = make_model("llama", dtype=torch.float64)
+    out, ref, errs = run_both(model, EDGE_CASES["branch_point_many_children"] + EDGE_CASES["prefix_of_another"])
+    assert_exact(out, ref, errs, tol=1e-6)
+
+
+def test_long_chain_deeper_than_recursion_limit():
+    """A 2100-token path cut into 1-token chunks: a 2100-deep chain of model calls,
+    walked without recursion, plus a branch at the very end."""
+    torch.manual_seed(1)
+    base = torch.randint(0, 97, (2100,)).tolist()
+    seqs = [base, base[:-1] + [(base[-1] + 1) % 97]]
+    model = make_model("llama", max_positions=4096)
+    out, ref, errs = run_both(model, seqs, rt_kw=dict(chunk_size=1, group_tokens=0, mode="retain"))
+    assert out.num_model_calls == 2101
+    assert_exact(out, ref, errs, tol=5e-5)  # 2100 stacked sums in float32
+
+
+def test_gradients_accumulate_into_existing_grad():
+    model = make_model("llama")
+    forest = dtree.Forest.from_sequences(EDGE_CASES["prefix_of_another"])
+    rt = dtree.TreeRuntime(model)
+    rt.forward_backward(forest, dtree.losses.nll())
+    once = {n: p.grad.clone() for n, p in model.named_parameters()}
+    rt.forward_backward(forest, dtree.losses.nll())
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, 2 * once[n])
+
+
+def test_custom_module_protocol():
+    torch.manual_seed(0)
+    model = NanoGPT()
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [8, 9], [1, 2, 3, 4]]
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    out = dtree.TreeRuntime(tree_model, chunk_size=2).forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll("sum"))
+    total = 0.0
+    for s in seqs:
+        x = torch.tensor(s)
+        lp = torch.log_softmax(ref_model(x)[:-1], -1).gather(-1, x[1:, None]).squeeze(-1)
+        (-lp.sum()).backward()
+        total += -lp.sum().item()
+    errs = grad_errors(tree_model, ref_model)
+    assert max(errs.values()) < FP32_TOL, errs
+    assert abs(out.loss - total) < 1e-4
+
+
+def test_two_pass_non_separable_loss():
+    """A loss that is not a sum of per-token terms: squared mean log-prob per sequence."""
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]
+
+    def loss_fn(lps, forest):
+        return sum(lp.mean() ** 2 for lp in lps) / len(lps)
+
+    model = make_model("mistral")
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    out = dtree.TreeRuntime(tree_model).forward_backward(dtree.Forest.from_sequences(seqs), loss_fn)
+    ref = loss_fn([path_logprobs(ref_model, s) for s in seqs], None)
+    ref.backward()
+    errs = grad_errors(tree_model, ref_model)
+    assert max(errs.values()) < FP32_TOL, errs
+    assert abs(out.loss - ref.item()) < 1e-5

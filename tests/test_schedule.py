@@ -1,0 +1,76 @@
+"""Schedule invariants: chunks, packed groups, DFS events, stack slots, predictions."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, strategies as st
+
+from dtree import Forest
+from dtree.schedule import BACKWARD, FORWARD, build_schedule
+from strategies import sequence_batches
+
+
+@given(sequence_batches(max_sequences=8, max_len=16, alphabet=4), st.sampled_from([1, 2, 5, 100]), st.sampled_from([0, 3, 8, 1000]))
+def test_schedule_invariants(seqs, chunk, budget):
+    f = Forest.from_sequences(seqs)
+    s = build_schedule(f, chunk_size=chunk, group_tokens=budget)
+    # every unique token is one row of exactly one group
+    assert sorted(s.row_unique.tolist()) == list(range(f.num_unique_tokens))
+    # group sizes: within budget unless a single segment
+    for g in s.groups:
+        assert g.num_tokens == g.seg_q_offsets[-1]
+        assert budget == 0 and g.num_segments == 1 or g.num_tokens <= max(budget, chunk) or g.num_segments == 1
+        assert np.all(np.diff(g.seg_q_offsets) <= chunk)
+    # events: each group forwards once, backwards once, properly nested, parents first
+    open_groups, seen = [], set()
+    slot_of = np.full(f.num_unique_tokens, -1)
+    for kind, gid in s.events:
+        g = s.groups[gid]
+        if kind == FORWARD:
+            assert gid not in seen and (g.parent == -1 or g.parent in open_groups)
+            assert g.parent == -1 or open_groups[-1] == g.parent  # depth first
+            seen.add(gid)
+            open_groups.append(gid)
+            r0, r1 = s.row_offsets[gid], s.row_offsets[gid + 1]
+            slot_of[s.row_unique[r0:r1]] = g.stack_start + np.arange(r1 - r0)
+            parent_top = 0 if g.parent < 0 else s.groups[g.parent].stack_start + s.groups[g.parent].num_tokens
+            assert g.stack_start == parent_top
+            assert g.stack_start + g.num_tokens <= s.stack_tokens
+            # each segment's prefix ranges are exactly its ancestors' slots, root first
+            for i, seg_ranges in enumerate(g.seg_prefix_ranges):
+                first = s.row_unique[r0 + g.seg_q_offsets[i]]
+                anc = []
+                y = f.pred_row[first]
+                while y >= 0:
+                    anc.append(y)
+                    y = f.pred_row[y]
+                want = slot_of[np.array(anc[::-1], dtype=np.int64)].tolist()
+                got = [x for lo, hi in seg_ranges for x in range(lo, hi)]
+                assert got == want
+        else:
+            assert kind == BACKWARD and open_groups.pop() == gid
+    assert not open_groups and len(seen) == s.num_groups
+    # predictions: each predicted unique token once, from its predecessor's row
+    assert sorted(s.pred_unique.tolist()) == np.flatnonzero(f.pred_row >= 0).tolist()
+    for gid in range(s.num_groups):
+        p0, p1 = s.pred_offsets[gid], s.pred_offsets[gid + 1]
+        r0 = s.row_offsets[gid]
+        assert np.array_equal(s.row_unique[r0 + s.pred_row[p0:p1]], f.pred_row[s.pred_unique[p0:p1]])
+        e0, e1 = s.loss_offsets[gid], s.loss_offsets[gid + 1]
+        assert np.array_equal(s.pred_unique[p0 + s.loss_pred[e0:e1]], f.lin_unique[s.loss_lin[e0:e1]])
+    assert s.loss_offsets[-1] == f.num_linearized_tokens - f.num_sequences
+
+
+def test_dfs_stack_is_the_longest_path():
+    f = Forest.from_sequences([[1] * 10 + [2] * 5, [1] * 10 + [3] * 7, [4] * 3])
+    s = build_schedule(f, chunk_size=4, group_tokens=0)
+    assert s.stack_tokens == 17  # unbatched DFS: the stack never holds more than one path
+    assert s.num_groups == s.num_segments == 3 + 2 + 2 + 1
+
+
+def test_siblings_and_trees_share_calls():
+    grpo = [[1, 2, 3] + [10 + g] * 4 for g in range(8)] + [[5, 6] + [20 + g] * 3 for g in range(4)]
+    s = build_schedule(Forest.from_sequences(grpo), chunk_size=64, group_tokens=64)
+    # one call for both prompts, one for all 12 answers
+    assert s.num_groups == 2
+    assert [g.num_segments for g in s.groups] == [2, 12]
