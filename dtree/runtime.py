@@ -37,6 +37,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from .grad_guard import GradStash
 from .kv_stack import KVStack
 from .losses import Normalization, TokenLoss
 from .models import TreeModule, adapt
@@ -462,22 +463,11 @@ class TreeRuntime:
     ) -> StepOutput:
         t0 = time.perf_counter()
         terms = _loss_terms(sched, weights)
-        params = [p for p in self.module.parameters() if p.requires_grad]
-        stashed = [p.grad for p in params]  # restored if the step fails: the call loses nothing
-        for p in params:
-            p.grad = None
-        try:
+        with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
             total, term_log, calls, peak = self._walk(sched, terms, forest, weights, field_names, per_token)
             loss_value = float(total)  # the step's one device sync
-            if not np.isfinite(loss_value) or not all(bool(torch.isfinite(t).all()) for _, t in term_log):
+            if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
                 self._raise_non_finite(forest, terms, term_log)
-        except BaseException:
-            for p, old in zip(params, stashed):
-                p.grad = old
-            raise
-        for p, old in zip(params, stashed):
-            if old is not None:
-                p.grad = old if p.grad is None else old.add_(p.grad)
         return StepOutput(
             loss=loss_value,
             num_sequences=forest.num_sequences,
