@@ -151,6 +151,7 @@ class TreeRuntime:
             ``"triton"``, ``"sdpa"`` or ``"reference"``.
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)).
         stack_capacity: fixed KV-stack size in tokens; None sizes it to each step's plan.
+        progress: show a progress bar over the model calls of each step (for long steps).
     """
 
     def __init__(
@@ -163,6 +164,7 @@ class TreeRuntime:
         attention: str = "auto",
         logprob_chunk: int = 4096,
         stack_capacity: int | None = None,
+        progress: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -178,6 +180,7 @@ class TreeRuntime:
         self.group_tokens = group_tokens
         self.logprob_chunk = logprob_chunk
         self.stack_capacity = stack_capacity
+        self.progress = progress
         first = next(iter(model.parameters()))
         self.device, self.dtype = first.device, first.dtype
         self.attention = self._pick_backend(attention)
@@ -330,7 +333,7 @@ class TreeRuntime:
         )
         stack = self._get_stack(sched.stack_tokens, with_grad=False)
         dev = self._to_device(forest, sched, terms, None, ())
-        for kind, g in sched.events:
+        for kind, g in self._events(sched):
             if kind != FORWARD:
                 continue
             hidden = self._hidden(sched, g, stack, dev, push=True, record=False)
@@ -363,6 +366,13 @@ class TreeRuntime:
             raise ValueError(f"the loss function returned {loss_value}; param.grad was not touched")
         grads = torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
         return self.backward_from_logprob_grads(forest, list(grads), loss_value=loss_value)
+
+    def _events(self, sched: Schedule):
+        if not self.progress:
+            return sched.events
+        from tqdm import tqdm
+
+        return tqdm(sched.events, desc="dtree step", unit="event", leave=False)
 
     def _compute_dtype(self) -> torch.dtype:
         return torch.float64 if self.dtype == torch.float64 else torch.float32
@@ -502,7 +512,7 @@ class TreeRuntime:
         term_log: list[torch.Tensor] = []
         total = torch.zeros((), dtype=self._compute_dtype(), device=self.device)
         calls = live_tokens = peak = 0
-        for kind, g in sched.events:
+        for kind, g in self._events(sched):
             plan = sched.groups[g]
             lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
             if kind == FORWARD:
