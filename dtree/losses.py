@@ -36,9 +36,10 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from .ops.logprobs import token_logprobs
 from .tree import Forest
 
-__all__ = ["TokenLoss", "Normalization", "nll", "ppo_clip", "REDUCTIONS"]
+__all__ = ["TokenLoss", "Normalization", "nll", "ppo_clip", "weighted_terms", "REDUCTIONS"]
 
 REDUCTIONS = ("sum", "token_mean", "sequence_mean")
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -63,8 +64,9 @@ def prediction_mask(forest: Forest, use_loss_mask: bool = True) -> np.ndarray:
     return mask
 
 
-def local_normalization(forest: Forest) -> Normalization:
-    mask = prediction_mask(forest)
+def local_normalization(forest: Forest, use_loss_mask: bool = True) -> Normalization:
+    """This forest's counts (what a single-process step divides by)."""
+    mask = prediction_mask(forest, use_loss_mask)
     per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
     return Normalization(loss_tokens=float(mask.sum()), loss_sequences=float(np.count_nonzero(per_seq)))
 
@@ -109,7 +111,7 @@ class TokenLoss:
         ``loss = sum_k weights[k] * per_token(...)[k]`` over linearized tokens ``k``.
         """
         mask = prediction_mask(forest, self.use_loss_mask)
-        norm = norm or local_normalization(forest)
+        norm = norm or local_normalization(forest, self.use_loss_mask)
         if self.reduction == "sum":
             w = mask
         elif self.reduction == "token_mean":
@@ -188,3 +190,35 @@ def logprob_grad_surrogate() -> TokenLoss:
     return TokenLoss(
         per_token, reduction="sum", required_fields=("_logprob_grad",), name="logprob_grad", use_loss_mask=False
     )
+
+
+def weighted_terms(
+    per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
+    hidden: torch.Tensor,
+    pred_rows: torch.Tensor,
+    labels: torch.Tensor,
+    term_pred: torch.Tensor,
+    weights: torch.Tensor,
+    fields: Mapping[str, torch.Tensor],
+    output_layer: tuple[torch.Tensor, torch.Tensor | None],
+    logprob_chunk: int,
+) -> torch.Tensor:
+    """Weighted loss terms of one model call, the same in dtree and its baselines.
+
+    Args:
+        hidden: [T, H] final hidden states of the call.
+        pred_rows, labels: [P] rows that go through the LM head and the token each predicts.
+        term_pred: [E] which prediction each loss term reads (terms that share a unique
+            token share its prediction).
+        weights, fields: [E] the terms' weights (reduction and mask folded in) and fields.
+        output_layer: (weight [V, H], bias [V] or None).
+
+    Returns:
+        [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
+    """
+    weight, bias = output_layer
+    logp = token_logprobs(hidden[pred_rows], weight, labels, bias, logprob_chunk)[term_pred]
+    per = per_token(logp, fields)
+    if per.shape != logp.shape:
+        raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")
+    return per * weights

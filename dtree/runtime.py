@@ -37,13 +37,15 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from .checks import raise_non_finite, validate_forest
 from .grad_guard import GradStash
 from .kv_stack import KVStack
-from .losses import Normalization, TokenLoss
+from .losses import Normalization, TokenLoss, weighted_terms
 from .models import TreeModule, adapt
-from .ops.logprobs import token_entropy, token_logprobs
+from .ops.logprobs import compute_dtype, token_entropy, token_logprobs
 from .ops.stack_attention import BACKENDS, SegmentLayout, stack_attention
 from .schedule import FORWARD, Schedule, build_schedule
+from .transfer import upload
 from .tree import Forest
 
 __all__ = ["TreeRuntime", "StepOutput"]
@@ -188,25 +190,27 @@ class TreeRuntime:
 
     # ------------------------------------------------------------------ setup
     def _pick_backend(self, attention: str) -> str:
-        if attention != "auto":
-            if attention == "triton":
-                from .ops.stack_attention_triton import require_triton
-
-                require_triton(self.device)
-            return attention
-        if self.device.type == "cuda":
+        """``auto``: the fused Triton kernel where it runs (CUDA, Triton installed, 16-bit
+        or float32 weights, head_dim <= 256), else SDPA."""
+        if attention == "triton" or (
+            attention == "auto"
+            and self.device.type == "cuda"
+            and self.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and self.spec.head_dim <= 256
+        ):
             try:
                 from .ops.stack_attention_triton import require_triton
 
                 require_triton(self.device)
                 return "triton"
             except (ImportError, RuntimeError):
-                return "sdpa"
-        return "sdpa"
+                if attention == "triton":
+                    raise
+        return "sdpa" if attention == "auto" else attention
 
     def plan(self, forest: Forest) -> Schedule:
         """Validate ``forest`` against the model and build its schedule."""
-        self._validate_tokens(forest)
+        validate_forest(forest, self.spec)
         sched = build_schedule(forest, self.chunk_size, self.group_tokens)
         if self.stack_capacity is not None and sched.stack_tokens > self.stack_capacity:
             lengths = forest.sequence_lengths()
@@ -221,27 +225,6 @@ class TreeRuntime:
                 f"{self.stack_capacity}: {hint}"
             )
         return sched
-
-    def _validate_tokens(self, forest: Forest) -> None:
-        spec = self.spec
-        bad = np.flatnonzero(forest.lin_tokens >= spec.vocab_size)
-        if bad.size:
-            s, t = forest.locate(int(bad[0]))
-            raise ValueError(
-                f"token id {int(forest.lin_tokens[bad[0]])} at sequence {s}, position {t} is outside the "
-                f"vocabulary (size {spec.vocab_size})"
-            )
-        lengths = forest.sequence_lengths()
-        s = int(np.argmax(lengths))
-        if spec.max_positions is not None and lengths[s] > spec.max_positions:
-            raise ValueError(
-                f"sequence {s} has {int(lengths[s])} tokens, longer than the model's {spec.max_positions} positions"
-            )
-        if spec.sliding_window is not None and lengths[s] > spec.sliding_window:
-            raise ValueError(
-                f"sequence {s} has {int(lengths[s])} tokens, longer than the model's sliding window "
-                f"({spec.sliding_window}); dtree does not implement sliding-window attention yet"
-            )
 
     def _get_stack(self, capacity: int, with_grad: bool) -> KVStack:
         spec = self.spec
@@ -325,9 +308,9 @@ class TreeRuntime:
         """
         sched = self.plan(forest)
         terms = _all_predictions(sched)
-        lp_unique = torch.full((forest.num_unique_tokens,), float("nan"), dtype=self._compute_dtype(), device=self.device)
+        lp_unique = torch.full((forest.num_unique_tokens,), float("nan"), dtype=compute_dtype(self.dtype), device=self.device)
         ent_row = (
-            torch.full((forest.num_unique_tokens,), float("nan"), dtype=self._compute_dtype(), device=self.device)
+            torch.full((forest.num_unique_tokens,), float("nan"), dtype=compute_dtype(self.dtype), device=self.device)
             if with_entropy
             else None
         )
@@ -346,12 +329,12 @@ class TreeRuntime:
                 r0, r1 = int(sched.row_offsets[g]), int(sched.row_offsets[g + 1])
                 weight, bias = self.model.dtree_output_layer()
                 ent_row[dev["row_unique"][r0:r1]] = token_entropy(hidden, weight, bias, self.logprob_chunk)
-        targets = torch.from_numpy(self._prediction_lin(forest)).to(self.device)
+        targets = upload(self._prediction_lin(forest), self.device)
         sizes = (forest.sequence_lengths() - 1).tolist()
-        lps = list(torch.split(lp_unique[torch.from_numpy(forest.lin_unique).to(self.device)[targets]], sizes))
+        lps = list(torch.split(lp_unique[upload(forest.lin_unique, self.device)[targets]], sizes))
         if not with_entropy:
             return lps
-        before = torch.from_numpy(forest.lin_unique).to(self.device)[targets - 1]
+        before = upload(forest.lin_unique, self.device)[targets - 1]
         return lps, list(torch.split(ent_row[before], sizes))
 
     # ------------------------------------------------------------------ internals
@@ -374,9 +357,6 @@ class TreeRuntime:
 
         return tqdm(sched.events, desc="dtree step", unit="event", leave=False)
 
-    def _compute_dtype(self) -> torch.dtype:
-        return torch.float64 if self.dtype == torch.float64 else torch.float32
-
     @staticmethod
     def _prediction_lin(forest: Forest) -> np.ndarray:
         keep = np.ones(forest.num_linearized_tokens, dtype=bool)
@@ -396,12 +376,12 @@ class TreeRuntime:
             "labels": forest.tokens[terms.pred_unique],
             "loss_pred": terms.loss_pred,
         }
-        dev = {k: torch.from_numpy(np.ascontiguousarray(v, dtype=np.int64)).to(self.device) for k, v in ints.items()}
-        cdt = self._compute_dtype()
+        dev = {k: upload(v.astype(np.int64, copy=False), self.device) for k, v in ints.items()}
+        cdt = compute_dtype(self.dtype)
         if weights is not None:
-            dev["weights"] = torch.from_numpy(weights[terms.loss_lin]).to(self.device, cdt)
+            dev["weights"] = upload(weights[terms.loss_lin], self.device, cdt)
             dev["fields"] = {
-                n: torch.from_numpy(forest.fields[n][terms.loss_lin]).to(self.device, cdt) for n in field_names
+                n: upload(forest.fields[n][terms.loss_lin], self.device, cdt) for n in field_names
             }
         return dev
 
@@ -430,14 +410,17 @@ class TreeRuntime:
         if e1 == e0:
             return None
         p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
-        weight, bias = self.model.dtree_output_layer()
-        lp = token_logprobs(hidden[dev["pred_row"][p0:p1]], weight, dev["labels"][p0:p1], bias, self.logprob_chunk)
-        logp = lp[dev["loss_pred"][e0:e1]]
-        fields = {n: f[e0:e1] for n, f in dev["fields"].items()}
-        per = per_token(logp, fields)
-        if per.shape != logp.shape:
-            raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")
-        weighted = per * dev["weights"][e0:e1]
+        weighted = weighted_terms(
+            per_token,
+            hidden,
+            dev["pred_row"][p0:p1],
+            dev["labels"][p0:p1],
+            dev["loss_pred"][e0:e1],
+            dev["weights"][e0:e1],
+            {n: f[e0:e1] for n, f in dev["fields"].items()},
+            self.model.dtree_output_layer(),
+            self.logprob_chunk,
+        )
         term_log.append((e0, weighted.detach()))
         return weighted.sum()
 
@@ -477,7 +460,7 @@ class TreeRuntime:
             total, term_log, calls, peak = self._walk(sched, terms, forest, weights, field_names, per_token)
             loss_value = float(total)  # the step's one device sync
             if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
-                self._raise_non_finite(forest, terms, term_log)
+                raise_non_finite(forest, terms.loss_lin, term_log)
         return StepOutput(
             loss=loss_value,
             num_sequences=forest.num_sequences,
@@ -490,17 +473,6 @@ class TreeRuntime:
             seconds=time.perf_counter() - t0,
         )
 
-    @staticmethod
-    def _raise_non_finite(forest: Forest, terms: _Terms, term_log: list) -> None:
-        """Name the first (sequence, position) whose loss term is not finite."""
-        bad = []
-        for e0, t in term_log:
-            local = torch.nonzero(~torch.isfinite(t)).flatten().cpu().numpy()
-            bad += [(int(terms.loss_lin[e0 + i]), float(t[i])) for i in local]
-        lin, value = min(bad) if bad else (None, float("nan"))
-        where = "at sequence {}, position {}".format(*forest.locate(lin)) if lin is not None else "in the sum"
-        raise ValueError(f"loss is not finite ({value}) {where}; param.grad was left as it was before this call")
-
     def _walk(self, sched, terms, forest, weights, field_names, per_token):
         stack = self._get_stack(sched.stack_tokens, with_grad=True)
         dev = self._to_device(forest, sched, terms, weights, field_names)
@@ -510,7 +482,7 @@ class TreeRuntime:
                 has_children[plan.parent] = True
         live: dict[int, _GroupState] = {}
         term_log: list[torch.Tensor] = []
-        total = torch.zeros((), dtype=self._compute_dtype(), device=self.device)
+        total = torch.zeros((), dtype=compute_dtype(self.dtype), device=self.device)
         calls = live_tokens = peak = 0
         for kind, g in self._events(sched):
             plan = sched.groups[g]

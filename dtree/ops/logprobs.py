@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["token_logprobs", "token_logprobs_reference", "token_entropy"]
+__all__ = ["compute_dtype", "token_logprobs", "token_logprobs_reference", "token_entropy"]
 
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype log-probs and losses are computed in: float32, or float64 for float64 models."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -26,7 +27,7 @@ def token_logprobs_reference(
     hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Plain version: full logits. hidden [N, H], weight [V, H], labels [N] -> [N]."""
-    logits = F.linear(hidden, weight, bias).to(_compute_dtype(hidden.dtype))
+    logits = F.linear(hidden, weight, bias).to(compute_dtype(hidden.dtype))
     return torch.log_softmax(logits, dim=-1).gather(-1, labels[:, None]).squeeze(-1)
 
 
@@ -34,7 +35,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, chunk_size: int):
         n = hidden.shape[0]
-        cdt = _compute_dtype(hidden.dtype)
+        cdt = compute_dtype(hidden.dtype)
         out = torch.empty(n, dtype=cdt, device=hidden.device)
         lse = torch.empty(n, dtype=cdt, device=hidden.device)
         for a in range(0, n, chunk_size):
@@ -96,7 +97,7 @@ def token_logprobs(
         ``hidden``, ``weight`` and ``bias``.
     """
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=_compute_dtype(hidden.dtype))
+        return hidden.new_zeros(0, dtype=compute_dtype(hidden.dtype))
     return _ChunkedLogprobs.apply(hidden, weight, bias, labels, chunk_size)
 
 
@@ -105,7 +106,7 @@ def token_entropy(
     hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, chunk_size: int = 4096
 ) -> torch.Tensor:
     """Entropy of the next-token distribution of each row, in chunks: [N, H] -> [N]."""
-    cdt = _compute_dtype(hidden.dtype)
+    cdt = compute_dtype(hidden.dtype)
     out = torch.empty(hidden.shape[0], dtype=cdt, device=hidden.device)
     for a in range(0, hidden.shape[0], chunk_size):
         b = min(hidden.shape[0], a + chunk_size)

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kv_stack import KVStack
+from ..transfer import upload
 
 __all__ = [
     "SegmentLayout",
@@ -76,7 +77,7 @@ class SegmentLayout:
         key = (i, device)
         if key not in self._index_cache:
             idx = np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
-            self._index_cache[key] = torch.from_numpy(idx).to(device)
+            self._index_cache[key] = upload(idx, device)
         return self._index_cache[key]
 
     def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
@@ -91,7 +92,7 @@ class SegmentLayout:
             lo = np.array([p[0] for p in flat], dtype=np.int64)
             hi = np.array([p[1] for p in flat], dtype=np.int64)
             packed = np.concatenate([self.q_offsets, self.own_slot, offs, lo, hi]).astype(np.int32)
-            t = torch.from_numpy(packed).to(device, non_blocking=True)
+            t = upload(packed, device)
             s = self.num_segments
             r = len(lo)
             cuts = np.cumsum([s + 1, s, s + 1, r])

@@ -1,0 +1,35 @@
+"""The baselines dtree is measured against (DESIGN.md section 3), with dtree's interface.
+
+- ``linearized`` (:class:`LinearizedTrainer`): every sequence on its own, packed varlen,
+  as verl/OpenRLHF/TRL train today.
+- ``tree-mask`` (:class:`TreeMaskTrainer`): each tree packed into one row under a tree
+  attention mask (AReaL's "sparse" mode, Tree Training's Tree Packing).
+
+Both have ``forward_backward(forest, loss) -> StepOutput`` like :class:`dtree.TreeRuntime`
+and give the same loss and gradients; all three use the same chunked LM-head log-probs,
+so a benchmark measures the effect of the tree alone.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..runtime import TreeRuntime
+from .linearized import LinearizedTrainer
+from .tree_mask import TreeMaskTrainer
+
+__all__ = ["METHODS", "LinearizedTrainer", "TreeMaskTrainer", "make_method"]
+
+METHODS = ("dtree", "linearized", "tree-mask")
+
+
+def make_method(name: str, model: torch.nn.Module, **kw):
+    """The trainer a benchmark runs under ``name``: ``"dtree"`` (:class:`TreeRuntime`),
+    ``"linearized"`` or ``"tree-mask"``; ``kw`` goes to its constructor."""
+    if name == "dtree":
+        return TreeRuntime(model, **kw)
+    if name == "linearized":
+        return LinearizedTrainer(model, **kw)
+    if name == "tree-mask":
+        return TreeMaskTrainer(model, **kw)
+    raise ValueError(f"unknown method {name!r}; choose one of {METHODS}")

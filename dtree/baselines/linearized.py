@@ -1,0 +1,98 @@
+"""The linearized baseline: every sequence computed on its own, packed varlen.
+
+This is what verl, OpenRLHF and TRL do today ("remove padding" + flash-attn varlen):
+sequences are concatenated into one row with no padding, position ids restart at 0 for
+each sequence, and attention is causal within each sequence
+(:mod:`dtree.ops.varlen_attention`). Shared prefixes are recomputed in every sequence
+that contains them, in forward and backward.
+
+Micro-batches take whole sequences, in input order, while their total stays within
+``max_tokens_per_batch``; a sequence longer than the budget runs alone. Gradients
+accumulate over micro-batches (see :mod:`dtree.baselines.step`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..models import AttendFn
+from ..ops.varlen_attention import BACKENDS, VarlenLayout, flash_available, varlen_attention
+from ..tree import Forest
+from .step import MicroBatch, MicroBatchTrainer, pack_in_order
+
+__all__ = ["LinearizedTrainer"]
+
+
+class LinearizedTrainer(MicroBatchTrainer):
+    """Linearized training with packed varlen micro-batches.
+
+    Args:
+        model: a transformers causal LM or a :class:`dtree.models.TreeModule`.
+        max_tokens_per_batch: token budget of one micro-batch (one model call).
+        attention: ``"auto"`` (``flash`` on CUDA when it runs for this model's dtype and
+            head shapes, else ``sdpa``), ``"flash"``, ``"sdpa"`` or ``"reference"``
+            (see :mod:`dtree.ops.varlen_attention`).
+        logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); the same
+            chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
+            ``[tokens, vocab]`` logits.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        max_tokens_per_batch: int = 16384,
+        attention: str = "auto",
+        logprob_chunk: int = 4096,
+    ) -> None:
+        super().__init__(model, logprob_chunk)
+        if max_tokens_per_batch < 1:
+            raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
+        self.max_tokens_per_batch = max_tokens_per_batch
+        self.attention = self._pick_backend(attention)
+
+    def _pick_backend(self, attention: str) -> str:
+        spec = self.spec
+        shapes = (self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
+        if attention == "auto":
+            return "flash" if flash_available(*shapes) else "sdpa"
+        if attention not in BACKENDS:
+            raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
+        if attention == "flash" and not flash_available(*shapes):
+            raise ValueError(
+                f"attention='flash' needs torch.nn.attention.varlen.varlen_attn (torch >= 2.10) on a CUDA GPU it "
+                f"supports, with a float16/bfloat16 model; this one is {self.dtype} on {self.device} "
+                f"(torch {torch.__version__}). Use attention='sdpa'"
+            )
+        return attention
+
+    def plan(self, forest: Forest) -> list[MicroBatch]:
+        """One :class:`MicroBatch` per packed range of sequences."""
+        lengths = forest.sequence_lengths()
+        offsets = forest.seq_offsets
+        batches = []
+        for first, end in pack_in_order(lengths, self.max_tokens_per_batch):
+            lo, hi = int(offsets[first]), int(offsets[end])
+            cu = offsets[first : end + 1] - lo
+            positions = np.arange(hi - lo) - np.repeat(cu[:-1], lengths[first:end])
+            predicted = np.flatnonzero(positions > 0)  # rows after each sequence's first token
+            batches.append(
+                MicroBatch(
+                    row_unique=forest.lin_unique[lo:hi],
+                    position_ids=positions,
+                    term_lin=lo + predicted,
+                    term_row=predicted - 1,
+                    term_target=predicted,
+                    layout=VarlenLayout(cu),
+                )
+            )
+        return batches
+
+    def _attend(self, layout: VarlenLayout) -> AttendFn:
+        backend = self.attention
+
+        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+            return varlen_attention(q, k, v, layout, scale, backend)
+
+        return attend

@@ -1,0 +1,224 @@
+"""A training step as packed micro-batches: what both baselines share.
+
+A baseline plans a step as a list of :class:`MicroBatch` (one model call each: a packed
+row of tokens, its attention layout, and the loss terms it computes). The step is then
+the same for both::
+
+    loss.check_fields(forest); w = loss.weights(forest, normalization)
+    for each micro-batch:
+        hidden = model.dtree_hidden_states(ids, positions, attend)              [T, H]
+        logp   = token_logprobs(hidden[pred_rows], W, labels)                   [P]
+        (loss.per_token(logp[term_pred], fields) * w).sum().backward()
+    one device sync for the loss value; if it is not finite, param.grad is restored
+    and a ValueError names the first bad (sequence, position)
+
+Gradient accumulation over micro-batches is exact: the weights already hold the
+batch-wide normalization (token_mean / sequence_mean over the whole forest).
+
+The LM head goes through the same chunked :func:`dtree.ops.logprobs.token_logprobs` as
+:class:`dtree.TreeRuntime`, so no method ever materializes ``[tokens, vocab]`` logits
+and a benchmark measures the effect of the tree alone. Terms with weight 0 (masked
+prompt tokens) never reach the LM head, as in the runtime.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..checks import raise_non_finite, validate_forest
+from ..grad_guard import GradStash
+from ..losses import Normalization, TokenLoss, weighted_terms
+from ..models import AttendFn, TreeModule, adapt
+from ..ops.logprobs import compute_dtype
+from ..runtime import StepOutput
+from ..transfer import upload
+from ..tree import Forest
+
+__all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
+
+
+def pack_in_order(sizes: np.ndarray, budget: int | None) -> list[tuple[int, int]]:
+    """Greedy packing of consecutive items into ``[(first, last + 1), ...]`` ranges whose
+    sizes sum to at most ``budget``; an item larger than the budget gets a range of its
+    own, and ``budget=None`` puts everything in one range."""
+    ranges: list[tuple[int, int]] = []
+    start, total = 0, 0
+    for i, n in enumerate(np.asarray(sizes).tolist()):
+        if budget is not None and i > start and total + n > budget:
+            ranges.append((start, i))
+            start, total = i, 0
+        total += n
+    ranges.append((start, len(sizes)))
+    return ranges
+
+
+@dataclass
+class MicroBatch:
+    """Host-side plan of one model call.
+
+    Attributes:
+        row_unique: [T] int64 unique token of every row of the packed call (its input id
+            is ``forest.tokens[row_unique]``).
+        position_ids: [T] int64.
+        term_lin: [E] linearized index of every prediction ``s[t]`` (t >= 1) this call
+            computes the loss of.
+        term_row: [E] row whose hidden state predicts it (the row of ``s[t-1]``).
+        term_target: [E] row of the token it predicts (the row of ``s[t]``); terms with
+            the same target share one LM-head row (the same unique token in a tree).
+        layout: the attention layout of the row (op-specific).
+    """
+
+    row_unique: np.ndarray
+    position_ids: np.ndarray
+    term_lin: np.ndarray
+    term_row: np.ndarray
+    term_target: np.ndarray
+    layout: Any
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.row_unique)
+
+
+@dataclass
+class _Call:
+    """A micro-batch after dropping zero-weight terms and sharing predictions."""
+
+    batch: MicroBatch
+    pred_rows: np.ndarray  # [P] rows of the call that go through the LM head
+    labels: np.ndarray  # [P] token ids they predict
+    term_pred: np.ndarray  # [E'] prediction of each kept term
+    term_lin: np.ndarray  # [E'] linearized index of each kept term
+
+
+def _select_terms(batch: MicroBatch, weights: np.ndarray, forest: Forest) -> _Call:
+    keep = weights[batch.term_lin] != 0
+    lin, row, target = batch.term_lin[keep], batch.term_row[keep], batch.term_target[keep]
+    _, first, term_pred = np.unique(target, return_index=True, return_inverse=True)
+    return _Call(batch, row[first], forest.lin_tokens[lin[first]], term_pred.reshape(-1), lin)
+
+
+class MicroBatchTrainer:
+    """Base of the baselines: :meth:`forward_backward` over the micro-batches that
+    :meth:`plan` returns, each run with the attention :meth:`_attend` builds.
+
+    Subclasses set ``self.attention`` and implement ``plan`` and ``_attend``.
+    """
+
+    def __init__(self, model: torch.nn.Module, logprob_chunk: int) -> None:
+        if logprob_chunk < 1:
+            raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
+        self.module = model
+        self.model: TreeModule = adapt(model)
+        self.spec = self.model.dtree_spec()
+        self.logprob_chunk = logprob_chunk
+        first = next(iter(model.parameters()))
+        self.device, self.dtype = first.device, first.dtype
+
+    def plan(self, forest: Forest) -> list[MicroBatch]:
+        raise NotImplementedError
+
+    def _attend(self, layout: Any) -> AttendFn:
+        raise NotImplementedError
+
+    def _metrics(self, forest: Forest, batches: Sequence[MicroBatch]) -> dict:
+        """What ``StepOutput.metrics`` reports: the attention backend, the planned
+        micro-batches (one without loss terms is skipped, so ``num_model_calls`` can be
+        lower), the tokens they run and how many of those repeat a unique token."""
+        computed = int(sum(b.num_tokens for b in batches))
+        return {
+            "attention": self.attention,
+            "micro_batches": len(batches),
+            "computed_tokens": computed,
+            "tokens_recomputed": computed - forest.num_unique_tokens,
+        }
+
+    def _check_forest(self, forest: Forest) -> None:
+        """The runtime's checks, with its messages: token ids inside the vocabulary,
+        sequences within the model's positions and sliding window."""
+        validate_forest(forest, self.spec)
+
+    def forward_backward(
+        self, forest: Forest, loss: TokenLoss, *, normalization: Normalization | None = None
+    ) -> StepOutput:
+        """Accumulate into ``param.grad`` the gradient of ``loss`` over ``forest``.
+
+        Same contract as :meth:`dtree.TreeRuntime.forward_backward` for a
+        :class:`~dtree.losses.TokenLoss` (the runtime's two-pass path for other
+        callables has no baseline counterpart); ``normalization`` gives global counts
+        when the batch is split over ranks.
+        """
+        if not isinstance(loss, TokenLoss):
+            raise TypeError(f"the baselines take a dtree.losses.TokenLoss, got {type(loss).__name__}")
+        t0 = time.perf_counter()
+        self._check_forest(forest)
+        loss.check_fields(forest)
+        weights = loss.weights(forest, normalization)
+        batches = self.plan(forest)
+        calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
+        with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
+            total, term_log = self._run(calls, forest, weights, loss)
+            loss_value = float(total)  # the step's one device sync
+            if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
+                lin = np.concatenate([c.term_lin for c in calls])
+                raise_non_finite(forest, lin, term_log)
+        return StepOutput(
+            loss=loss_value,
+            num_sequences=forest.num_sequences,
+            num_unique_tokens=forest.num_unique_tokens,
+            num_linearized_tokens=forest.num_linearized_tokens,
+            num_loss_terms=sum(len(c.term_lin) for c in calls),
+            num_model_calls=len(calls),
+            stack_tokens=0,
+            peak_graph_tokens=max((c.batch.num_tokens for c in calls), default=0),
+            seconds=time.perf_counter() - t0,
+            metrics=self._metrics(forest, batches),
+        )
+
+    def _upload(
+        self, calls: list[_Call], forest: Forest, weights: np.ndarray, field_names: Sequence[str]
+    ) -> list[dict]:
+        """Every call's arrays in one host-to-device copy per dtype (as the runtime does);
+        returns per call a dict of device views."""
+        keys = ("input_ids", "position_ids", "pred_rows", "labels", "term_pred")
+        ints = [
+            (forest.tokens[c.batch.row_unique], c.batch.position_ids, c.pred_rows, c.labels, c.term_pred) for c in calls
+        ]
+        flat = np.concatenate([a for arrays in ints for a in arrays]).astype(np.int64)
+        views = iter(torch.split(upload(flat, self.device), [len(a) for arrays in ints for a in arrays]))
+        lin = np.concatenate([c.term_lin for c in calls])
+        floats = np.stack([weights[lin]] + [forest.fields[n][lin] for n in field_names])
+        floats = upload(floats, self.device, compute_dtype(self.dtype))
+        per_call = torch.split(floats, [len(c.term_lin) for c in calls], dim=1)
+        return [
+            {**{k: next(views) for k in keys}, "weights": f[0], "fields": dict(zip(field_names, f[1:]))}
+            for f in per_call
+        ]
+
+    def _run(self, calls: list[_Call], forest: Forest, weights: np.ndarray, loss: TokenLoss):
+        """Forward and backward of every call; (loss sum on the device, per-call terms)."""
+        total = torch.zeros((), dtype=compute_dtype(self.dtype), device=self.device)
+        term_log: list[tuple[int, torch.Tensor]] = []
+        if not calls:
+            return total, term_log
+        output_layer = self.model.dtree_output_layer()
+        e0 = 0
+        for call, dev in zip(calls, self._upload(calls, forest, weights, loss.required_fields)):
+            with torch.enable_grad():
+                attend = self._attend(call.batch.layout)
+                hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
+                terms = weighted_terms(
+                    loss.per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
+                    dev["fields"], output_layer, self.logprob_chunk,
+                )
+                call_loss = terms.sum()
+                call_loss.backward()
+            term_log.append((e0, terms.detach()))
+            e0 += len(call.term_lin)
+            total = total + call_loss.detach()
+        return total, term_log

@@ -1,0 +1,48 @@
+"""Input checks and error reports shared by the runtime and the baselines, so every
+method rejects the same inputs with the same messages."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .models import ModelSpec
+from .tree import Forest
+
+__all__ = ["validate_forest", "raise_non_finite"]
+
+
+def validate_forest(forest: Forest, spec: ModelSpec) -> None:
+    """Host-side checks before any kernel runs: token ids inside the vocabulary, paths
+    within the model's positions and sliding window. Errors name the sequence."""
+    bad = np.flatnonzero(forest.lin_tokens >= spec.vocab_size)
+    if bad.size:
+        s, t = forest.locate(int(bad[0]))
+        raise ValueError(
+            f"token id {int(forest.lin_tokens[bad[0]])} at sequence {s}, position {t} is outside the "
+            f"vocabulary (size {spec.vocab_size})"
+        )
+    lengths = forest.sequence_lengths()
+    s = int(np.argmax(lengths))
+    if spec.max_positions is not None and lengths[s] > spec.max_positions:
+        raise ValueError(
+            f"sequence {s} has {int(lengths[s])} tokens, longer than the model's {spec.max_positions} positions"
+        )
+    if spec.sliding_window is not None and lengths[s] > spec.sliding_window:
+        raise ValueError(
+            f"sequence {s} has {int(lengths[s])} tokens, longer than the model's sliding window "
+            f"({spec.sliding_window}); dtree does not implement sliding-window attention yet"
+        )
+
+
+def raise_non_finite(forest: Forest, loss_lin: np.ndarray, term_log: list[tuple[int, torch.Tensor]]) -> None:
+    """Raise a ValueError naming the first (sequence, position) whose loss term is not
+    finite. ``term_log`` holds ``(offset, terms)`` pairs: ``terms[i]`` is the weighted
+    loss of linearized token ``loss_lin[offset + i]``."""
+    bad = []
+    for e0, t in term_log:
+        local = torch.nonzero(~torch.isfinite(t)).flatten().cpu().numpy()
+        bad += [(int(loss_lin[e0 + i]), float(t[i])) for i in local]
+    lin, value = min(bad) if bad else (None, float("nan"))
+    where = "at sequence {}, position {}".format(*forest.locate(lin)) if lin is not None else "in the sum"
+    raise ValueError(f"loss is not finite ({value}) {where}; param.grad was left as it was before this call")
