@@ -1,0 +1,777 @@
+"""Fused Triton stack attention: every segment of one call in one kernel launch,
+reading the ancestors' K/V straight from the KV stack (no gather, no copy).
+
+Contract: exactly :func:`dtree.ops.stack_attention.stack_attention_reference`. Query
+row ``r`` of segment ``i`` sees, unmasked, the stack slots ``layout.prefix_ranges[i]``
+(its ancestors), then its own keys ``0 .. r`` (read from the call's ``k, v``). The
+backward returns ``dq`` and the own ``dk, dv`` and ADDS the prefix dK/dV into
+``stack.grad_k[layer] / stack.grad_v[layer]``.
+
+Work decomposition
+------------------
+*Runs.* Consecutive segments with identical prefix ranges (siblings: a GRPO group's
+answers, the children of one tool call) are merged into one run of packed rows. A
+query block may then span several short segments: all its rows see the same
+ancestors, and the own keys are masked per row by ``seg_start[r] <= key <= r``
+(varlen block-diagonal causal). Forty-token sibling tool results therefore share
+128-row tiles instead of each wasting two thirds of one.
+
+*Forward* (FlashAttention-2): one program per (query block of a run, q head); online
+softmax in base 2 over the run's prefix ranges, then the own keys. Key blocks that
+every row of the tile sees are processed without any mask; only range tails, the
+cross-segment blocks and the diagonal pay for masking. Saves ``q, k, v, out`` and the
+base-2 log-sum-exp ``lse`` (fp32, ``[Hq, T]``), never a copy of the prefix: the
+ancestors stay on the stack until this call's backward has run.
+
+*Backward*: (1) ``delta = rowsum(dO * O)``; (2) a KV-centric kernel, one program per
+(work item, kv head), looping over the q heads of its GQA group and over the query
+rows that see its keys; a work item is either an own key block (dK/dV stored with
+plain stores; every own row belongs to exactly one item) or a prefix chunk of at most
+``BLOCK_N`` stack slots together with at most ``_PREFIX_ITEM_ROWS`` query rows of the
+run (its dK/dV are added into the fp32 stack gradient with ``tl.atomic_add``);
+(3) a query-centric kernel for ``dq`` with the forward's iteration structure.
+
+*Atomics vs a segmented reduction* for the prefix dK/dV. A stack slot receives one
+``tl.atomic_add`` per prefix work item covering it: ``ceil(run_rows /
+_PREFIX_ITEM_ROWS)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
+not 8), plus one per other run of the call with the same ancestor, plus the adds of
+other calls, which happen at other times. A segmented reduction would store each
+item's partial [BLOCK_N, D] tiles in a scratch buffer and sum them per slot in a
+second launch: scratch of (prefix items x BLOCK_N x Hkv x D x 2) fp32 per layer
+(67 MB for 8 x 512 answers under a 2048-token prompt with 8 kv heads of dim 128),
+one more launch, and a write plus a re-read of every partial: at least the traffic
+of the atomics, which read-modify-write the same tiles in L2. The fp32 atomic adds
+compile to 16-byte ``atom.global.relaxed.add.v4.f32`` (sm_90 PTX), and their volume
+is small against the work of an item (2 x BLOCK_N x D adds against about
+``_PREFIX_ITEM_ROWS`` x BLOCK_N x D x group x 8 flops), and only the few items
+counted above add to one slot. Items hold at most ``_PREFIX_ITEM_ROWS`` query rows so
+that a short prompt under many long answers still spreads over enough programs to
+fill the GPU (a 128-token prompt is only two 64-slot chunks). The price: prefix
+gradients are summed in an order that varies between runs (fp32, ~1e-7 relative);
+own dK/dV and dq are deterministic.
+
+MEASUREMENT (H100, to fill in from ``benchmarks/bench_stack_attention.py``, which
+reports the dK/dV kernel's time per layout for ``_PREFIX_ITEM_ROWS`` = 256 / 1024
+(default) / 4096 / unbounded; more rows per item means fewer programs and fewer
+atomic adds per slot): grpo ___ / ___ / ___ / ___ ms, grpo_long ___ / ___ / ___ /
+___ ms, many_small ___ / ___ / ___ / ___ ms. If unbounded is not faster than 1024,
+the atomic adds are not what limits the kernel, and a segmented reduction, which
+removes only them, has nothing to save.
+
+Tiles: the work tables depend on the q-block rows (forward/dq) and the kv-block
+slots (dK/dV), chosen on the host from the head dim, dtype and mean run length
+(:func:`_tiles`); the inner step, ``num_warps`` and ``num_stages`` are autotuned with
+a key of (head dim, GQA group, tile, dtypes), so a new ``T`` never retunes
+(``DTREE_TRITON_AUTOTUNE=0`` launches a fixed candidate instead).
+
+Runs on CUDA (compute capability >= 8.0) or, for tests, on CPU tensors under the
+Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..kv_stack import KVStack
+from ..transfer import upload
+from .stack_attention import SegmentLayout
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError as e:  # the runtime's "auto" backend catches this and falls back to sdpa
+    raise ImportError(
+        "the fused 'triton' stack attention backend needs Triton: pip install triton "
+        "(or pip install 'dtree[triton]'); attention='sdpa' works without it"
+    ) from e
+
+__all__ = ["require_triton", "stack_attention_triton"]
+
+# Read once, like triton.jit does when it decorates the kernels below.
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_MAX_HEAD_DIM = 256
+_LOG2E = 1.4426950408889634
+
+# Query rows per prefix dK/dV work item (see the module docstring).
+_PREFIX_ITEM_ROWS = 1024
+
+# Tiles under the interpreter: small, so that tests with ~60-row segments cross many
+# tile boundaries. q_block/kv_block size the work tables; inner is the loop step.
+_INTERPRETER_TILES = {"q_block": 16, "kv_block": 16, "inner": 16}
+
+# Work item kinds of the dK/dV kernel.
+_OWN, _PREFIX = 0, 1
+
+
+def require_triton(device: torch.device | str) -> None:
+    """Raise unless the fused kernels can run on ``device``.
+
+    Importing this module already raised ImportError (naming ``pip install triton``)
+    if Triton is missing.
+
+    Raises:
+        RuntimeError: ``device`` is not a CUDA device (and the Triton interpreter is not
+            enabled), or the GPU is older than compute capability 8.0.
+    """
+    if _INTERPRET:
+        return
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise RuntimeError(
+            f"the 'triton' stack attention backend runs on CUDA devices, got {device}; "
+            "use attention='sdpa' (or set TRITON_INTERPRET=1 to run the kernels on CPU for testing)"
+        )
+    if not torch.cuda.is_available():
+        raise RuntimeError("the 'triton' stack attention backend needs CUDA, but torch.cuda.is_available() is False")
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        raise RuntimeError(
+            f"the 'triton' stack attention backend needs compute capability >= 8.0, "
+            f"{torch.cuda.get_device_name(device)} has {major}.{minor}; use attention='sdpa'"
+        )
+
+
+# --------------------------------------------------------------------------- kernels
+# Conventions: rows/slots index the token axis; HEAD_DIM is padded to BLOCK_D (a power
+# of two) with masked loads; scores are kept in base 2 (qk_scale = softmax scale *
+# log2(e)) and lse is base 2 too. Every load of a partial tile uses other=0 and every
+# score outside the visible set is -inf (forward) or its probability is replaced by 0
+# (backward), so stack slots outside the ranges are never read and no 0 * NaN or
+# inf * 0 can reach a stored value.
+#
+# Each loop visits its keys (or rows) once, and masks a tile only when a runtime test
+# says some of it is invisible (a range tail, a tile crossing segments, the
+# diagonal). One loop with a uniform branch instead of separate masked/unmasked loops
+# keeps one copy of the pipelined body: the dK/dV kernel at head dim 128 otherwise
+# spills registers (ptxas, sm_90: 240 registers and no spill for BLOCK_N=128,
+# BLOCK_M=32, 8 warps, against 328 bytes of spill with three loops).
+
+
+@triton.jit
+def _load_tile(base, idx, stride, idx_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
+    """[len(idx), BLOCK_D] tile of rows ``idx`` (row stride ``stride``, unit dim stride);
+    rows with ``idx_ok`` False and padded dims read as 0."""
+    ptrs = base + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    if BLOCK_D == HEAD_DIM:
+        tile = tl.load(ptrs, mask=idx_ok[:, None], other=0.0)
+    else:
+        tile = tl.load(ptrs, mask=idx_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+    return tile
+
+
+@triton.jit
+def _store_tile(base, idx, stride, idx_ok, offs_d, value, HEAD_DIM: tl.constexpr):
+    ptrs = base + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=idx_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+
+
+@triton.jit
+def _visible(cols, col_ok, rows, row_seg_start, OWN: tl.constexpr):
+    """[BLOCK_M, BLOCK_N] mask of the keys ``cols`` that query ``rows`` see: prefix
+    keys (OWN False) are seen by every row; own keys by rows of their segment at or
+    after them."""
+    if OWN:
+        mask = col_ok[None, :] & (cols[None, :] >= row_seg_start[:, None]) & (cols[None, :] <= rows[:, None])
+    else:
+        mask = col_ok[None, :] & (rows[:, None] >= 0)
+    return mask
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, kv_lo, kv_hi, full_lo, full_hi, rows, row_seg_start, offs_d,
+    qk_scale,
+    OWN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Online-softmax update over keys ``[kv_lo, kv_hi)`` of ``K, V`` (already offset to
+    the kv head). Key tiles inside ``[full_lo, full_hi)`` are seen whole by every row
+    and skip the mask."""
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_hi
+        k = _load_tile(K, cols, stride_kt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+        if (start < full_lo) | (start + BLOCK_N > full_hi):
+            s = tl.where(_visible(cols, col_ok, rows, row_seg_start, OWN), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V, cols, stride_vt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _q_block(QBLOCKS, SEG_START, blk):
+    """Work item ``blk`` of the forward/dq table: rows ``[r0, r1)`` of one run, its
+    prefix ranges ``[g0, g1)``, and its own keys ``[ss_min, r1)`` of which
+    ``[ss_max, r0 + 1)`` are seen by every row (at or after every row's segment
+    start, at or before every row)."""
+    r0 = tl.load(QBLOCKS + 4 * blk)
+    r1 = tl.load(QBLOCKS + 4 * blk + 1)
+    g0 = tl.load(QBLOCKS + 4 * blk + 2)
+    g1 = tl.load(QBLOCKS + 4 * blk + 3)
+    ss_min = tl.load(SEG_START + r0)
+    ss_max = tl.load(SEG_START + r1 - 1)
+    return r0, r1, g0, g1, ss_min, ss_max
+
+
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, SK, SV, O, LSE, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh, stride_ot, stride_oh,
+    T, qk_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Grid (q blocks, q heads). QBLOCKS[b] = (r0, r1, g0, g1): rows ``[r0, r1)`` of one
+    run and its prefix ranges ``RANGE_LO/HI[g0:g1]``."""
+    blk = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    kv_head = head // GROUP
+    r0, r1, g0, g1, ss_min, ss_max = _q_block(QBLOCKS, SEG_START, blk)
+
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < r1
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    row_seg_start = tl.load(SEG_START + rows, mask=row_ok, other=0)
+
+    # Finite start for the running max: a row that sees nothing in the first tiles
+    # (a later segment of a packed tile) keeps alpha = exp2(0) and p = exp2(-inf) = 0
+    # instead of exp2(-inf - -inf) = NaN.
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    SKh = SK + kv_head * stride_sh
+    SVh = SV + kv_head * stride_sh
+    for g in range(g0, g1):
+        lo = tl.load(RANGE_LO + g)
+        hi = tl.load(RANGE_HI + g)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, SKh, SVh, stride_st, stride_st, lo, hi, lo, hi, rows,
+                                   row_seg_start, offs_d, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PREC)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K + kv_head * stride_kh, V + kv_head * stride_vh, stride_kt,
+                               stride_vt, ss_min, r1, ss_max, r0 + 1, rows, row_seg_start, offs_d, qk_scale,
+                               True, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PREC)
+
+    # every valid row sees at least its own key, so l_i > 0 there
+    _store_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_d, acc / l_i[:, None], HEAD_DIM)
+    tl.store(LSE + head * T + rows, m_i + tl.math.log2(l_i), mask=row_ok)
+
+
+@triton.jit
+def _delta_kernel(
+    O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta[h, r] = sum_d O[r, h, d] * dO[r, h, d] in fp32. Grid (cdiv(T, BLOCK_M), Hq)."""
+    head = tl.program_id(1).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < T
+    offs_d = tl.arange(0, BLOCK_D)
+    o = _load_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    tl.store(DELTA + head * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+
+
+@triton.jit
+def _dkdv_kernel(
+    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_END,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_gt, stride_gh,
+    T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1): keys ``[c0, c1)``
+    (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV``) and the query
+    rows ``[q0, q1)`` that may see them. Own items store dK/dV into ``DK, DV``; prefix
+    items atomically add them into ``GK, GV``. dK/dV are accumulated transposed
+    (keys x rows), as in FlashAttention-2."""
+    item = tl.program_id(0)
+    kv_head = tl.program_id(1).to(tl.int64)
+    kind = tl.load(ITEMS + 5 * item)
+    c0 = tl.load(ITEMS + 5 * item + 1)
+    c1 = tl.load(ITEMS + 5 * item + 2)
+    q0 = tl.load(ITEMS + 5 * item + 3)
+    q1 = tl.load(ITEMS + 5 * item + 4)
+    is_prefix = kind == 1
+    is_own = kind == 0
+
+    cols = c0 + tl.arange(0, BLOCK_N)
+    col_ok = cols < c1
+    offs_d = tl.arange(0, BLOCK_D)
+    # a select of base and stride rather than an if/else around two loads: one copy of
+    # the load keeps the tile's registers down
+    k_base = tl.where(is_prefix, SK + kv_head * stride_sh, K + kv_head * stride_kh)
+    v_base = tl.where(is_prefix, SV + kv_head * stride_sh, V + kv_head * stride_vh)
+    k = _load_tile(k_base, cols, tl.where(is_prefix, stride_st, stride_kt), col_ok, offs_d, HEAD_DIM, BLOCK_D)
+    v = _load_tile(v_base, cols, tl.where(is_prefix, stride_st, stride_vt), col_ok, offs_d, HEAD_DIM, BLOCK_D)
+    # own key c is seen by rows [c, seg_end[c]); 0 for prefix items and columns past c1
+    col_seg_end = tl.load(SEG_END + cols, mask=col_ok & is_own, other=0)
+
+    # Row tiles start on the grid q0 + j * BLOCK_M (q0 = c0 for own items). A tile
+    # starting at s is unmasked when s >= c1 - 1 (every row is at or after every key)
+    # and s + BLOCK_M <= seg_end[c0] (every row is in the segment of every key): the
+    # tiles in [fa, fb). Prefix items see every row: [fa, fb) = [q0, q1), and their
+    # padded rows past q1 read q = dO = lse = delta = 0, so p = 1 there and both
+    # products below vanish. Columns past c1 read k = v = 0; whatever they accumulate
+    # stays in their own rows of dk/dv, which are never stored.
+    se_min = tl.load(SEG_END + c0, mask=is_own, other=0)
+    fa = tl.where(is_prefix, q0, tl.minimum(c0 + (c1 - 1 - c0 + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q1))
+    fb = tl.where(is_prefix, q1, tl.maximum(fa, c0 + (se_min - c0) // BLOCK_M * BLOCK_M))
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        for start in range(q0, q1, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            row_ok = rows < q1
+            q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+            do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+            lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
+            delta = tl.load(DELTA + head * T + rows, mask=row_ok, other=0.0)
+            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale - lse[None, :])
+            if (start < fa) | (start >= fb):
+                visible = (rows[None, :] >= cols[:, None]) & (rows[None, :] < col_seg_end[:, None])
+                p_t = tl.where(visible, p_t, 0.0)
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    dk = dk * sm_scale
+
+    if is_prefix:
+        # Other runs of this call, and later calls' descendants, add into the same slots.
+        g_offs = cols.to(tl.int64)[:, None] * stride_gt + kv_head * stride_gh + offs_d[None, :]
+        g_mask = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        tl.atomic_add(GK + g_offs, dk.to(GK.dtype.element_ty), mask=g_mask, sem="relaxed")
+        tl.atomic_add(GV + g_offs, dv.to(GV.dtype.element_ty), mask=g_mask, sem="relaxed")
+    else:
+        _store_tile(DK + kv_head * stride_dkh, cols, stride_dkt, col_ok, offs_d, dk, HEAD_DIM)
+        _store_tile(DV + kv_head * stride_dkh, cols, stride_dkt, col_ok, offs_d, dv, HEAD_DIM)
+
+
+@triton.jit
+def _dq_inner(
+    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, kv_lo, kv_hi, full_lo, full_hi, rows, row_seg_start, offs_d,
+    qk_scale,
+    OWN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """dQ (unscaled) over keys ``[kv_lo, kv_hi)``, tiles as :func:`_fwd_inner`. Masked
+    probabilities are replaced by 0 after exp2, which also drops an overflow from a
+    zero-filled column (ds * k would be inf * 0)."""
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_hi
+        k = _load_tile(K, cols, stride_kt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
+        v = _load_tile(V, cols, stride_vt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
+        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale - lse[:, None])
+        if (start < full_lo) | (start + BLOCK_N > full_hi):
+            p = tl.where(_visible(cols, col_ok, rows, row_seg_start, OWN), p, 0.0)
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
+    return dq
+
+
+@triton.jit
+def _dq_kernel(
+    Q, K, V, SK, SV, DO, LSE, DELTA, DQ, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh,
+    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    T, qk_scale, sm_scale,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Grid (q blocks, q heads), same work table and key tiles as :func:`_fwd_kernel`."""
+    blk = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    kv_head = head // GROUP
+    r0, r1, g0, g1, ss_min, ss_max = _q_block(QBLOCKS, SEG_START, blk)
+
+    rows = r0 + tl.arange(0, BLOCK_M)
+    row_ok = rows < r1
+    offs_d = tl.arange(0, BLOCK_D)
+    q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + head * T + rows, mask=row_ok, other=0.0)
+    row_seg_start = tl.load(SEG_START + rows, mask=row_ok, other=0)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+
+    SKh = SK + kv_head * stride_sh
+    SVh = SV + kv_head * stride_sh
+    for g in range(g0, g1):
+        lo = tl.load(RANGE_LO + g)
+        hi = tl.load(RANGE_HI + g)
+        dq = _dq_inner(dq, q, do, lse, delta, SKh, SVh, stride_st, stride_st, lo, hi, lo, hi, rows, row_seg_start,
+                       offs_d, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PREC)
+    dq = _dq_inner(dq, q, do, lse, delta, K + kv_head * stride_kh, V + kv_head * stride_vh, stride_kt, stride_vt,
+                   ss_min, r1, ss_max, r0 + 1, rows, row_seg_start, offs_d, qk_scale, True, HEAD_DIM, BLOCK_D,
+                   BLOCK_N, DOT_PREC)
+    _store_tile(DQ + head * stride_dqh, rows, stride_dqt, row_ok, offs_d, dq * sm_scale, HEAD_DIM)
+
+
+# --------------------------------------------------------------------------- tuning
+# Autotuning candidates as (inner tile, num_warps, num_stages), per kernel and per
+# work-table tile (chosen on the host by _tiles, and part of the tuning key). The inner
+# tile is BLOCK_N (keys per step) for the forward and dq, BLOCK_M (rows per step) for
+# dK/dV. Every candidate compiles for sm_90 without register spills at head dims 64
+# and 128 in bf16 (ptxas through triton.compile, Triton 3.6; 8-40 bytes at 96, whose
+# masked padding costs registers). Dropped for spilling:
+# 4 warps on 128-row tiles (forward and dq 136-352 bytes, dK/dV over 1 KB), 64-row
+# inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3 stages or, on 64-key
+# tiles, 4 warps (64-80 bytes at head dim 128). A 64-row tile on 8 warps may replicate
+# part of the score tile across warp groups: few such candidates, the tuner decides.
+_CANDIDATES = {
+    ("fwd", 128): [(64, 8, 3), (128, 8, 3), (64, 8, 2), (32, 8, 2)],
+    ("fwd", 64): [(64, 4, 3), (64, 4, 4), (32, 4, 2), (32, 8, 2)],
+    ("dq", 128): [(32, 8, 3), (64, 8, 2), (32, 8, 2)],
+    ("dq", 64): [(32, 4, 3), (64, 4, 3), (32, 4, 2), (32, 8, 2)],
+    ("dkdv", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
+    ("dkdv", 64): [(16, 4, 2), (16, 4, 3), (32, 8, 2)],
+}
+_INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
+_TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N"}
+
+
+def _autotuned(fn, kernel: str, restore_value=None):
+    """``fn`` under ``triton.autotune`` over the candidates of its table tile. The key
+    (head dim, GQA group, table tile; Triton adds the argument dtypes) never contains
+    ``T``, so a call of a new length reuses the tuned config."""
+    candidates = sorted({c for (name, _), cs in _CANDIDATES.items() if name == kernel for c in cs})
+    configs = [triton.Config({_INNER_NAME[kernel]: inner}, num_warps=w, num_stages=s) for inner, w, s in candidates]
+
+    def for_table(configs, named_args, **kwargs):
+        mine = _CANDIDATES[(kernel, kwargs[_TABLE_NAME[kernel]])]
+        return [c for c in configs if (c.kwargs[_INNER_NAME[kernel]], c.num_warps, c.num_stages) in mine]
+
+    return triton.autotune(
+        configs=configs,
+        key=["HEAD_DIM", "GROUP", _TABLE_NAME[kernel]],
+        prune_configs_by={"early_config_prune": for_table},
+        # each candidate's timing runs would add the prefix gradients once more
+        restore_value=restore_value,
+    )(fn)
+
+
+_KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
+_TUNED = {} if _INTERPRET else {
+    "fwd": _autotuned(_fwd_kernel, "fwd"),
+    "dq": _autotuned(_dq_kernel, "dq"),
+    "dkdv": _autotuned(_dkdv_kernel, "dkdv", restore_value=["GK", "GV"]),
+}
+# DTREE_TRITON_AUTOTUNE=0 launches a fixed candidate instead of timing all of them on
+# the first call of each key: for short jobs and tests, and reproducible configs.
+_AUTOTUNE = os.environ.get("DTREE_TRITON_AUTOTUNE", "1") != "0"
+
+
+def _launcher(kernel: str, table: int, dtype: torch.dtype) -> tuple:
+    """(kernel to launch, extra launch arguments) for one of "fwd", "dq", "dkdv"."""
+    name = _INNER_NAME[kernel]
+    if _INTERPRET:
+        return _KERNELS[kernel], {name: _INTERPRETER_TILES["inner"]}
+    if not _AUTOTUNE:
+        candidates = _CANDIDATES[(kernel, table)]
+        # the first candidate is the usual winner for 16-bit inputs; fp32 takes the
+        # smallest, whose shared memory fits any sm_80+ GPU
+        inner, warps, stages = candidates[0] if dtype != torch.float32 else min(candidates, key=lambda c: (c[0], c[2]))
+        return _KERNELS[kernel], {name: inner, "num_warps": warps, "num_stages": stages}
+    return _TUNED[kernel], {}
+
+
+def _tiles(head_dim: int, dtype: torch.dtype, mean_run_rows: float) -> tuple[int, int]:
+    """(q-block rows of the forward/dq work items, kv-block keys of the dK/dV items).
+
+    128 for 16-bit inputs on long runs; 64 when runs are short (less padding in each
+    run's last tile), for fp32 (shared memory) and for head dims above 128 (registers
+    of the [tile, 256] fp32 accumulators)."""
+    if _INTERPRET:
+        return _INTERPRETER_TILES["q_block"], _INTERPRETER_TILES["kv_block"]
+    if dtype == torch.float32 or head_dim > 128 or mean_run_rows < 128:
+        return 64, 64
+    return 128, 128
+
+
+# --------------------------------------------------------------------------- tables
+def _split(lo: np.ndarray, hi: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut every ``[lo[i], hi[i])`` into pieces of at most ``step``: (owner i, start, end)."""
+    n = -(-(hi - lo) // step)
+    owner = np.repeat(np.arange(len(lo)), n)
+    first = np.repeat(np.cumsum(n) - n, n)
+    start = lo[owner] + (np.arange(int(n.sum())) - first) * step
+    return owner, start, np.minimum(start + step, hi[owner])
+
+
+def _by_cost(table: np.ndarray, cost: np.ndarray) -> np.ndarray:
+    """Most expensive work items first, so that the longest programs start early and
+    the short ones fill the tail."""
+    return np.ascontiguousarray(table[np.argsort(-cost, kind="stable")], dtype=np.int32)
+
+
+def _runs(layout: SegmentLayout) -> dict:
+    """Host description of the call: runs of consecutive non-empty segments with the
+    same prefix ranges, and per-row segment bounds."""
+    key = ("triton", "runs")
+    if key not in layout._index_cache:
+        q_off = np.asarray(layout.q_offsets, dtype=np.int64)
+        lens = np.diff(q_off)
+        first, last = [], []
+        for i in np.flatnonzero(lens):
+            if last and layout.prefix_ranges[i] == layout.prefix_ranges[last[-1]]:
+                last[-1] = i
+            else:
+                first.append(i)
+                last.append(i)
+        flat = [(int(lo), int(hi)) for r in layout.prefix_ranges for lo, hi in r]
+        bad = [(lo, hi) for lo, hi in flat if not 0 <= lo <= hi]
+        if bad:
+            raise ValueError(f"prefix ranges must satisfy 0 <= lo <= hi, got {bad[0]}")
+        first_a = np.asarray(first, dtype=np.int64)
+        last_a = np.asarray(last, dtype=np.int64)
+        range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
+        ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
+        layout._index_cache[key] = {
+            "row_lo": q_off[first_a],
+            "row_hi": q_off[last_a + 1],
+            "range_begin": range_offsets[first_a],
+            "range_end": range_offsets[first_a + 1],
+            "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
+            "ranges": ranges,
+            "slots_end": max((hi for _, hi in flat), default=0),
+            "seg_start": np.repeat(q_off[:-1], lens),
+            "seg_end": np.repeat(q_off[1:], lens),
+        }
+    return layout._index_cache[key]
+
+
+def _row_tables(layout: SegmentLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 ``seg_start [T]`` and ``seg_end [T]`` of every row's segment."""
+    key = ("triton", "rows", device)
+    if key not in layout._index_cache:
+        runs = _runs(layout)
+        t = upload(np.stack([runs["seg_start"], runs["seg_end"]]).astype(np.int32), device)
+        layout._index_cache[key] = (t[0], t[1])
+    return layout._index_cache[key]
+
+
+def _q_blocks(layout: SegmentLayout, device: torch.device, block_m: int) -> torch.Tensor:
+    """[NB, 4] int32 forward/dq work items: (r0, r1, range_begin, range_end)."""
+    key = ("triton", "q", device, block_m)
+    if key not in layout._index_cache:
+        runs = _runs(layout)
+        run, r0, r1 = _split(runs["row_lo"], runs["row_hi"], block_m)
+        table = np.stack([r0, r1, runs["range_begin"][run], runs["range_end"][run]], axis=1)
+        cost = (r1 - r0) * (runs["prefix_len"][run] + r1 - runs["seg_start"][r0])
+        layout._index_cache[key] = upload(_by_cost(table, cost), device)
+    return layout._index_cache[key]
+
+
+def _kv_items(layout: SegmentLayout, device: torch.device, block_n: int, with_prefix: bool) -> torch.Tensor:
+    """[NI, 5] int32 dK/dV work items: (kind, c0, c1, q0, q1).
+
+    Own items: keys ``[c0, c1)`` of a run, queries ``[c0, seg_end[c1 - 1])``. Prefix
+    items (only ``with_prefix``): stack slots ``[c0, c1)`` of one of the run's ranges,
+    and at most ``_PREFIX_ITEM_ROWS`` of the run's rows."""
+    key = ("triton", "kv", device, block_n, with_prefix, _PREFIX_ITEM_ROWS)
+    if key not in layout._index_cache:
+        runs = _runs(layout)
+        _, c0, c1 = _split(runs["row_lo"], runs["row_hi"], block_n)
+        q1 = runs["seg_end"][c1 - 1] if len(c1) else c1
+        tables = [np.stack([np.full_like(c0, _OWN), c0, c1, c0, q1], axis=1)]
+        costs = [(c1 - c0) * (q1 - c0)]
+        if with_prefix:
+            flat = [(r, lo, hi) for r, ranges in enumerate(runs["ranges"]) for lo, hi in ranges]
+            if flat:
+                f_run, f_lo, f_hi = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
+                owner, s0, s1 = _split(f_lo, f_hi, block_n)
+                c_run = f_run[owner]
+                split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], _PREFIX_ITEM_ROWS)
+                n_splits = np.bincount(split_run, minlength=len(runs["row_lo"]))
+                first_split = np.cumsum(n_splits) - n_splits
+                rep = n_splits[c_run]
+                chunk = np.repeat(np.arange(len(s0)), rep)
+                split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
+                s0, s1, qa, qb = s0[chunk], s1[chunk], qa[split], qb[split]
+                tables.append(np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb], axis=1))
+                costs.append((s1 - s0) * (qb - qa))
+        table = _by_cost(np.concatenate(tables), np.concatenate(costs))
+        layout._index_cache[key] = upload(table, device)
+    return layout._index_cache[key]
+
+
+# --------------------------------------------------------------------------- autograd
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    """The kernels index the head dim with unit stride; other strides are free."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _common_meta(q: torch.Tensor, k: torch.Tensor) -> dict:
+    head_dim = q.shape[-1]
+    return {
+        "GROUP": q.shape[1] // k.shape[1],
+        "HEAD_DIM": head_dim,
+        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        # fp32 inputs: true fp32 products, as torch's default matmul (no TF32)
+        "DOT_PREC": "ieee" if q.dtype == torch.float32 else "tf32",
+    }
+
+
+class _StackAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float):
+        q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
+        t, hq, _ = q.shape
+        sk, sv = stack.k[layer], stack.v[layer]
+        runs = _runs(layout)
+        block_m, block_n = _tiles(q.shape[-1], q.dtype, t / max(len(runs["row_lo"]), 1))
+        tables = layout.device_tables(q.device)
+        seg_start, _ = _row_tables(layout, q.device)
+        q_blocks = _q_blocks(layout, q.device, block_m)
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
+        meta = _common_meta(q, k)
+        fwd, launch = _launcher("fwd", block_m, q.dtype)
+        fwd[(q_blocks.shape[0], hq)](
+            q, k, v, sk, sv, out, lse, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            sk.stride(0), sk.stride(1), out.stride(0), out.stride(1),
+            t, scale * _LOG2E,
+            BLOCK_M=block_m, **meta, **launch,
+        )
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.stack, ctx.layer, ctx.layout, ctx.scale = stack, layer, layout, scale
+        ctx.tiles = (block_m, block_n)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        stack, layer, layout, scale = ctx.stack, ctx.layer, ctx.layout, ctx.scale
+        block_m, block_n = ctx.tiles
+        do = _unit_last(grad_out)
+        t, hq, _ = q.shape
+        hkv = k.shape[1]
+        meta = _common_meta(q, k)
+        device = q.device
+
+        delta = torch.empty((hq, t), dtype=torch.float32, device=device)
+        _delta_kernel[(triton.cdiv(t, 64), hq)](
+            out, do, delta, out.stride(0), out.stride(1), do.stride(0), do.stride(1), t,
+            HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], BLOCK_M=64,
+        )
+
+        sk, sv = stack.k[layer], stack.v[layer]
+        with_prefix = stack.has_grad
+        if with_prefix:
+            gk, gv = stack.grad_k[layer], stack.grad_v[layer]
+        else:  # no prefix items are launched; any fp32 tensor stands in for the pointers
+            gk = gv = torch.empty((1, hkv, q.shape[-1]), dtype=torch.float32, device=device)
+        seg_start, seg_end = _row_tables(layout, device)
+        dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+        dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+        items = _kv_items(layout, device, block_n, with_prefix)
+        dkdv, launch = _launcher("dkdv", block_n, q.dtype)
+        dkdv[(items.shape[0], hkv)](
+            q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_end,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            sk.stride(0), sk.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1),
+            gk.stride(0), gk.stride(1),
+            t, scale * _LOG2E, scale,
+            BLOCK_N=block_n, **meta, **launch,
+        )
+
+        dq = None
+        if ctx.needs_input_grad[0]:
+            tables = layout.device_tables(device)
+            q_blocks = _q_blocks(layout, device, block_m)
+            dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+            dq_kernel, launch = _launcher("dq", block_m, q.dtype)
+            dq_kernel[(q_blocks.shape[0], hq)](
+                q, k, v, sk, sv, do, lse, delta, dq, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
+                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                sk.stride(0), sk.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+                t, scale * _LOG2E, scale,
+                BLOCK_M=block_m, **meta, **launch,
+            )
+        return dq, dk, dv, None, None, None, None
+
+
+def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout) -> None:
+    require_triton(q.device)
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"q, k, v must be [T, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    t, hq, d = q.shape
+    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
+        raise ValueError(f"k and v must be [{t}, kv_heads, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
+    hkv = k.shape[1]
+    if hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
+    if q.dtype not in _DTYPES:
+        raise TypeError(f"the 'triton' backend supports {_DTYPES}, got {q.dtype}; use attention='sdpa'")
+    if not (q.dtype == k.dtype == v.dtype == stack.dtype):
+        raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
+    if d > _MAX_HEAD_DIM:
+        raise ValueError(f"the 'triton' backend supports head dims up to {_MAX_HEAD_DIM}, got {d}")
+    if (stack.num_kv_heads, stack.head_dim) != (hkv, d):
+        raise ValueError(
+            f"stack holds {stack.num_kv_heads} kv heads of dim {stack.head_dim}, the call has {hkv} of dim {d}"
+        )
+    if not (q.device == k.device == v.device == stack.device):
+        raise ValueError(
+            f"q, k, v and the stack must be on one device, got {q.device}, {k.device}, {v.device}, {stack.device}"
+        )
+    if not stack.k.is_contiguous() or (stack.has_grad and not stack.grad_k.is_contiguous()):
+        raise ValueError("the stack buffers must be contiguous")
+    if t == 0:
+        raise ValueError("stack attention needs at least one query row")
+    if int(layout.q_offsets[0]) != 0 or int(layout.q_offsets[-1]) != t:
+        raise ValueError(
+            f"layout.q_offsets must run from 0 to T={t}, got {int(layout.q_offsets[0])}..{int(layout.q_offsets[-1])}"
+        )
+    # the kernels index the stack without bounds checks
+    slots_end = _runs(layout)["slots_end"]
+    if slots_end > stack.capacity:
+        raise ValueError(f"prefix ranges reach slot {slots_end}, past the stack capacity {stack.capacity}")
+
+
+def stack_attention_triton(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stack: KVStack,
+    layer: int,
+    layout: SegmentLayout,
+    scale: float,
+) -> torch.Tensor:
+    """Fused attention of all packed segments over (stack prefix + own K/V).
+
+    Args:
+        q: [T, q_heads, dim] packed queries (any strides with a unit last stride is
+            fastest; other views are made contiguous).
+        k, v: [T, kv_heads, dim] the segments' own keys/values; ``q_heads`` is a
+            multiple of ``kv_heads`` (GQA/MQA).
+        stack: the KV stack; ``stack.k/v[layer]`` hold the ancestors at
+            ``layout.prefix_ranges``. Other slots may hold anything and are not read.
+        layer: layer index into the stack.
+        layout: segment offsets and prefix ranges (its device tables are built once
+            and reused by every layer).
+        scale: softmax scale.
+
+    Returns:
+        [T, q_heads, dim] in ``q.dtype``. Backward returns dq, dk, dv and adds the
+        prefix dK/dV into ``stack.grad_k/grad_v[layer]`` (float32).
+    """
+    _check(q, k, v, stack, layer, layout)
+    return _StackAttention.apply(q, k, v, stack, layer, layout, float(scale))
+

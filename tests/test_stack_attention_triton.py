@@ -1,0 +1,443 @@
+"""The fused Triton stack attention against the dense references.
+
+CPU: the kernels run under the Triton interpreter, in fp32 against the float64 dense
+computation of test_stack_attention (output, dq, dk, dv and the stack's gradient
+buffers), in fp16 by the GPU tests' rule, and inside TreeRuntime against per-path
+training. ``TRITON_INTERPRET`` must be set before Triton is imported (``triton.jit``
+reads it when it decorates a kernel, Triton's own ``tl.sum``/``tl.max`` included), so
+these cases run in one worker subprocess started with it: the rest of the session
+keeps compiled Triton. Each test sends its case to the worker and re-raises the
+worker's failure.
+
+GPU (``-m gpu``, needs CUDA): compiled kernels in bf16/fp16 (and fp32), head dims 64
+to 128, GQA and MQA, random layouts with NaN-poisoned unused slots; tolerance by the
+FlashAttention rule: the kernel's error against a higher-precision reference is at
+most 2x (forward) / 3x (gradients) the error of the same computation in PyTorch at
+the input precision, plus a small absolute floor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from test_stack_attention import dense_expected, random_layout
+
+from dtree.kv_stack import KVStack
+from dtree.ops.stack_attention import SegmentLayout
+
+pytest.importorskip("triton")
+
+TESTS = Path(__file__).resolve().parent
+
+
+# --------------------------------------------------------------------------- problems
+def make_problem(layout, t, used, hq, hkv, d, *, dtype=torch.float32, device="cpu", seed=0, with_grad=True):
+    """Stack with ancestors in slots [0, used), the call's own K/V at [used, used + t)
+    (as the runtime pushes them) and NaN everywhere else; leaf q/k/v; stack gradients
+    zeroed. The buffers are written directly: these tests do not need the KV-stack ops."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(device=device, dtype=dtype)
+
+    stack = KVStack(1, used + t + 5, hkv, d, dtype=dtype, device=device, with_grad=with_grad)
+    stack.k.fill_(float("nan"))  # unread slots must never leak in
+    stack.v.fill_(float("nan"))
+    stack.k[0, :used] = rand(used, hkv, d)
+    stack.v[0, :used] = rand(used, hkv, d)
+    q, k, v = (rand(t, h, d).requires_grad_() for h in (hq, hkv, hkv))
+    stack.k[0, used : used + t] = k.detach()
+    stack.v[0, used : used + t] = v.detach()
+    if with_grad:
+        stack.grad_k.zero_()
+        stack.grad_v.zero_()
+    return stack, q, k, v
+
+
+def layout_of(lens, prefixes, used):
+    """(SegmentLayout, T) of segments ``lens`` whose own slots follow the ``used`` ancestors."""
+    q_off = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    return SegmentLayout(q_off, used + q_off[:-1], [tuple(map(tuple, p)) for p in prefixes]), int(q_off[-1])
+
+
+# Hand-built layouts (slots [0, used) hold ancestors). Odd lengths; siblings with the
+# same prefix next to each other (one run: tiles span segments); the same prefix again
+# after a different one (a separate run adding into the same slots); multi-range
+# prefixes; a segment with no ancestors.
+LAYOUTS = {
+    "odd": ([1, 7, 13, 63, 5], [[(0, 40)], [(0, 40)], [(0, 10), (25, 40)], [], [(0, 40)]], 40),
+    "short_siblings": ([3, 1, 5, 2, 4, 1, 6, 2, 3, 5, 1, 4], [[(3, 20), (30, 50)]] * 12, 50),
+    "chain": ([63], [[(0, 37), (37, 90), (95, 117)]], 117),
+    "no_prefix": ([13, 1, 29], [[], [], []], 0),
+}
+TILES = {  # (work-table tiles, loop step): equal, table larger than the step, smaller
+    "16/16": {"q_block": 16, "kv_block": 16, "inner": 16},
+    "32/16": {"q_block": 32, "kv_block": 32, "inner": 16},
+    "16/32": {"q_block": 16, "kv_block": 16, "inner": 32},
+}
+
+
+# --------------------------------------------------------------------------- interpreter worker
+# Cases run inside the worker (TRITON_INTERPRET=1): plain functions of JSON arguments.
+def _interpreted():
+    from dtree.ops import stack_attention_triton as sat
+
+    assert sat._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
+    return sat
+
+
+def _check_against_float64(layout, t, used, hq, hkv, d, *, seed=0, grad_init=False, q_view=False):
+    """Forward and backward of the interpreted kernel against the float64 dense
+    computation."""
+    sat = _interpreted()
+    stack, q, k, v = make_problem(layout, t, used, hq, hkv, d, seed=seed)
+    if grad_init:  # the backward must add to what other segments already put there
+        gen = torch.Generator().manual_seed(seed + 2)
+        stack.grad_k.copy_(torch.randn(stack.grad_k.shape, generator=gen))
+        stack.grad_v.copy_(torch.randn(stack.grad_v.shape, generator=gen))
+    init_k, init_v = stack.grad_k[0].clone(), stack.grad_v[0].clone()
+    q_in = q
+    if q_view:  # what the HF adapter passes: [1, H, T, D] -> [T, H, D], strides (D, T*D, 1)
+        q_in = q.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
+    scale = d**-0.5
+    out = sat.stack_attention_triton(q_in, k, v, stack, 0, layout, scale)
+    go = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed + 1))
+    dq, dk, dv = torch.autograd.grad(out, (q_in, k, v), go)
+
+    sk = stack.k[0, :used].double().requires_grad_()
+    sv = stack.v[0, :used].double().requires_grad_()
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = dense_expected(qd, kd, vd, sk, sv, layout, scale)
+    wdq, wdk, wdv, wsk, wsv = torch.autograd.grad(want, (qd, kd, vd, sk, sv), go.double())
+    tol = {"atol": 2e-5, "rtol": 1e-4}
+    torch.testing.assert_close(out.double(), want, **tol, msg=lambda m: f"out: {m}")
+    for name, got, exp in [
+        ("dq", dq, wdq),
+        ("dk", dk, wdk),
+        ("dv", dv, wdv),
+        ("stack grad_k", stack.grad_k[0, :used], init_k[:used].double() + wsk),
+        ("stack grad_v", stack.grad_v[0, :used], init_v[:used].double() + wsv),
+    ]:
+        torch.testing.assert_close(got.double(), exp, **tol, msg=lambda m, name=name: f"{name}: {m}")
+    assert torch.equal(stack.grad_k[0, used:], init_k[used:]), "wrote stack gradients past the prefix slots"
+    assert torch.equal(stack.grad_v[0, used:], init_v[used:]), "wrote stack gradients past the prefix slots"
+
+
+def _case_layout(name, tiles, prefix_item_rows):
+    sat = _interpreted()
+    saved = sat._INTERPRETER_TILES, sat._PREFIX_ITEM_ROWS
+    sat._INTERPRETER_TILES, sat._PREFIX_ITEM_ROWS = TILES[tiles], prefix_item_rows
+    try:
+        layout, t = layout_of(*LAYOUTS[name])
+        _check_against_float64(layout, t, LAYOUTS[name][2], 2, 1, 24)
+    finally:
+        sat._INTERPRETER_TILES, sat._PREFIX_ITEM_ROWS = saved
+
+
+def _case_random(seed):
+    rng = np.random.default_rng(seed)
+    hq, hkv, d = [(4, 4, 16), (6, 2, 24), (3, 1, 40), (4, 2, 64), (2, 1, 80), (2, 2, 12)][seed]
+    used = int(rng.integers(5, 60))
+    layout, t = random_layout(rng, int(rng.integers(1, 6)), 30, used)
+    _check_against_float64(layout, t, used, hq, hkv, d, seed=seed)
+
+
+def _case_existing_grads_strided_q():
+    layout, t = layout_of(*LAYOUTS["odd"])
+    _check_against_float64(layout, t, 40, 4, 2, 24, grad_init=True, q_view=True)
+
+
+def _case_no_grad_buffers():
+    sat = _interpreted()
+    layout, t = layout_of(*LAYOUTS["odd"])
+    stack, q, k, v = make_problem(layout, t, 40, 4, 2, 24, with_grad=False)
+    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.2)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
+    want = dense_expected(qd, kd, vd, stack.k[0].double(), stack.v[0].double(), layout, 0.2)
+    for got, exp in zip((out, *grads), (want, *torch.autograd.grad(want.sum(), (qd, kd, vd)))):
+        torch.testing.assert_close(got.double(), exp, atol=2e-5, rtol=1e-4)
+
+
+def _case_work_tables():
+    """Own items partition the rows; prefix items cover (segment rows x prefix slots)
+    exactly once; q blocks partition the rows."""
+    sat = _interpreted()
+    saved = sat._PREFIX_ITEM_ROWS
+    sat._PREFIX_ITEM_ROWS = 7
+    try:
+        layout, t = layout_of(*LAYOUTS["odd"])
+        items = sat._kv_items(layout, torch.device("cpu"), 16, True).numpy()
+    finally:
+        sat._PREFIX_ITEM_ROWS = saved
+    own, pre = items[items[:, 0] == 0], items[items[:, 0] == 1]
+    assert np.array_equal(np.sort(np.concatenate([np.arange(c0, c1) for _, c0, c1, _, _ in own])), np.arange(t))
+    seen = np.zeros((t, 40), dtype=int)
+    for _, c0, c1, q0, q1 in pre:
+        assert c1 - c0 <= 16 and q1 - q0 <= 7
+        seen[q0:q1, c0:c1] += 1
+    want = np.zeros((t, 40), dtype=int)
+    for i, ranges in enumerate(layout.prefix_ranges):
+        for lo, hi in ranges:
+            want[layout.q_offsets[i] : layout.q_offsets[i + 1], lo:hi] = 1
+    assert np.array_equal(seen, want)
+    blocks = sat._q_blocks(layout, torch.device("cpu"), 16).numpy()
+    assert np.array_equal(np.sort(np.concatenate([np.arange(r0, r1) for r0, r1, _, _ in blocks])), np.arange(t))
+
+
+def _case_runtime_end_to_end():
+    """TreeRuntime(attention="triton") on a tiny Llama (head_dim 12, GQA 3, q views
+    from the HF adapter) equals per-path training."""
+    from hf_models import make_model
+    from test_runtime_exact import EDGE_CASES, assert_exact, run_both
+
+    seqs = EDGE_CASES["branch_point_many_children"] + EDGE_CASES["several_trees"]
+    out, ref, errs = run_both(make_model("llama"), seqs, rt_kw={"attention": "triton", "chunk_size": 2})
+    assert_exact(out, ref, errs)
+
+
+def _case_fp16_flash_rule(name):
+    """The 16-bit paths (casts of p and ds before the dots, stores) by the GPU tests'
+    rule; fp16 only: the interpreter's bf16 dot is wrong (Triton 3.6)."""
+    layout, t = layout_of(*LAYOUTS[name])
+    attn = _interpreted().stack_attention_triton
+    check_flash_rule(name, attn, layout, t, LAYOUTS[name][2], 4, 2, 24, torch.float16, "cpu")
+
+
+def _case_errors():
+    sat = _interpreted()
+    layout, t = layout_of([3], [[(0, 4)]], 4)
+    stack, q, k, v = make_problem(layout, t, 4, 2, 1, 16)
+    checks = [
+        (TypeError, "supports", (q.double(), k.double(), v.double(), stack, 0, layout, 1.0)),
+        (ValueError, "multiple", (q[:, :1], k.expand(t, 2, 16), v.expand(t, 2, 16), stack, 0, layout, 1.0)),
+        (ValueError, "capacity", (q, k, v, stack, 0, layout_of([3], [[(0, stack.capacity + 1)]], 4)[0], 1.0)),
+        (ValueError, "q_offsets", (q[:2], k[:2], v[:2], stack, 0, layout, 1.0)),
+    ]
+    for error, match, args in checks:
+        with pytest.raises(error, match=match):
+            sat.stack_attention_triton(*args)
+
+
+def _worker_main():
+    """Serve cases: one JSON request per stdin line, one JSON reply per line on the
+    original stdout (everything else the cases print goes to stderr)."""
+    replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
+    sys.stdout = sys.stderr
+    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    try:  # Triton 3.6's interpreter uses int() on (1,)-shaped arrays; NumPy >= 2.4 refuses
+        int(np.ones(1))
+    except TypeError:
+        from triton.runtime import interpreter
+
+        original = interpreter._patch_lang_tensor
+
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        interpreter._patch_lang_tensor = patched
+    for line in sys.stdin:
+        request = json.loads(line)
+        try:
+            globals()["_case_" + request["case"]](**request["kwargs"])
+            reply = {"ok": True}
+        except BaseException:  # noqa: BLE001 (pytest.raises fails with a BaseException; report all)
+            reply = {"ok": False, "error": traceback.format_exc()}
+        replies.write(json.dumps(reply) + "\n")
+        replies.flush()
+
+
+class _Worker:
+    def __init__(self):
+        # the interpreter reads TRITON_INTERPRET when Triton is imported; the runtime case's
+        # KV-stack ops take their pure-torch references rather than a build of the extension
+        env = dict(os.environ, TRITON_INTERPRET="1", DTREE_NO_EXT="1")
+        env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
+        self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
+        code = "import test_stack_attention_triton as t; t._worker_main()"
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
+            env=env, text=True, cwd=str(TESTS.parent),
+        )
+
+    def run(self, case, **kwargs):
+        self.proc.stdin.write(json.dumps({"case": case, "kwargs": kwargs}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            self.log.seek(0)
+            raise RuntimeError(f"interpreter worker died:\n{self.log.read()[-5000:]}")
+        reply = json.loads(line)
+        if not reply["ok"]:
+            raise AssertionError(f"in the interpreter worker:\n{reply['error']}")
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+@pytest.fixture(scope="module")
+def worker():
+    w = _Worker()
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize(
+    "name,tiles",
+    [(name, "16/16") for name in LAYOUTS]
+    + [(name, tiles) for name in ("odd", "short_siblings") for tiles in ("32/16", "16/32")],
+)
+def test_layouts_match_dense(worker, name, tiles):
+    # few rows per prefix item: several items, hence atomic adds, per slot in one call
+    worker.run("layout", name=name, tiles=tiles, prefix_item_rows=24)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_layouts_match_dense(worker, seed):
+    worker.run("random", seed=seed)
+
+
+def test_adds_into_existing_gradients_and_takes_strided_q(worker):
+    worker.run("existing_grads_strided_q")
+
+
+def test_stack_without_gradient_buffers(worker):
+    worker.run("no_grad_buffers")
+
+
+def test_work_tables_cover_every_row_and_slot_once(worker):
+    worker.run("work_tables")
+
+
+def test_runtime_end_to_end_matches_linearized(worker):
+    worker.run("runtime_end_to_end")
+
+
+@pytest.mark.parametrize("name", ["odd", "short_siblings"])
+def test_fp16_flash_rule(worker, name):
+    worker.run("fp16_flash_rule", name=name)
+
+
+def test_clear_errors(worker):
+    worker.run("errors")
+
+
+def test_require_triton_on_cpu():
+    from dtree.ops import stack_attention_triton as sat
+
+    if sat._INTERPRET:
+        pytest.skip("the session runs with TRITON_INTERPRET set")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        sat.require_triton("cpu")
+
+
+# --------------------------------------------------------------------------- GPU
+def dense(q, k, v, stack_k, stack_v, layout, scale):
+    """Per-segment attention computed entirely in the inputs' dtype (the "PyTorch at
+    the same precision" baseline of the FlashAttention test rule)."""
+    group = q.shape[1] // k.shape[1]
+    outs = []
+    for i in range(layout.num_segments):
+        a, b = int(layout.q_offsets[i]), int(layout.q_offsets[i + 1])
+        idx = torch.tensor([j for lo, hi in layout.prefix_ranges[i] for j in range(lo, hi)], dtype=torch.long)
+        kk = torch.cat([stack_k[idx.to(q.device)], k[a:b]]).repeat_interleave(group, 1)
+        vv = torch.cat([stack_v[idx.to(q.device)], v[a:b]]).repeat_interleave(group, 1)
+        s = torch.einsum("qhd,khd->hqk", q[a:b], kk) * scale
+        p = len(idx)
+        rows, cols = torch.arange(b - a, device=q.device), torch.arange(p + b - a, device=q.device)
+        allowed = cols[None, :] <= p + rows[:, None]
+        outs.append(torch.einsum("hqk,khd->qhd", torch.softmax(s.masked_fill(~allowed, -torch.inf), -1), vv))
+    return torch.cat(outs)
+
+
+def gpu_layouts(rng):
+    """(name, layout, T, used): random multi-range layouts, a GRPO group (one prompt,
+    eight answers of odd lengths: 128-row tiles) and runs of ten short siblings under
+    a two-range prefix (64-row tiles)."""
+    used = int(rng.integers(300, 900))
+    layout, t = random_layout(rng, int(rng.integers(2, 7)), 300, used)
+    yield "random", layout, t, used
+    grpo, t = layout_of([257, 311, 129, 400, 1, 263, 300, 77], [[(0, 613)]] * 8, 613)
+    yield "grpo", grpo, t, 613
+    prefixes = [[(0, 100), (100 + 37 * (i // 10), 137 + 37 * (i // 10))] for i in range(60)]
+    small, t = layout_of(rng.integers(1, 20, 60), prefixes, 100 + 37 * 6)
+    yield "small", small, t, 100 + 37 * 6
+
+
+def check_flash_rule(name, attn, layout, t, used, hq, hkv, d, dtype, device="cuda"):
+    """Run ``attn`` and hold it to the FlashAttention tolerance rule."""
+    ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    stack, q, k, v = make_problem(layout, t, used, hq, hkv, d, dtype=dtype, device=device, seed=d + t)
+    scale = d**-0.5
+    out = attn(q, k, v, stack, 0, layout, scale)
+    go = torch.randn_like(out)
+    got = [out, *torch.autograd.grad(out, (q, k, v), go), stack.grad_k[0, :used], stack.grad_v[0, :used]]
+    assert torch.all(stack.grad_k[0, used:] == 0) and torch.all(stack.grad_v[0, used:] == 0), name
+
+    def reference(precision):
+        leaves = [x.detach().to(precision).requires_grad_() for x in (q, k, v, stack.k[0, :used], stack.v[0, :used])]
+        o = dense(*leaves, layout, scale)
+        return [o, *torch.autograd.grad(o, leaves, go.to(precision))]
+
+    exact, same_precision = reference(ref_dtype), reference(dtype)
+    names = ["out", "dq", "dk", "dv", "stack dk", "stack dv"]
+    for i, (n, g, e, p) in enumerate(zip(names, got, exact, same_precision)):
+        err = (g.to(ref_dtype) - e).abs().max().item()
+        base = (p.to(ref_dtype) - e).abs().max().item()
+        factor, floor = (2, 1e-5) if i == 0 else (3, 1e-4)
+        assert err <= factor * base + floor * max(1.0, e.abs().max().item()), (
+            f"{name} {n}: kernel error {err:.3e}, PyTorch {dtype} error {base:.3e}"
+        )
+    return got
+
+
+GPU_CASES = [  # dtype, head dim, q heads, kv heads
+    (torch.bfloat16, 64, 8, 2),
+    (torch.bfloat16, 80, 8, 2),
+    (torch.bfloat16, 96, 8, 2),
+    (torch.bfloat16, 128, 8, 2),
+    (torch.float16, 64, 4, 4),
+    (torch.float16, 96, 6, 1),
+    (torch.float16, 128, 4, 4),
+    (torch.float32, 64, 4, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_CASES, ids=lambda x: str(x).replace("torch.", ""))
+def test_gpu_flash_rule(monkeypatch, dtype, d, hq, hkv):
+    from dtree.ops import stack_attention_triton as sat
+
+    monkeypatch.setattr(sat, "_AUTOTUNE", False)  # one fixed config per tile: no tuning time
+    for name, layout, t, used in gpu_layouts(np.random.default_rng(d + hq)):
+        check_flash_rule(name, sat.stack_attention_triton, layout, t, used, hq, hkv, d, dtype)
+
+
+@pytest.mark.gpu
+def test_gpu_autotuned_first_call_adds_prefix_gradients_once():
+    """The first call times every candidate (restoring the stack gradients after each);
+    its results equal a second, cached call's (own results bitwise; the prefix
+    gradients up to the order of the atomic adds)."""
+    from dtree.ops import stack_attention_triton as sat
+
+    if not sat._AUTOTUNE:
+        pytest.skip("DTREE_TRITON_AUTOTUNE=0")
+    grpo, t = layout_of([257, 311, 129, 400, 1, 263, 300, 77], [[(0, 613)]] * 8, 613)
+    attn = sat.stack_attention_triton
+    runs = [check_flash_rule("grpo", attn, grpo, t, 613, 8, 2, 128, torch.bfloat16) for _ in range(2)]
+    for first, second in zip(runs[0][:4], runs[1][:4]):
+        assert torch.equal(first, second)
+    for first, second in zip(runs[0][4:], runs[1][4:]):
+        torch.testing.assert_close(first, second, atol=1e-5, rtol=1e-5)
