@@ -16,11 +16,16 @@ Life of a slot range ``[lo, hi)`` (one group of the schedule):
     read      descendants attend to it; their backward adds dK/dV (``accumulate``);
     pop       the group's backward seeds autograd with ``grad_k[:, lo:hi]`` and the
               range is free for the next group (the next push zeroes it again).
+
+``write``, ``accumulate`` and ``zero_grad`` run the ops of :mod:`dtree.kv_stack_ext`
+(K and V in one kernel launch; pure-torch references when the extension is missing).
 """
 
 from __future__ import annotations
 
 import torch
+
+from . import kv_stack_ext
 
 __all__ = ["KVStack"]
 
@@ -70,25 +75,24 @@ class KVStack:
 
     def write(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Push values: ``k, v`` are [T, kv_heads, head_dim] for slots ``[lo, lo+T)``."""
-        hi = lo + k.shape[0]
-        self.k[layer, lo:hi].copy_(k)
-        self.v[layer, lo:hi].copy_(v)
+        kv_stack_ext.push(self.k, self.v, layer, k, v, start=lo)
 
     def zero_grad(self, lo: int, hi: int) -> None:
         """Clear the gradient slots ``[lo, hi)`` of every layer."""
         if self.has_grad:
-            self.grad_k[:, lo:hi].zero_()
-            self.grad_v[:, lo:hi].zero_()
+            kv_stack_ext.zero_grad(self.grad_k, self.grad_v, lo, hi)
 
     def accumulate(self, layer: int, index: torch.Tensor | slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
         """Add dK/dV ([n, kv_heads, head_dim]) into the slots ``index`` (a slice or a
         LongTensor of n slots, which may repeat)."""
         if isinstance(index, slice):
-            self.grad_k[layer, index].add_(dk.to(self.grad_k.dtype))
-            self.grad_v[layer, index].add_(dv.to(self.grad_v.dtype))
-        else:
-            self.grad_k[layer].index_add_(0, index, dk.to(self.grad_k.dtype))
-            self.grad_v[layer].index_add_(0, index, dv.to(self.grad_v.dtype))
+            start, stop, step = index.indices(self.capacity)
+            if step == 1 and stop - start == dk.shape[0]:
+                kv_stack_ext.accumulate(self.grad_k, self.grad_v, layer, dk, dv, start=start)
+                return
+            # a strided (or mis-sized) slice: as slots, which the op checks against dk
+            index = torch.arange(start, stop, step, device=self.device)
+        kv_stack_ext.accumulate(self.grad_k, self.grad_v, layer, dk, dv, index=index)
 
     def grad_slices(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The accumulated dK/dV of slots ``[lo, hi)``: [hi-lo, kv_heads, head_dim] float32."""
