@@ -1,0 +1,40 @@
+"""Data-parallel tree training: cost model, balanced partitioning, gradient sync.
+
+    plan = plan_partition(forest, world_size, CostModel.from_spec(runtime.spec))
+    local = plan.forest(rank)                      # None when this rank got nothing
+    out = distributed_forward_backward(runtime, local, loss)   # exact, globally normalized
+
+or, all in one, :class:`DistributedTreeTrainer` (plain modules, DDP or FSDP2).
+See the modules for details: :mod:`.features` and :mod:`.cost_model` (what a rank's
+step costs), :mod:`.partition` and :mod:`.balance` (who gets which sequences),
+:mod:`.sync` and :mod:`.trainer` (one gradient sync per step, failures on every rank),
+:mod:`.calibrate` (fit the cost model on this machine).
+"""
+
+from .balance import karmarkar_karp, lpt
+from .cost_model import CostModel, FitReport
+from .features import FEATURES, CostFeatures, forest_features, sequence_features
+from .nnls import nnls
+from .partition import Partition, PartitionReport, partition, plan_partition
+from .trainer import DistributedStepError, DistributedStepOutput, DistributedTreeTrainer, distributed_forward_backward
+
+__all__ = [
+    "FEATURES",
+    "CostFeatures",
+    "CostModel",
+    "DistributedStepError",
+    "DistributedStepOutput",
+    "DistributedTreeTrainer",
+    "FitReport",
+    "Partition",
+    "PartitionReport",
+    "distributed_forward_backward",
+    "forest_features",
+    "karmarkar_karp",
+    "lpt",
+    "nnls",
+    "partition",
+    "plan_partition",
+    "sequence_features",
+]
+
