@@ -1,4 +1,4 @@
-"""Command line: ``dtree stats FILE.jsonl``, ``dtree bench ...`` (see ``dtree -h``)."""
+"""Command line: ``dtree stats FILE.jsonl``, ``dtree bench ...``, ``dtree calibrate ...`` (see ``dtree -h``)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("stats", help="print the tree statistics of a JSONL batch")
     p.add_argument("file", help="JSON Lines: one {\"tokens\": [...], <field>: [...]} object per sequence")
     p.set_defaults(func=_stats)
+
+    from .bench.runner import add_bench_parser
+    from .distributed.calibrate import add_calibrate_parser
+
+    add_bench_parser(sub)
+    add_calibrate_parser(sub)
     return parser
 
 

@@ -20,7 +20,7 @@ largest last (DESIGN.md section 2).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hf_models import VOCAB, make_model
 
 import dtree
 from dtree.losses import TokenLoss
-from hf_models import VOCAB, make_model
 
 
 @pytest.fixture

@@ -9,13 +9,14 @@ import copy
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
-
-import dtree
 from hf_models import ARCHS, make_model
+from hypothesis import given
+from hypothesis import strategies as st
 from nanogpt import NanoGPT
 from reference import grad_errors, linearized_step, path_logprobs
 from strategies import batches_with_fields
+
+import dtree
 
 FP32_TOL = 1e-5
 

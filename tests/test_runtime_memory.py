@@ -8,9 +8,9 @@ from __future__ import annotations
 import weakref
 
 import torch
+from hf_models import make_model
 
 import dtree
-from hf_models import make_model
 
 
 class SavedBytes:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
+from strategies import sequence_batches
 
 from dtree import Forest
 from dtree.schedule import BACKWARD, FORWARD, build_schedule
-from strategies import sequence_batches
 
 
 @given(sequence_batches(max_sequences=8, max_len=16, alphabet=4), st.sampled_from([1, 2, 5, 100]), st.sampled_from([0, 3, 8, 1000]))

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given
+from strategies import sequence_batches
 
 from dtree import Forest
-from strategies import sequence_batches
 
 
 def check_invariants(f: Forest, seqs):
