@@ -46,8 +46,8 @@ class KVStack:
         shape = (num_layers, capacity, num_kv_heads, head_dim)
         self.num_layers, self.capacity, self.num_kv_heads, self.head_dim = shape
         self.dtype = dtype
-        self.device = torch.device(device)
         self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.device = self.k.device  # with its index: "cuda" becomes "cuda:0"
         self.v = torch.empty(shape, dtype=dtype, device=device)
         self.grad_k = torch.empty(shape, dtype=grad_dtype, device=device) if with_grad else None
         self.grad_v = torch.empty(shape, dtype=grad_dtype, device=device) if with_grad else None
@@ -63,7 +63,7 @@ class KVStack:
             and self.num_kv_heads == num_kv_heads
             and self.head_dim == head_dim
             and self.dtype == dtype
-            and self.device == torch.device(device)
+            and self.device == torch.empty(0, device=device).device
             and (self.has_grad or not with_grad)
         )
 
@@ -86,8 +86,11 @@ class KVStack:
         """Add dK/dV ([n, kv_heads, head_dim]) into the slots ``index`` (a slice or a
         LongTensor of n slots, which may repeat)."""
         if isinstance(index, slice):
-            start, stop, step = index.indices(self.capacity)
-            if step == 1 and stop - start == dk.shape[0]:
+            # explicit arithmetic instead of slice.indices(), which torch.compile cannot trace
+            start = 0 if index.start is None else index.start
+            stop = self.capacity if index.stop is None else index.stop
+            step = 1 if index.step is None else index.step
+            if step == 1 and 0 <= start and stop - start == dk.shape[0]:
                 kv_stack_ext.accumulate(self.grad_k, self.grad_v, layer, dk, dv, start=start)
                 return
             # a strided (or mis-sized) slice: as slots, which the op checks against dk

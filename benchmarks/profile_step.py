@@ -1,0 +1,100 @@
+"""Profile one training step of each method with torch.profiler (GPU).
+
+Prints, per method: step wall time, GPU busy time (sum of kernel times), launch
+count, and the kernels that take the most time, grouped into attention / matmul /
+other. Writes the same as Markdown with ``--out DIR``.
+
+    python benchmarks/profile_step.py --model qwen2.5-1.5b --workload grpo \
+        --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512 \
+        --config dtree --config tree-mask --config dtree:group_tokens=2048
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from collections import defaultdict
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.sweep import parse_config, setup  # noqa: E402
+from dtree.baselines import make_method  # noqa: E402
+
+
+def classify(name: str) -> str:
+    n = name.lower()
+    if any(s in n for s in ("attn", "attention", "flash", "flex", "_fwd_kernel", "_dkdv", "_dq_kernel", "_delta")):
+        return "attention"
+    if any(s in n for s in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas", "matmul", "wgmma")):
+        return "matmul"
+    return "other"
+
+
+def profile(runner, forest, loss, model, steps: int = 2):
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        runner.forward_backward(forest, loss)
+    torch.cuda.synchronize()
+    model.zero_grad(set_to_none=True)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        runner.forward_backward(forest, loss)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = defaultdict(lambda: [0.0, 0])
+    for evt in prof.events():
+        if evt.device_type == torch.autograd.DeviceType.CUDA:
+            k = kernels[evt.name]
+            k[0] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
+            k[1] += 1
+    return wall, kernels
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--workload", default="grpo")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--config", action="append", default=[], help="METHOD[:key=value,...] (repeatable)")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    model, forest, loss, _ = setup(args.model, args.workload, args.overrides)
+    lines = [f"# profile: {args.model} / {args.workload} {args.overrides}", ""]
+    for cfg in args.config or ["dtree", "tree-mask"]:
+        method, kw = parse_config(cfg)
+        runner = make_method(method, model, **kw)
+        wall, kernels = profile(runner, forest, loss, model)
+        busy = sum(v[0] for v in kernels.values()) / 1e6
+        launches = sum(v[1] for v in kernels.values())
+        groups = defaultdict(float)
+        for name, (us, _) in kernels.items():
+            groups[classify(name)] += us / 1e6
+        lines += [
+            f"## {cfg}",
+            f"wall {wall * 1e3:.1f} ms, GPU busy {busy * 1e3:.1f} ms ({busy / wall:.0%}), {launches} kernel launches; "
+            + ", ".join(f"{g} {t * 1e3:.1f} ms" for g, t in sorted(groups.items())),
+            "",
+            "| kernel | ms | calls |",
+            "|---|---|---|",
+        ]
+        for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]:
+            lines.append(f"| `{name[:90]}` | {us / 1e3:.2f} | {n} |")
+        lines.append("")
+        del runner
+        torch.cuda.empty_cache()
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, f"profile_{args.model}_{args.workload}.md"), "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
