@@ -17,6 +17,8 @@
 #   sdpa1      case1 with dtree's unfused sdpa attention (the reference GPU path)
 #   profile1   benchmarks/profile_step.py on case1: dtree vs tree-mask kernels
 #   sweep1     benchmarks/sweep.py on case1: dtree variants vs the baselines
+#   sweep1c    sweep1 with torch.compile'd decoder layers (for every method)
+#   sweep2     case 2: one agentic tree of >=64k unique tokens; tree-mask whole and split
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -63,6 +65,15 @@ PY
     sweep1) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload grpo $CASE1 --name case1 \
              --config tree-mask --config dtree --config dtree:group_tokens=2048 --config dtree:group_tokens=1024 \
              --config dtree:mode=recompute --config dtree:attention=sdpa --config linearized --out "$RES" ;;
+    sweep1c) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload grpo $CASE1 --name case1-compiled \
+             --compile --config tree-mask --config dtree --config dtree:group_tokens=2048 --config dtree:group_tokens=1024 \
+             --config linearized --out "$RES" ;;
+    sweep2) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name case2 --repeats 2 \
+             --set num_trees=1 --set target_unique_tokens=65536 \
+             --config dtree --config dtree:group_tokens=4096 --config dtree:mode=recompute \
+             --config dtree:mode=recompute,group_tokens=16384 --config tree-mask \
+             --config tree-mask:max_tokens_per_batch=32768 --config tree-mask:max_tokens_per_batch=16384 \
+             --config linearized --out "$RES" ;;
     *) echo "unknown stage $name"; false ;;
   esac
   local rc=$?

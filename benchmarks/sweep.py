@@ -54,14 +54,20 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="sweep")
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (all configs)")
     args = p.parse_args()
     model, forest, loss, spec = setup(args.model, args.workload, args.overrides)
+    if args.compile:
+        from dtree.models import compile_layers
+
+        compile_layers(model)
     device = next(model.parameters()).device
     flops = spec.training_flops(torch.from_numpy(forest.positions))
     peak = peak_tflops(device, torch.bfloat16)
     st = forest.stats()
     lines = [
-        f"# sweep {args.name}: {args.model} / {args.workload} {' '.join(args.overrides)}",
+        f"# sweep {args.name}: {args.model} / {args.workload} {' '.join(args.overrides)}"
+        + (" (compiled layers)" if args.compile else ""),
         "",
         f"{device_name(device)}, torch {torch.__version__}; {st.unique_tokens:,} unique / "
         f"{st.linearized_tokens:,} linearized tokens ({st.compression_ratio:.2f}x), {st.num_trees} trees",

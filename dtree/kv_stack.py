@@ -96,7 +96,3 @@ class KVStack:
             # a strided (or mis-sized) slice: as slots, which the op checks against dk
             index = torch.arange(start, stop, step, device=self.device)
         kv_stack_ext.accumulate(self.grad_k, self.grad_v, layer, dk, dv, index=index)
-
-    def grad_slices(self, layer: int, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The accumulated dK/dV of slots ``[lo, hi)``: [hi-lo, kv_heads, head_dim] float32."""
-        return self.grad_k[layer, lo:hi], self.grad_v[layer, lo:hi]

@@ -154,6 +154,9 @@ class TreeRuntime:
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)).
         stack_capacity: fixed KV-stack size in tokens; None sizes it to each step's plan.
         progress: show a progress bar over the model calls of each step (for long steps).
+        compile: ``torch.compile`` the model's decoder layers in place (transformers
+            models; see :func:`dtree.models.compile_layers`). Worth it when calls are
+            small enough for eager kernel launches to leave the GPU idle.
     """
 
     def __init__(
@@ -167,6 +170,7 @@ class TreeRuntime:
         logprob_chunk: int = 4096,
         stack_capacity: int | None = None,
         progress: bool = False,
+        compile: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -183,6 +187,10 @@ class TreeRuntime:
         self.logprob_chunk = logprob_chunk
         self.stack_capacity = stack_capacity
         self.progress = progress
+        if compile:
+            from .models import compile_layers
+
+            compile_layers(model)
         first = next(iter(model.parameters()))
         self.device, self.dtype = first.device, first.dtype
         self.attention = self._pick_backend(attention)
@@ -437,12 +445,15 @@ class TreeRuntime:
             tensors.append(state.loss)
             grads.append(torch.ones_like(state.loss))
         if seed_kv:
-            for layer, kv in enumerate(state.own):
-                if kv is None:
-                    raise RuntimeError(f"layer {layer} never called attend(); every attention layer must")
-                gk, gv = stack.grad_slices(layer, lo, hi)
-                tensors += [kv[0], kv[1]]
-                grads += [gk.to(kv[0].dtype), gv.to(kv[1].dtype)]
+            missing = [layer for layer, kv in enumerate(state.own) if kv is None]
+            if missing:
+                raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
+            dtype = state.own[0][0].dtype
+            # one conversion kernel for all layers, not two per layer
+            gk_all, gv_all = (g[:, lo:hi].to(dtype) for g in (stack.grad_k, stack.grad_v))
+            for layer, (k, v) in enumerate(state.own):
+                tensors += [k, v]
+                grads += [gk_all[layer], gv_all[layer]]
         if tensors:
             torch.autograd.backward(tensors, grads)
 

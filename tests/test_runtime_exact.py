@@ -175,3 +175,11 @@ def test_two_pass_non_separable_loss():
     errs = grad_errors(tree_model, ref_model)
     assert max(errs.values()) < FP32_TOL, errs
     assert abs(out.loss - ref.item()) < 1e-5
+
+
+def test_compiled_layers_are_exact():
+    """torch.compile'd decoder layers (attention left eager between compiled graphs)."""
+    out, ref, errs = run_both(
+        make_model("qwen2", tied=True), EDGE_CASES["branch_point_many_children"], rt_kw=dict(compile=True, chunk_size=3)
+    )
+    assert_exact(out, ref, errs)

@@ -76,8 +76,9 @@ def _slug(text: str) -> str:
 def report_stem(report: dict) -> str:
     env = report["env"]
     hw = env["gpu"] or "cpu"
-    return "_".join(_slug(x) for x in (hw, report["model"]["name"], report["workload"]["name"], report.get("tag") or ""))\
-        .rstrip("_")
+    parts = (hw, report["model"]["name"], report["workload"]["name"], "compiled" if report.get("compiled_layers") else "",
+             report.get("tag") or "")
+    return "_".join(_slug(x) for x in parts if x)
 
 
 def _markdown(report: dict) -> str:
@@ -94,6 +95,7 @@ def _markdown(report: dict) -> str:
         f"{wl['unique_tokens']:,} unique / {wl['linearized_tokens']:,} linearized tokens, "
         f"compression {wl['compression_ratio']:.2f}x (FLOP-weighted {wl['flop_compression_ratio']:.2f}x), "
         f"longest path {wl['max_path_length']:,} tokens",
+        f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}",
         f"- loss: {report['loss']}; step = forward + backward over the whole forest; median of "
         f"{report['repeats']} after {report['warmup']} warm-up",
         "",

@@ -67,6 +67,8 @@ def add_bench_parser(sub) -> None:
                    help="ppo when the forest has advantages and old_logprobs, else nll (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile the model's decoder layers (applies to every method alike)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -136,6 +138,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from ..models import adapt
 
     spec = adapt(model).dtree_spec()
+    if args.compile:
+        from ..models import compile_layers
+
+        compile_layers(model)
     forest, wl_name, overrides = _workload(args, spec.vocab_size, on_gpu)
     loss, loss_desc = _loss(args.loss, forest)
     st = forest.stats()
@@ -203,6 +209,7 @@ def run_bench(args: argparse.Namespace) -> int:
             "max_path_length": st.max_path_length, "max_depth": st.max_depth,
         },
         "loss": loss_desc,
+        "compiled_layers": bool(args.compile),
         "warmup": args.warmup,
         "repeats": args.repeats,
         "method_options": method_opts,

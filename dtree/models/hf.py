@@ -55,6 +55,12 @@ def _dtree_attention(
     return out.unsqueeze(0), None
 
 
+# torch.compile'd decoder layers break their graph here: the stack attention does host
+# work (segment tables) and mutates the KV stack, so it runs eagerly between the
+# compiled pre- and post-attention graphs of each layer.
+_dtree_attention = torch._dynamo.disable(_dtree_attention)
+
+
 def _register() -> None:
     from transformers import AttentionInterface
 
@@ -146,3 +152,22 @@ class HFTreeModel:
 
     def parameters(self):
         return self.model.parameters()
+
+    def compile_layers(self, **compile_kwargs) -> None:
+        """``torch.compile`` every decoder layer, with dynamic shapes (one compiled graph
+        serves all layers and all call sizes).
+
+        Eager HF launches ~120 kernels per layer per forward+backward, which costs
+        about 40 ms of CPU time per model call on a 28-layer model: calls of a few
+        thousand tokens then leave the GPU waiting (benchmarks/PERF_NOTES.md). The
+        compiled layers fuse the norms, rotary, activation and residual ops. The
+        layers are compiled in place, so the model runs compiled everywhere; compiling
+        twice is a no-op.
+        """
+        layers = getattr(self.base, "layers", None)
+        if not isinstance(layers, torch.nn.ModuleList):
+            raise ValueError(f"{type(self.model).__name__} has no decoder layer list at .{self.model.base_model_prefix}.layers")
+        for layer in layers:
+            if not getattr(layer, "_dtree_compiled", False):
+                layer.compile(**{"dynamic": True, **compile_kwargs})
+                layer._dtree_compiled = True
