@@ -19,6 +19,8 @@
 #   sweep1     benchmarks/sweep.py on case1: dtree variants vs the baselines
 #   sweep1c    sweep1 with torch.compile'd decoder layers (for every method)
 #   sweep2     case 2: one agentic tree of >=64k unique tokens; tree-mask whole and split
+#   sweep1c2   case 1, compiled layers, after the auto mode and leaf-group changes
+#   sweep2c    case 2 on an emulated 80 GB GPU, compiled layers
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -74,6 +76,14 @@ PY
              --config dtree:mode=recompute,group_tokens=16384 --config tree-mask \
              --config tree-mask:max_tokens_per_batch=32768 --config tree-mask:max_tokens_per_batch=16384 \
              --config linearized --out "$RES" ;;
+    sweep1c2) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload grpo $CASE1 --name case1-compiled-2 \
+             --compile --config tree-mask --config dtree --config dtree:group_tokens=2048 --config dtree:mode=recompute \
+             --config dtree:mode=recompute,group_tokens=2048 --config linearized --out "$RES" ;;
+    sweep2c) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name case2-80gb-compiled \
+             --repeats 2 --memory-limit-gib 80 --compile --set num_trees=1 --set target_unique_tokens=65536 \
+             --config dtree --config dtree:group_tokens=16384 --config dtree:mode=recompute \
+             --config dtree:mode=recompute,group_tokens=16384 --config tree-mask \
+             --config tree-mask:max_tokens_per_batch=16384 --config tree-mask:max_tokens_per_batch=8192 --out "$RES" ;;
     *) echo "unknown stage $name"; false ;;
   esac
   local rc=$?

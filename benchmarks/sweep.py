@@ -19,7 +19,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dtree.baselines import make_method  # noqa: E402
-from dtree.bench.measure import device_name, measure_method, peak_tflops  # noqa: E402
+from dtree.bench.measure import device_name, limit_memory, measure_method, peak_tflops  # noqa: E402
 from dtree.bench.runner import _parse_assignments, _parse_value  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
@@ -55,7 +55,10 @@ def main() -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--name", default="sweep")
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (all configs)")
+    p.add_argument("--memory-limit-gib", type=float, default=None, help="cap GPU memory (e.g. 80 on an H200)")
     args = p.parse_args()
+    if args.memory_limit_gib:
+        limit_memory(torch.device("cuda"), args.memory_limit_gib)
     model, forest, loss, spec = setup(args.model, args.workload, args.overrides)
     if args.compile:
         from dtree.models import compile_layers
@@ -67,7 +70,8 @@ def main() -> int:
     st = forest.stats()
     lines = [
         f"# sweep {args.name}: {args.model} / {args.workload} {' '.join(args.overrides)}"
-        + (" (compiled layers)" if args.compile else ""),
+        + (" (compiled layers)" if args.compile else "")
+        + (f", GPU memory capped at {args.memory_limit_gib:g} GiB" if args.memory_limit_gib else ""),
         "",
         f"{device_name(device)}, torch {torch.__version__}; {st.unique_tokens:,} unique / "
         f"{st.linearized_tokens:,} linearized tokens ({st.compression_ratio:.2f}x), {st.num_trees} trees",

@@ -16,7 +16,14 @@ Modes:
                forward(g) and backward(g). Activation memory ~ the path, not the tree.
     recompute  forward(g) runs without grad (it only pushes K/V); backward(g) re-runs
                g with grad and backpropagates at once. One group's activations are
-               alive at a time, for about one extra forward.
+               alive at a time, for one extra forward of every group with children.
+    auto       per group: retain while the graphs alive at once stay within a token
+               budget derived from the free device memory (and an estimate of bytes
+               per token), recompute the groups that would exceed it. The outermost
+               groups, which live longest, are the ones retained. Retain on CPU.
+
+In every mode a group without children (leaves only) runs once, with grad, and
+backpropagates at once: nothing reads its K/V, so it is neither pushed nor recomputed.
 
 Exactness: parameter gradients equal those of linearized training on every sequence
 with the same loss, up to floating-point rounding (tests/test_runtime_exact.py checks
@@ -50,7 +57,7 @@ from .tree import Forest
 
 __all__ = ["TreeRuntime", "StepOutput"]
 
-MODES = ("retain", "recompute")
+MODES = ("auto", "retain", "recompute")
 SequenceLossFn = Callable[[list[torch.Tensor], Forest], torch.Tensor]
 
 
@@ -72,7 +79,7 @@ class StepOutput:
     stack_tokens: int
     peak_graph_tokens: int
     seconds: float
-    metrics: dict = field(default_factory=dict)
+    metrics: dict = field(default_factory=dict)  # e.g. the mode "auto" chose
 
 
 @dataclass
@@ -138,6 +145,18 @@ class _GroupState:
     own: list
 
 
+def _free_device_memory(device: torch.device) -> float:
+    """Bytes the caching allocator can still hand out: free device memory plus what it
+    holds unused, capped by ``torch.cuda.set_per_process_memory_fraction``."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    available = free + torch.cuda.memory_reserved(device) - allocated
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        available = min(available, total * get_fraction(device) - allocated)
+    return available
+
+
 class TreeRuntime:
     """Tree training for a causal LM.
 
@@ -145,7 +164,7 @@ class TreeRuntime:
         model: a transformers causal LM (Llama, Qwen2, Qwen3, Mistral, ... any model
             using transformers' attention interface), or a module implementing
             :class:`dtree.models.TreeModule`.
-        mode: ``"retain"`` or ``"recompute"`` (see module docstring).
+        mode: ``"auto"`` (default), ``"retain"`` or ``"recompute"`` (see module docstring).
         chunk_size: longest segment in tokens; longer trie nodes are split.
         group_tokens: token budget of one packed model call (sibling nodes and nodes
             of different trees run together). 0 runs one segment per call.
@@ -163,7 +182,7 @@ class TreeRuntime:
         self,
         model: torch.nn.Module,
         *,
-        mode: str = "retain",
+        mode: str = "auto",
         chunk_size: int = 2048,
         group_tokens: int = 8192,
         attention: str = "auto",
@@ -468,7 +487,7 @@ class TreeRuntime:
         t0 = time.perf_counter()
         terms = _loss_terms(sched, weights)
         with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
-            total, term_log, calls, peak = self._walk(sched, terms, forest, weights, field_names, per_token)
+            total, term_log, calls, peak, recomputed = self._walk(sched, terms, forest, weights, field_names, per_token)
             loss_value = float(total)  # the step's one device sync
             if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
                 raise_non_finite(forest, terms.loss_lin, term_log)
@@ -482,26 +501,52 @@ class TreeRuntime:
             stack_tokens=sched.stack_tokens,
             peak_graph_tokens=peak,
             seconds=time.perf_counter() - t0,
+            metrics={
+                "mode": self.mode,
+                "attention": self.attention,
+                "groups": sched.num_groups,
+                "recomputed_tokens": recomputed,
+            },
         )
 
+    def _retain_budget(self, sched: Schedule) -> float:
+        """Tokens whose graphs may be alive at once: unbounded in retain mode (and on
+        CPU), 0 in recompute mode; in auto mode what fits in 80% of the free device
+        memory after the stack and one LM-head chunk."""
+        if self.mode == "retain" or (self.mode == "auto" and self.device.type != "cuda"):
+            return float("inf")
+        if self.mode == "recompute":
+            return 0.0
+        free = _free_device_memory(self.device)
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        spec = self.spec
+        stack = 0 if self._stack is not None and self._stack.capacity >= sched.stack_tokens else (
+            sched.stack_tokens * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * (itemsize + 4)
+        )
+        logits = self.logprob_chunk * spec.vocab_size * (itemsize + 8)
+        return max(0.0, 0.8 * free - stack - logits) / spec.activation_bytes_per_token(itemsize)
+
     def _walk(self, sched, terms, forest, weights, field_names, per_token):
+        budget = self._retain_budget(sched)
         stack = self._get_stack(sched.stack_tokens, with_grad=True)
         dev = self._to_device(forest, sched, terms, weights, field_names)
-        has_children = np.zeros(sched.num_groups, dtype=bool)
-        for plan in sched.groups:
-            if plan.parent >= 0:
-                has_children[plan.parent] = True
         live: dict[int, _GroupState] = {}
         term_log: list[torch.Tensor] = []
         total = torch.zeros((), dtype=compute_dtype(self.dtype), device=self.device)
-        calls = live_tokens = peak = 0
+        calls = live_tokens = peak = recomputed = 0
         for kind, g in self._events(sched):
             plan = sched.groups[g]
             lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
             if kind == FORWARD:
-                stack.zero_grad(lo, hi)
                 calls += 1
-                if self.mode == "retain":
+                if plan.is_leaf:  # once, with grad, and backward at once (see module docstring)
+                    with torch.enable_grad():
+                        state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=False)
+                    peak = max(peak, live_tokens + plan.num_tokens)
+                    total = self._finish_group(state, stack, lo, hi, total, seed_kv=False)
+                    continue
+                stack.zero_grad(lo, hi)
+                if live_tokens + plan.num_tokens <= budget:
                     with torch.enable_grad():
                         live[g] = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=True)
                     live_tokens += plan.num_tokens
@@ -510,17 +555,24 @@ class TreeRuntime:
                     with torch.no_grad():
                         self._hidden(sched, g, stack, dev, push=True, record=False)
                 continue
-            if self.mode == "retain":
+            if plan.is_leaf:
+                continue
+            if g in live:
                 state = live.pop(g)
                 live_tokens -= plan.num_tokens
             else:
                 calls += 1
+                recomputed += plan.num_tokens
                 with torch.enable_grad():
                     # K/V are on the stack already; pushing again would only rewrite them
                     state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=False)
-                peak = max(peak, plan.num_tokens)
-            if state.loss is not None:
-                total = total + state.loss.detach()
-            self._backward_group(state, stack, lo, hi, seed_kv=bool(has_children[g]))
-            del state
-        return total, term_log, calls, peak
+                peak = max(peak, live_tokens + plan.num_tokens)
+            total = self._finish_group(state, stack, lo, hi, total, seed_kv=True)
+        return total, term_log, calls, peak, recomputed
+
+    def _finish_group(self, state: _GroupState, stack: KVStack, lo: int, hi: int, total, seed_kv: bool):
+        """Backward of one group; returns the running loss sum."""
+        if state.loss is not None:
+            total = total + state.loss.detach()
+        self._backward_group(state, stack, lo, hi, seed_kv=seed_kv)
+        return total

@@ -57,10 +57,16 @@ class GroupPlan:
     segments: list[int]
     seg_q_offsets: np.ndarray
     seg_prefix_ranges: list[tuple[tuple[int, int], ...]]
+    num_children: int = 0
 
     @property
     def num_segments(self) -> int:
         return len(self.segments)
+
+    @property
+    def is_leaf(self) -> bool:
+        """No child group: nothing ever reads this group's K/V."""
+        return self.num_children == 0
 
     def prefix_length(self, i: int) -> int:
         return sum(hi - lo for lo, hi in self.seg_prefix_ranges[i])
@@ -99,13 +105,6 @@ class Schedule:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
-
-    def group_children(self) -> list[list[int]]:
-        kids: list[list[int]] = [[] for _ in self.groups]
-        for g, plan in enumerate(self.groups):
-            if plan.parent >= 0:
-                kids[plan.parent].append(g)
-        return kids
 
 
 def _segments(forest: Forest, chunk_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
@@ -154,16 +153,22 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     seg_row = np.zeros(num_segs, dtype=np.int64)  # first row of the segment within its group
 
     def pack(segs: list[int], parent: int, stack_start: int) -> list[int]:
-        """Greedy packing of ``segs`` (in order) into groups of <= group_tokens tokens."""
+        """Greedy packing of ``segs`` (in order) into groups of <= group_tokens tokens.
+
+        Segments with children and leaf segments go into separate groups: a group of
+        leaves has no descendants, so it runs once with grad and backpropagates at
+        once in every mode, while a group with children must keep its graph (retain)
+        or run again (recompute); mixing the two would recompute the leaves too."""
         bins: list[list[int]] = []
-        size = 0
-        for s in segs:
-            n = int(seg_len[s])
-            if not bins or group_tokens == 0 or size + n > group_tokens:
-                bins.append([])
-                size = 0
-            bins[-1].append(s)
-            size += n
+        for kind in ([s for s in segs if seg_children[s]], [s for s in segs if not seg_children[s]]):
+            size = 0
+            for i, s in enumerate(kind):
+                n = int(seg_len[s])
+                if i == 0 or group_tokens == 0 or size + n > group_tokens:
+                    bins.append([])
+                    size = 0
+                bins[-1].append(s)
+                size += n
         ids = []
         for b in bins:
             gid = len(groups)
@@ -190,7 +195,9 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         high_water = max(high_water, top)
         frontier = [c for s in plan.segments for c in seg_children[s]]
         todo.append((gid, False))
-        todo.extend((g, True) for g in reversed(pack(frontier, gid, top)))
+        kids = pack(frontier, gid, top)
+        plan.num_children = len(kids)
+        todo.extend((g, True) for g in reversed(kids))
 
     # --- stack slots and ancestor ranges (parents precede children in segment order)
     seg_slot = np.array([groups[seg_group[s]].stack_start for s in range(num_segs)], dtype=np.int64) + seg_row

@@ -183,3 +183,22 @@ def test_compiled_layers_are_exact():
         make_model("qwen2", tied=True), EDGE_CASES["branch_point_many_children"], rt_kw=dict(compile=True, chunk_size=3)
     )
     assert_exact(out, ref, errs)
+
+
+def test_auto_mode_retains_within_budget_and_recomputes_the_rest(monkeypatch):
+    """auto mode with a tiny retain budget: outer groups retained, deeper ones
+    recomputed, leaf groups run once; gradients unchanged."""
+    monkeypatch.setattr(dtree.TreeRuntime, "_retain_budget", lambda self, sched: 6)
+    seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 10, 11], [1, 2, 3, 12, 13, 14, 15], [1, 2, 16]]
+    out, ref, errs = run_both(make_model("llama"), seqs, rt_kw=dict(mode="auto", chunk_size=2, group_tokens=0))
+    assert_exact(out, ref, errs)
+    assert 0 < out.metrics["recomputed_tokens"] < out.num_unique_tokens
+    assert out.peak_graph_tokens <= 6 + 2  # budget + one chunk being recomputed
+
+
+def test_leaf_groups_run_once_in_recompute_mode():
+    seqs = [[1, 2, 3, 4] + [10 + i] * 3 for i in range(4)]  # a prompt and 4 leaf answers
+    forest = dtree.Forest.from_sequences(seqs)
+    out = dtree.TreeRuntime(make_model("llama"), mode="recompute", group_tokens=64).forward_backward(forest, dtree.losses.nll())
+    assert out.num_model_calls == 3  # prompt: push + recompute; the answers' group: once
+    assert out.metrics["recomputed_tokens"] == 4

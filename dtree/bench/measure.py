@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["MethodResult", "measure_method", "peak_tflops", "device_name"]
+__all__ = ["MethodResult", "measure_method", "peak_tflops", "device_name", "limit_memory"]
 
 # Dense bf16/fp16 tensor-core peaks (vendor datasheets, TFLOP/s); MFU uses these.
 _PEAK_TFLOPS_16BIT = {
@@ -37,6 +37,17 @@ def device_name(device: torch.device) -> str:
     import platform
 
     return f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+
+
+def limit_memory(device: torch.device, gib: float) -> None:
+    """Let this process allocate at most ``gib`` GiB on ``device`` (e.g. to measure an
+    80 GB GPU's behaviour on an H200); allocations past it raise out-of-memory."""
+    if device.type != "cuda":
+        raise ValueError("a memory limit needs a CUDA device")
+    total = torch.cuda.get_device_properties(device).total_memory
+    if gib * 2**30 > total:
+        raise ValueError(f"memory limit {gib} GiB exceeds the device's {total / 2**30:.1f} GiB")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -95,7 +95,8 @@ def _markdown(report: dict) -> str:
         f"{wl['unique_tokens']:,} unique / {wl['linearized_tokens']:,} linearized tokens, "
         f"compression {wl['compression_ratio']:.2f}x (FLOP-weighted {wl['flop_compression_ratio']:.2f}x), "
         f"longest path {wl['max_path_length']:,} tokens",
-        f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}",
+        f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}"
+        + (f"; GPU memory capped at {report['memory_limit_gib']:g} GiB" if report.get("memory_limit_gib") else ""),
         f"- loss: {report['loss']}; step = forward + backward over the whole forest; median of "
         f"{report['repeats']} after {report['warmup']} warm-up",
         "",

@@ -16,7 +16,7 @@ import torch
 
 from ..baselines import METHODS
 from ..presets import DTYPES, MODEL_PRESETS, build_model
-from .measure import MethodResult, device_name, measure_method, peak_tflops
+from .measure import MethodResult, device_name, limit_memory, measure_method, peak_tflops
 from .report import environment, format_table, write_reports
 
 __all__ = ["add_bench_parser", "run_bench"]
@@ -69,6 +69,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model's decoder layers (applies to every method alike)")
+    p.add_argument("--memory-limit-gib", type=float, default=None,
+                   help="cap this process's GPU memory (e.g. 80 to emulate an 80 GB GPU on a larger one)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -133,6 +135,8 @@ def run_bench(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
     method_opts = _method_options(_parse_assignments(args.opt, "--opt"), methods)
 
+    if args.memory_limit_gib:
+        limit_memory(device, args.memory_limit_gib)
     print(f"dtree bench: {model_name} ({dtype}) on {device_name(device)}", flush=True)
     model = build_model(model_name, dtype=dtype, device=device, seed=args.seed)
     from ..models import adapt
@@ -210,6 +214,7 @@ def run_bench(args: argparse.Namespace) -> int:
         },
         "loss": loss_desc,
         "compiled_layers": bool(args.compile),
+        "memory_limit_gib": args.memory_limit_gib,
         "warmup": args.warmup,
         "repeats": args.repeats,
         "method_options": method_opts,
