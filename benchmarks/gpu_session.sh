@@ -5,6 +5,7 @@
 #
 # Stages:
 #   env        versions, GPU, varlen_attn signature
+#   gputests   the runtime's and the kernel's GPU tests only
 #   tests      pytest -m gpu (fixed Triton config: autotuning every test case would
 #              spend minutes compiling)
 #   ext        scripts/check_ext_gpu.py (CUDA build of the KV-stack extension)
@@ -49,6 +50,8 @@ except Exception as e:
     print("varlen_attn unavailable:", e)
 PY
       ;;
+    gputests) DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -q -p no:cacheprovider --timeout 240 -rfE \
+             tests/test_runtime_gpu.py tests/test_stack_attention_triton.py -m gpu ;;
     tests) DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider --timeout 240 -rfE tests ;;
     ext) timeout "$secs" python scripts/check_ext_gpu.py --no-large ;;
     kernel) timeout "$secs" python benchmarks/bench_stack_attention.py --out "$RES" ;;
@@ -84,6 +87,12 @@ PY
              --config dtree --config dtree:group_tokens=16384 --config dtree:mode=recompute \
              --config dtree:mode=recompute,group_tokens=16384 --config tree-mask \
              --config tree-mask:max_tokens_per_batch=16384 --config tree-mask:max_tokens_per_batch=8192 --out "$RES" ;;
+    sweepa) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name agentic-1tree \
+             --set num_trees=1 --config tree-mask --config dtree --config dtree:group_tokens=16384 \
+             --config dtree:group_tokens=4096 --config dtree:mode=recompute --out "$RES" ;;
+    sweepac) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name agentic-1tree-compiled \
+             --compile --set num_trees=1 --config tree-mask --config dtree --config dtree:group_tokens=16384 \
+             --config dtree:group_tokens=4096 --config dtree:mode=recompute --out "$RES" ;;
     *) echo "unknown stage $name"; false ;;
   esac
   local rc=$?

@@ -418,6 +418,7 @@ class TreeRuntime:
             q_offsets=plan.seg_q_offsets,
             own_slot=plan.stack_start + plan.seg_q_offsets[:-1],
             prefix_ranges=plan.seg_prefix_ranges,
+            call_slots=(plan.stack_start, plan.stack_start + plan.num_tokens) if plan.in_call_ancestors else None,
         )
 
     def _hidden(
@@ -457,7 +458,9 @@ class TreeRuntime:
         loss = self._group_loss(g, hidden, terms, dev, per_token, term_log)
         return _GroupState(loss=loss, own=attends[0].own)
 
-    def _backward_group(self, state: _GroupState, stack: KVStack, lo: int, hi: int, seed_kv: bool) -> None:
+    def _backward_group(
+        self, state: _GroupState, stack: KVStack, lo: int, hi: int, seed_kv: bool, clear: bool = False
+    ) -> None:
         tensors: list[torch.Tensor] = []
         grads: list[torch.Tensor] = []
         if state.loss is not None:
@@ -468,8 +471,11 @@ class TreeRuntime:
             if missing:
                 raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
             dtype = state.own[0][0].dtype
-            # one conversion kernel for all layers, not two per layer
-            gk_all, gv_all = (g[:, lo:hi].to(dtype) for g in (stack.grad_k, stack.grad_v))
+            # one conversion kernel for all layers, not two per layer (a copy even in float32,
+            # since clearing the slots below must not clear the seeds)
+            gk_all, gv_all = (g[:, lo:hi].to(dtype, copy=True) for g in (stack.grad_k, stack.grad_v))
+            if clear:
+                stack.zero_grad(lo, hi)
             for layer, (k, v) in enumerate(state.own):
                 tensors += [k, v]
                 grads += [gk_all[layer], gv_all[layer]]
@@ -540,8 +546,12 @@ class TreeRuntime:
             if kind == FORWARD:
                 calls += 1
                 if plan.is_leaf:  # once, with grad, and backward at once (see module docstring)
+                    if plan.in_call_ancestors:  # its segments read each other through the stack
+                        stack.zero_grad(lo, hi)
                     with torch.enable_grad():
-                        state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=False)
+                        state = self._run_group(
+                            sched, g, stack, terms, dev, per_token, term_log, push=plan.in_call_ancestors
+                        )
                     peak = max(peak, live_tokens + plan.num_tokens)
                     total = self._finish_group(state, stack, lo, hi, total, seed_kv=False)
                     continue
@@ -567,12 +577,16 @@ class TreeRuntime:
                     # K/V are on the stack already; pushing again would only rewrite them
                     state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, push=False)
                 peak = max(peak, live_tokens + plan.num_tokens)
-            total = self._finish_group(state, stack, lo, hi, total, seed_kv=True)
+            total = self._finish_group(state, stack, lo, hi, total, seed_kv=True, clear=plan.in_call_ancestors)
         return total, term_log, calls, peak, recomputed
 
-    def _finish_group(self, state: _GroupState, stack: KVStack, lo: int, hi: int, total, seed_kv: bool):
-        """Backward of one group; returns the running loss sum."""
+    def _finish_group(
+        self, state: _GroupState, stack: KVStack, lo: int, hi: int, total, seed_kv: bool, clear: bool = False
+    ):
+        """Backward of one group; returns the running loss sum. ``clear``: empty the
+        group's gradient slots once the seeds are read, for the in-call attention
+        gradients the backward adds there (``dtree.ops.stack_attention._InCallGrad``)."""
         if state.loss is not None:
             total = total + state.loss.detach()
-        self._backward_group(state, stack, lo, hi, seed_kv=seed_kv)
+        self._backward_group(state, stack, lo, hi, seed_kv=seed_kv, clear=clear)
         return total

@@ -6,12 +6,13 @@ Terms:
   becomes a chain of segments, so one huge node never sets the memory peak.
   Segments form a tree like the trie's nodes.
 * **group**: the segments that go through the model in one call (packed varlen).
-  A group's segments have their parents in the parent group (or are roots), so a
-  group can run as soon as its parent group has pushed its K/V. With
-  ``group_tokens=0`` every group holds one segment: plain node-by-node DFS.
-  Otherwise the children of a group's segments (its *frontier*) are packed greedily
-  into child groups of at most ``group_tokens`` tokens: siblings that share a
-  prefix, and nodes of different trees, run in one call.
+  Every segment's parent is in the same group or an ancestor group, so a group can
+  run as soon as its parent group has pushed its K/V. With ``group_tokens=0`` every
+  group holds one segment: plain node-by-node DFS. Otherwise the children of a
+  group's segments (its *frontier*) are packed greedily into child groups of at most
+  ``group_tokens`` tokens: siblings that share a prefix, and nodes of different
+  trees, run in one call, and a segment whose whole subtree fits comes with its
+  subtree (small subtrees take one call, not one per level).
 * **events**: the depth-first walk over the group tree: ``forward(g)``, then all
   child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
   Python's recursion limit.
@@ -58,6 +59,7 @@ class GroupPlan:
     seg_q_offsets: np.ndarray
     seg_prefix_ranges: list[tuple[tuple[int, int], ...]]
     num_children: int = 0
+    in_call_ancestors: bool = False  # some segment attends to another segment of this call
 
     @property
     def num_segments(self) -> int:
@@ -147,27 +149,42 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     seg_start, seg_len, seg_parent, seg_children = _segments(forest, chunk_size)
     num_segs = len(seg_start)
 
+    # --- subtree extents: segment ids are in preorder, so a subtree is a contiguous range
+    sub_count = np.ones(num_segs, dtype=np.int64)
+    sub_tokens = seg_len.astype(np.int64).copy()
+    for s in range(num_segs - 1, -1, -1):
+        p = seg_parent[s]
+        if p >= 0:
+            sub_count[p] += sub_count[s]
+            sub_tokens[p] += sub_tokens[s]
+
     # --- groups, as a tree, and the DFS event list over it (explicit stack)
     groups: list[GroupPlan] = []
     seg_group = np.full(num_segs, -1, dtype=np.int64)
     seg_row = np.zeros(num_segs, dtype=np.int64)  # first row of the segment within its group
 
     def pack(segs: list[int], parent: int, stack_start: int) -> list[int]:
-        """Greedy packing of ``segs`` (in order) into groups of <= group_tokens tokens.
+        """Greedy packing of the frontier ``segs`` (in order) into groups of at most
+        ``group_tokens`` tokens.
 
-        Segments with children and leaf segments go into separate groups: a group of
-        leaves has no descendants, so it runs once with grad and backpropagates at
+        A segment whose whole subtree fits the budget brings the subtree along: its
+        descendants run in the same call, attending to their in-call ancestors
+        through the stack, which saves a call per level of a deep, thin tree. Such
+        closed subtrees and the segments whose subtrees are too large go into separate
+        groups: a group with no child group runs once with grad and backpropagates at
         once in every mode, while a group with children must keep its graph (retain)
-        or run again (recompute); mixing the two would recompute the leaves too."""
+        or run again (recompute); mixing the two would recompute the closed part too."""
+        open_units = [[s] for s in segs if not group_tokens or sub_tokens[s] > group_tokens]
+        closed_units = [list(range(s, s + sub_count[s])) for s in segs if group_tokens and sub_tokens[s] <= group_tokens]
         bins: list[list[int]] = []
-        for kind in ([s for s in segs if seg_children[s]], [s for s in segs if not seg_children[s]]):
+        for units in (open_units, closed_units):
             size = 0
-            for i, s in enumerate(kind):
-                n = int(seg_len[s])
+            for i, unit in enumerate(units):
+                n = int(seg_len[unit].sum())
                 if i == 0 or group_tokens == 0 or size + n > group_tokens:
                     bins.append([])
                     size = 0
-                bins[-1].append(s)
+                bins[-1].extend(unit)
                 size += n
         ids = []
         for b in bins:
@@ -193,7 +210,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         events.append((FORWARD, gid))
         top = plan.stack_start + plan.num_tokens
         high_water = max(high_water, top)
-        frontier = [c for s in plan.segments for c in seg_children[s]]
+        frontier = [c for s in plan.segments for c in seg_children[s] if seg_group[c] != gid]
         todo.append((gid, False))
         kids = pack(frontier, gid, top)
         plan.num_children = len(kids)
@@ -214,6 +231,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
             seg_ranges[s] = ranges + ((lo, hi),)
     for plan in groups:
         plan.seg_prefix_ranges = [seg_ranges[s] for s in plan.segments]
+        plan.in_call_ancestors = any(hi > plan.stack_start for r in plan.seg_prefix_ranges for _, hi in r)
 
     # --- rows: unique tokens of each group in pack order
     row_offsets = np.zeros(len(groups) + 1, dtype=np.int64)

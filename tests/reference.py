@@ -8,7 +8,7 @@ import torch
 
 def path_logprobs(model, seq: list[int]) -> torch.Tensor:
     """[len-1] log p(s[t] | s[:t]) from a plain HF forward over the one sequence."""
-    x = torch.tensor([seq])
+    x = torch.tensor([seq], device=next(model.parameters()).device)
     logits = model(input_ids=x).logits[0, :-1]
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
     return torch.log_softmax(logits.to(dt), -1).gather(-1, x[0, 1:, None]).squeeze(-1)
@@ -39,7 +39,7 @@ def linearized_step(model, sequences, fields=None, kind="nll", reduction="token_
     for s, seq in enumerate(sequences):
         lp = path_logprobs(model, list(seq))
         lps.append(lp.detach())
-        f = {n: torch.as_tensor(v[s][1:], dtype=lp.dtype) for n, v in fields.items()}
+        f = {n: torch.as_tensor(v[s][1:], dtype=lp.dtype, device=lp.device) for n, v in fields.items()}
         m = f.get("loss_mask", torch.ones_like(lp))
         masks.append(m)
         per_seq_terms.append(per_token_loss(kind, lp, f, **kw) * m)

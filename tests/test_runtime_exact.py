@@ -177,6 +177,21 @@ def test_two_pass_non_separable_loss():
     assert abs(out.loss - ref.item()) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+@pytest.mark.parametrize("attention", ["reference", "sdpa"])
+def test_subtrees_in_one_call(mode, attention):
+    """Whole subtrees in one call: segments attend to in-call ancestors through the
+    stack, and their gradients come back through it (chunks, branches, deep chains)."""
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    for budget in (6, 11, 1000):
+        out, ref, errs = run_both(
+            make_model("qwen3", tied=True), seqs, rt_kw=dict(mode=mode, attention=attention, chunk_size=3, group_tokens=budget)
+        )
+        assert_exact(out, ref, errs)
+        if budget == 1000:
+            assert out.num_model_calls == 1  # the whole forest, every tree, one call
+
+
 def test_compiled_layers_are_exact():
     """torch.compile'd decoder layers (attention left eager between compiled graphs)."""
     out, ref, errs = run_both(
@@ -199,6 +214,8 @@ def test_auto_mode_retains_within_budget_and_recomputes_the_rest(monkeypatch):
 def test_leaf_groups_run_once_in_recompute_mode():
     seqs = [[1, 2, 3, 4] + [10 + i] * 3 for i in range(4)]  # a prompt and 4 leaf answers
     forest = dtree.Forest.from_sequences(seqs)
-    out = dtree.TreeRuntime(make_model("llama"), mode="recompute", group_tokens=64).forward_backward(forest, dtree.losses.nll())
+    # budget 12: the 16-token tree does not fit one call, the 4 answers (12 tokens) do
+    rt = dtree.TreeRuntime(make_model("llama"), mode="recompute", group_tokens=12)
+    out = rt.forward_backward(forest, dtree.losses.nll())
     assert out.num_model_calls == 3  # prompt: push + recompute; the answers' group: once
     assert out.metrics["recomputed_tokens"] == 4

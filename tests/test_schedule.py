@@ -71,7 +71,13 @@ def test_dfs_stack_is_the_longest_path():
 
 def test_siblings_and_trees_share_calls():
     grpo = [[1, 2, 3] + [10 + g] * 4 for g in range(8)] + [[5, 6] + [20 + g] * 3 for g in range(4)]
-    s = build_schedule(Forest.from_sequences(grpo), chunk_size=64, group_tokens=64)
-    # one call for both prompts, one for all 12 answers
-    assert s.num_groups == 2
-    assert [g.num_segments for g in s.groups] == [2, 12]
+    f = Forest.from_sequences(grpo)
+    # both trees (35 + 14 tokens) fit one call: one group, 14 segments
+    s = build_schedule(f, chunk_size=64, group_tokens=64)
+    assert [g.num_segments for g in s.groups] == [14]
+    assert s.groups[0].in_call_ancestors and s.groups[0].is_leaf
+    # budget 33: the first tree does not fit; its prompt runs alone, the second tree whole,
+    # then the 8 answers (32 tokens) together
+    s = build_schedule(f, chunk_size=64, group_tokens=33)
+    assert [(g.num_segments, g.num_tokens) for g in s.groups] == [(1, 3), (5, 14), (8, 32)]
+    assert [g.parent for g in s.groups] == [-1, -1, 0]

@@ -44,6 +44,8 @@ def limit_memory(device: torch.device, gib: float) -> None:
     80 GB GPU's behaviour on an H200); allocations past it raise out-of-memory."""
     if device.type != "cuda":
         raise ValueError("a memory limit needs a CUDA device")
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     if gib * 2**30 > total:
         raise ValueError(f"memory limit {gib} GiB exceeds the device's {total / 2**30:.1f} GiB")

@@ -55,11 +55,15 @@ class SegmentLayout:
         q_offsets: [S+1] row offsets of the segments in the call.
         own_slot: [S] stack slot of each segment's first own token.
         prefix_ranges: per segment, ancestor slot ranges ``((lo, hi), ...)``.
+        call_slots: ``(lo, hi)``, the call's own stack slots, when some of its segments
+            have ancestors in the same call (their slots are then inside prefix
+            ranges); None otherwise.
     """
 
     q_offsets: np.ndarray
     own_slot: np.ndarray
     prefix_ranges: list[tuple[tuple[int, int], ...]]
+    call_slots: tuple[int, int] | None = None
     _index_cache: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -237,8 +241,36 @@ def stack_attention_sdpa(
     return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa)
 
 
+class _InCallGrad(torch.autograd.Function):
+    """Identity on the call's own (k, v) whose backward adds what the call's segments
+    sent each other through the stack.
+
+    A segment whose ancestor runs in the same call reads that ancestor's K/V from the
+    stack like any prefix, so the backends add its dK/dV into the stack's gradient
+    slots of this very call. Those belong in this call's own dK/dV: this backward runs
+    after every attention backward that consumed (k, v) at this layer (autograd waits
+    for all of an output's consumers), and adds the slots in. The runtime clears the
+    call's slots before the call's backward, so they hold only these contributions.
+    """
+
+    @staticmethod
+    def forward(ctx, k, v, stack: KVStack, layer: int, lo: int, hi: int):
+        ctx.stack, ctx.layer, ctx.lo, ctx.hi = stack, layer, lo, hi
+        return k.view_as(k), v.view_as(v)
+
+    @staticmethod
+    def backward(ctx, gk, gv):
+        sk = ctx.stack.grad_k[ctx.layer, ctx.lo : ctx.hi]
+        sv = ctx.stack.grad_v[ctx.layer, ctx.lo : ctx.hi]
+        gk = sk.to(gk.dtype) if gk is None else gk + sk.to(gk.dtype)
+        gv = sv.to(gv.dtype) if gv is None else gv + sv.to(gv.dtype)
+        return gk, gv, None, None, None, None
+
+
 def stack_attention(q, k, v, stack, layer, layout, scale, backend: str = "sdpa") -> torch.Tensor:
     """Dispatch to a backend by name (see module docstring)."""
+    if layout.call_slots is not None and stack.has_grad and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+        k, v = _InCallGrad.apply(k, v, stack, layer, *layout.call_slots)
     if backend == "reference":
         return stack_attention_reference(q, k, v, stack, layer, layout, scale)
     if backend == "sdpa":
