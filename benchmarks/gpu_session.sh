@@ -90,9 +90,19 @@ PY
     sweepa) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name agentic-1tree \
              --set num_trees=1 --config tree-mask --config dtree --config dtree:group_tokens=16384 \
              --config dtree:group_tokens=4096 --config dtree:mode=recompute --out "$RES" ;;
+    profile1c) timeout "$secs" python benchmarks/profile_step.py --model qwen2.5-1.5b --workload grpo $CASE1 --compile \
+             --config dtree --config dtree:group_tokens=2048 --config tree-mask --name _compiled --out "$RES" ;;
+    sweep1c3) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload grpo $CASE1 --name case1-compiled-3 \
+             --compile --config tree-mask --config dtree --config dtree:group_tokens=4096 --config dtree:group_tokens=2048 \
+             --out "$RES" ;;
+    sweep2c3) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name case2-80gb-compiled-3 \
+             --repeats 2 --memory-limit-gib 80 --compile --set num_trees=1 --set target_unique_tokens=65536 \
+             --config dtree --config dtree:group_tokens=16384 --config dtree:group_tokens=32768 \
+             --config dtree:mode=recompute,group_tokens=8192 --config tree-mask:max_tokens_per_batch=16384 \
+             --config tree-mask:max_tokens_per_batch=32768 --out "$RES" ;;
     sweepac) timeout "$secs" python benchmarks/sweep.py --model qwen2.5-1.5b --workload agentic --name agentic-1tree-compiled \
-             --compile --set num_trees=1 --config tree-mask --config dtree --config dtree:group_tokens=16384 \
-             --config dtree:group_tokens=4096 --config dtree:mode=recompute --out "$RES" ;;
+             --compile --set num_trees=1 --config tree-mask --config dtree --config dtree:group_tokens=8192 \
+             --config dtree:group_tokens=4096 --out "$RES" ;;
     *) echo "unknown stage $name"; false ;;
   esac
   local rc=$?

@@ -45,13 +45,17 @@ def profile(runner, forest, loss, model, steps: int = 2):
         runner.forward_backward(forest, loss)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    cpu = defaultdict(float)
+    for evt in prof.key_averages():
+        if evt.device_type == torch.autograd.DeviceType.CPU:
+            cpu[evt.key] += evt.self_cpu_time_total
     kernels = defaultdict(lambda: [0.0, 0])
     for evt in prof.events():
         if evt.device_type == torch.autograd.DeviceType.CUDA:
             k = kernels[evt.name]
             k[0] += evt.device_time_total if hasattr(evt, "device_time_total") else evt.cuda_time_total
             k[1] += 1
-    return wall, kernels
+    return wall, kernels, cpu
 
 
 def main() -> int:
@@ -62,13 +66,19 @@ def main() -> int:
     p.add_argument("--config", action="append", default=[], help="METHOD[:key=value,...] (repeatable)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--out", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers")
+    p.add_argument("--name", default="")
     args = p.parse_args()
     model, forest, loss, _ = setup(args.model, args.workload, args.overrides)
+    if args.compile:
+        from dtree.models import compile_layers
+
+        compile_layers(model)
     lines = [f"# profile: {args.model} / {args.workload} {args.overrides}", ""]
     for cfg in args.config or ["dtree", "tree-mask"]:
         method, kw = parse_config(cfg)
         runner = make_method(method, model, **kw)
-        wall, kernels = profile(runner, forest, loss, model)
+        wall, kernels, cpu = profile(runner, forest, loss, model)
         busy = sum(v[0] for v in kernels.values()) / 1e6
         launches = sum(v[1] for v in kernels.values())
         groups = defaultdict(float)
@@ -84,6 +94,9 @@ def main() -> int:
         ]
         for name, (us, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]:
             lines.append(f"| `{name[:90]}` | {us / 1e3:.2f} | {n} |")
+        lines += ["", f"CPU (self time, total {sum(cpu.values()) / 1e3:.1f} ms):", "", "| op | ms |", "|---|---|"]
+        for name, us in sorted(cpu.items(), key=lambda kv: -kv[1])[: args.top]:
+            lines.append(f"| `{name[:90]}` | {us / 1e3:.2f} |")
         lines.append("")
         del runner
         torch.cuda.empty_cache()
@@ -91,7 +104,7 @@ def main() -> int:
     print(text)
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        with open(os.path.join(args.out, f"profile_{args.model}_{args.workload}.md"), "w") as f:
+        with open(os.path.join(args.out, f"profile_{args.model}_{args.workload}{args.name}.md"), "w") as f:
             f.write(text + "\n")
     return 0
 

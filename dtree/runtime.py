@@ -166,8 +166,10 @@ class TreeRuntime:
             :class:`dtree.models.TreeModule`.
         mode: ``"auto"`` (default), ``"retain"`` or ``"recompute"`` (see module docstring).
         chunk_size: longest segment in tokens; longer trie nodes are split.
-        group_tokens: token budget of one packed model call (sibling nodes and nodes
-            of different trees run together). 0 runs one segment per call.
+        group_tokens: token budget of one packed model call (sibling nodes, nodes of
+            different trees and whole small subtrees run together). 0 runs one segment
+            per call. None (default): 8192 on CPU; on CUDA what fits in a third of the
+            free memory by the activation estimate, between ``chunk_size`` and 32768.
         attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
             ``"triton"``, ``"sdpa"`` or ``"reference"``.
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)).
@@ -184,7 +186,7 @@ class TreeRuntime:
         *,
         mode: str = "auto",
         chunk_size: int = 2048,
-        group_tokens: int = 8192,
+        group_tokens: int | None = None,
         attention: str = "auto",
         logprob_chunk: int = 4096,
         stack_capacity: int | None = None,
@@ -195,7 +197,7 @@ class TreeRuntime:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention != "auto" and attention not in BACKENDS:
             raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
-        if chunk_size < 1 or group_tokens < 0 or logprob_chunk < 1:
+        if chunk_size < 1 or (group_tokens is not None and group_tokens < 0) or logprob_chunk < 1:
             raise ValueError("chunk_size and logprob_chunk must be >= 1 and group_tokens >= 0")
         self.module = model
         self.model: TreeModule = adapt(model)
@@ -238,7 +240,7 @@ class TreeRuntime:
     def plan(self, forest: Forest) -> Schedule:
         """Validate ``forest`` against the model and build its schedule."""
         validate_forest(forest, self.spec)
-        sched = build_schedule(forest, self.chunk_size, self.group_tokens)
+        sched = build_schedule(forest, self.chunk_size, self._group_budget())
         if self.stack_capacity is not None and sched.stack_tokens > self.stack_capacity:
             lengths = forest.sequence_lengths()
             s = int(np.argmax(lengths))
@@ -511,9 +513,22 @@ class TreeRuntime:
                 "mode": self.mode,
                 "attention": self.attention,
                 "groups": sched.num_groups,
+                "group_tokens": sched.group_tokens,
                 "recomputed_tokens": recomputed,
             },
         )
+
+    def _group_budget(self) -> int:
+        """Tokens per model call: ``group_tokens``, or the automatic choice (see the
+        class docstring): large calls keep the GPU busy, and one call's activations
+        must fit with room left for the graphs retain mode keeps."""
+        if self.group_tokens is not None:
+            return self.group_tokens
+        if self.device.type != "cuda":
+            return 8192
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
+        fit = _free_device_memory(self.device) / 3 / self.spec.activation_bytes_per_token(itemsize)
+        return int(min(32768, max(self.chunk_size, fit // 1024 * 1024)))
 
     def _retain_budget(self, sched: Schedule) -> float:
         """Tokens whose graphs may be alive at once: unbounded in retain mode (and on

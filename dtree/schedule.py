@@ -163,18 +163,36 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     seg_group = np.full(num_segs, -1, dtype=np.int64)
     seg_row = np.zeros(num_segs, dtype=np.int64)  # first row of the segment within its group
 
+    def fill(s: int) -> list[int]:
+        """``s`` and, breadth first, those of its descendants that would need a group
+        of their own anyway (their subtrees do not fit one call), while they fit the
+        budget: a long prompt's chunk chain and the first branch levels below it
+        share a call. Descendants whose subtrees fit one call are left to closed
+        groups, which run once even in recompute mode."""
+        unit, size = [s], int(seg_len[s])
+        queue = list(seg_children[s]) if group_tokens else []
+        while queue:
+            c = queue.pop(0)
+            if sub_tokens[c] > group_tokens and size + seg_len[c] <= group_tokens:
+                unit.append(c)
+                size += int(seg_len[c])
+                queue.extend(seg_children[c])
+        return unit
+
     def pack(segs: list[int], parent: int, stack_start: int) -> list[int]:
         """Greedy packing of the frontier ``segs`` (in order) into groups of at most
         ``group_tokens`` tokens.
 
         A segment whose whole subtree fits the budget brings the subtree along: its
         descendants run in the same call, attending to their in-call ancestors
-        through the stack, which saves a call per level of a deep, thin tree. Such
-        closed subtrees and the segments whose subtrees are too large go into separate
+        through the stack, which saves a call per level of a deep, thin tree. A
+        segment whose subtree is too large brings the parts of it that are too large as
+        well, while they fit (:func:`fill`).
+        Closed subtrees and the units that leave children behind go into separate
         groups: a group with no child group runs once with grad and backpropagates at
         once in every mode, while a group with children must keep its graph (retain)
         or run again (recompute); mixing the two would recompute the closed part too."""
-        open_units = [[s] for s in segs if not group_tokens or sub_tokens[s] > group_tokens]
+        open_units = [fill(s) for s in segs if not group_tokens or sub_tokens[s] > group_tokens]
         closed_units = [list(range(s, s + sub_count[s])) for s in segs if group_tokens and sub_tokens[s] <= group_tokens]
         bins: list[list[int]] = []
         for units in (open_units, closed_units):
