@@ -10,7 +10,7 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total --format=csv
 for w in "$@"; do
   echo "=== $w GPUs $(date +%T)"
-  timeout 280 torchrun --nproc-per-node "$w" benchmarks/bench_distributed.py --model "$MODEL" --out "$OUT" 2>&1 \
+  timeout 280 torchrun --nproc-per-node "$w" benchmarks/bench_distributed.py --model "$MODEL" --out "$OUT/distributed_${w}gpu.md" 2>&1 \
     | grep -v "Warning\|warn" | tail -40
 done
 ls "$OUT"

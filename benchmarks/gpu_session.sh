@@ -106,9 +106,9 @@ PY
     final1) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload grpo $CASE1 --compile --tag case1 ;;
     final1e) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload grpo $CASE1 --tag case1-final ;;
     finala15) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload agentic --set num_trees=1 --compile ;;
-    finala7) timeout "$secs" $BENCH --model qwen2.5-7b --workload agentic --set num_trees=1 --compile --repeats 2 ;;
+    finala7) timeout "$secs" $BENCH --model qwen2.5-7b --workload agentic --set num_trees=1 --compile --repeats 2 --warmup 2 ;;
     finalc2) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload agentic --set num_trees=1 --set target_unique_tokens=65536 \
-             --compile --memory-limit-gib 80 --opt tree-mask.max_tokens_per_batch=16384 --repeats 2 --tag case2-80gb ;;
+             --compile --memory-limit-gib 80 --opt tree-mask.max_tokens_per_batch=16384 --repeats 2 --warmup 2 --tag case2-80gb ;;
     finalg7) timeout "$secs" $BENCH --model qwen2.5-7b --workload grpo $CASE1 --compile --tag case1 ;;
     *) echo "unknown stage $name"; false ;;
   esac
