@@ -70,9 +70,6 @@ class GroupPlan:
         """No child group: nothing ever reads this group's K/V."""
         return self.num_children == 0
 
-    def prefix_length(self, i: int) -> int:
-        return sum(hi - lo for lo, hi in self.seg_prefix_ranges[i])
-
 
 @dataclass
 class Schedule:

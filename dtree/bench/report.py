@@ -97,6 +97,8 @@ def _markdown(report: dict) -> str:
         f"longest path {wl['max_path_length']:,} tokens",
         f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}"
         + (f"; GPU memory capped at {report['memory_limit_gib']:g} GiB" if report.get("memory_limit_gib") else ""),
+        "- method options: "
+        + (", ".join(f"{m} {o}" for m, o in (report.get("method_options") or {}).items() if o) or "defaults"),
         f"- loss: {report['loss']}; step = forward + backward over the whole forest; median of "
         f"{report['repeats']} after {report['warmup']} warm-up",
         "",

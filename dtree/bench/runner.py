@@ -71,7 +71,9 @@ def add_bench_parser(sub) -> None:
                    help="torch.compile the model's decoder layers (applies to every method alike)")
     p.add_argument("--memory-limit-gib", type=float, default=None,
                    help="cap this process's GPU memory (e.g. 80 to emulate an 80 GB GPU on a larger one)")
-    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps first (default 2: compilation and autotuning, then the call sizes "
+                        "dtree adapts after measuring its first step)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="report directory (default: benchmarks/results)")
@@ -80,8 +82,15 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=run_bench)
 
 
+# Micro-batch budgets the baselines run with unless --opt says otherwise: packed rows
+# of at most this many tokens (linearized: whole sequences; tree-mask: whole trees,
+# larger trees split the way AReaL does). Without one, tree-mask packs the whole
+# forest into one row.
+METHOD_DEFAULTS: dict[str, dict[str, Any]] = {"tree-mask": {"max_tokens_per_batch": 32768}}
+
+
 def _method_options(opts: dict[str, Any], methods: list[str]) -> dict[str, dict[str, Any]]:
-    per: dict[str, dict[str, Any]] = {m: {} for m in methods}
+    per: dict[str, dict[str, Any]] = {m: dict(METHOD_DEFAULTS.get(m, {})) for m in methods}
     for key, value in opts.items():
         method, _, name = key.partition(".")
         if method not in per or not name:
