@@ -168,8 +168,9 @@ class TreeRuntime:
         chunk_size: longest segment in tokens; longer trie nodes are split.
         group_tokens: token budget of one packed model call (sibling nodes, nodes of
             different trees and whole small subtrees run together). 0 runs one segment
-            per call. None (default): 8192 on CPU; on CUDA what fits in a third of the
-            free memory by the activation estimate, between ``chunk_size`` and 32768.
+            per call. None (default): 8192 on CPU; on CUDA what fits in 40% of the free
+            memory at the activation bytes per token measured on earlier steps (an
+            estimate before the first), between ``chunk_size`` and 32768.
         attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
             ``"triton"``, ``"sdpa"`` or ``"reference"``.
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)).

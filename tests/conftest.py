@@ -10,7 +10,8 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (hf_
 
 warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
 
-# CI runs a seeded, bounded subset; `-m slow` with DTREE_HYPOTHESIS=sweep explores more.
+# CI runs a seeded, bounded subset; `-m slow` runs the long sweeps, and DTREE_HYPOTHESIS=sweep
+# raises every property test's example count.
 settings.register_profile(
     "ci", max_examples=20, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck), print_blob=True
 )

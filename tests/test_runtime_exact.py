@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from hf_models import ARCHS, make_model
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from nanogpt import NanoGPT
 from reference import grad_errors, linearized_step, path_logprobs
@@ -84,20 +84,33 @@ def test_per_path_attributes_on_shared_tokens():
         assert_exact(out, ref, errs)
 
 
-@given(batch=batches_with_fields(max_sequences=6, max_len=12, alphabet=5), data=st.data())
-def test_random_forests(batch, data):
+def check_random_forest(batch, data):
     seqs, fields = batch
     arch = data.draw(st.sampled_from(ARCHS), label="arch")
     kind = data.draw(st.sampled_from(["nll", "ppo"]), label="loss")
     reduction = data.draw(st.sampled_from(dtree.losses.REDUCTIONS), label="reduction")
     rt_kw = dict(
-        mode=data.draw(st.sampled_from(["retain", "recompute"]), label="mode"),
+        mode=data.draw(st.sampled_from(["retain", "recompute", "auto"]), label="mode"),
         chunk_size=data.draw(st.sampled_from([1, 3, 64]), label="chunk"),
         group_tokens=data.draw(st.sampled_from([0, 5, 64]), label="group_tokens"),
     )
     loss_kw = dict(kl_coef=0.1) if kind == "ppo" else {}
     out, ref, errs = run_both(make_model(arch, tied=arch in ("qwen2", "qwen3")), seqs, fields, kind, reduction, rt_kw, loss_kw)
     assert_exact(out, ref, errs)
+
+
+@given(batch=batches_with_fields(max_sequences=6, max_len=12, alphabet=5), data=st.data())
+def test_random_forests(batch, data):
+    """The seeded CI subset (tests/conftest.py sets the example count)."""
+    check_random_forest(batch, data)
+
+
+@pytest.mark.slow
+@settings(max_examples=400, derandomize=False)
+@given(batch=batches_with_fields(max_sequences=9, max_len=20, alphabet=4), data=st.data())
+def test_random_forests_sweep(batch, data):
+    """The long sweep: ``pytest -m slow``; larger forests, fresh examples each run."""
+    check_random_forest(batch, data)
 
 
 def test_logprobs_match_reference():
