@@ -21,7 +21,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.sweep import parse_config, setup  # noqa: E402
+from benchmarks.sweep import add_common_arguments, parse_config, setup  # noqa: E402
 from dtree.baselines import make_method  # noqa: E402
 
 
@@ -60,13 +60,8 @@ def profile(runner, forest, loss, model, steps: int = 2):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-1.5b")
-    p.add_argument("--workload", default="grpo")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--config", action="append", default=[], help="METHOD[:key=value,...] (repeatable)")
+    add_common_arguments(p)
     p.add_argument("--top", type=int, default=12)
-    p.add_argument("--out", default=None)
-    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers")
     p.add_argument("--name", default="")
     args = p.parse_args()
     model, forest, loss, _ = setup(args.model, args.workload, args.overrides)

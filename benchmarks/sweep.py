@@ -45,16 +45,21 @@ def setup(model_name: str, workload: str, overrides: list[str], dtype=torch.bflo
     return model, forest, ppo_clip(), spec
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_common_arguments(p: argparse.ArgumentParser) -> None:
+    """Model, workload and configurations: what sweep.py and profile_step.py share."""
     p.add_argument("--model", default="qwen2.5-1.5b")
     p.add_argument("--workload", default="grpo")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--config", action="append", default=[], help="METHOD[:key=value,...] (repeatable)")
-    p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default=None)
-    p.add_argument("--name", default="sweep")
     p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (all configs)")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_arguments(p)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--name", default="sweep")
     p.add_argument("--memory-limit-gib", type=float, default=None, help="cap GPU memory (e.g. 80 on an H200)")
     args = p.parse_args()
     if args.memory_limit_gib:

@@ -351,7 +351,7 @@ class TreeRuntime:
         for kind, g in self._events(sched):
             if kind != FORWARD:
                 continue
-            hidden = self._hidden(sched, g, stack, dev, push=True, record=False)
+            hidden, _ = self._hidden(sched, g, stack, dev, push=True, record=False)
             p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
             if p1 > p0:
                 weight, bias = self.model.dtree_output_layer()
@@ -427,14 +427,13 @@ class TreeRuntime:
         )
 
     def _hidden(
-        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool, record: bool, attend_out: list | None = None
-    ) -> torch.Tensor:
+        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool, record: bool
+    ) -> tuple[torch.Tensor, _GroupAttention]:
+        """Run group ``g`` through the model: ([T, hidden] final hidden states, its attend)."""
         r0, r1 = int(sched.row_offsets[g]), int(sched.row_offsets[g + 1])
         attend = _GroupAttention(stack, sched.groups[g].stack_start, self._layout(sched, g), self.attention, push, record)
         hidden = self.model.dtree_hidden_states(dev["input_ids"][r0:r1], dev["positions"][r0:r1], attend)
-        if attend_out is not None:
-            attend_out.append(attend)
-        return hidden
+        return hidden, attend
 
     def _group_loss(
         self, g: int, hidden: torch.Tensor, terms: _Terms, dev: dict, per_token: Callable, term_log: list
@@ -458,10 +457,9 @@ class TreeRuntime:
         return weighted.sum()
 
     def _run_group(self, sched, g, stack, terms, dev, per_token, term_log, push: bool) -> _GroupState:
-        attends: list[_GroupAttention] = []
-        hidden = self._hidden(sched, g, stack, dev, push=push, record=True, attend_out=attends)
+        hidden, attend = self._hidden(sched, g, stack, dev, push=push, record=True)
         loss = self._group_loss(g, hidden, terms, dev, per_token, term_log)
-        return _GroupState(loss=loss, own=attends[0].own)
+        return _GroupState(loss=loss, own=attend.own)
 
     def _backward_group(
         self, state: _GroupState, stack: KVStack, lo: int, hi: int, seed_kv: bool, clear: bool = False

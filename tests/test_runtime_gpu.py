@@ -7,11 +7,11 @@ import copy
 
 import pytest
 import torch
-
-import dtree
 from hf_models import make_model
 from reference import grad_errors, linearized_step
 from test_runtime_exact import EDGE_CASES
+
+import dtree
 
 pytestmark = pytest.mark.gpu
 

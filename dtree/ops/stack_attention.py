@@ -117,6 +117,19 @@ def _gather_kv(k_seg, v_seg, stack: KVStack, layer: int, index):
     return torch.cat([stack.k[layer, index], k_seg]), torch.cat([stack.v[layer, index], v_seg])
 
 
+def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int, layout_name: str) -> None:
+    """Shapes of a packed call: q [T, Hq, D], k and v [T, Hkv, D] with Hkv dividing Hq,
+    and T the ``num_tokens`` the layout (``layout_name``, for the message) covers."""
+    if q.ndim != 3 or k.shape != v.shape or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(
+            f"expected q [T, Hq, D] and k, v [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
+    if q.shape[0] != num_tokens:
+        raise ValueError(f"q has {q.shape[0]} rows but {layout_name} covers {num_tokens}")
+
+
 def attend_math(q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float) -> torch.Tensor:
     """Float32 (float64 for float64 inputs) attention of one segment.
 

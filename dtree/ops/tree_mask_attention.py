@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..transfer import upload
+from .stack_attention import check_packed_qkv
 
 __all__ = ["BACKENDS", "TreeMaskLayout", "tree_mask_attention", "tree_mask_attention_flex", "tree_mask_attention_sdpa"]
 
@@ -135,14 +136,7 @@ def _interval_block_mask(end: torch.Tensor, block: int):
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeMaskLayout) -> None:
-    if q.ndim != 3 or k.shape != v.shape or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"expected q [N, Hq, D] and k, v [N, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if q.shape[0] != layout.num_tokens:
-        raise ValueError(f"q has {q.shape[0]} rows but the tree mask covers {layout.num_tokens}")
+    check_packed_qkv(q, k, v, layout.num_tokens, "the tree mask")
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ..transfer import upload
-from .stack_attention import attend_math, attend_sdpa
+from .stack_attention import attend_math, attend_sdpa, check_packed_qkv
 
 __all__ = [
     "BACKENDS",
@@ -82,14 +82,7 @@ class VarlenLayout:
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout) -> None:
-    if q.ndim != 3 or k.shape != v.shape or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"expected q [T, Hq, D] and k, v [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if q.shape[0] != layout.num_tokens:
-        raise ValueError(f"q has {q.shape[0]} rows but cu_seqlens covers {layout.num_tokens}")
+    check_packed_qkv(q, k, v, layout.num_tokens, "cu_seqlens")
 
 
 def _per_sequence(q, k, v, layout: VarlenLayout, scale: float, core) -> torch.Tensor:
