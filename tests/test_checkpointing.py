@@ -137,3 +137,55 @@ def test_checkpointed_step_holds_less_activation_memory(cls):
     config = model.config
     layer_inputs = config.num_hidden_layers * tokens * config.hidden_size * 4  # float32 [T, hidden] per layer
     assert ckpt + layer_inputs < 0.5 * plain, (ckpt, layer_inputs, plain)
+
+
+@pytest.mark.gpu
+def test_checkpointed_baselines_on_cuda():
+    """fp32 on CUDA: tree-mask on FlexAttention (whole and split) and linearized, each
+    checkpointed, against HF per path; the recompute re-runs the same kernels."""
+    from test_baselines import cuda_model
+
+    model = cuda_model("qwen3", torch.float32)
+    seqs = ALL_EDGE_SEQS
+    ref_model = copy.deepcopy(model)
+    ref_loss, _ = linearized_step(ref_model, seqs)
+    forest = dtree.Forest.from_sequences(seqs)
+    for name, kw in [("tree-mask", {}), ("tree-mask", dict(max_tokens_per_batch=5)), ("linearized", {})]:
+        m = copy.deepcopy(model)
+        out = make_method(name, m, checkpoint=True, **kw).forward_backward(forest, dtree.losses.nll())
+        assert out.metrics["checkpoint"] is True
+        if name == "tree-mask":
+            assert out.metrics["attention"] == "flex"
+        errs = grad_errors(m, ref_model)
+        assert max(errs.values()) < 1e-3, (name, kw, errs)
+        assert abs(out.loss - ref_loss) < 1e-4, (name, kw)
+
+
+@pytest.mark.gpu
+def test_checkpointed_tree_mask_holds_less_on_cuda():
+    """bf16 tree-mask (FlexAttention) on a 4k-token tree, 8 layers: the checkpointed
+    step's peak is lower (it keeps one [T, hidden] input per layer and one layer's
+    internals)."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_models import make_config
+
+    config = make_config("llama")
+    config.head_dim, config.num_hidden_layers = 64, 8
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
+    prompt = list(range(1, 2048))
+    forest = dtree.Forest.from_sequences([prompt + [90 - b] * 512 for b in range(4)])
+    peaks = {}
+    for ckpt in (False, True):
+        trainer = TreeMaskTrainer(model, checkpoint=ckpt)
+        trainer.forward_backward(forest, dtree.losses.nll())  # compile and warm up outside the window
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        trainer.forward_backward(forest, dtree.losses.nll())
+        torch.cuda.synchronize()
+        peaks[ckpt] = torch.cuda.max_memory_allocated() - base
+        model.zero_grad(set_to_none=True)
+    assert peaks[True] < 0.6 * peaks[False], peaks
