@@ -191,6 +191,20 @@ def predicted(spec, runner, dtype: torch.dtype, params: int, out) -> dict[str, f
     }
 
 
+def _start_recording() -> None:
+    """Allocator history with Python stacks, earlier history cleared where torch can."""
+    import inspect
+
+    record = torch.cuda.memory._record_memory_history
+    kw = dict(max_entries=2_000_000, stacks="python")
+    try:
+        if "clear_history" in inspect.signature(record).parameters:
+            kw["clear_history"] = True
+    except (TypeError, ValueError):  # no signature: call without it
+        pass
+    record(**kw)
+
+
 def _step(runner, forest, loss, model, device):
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
@@ -213,14 +227,15 @@ def profile_config(config, model, forest, loss, device, spec, params: int, top: 
         model.zero_grad(set_to_none=True)
         stack_before = _storages(_stack_tensors(runner))
         start_allocated, start_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
-        torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        _start_recording()
+        offset = len(torch.cuda.memory._snapshot()["device_traces"][index])  # events an earlier recording left
         try:
             out, traced_s = _step(runner, forest, loss, model, device)
             snapshot = torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        trace = snapshot["device_traces"][index]
+        trace = snapshot["device_traces"][index][offset:]
         peak = replay_peak(trace, start_allocated, start_reserved)
         grads = _storages(p.grad for p in model.parameters())
         stack = _storages(_stack_tensors(runner))
