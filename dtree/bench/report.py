@@ -237,7 +237,9 @@ def _markdown(report: dict) -> str:
     fresh = _fresh(report)
     protocol = (
         f"{report['steps']} steps per configuration, a fresh forest each; first and second steps apart, steady = "
-        "mean of steps 3..N (tokens/s and MFU over those steps, each with its own unique-token FLOPs)"
+        "mean of steps 3..N (tokens/s and MFU over those steps, each with its own unique-token FLOPs); the "
+        "configurations run one after the other in one process, so compilation and autotuning land in the first "
+        "step of the first configuration that needs them (benchmarks/profile_warmup.py measures fresh processes)"
         if fresh else f"one forest; median of {report['repeats']} steps after {report['warmup']} warm-up"
     )
     limits = []

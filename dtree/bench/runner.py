@@ -56,7 +56,7 @@ def add_bench_parser(sub) -> None:
                           + "; ".join(f"{k} = {','.join(v)}" for k, v in PRESETS.items())
                           + ". Default: gpu on a GPU, basic on CPU")
     p.add_argument("--opt", action="append", metavar="METHOD.KEY=VALUE",
-                   help="option under every configuration of METHOD (repeatable), e.g. --opt dtree.compile=true")
+                   help="option under every configuration of METHOD (repeatable), e.g. --opt dtree.logprob_chunk=1024")
     p.add_argument("--loss", choices=("auto", "nll", "ppo"), default="auto",
                    help="ppo when the forest has advantages and old_logprobs, else nll (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
