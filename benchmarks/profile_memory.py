@@ -139,24 +139,37 @@ def _storages(tensors) -> dict[int, int]:
     return {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors if t is not None}
 
 
-def _stack_tensors(runner) -> list[torch.Tensor]:
+def _stack_tensors(runner) -> dict[str, torch.Tensor]:
+    """The runtime's KV-stack tensors by attribute name (none for the baselines)."""
     stack = getattr(runner, "_stack", None)
-    return [v for v in vars(stack).values() if isinstance(v, torch.Tensor)] if stack is not None else []
+    return {k: v for k, v in vars(stack).items() if isinstance(v, torch.Tensor)} if stack is not None else {}
 
 
-def breakdown(peak: dict, start_allocated: int, weights: int, grads: dict[int, int], stack: dict[int, int],
-              stack_before: dict[int, int]) -> tuple[dict[str, int], list[tuple[str, str, int, int]]]:
+def stack_storages(runner) -> dict[int, tuple[str, int]]:
+    """``{storage address: (category, bytes)}`` of the KV stack: K/V values and their gradients."""
+    out = {}
+    for name, t in _stack_tensors(runner).items():
+        what = "gradients" if name.startswith("grad") else "K/V"
+        out[t.untyped_storage().data_ptr()] = (f"KV stack: {what} ({str(t.dtype).replace('torch.', '')})",
+                                               t.untyped_storage().nbytes())
+    return out
+
+
+def breakdown(peak: dict, start_allocated: int, weights: int, grads: dict[int, int],
+              stack: dict[int, tuple[str, int]], stack_before: dict[int, tuple[str, int]]
+              ) -> tuple[dict[str, int], list[tuple[str, str, int, int]]]:
     """Bytes per category at the peak, and the top (category, site, bytes, blocks).
 
-    ``grads``, ``stack``: ``{storage address: bytes}`` of the gradients and the KV stack
-    after the step; ``stack_before``: the stack's storages before it (kept between steps)."""
+    ``grads``: ``{storage address: bytes}`` of the gradients after the step; ``stack``,
+    ``stack_before``: the KV stack's ``{address: (category, bytes)}`` after the step and
+    before it (the runtime keeps its stack between steps)."""
     cats: dict[str, int] = defaultdict(int)
     sites: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
     for addr, e in peak["live"].items():
         if addr in grads:
             cat = "gradients"
         elif addr in stack:
-            cat = "KV stack"
+            cat = stack[addr][0]
         else:
             cat = categorize(e.get("frames") or [])
         cats[cat] += e["size"]
@@ -165,9 +178,12 @@ def breakdown(peak: dict, start_allocated: int, weights: int, grads: dict[int, i
         entry[1] += 1
     freed = peak["pre_existing_freed"]
     before = start_allocated - sum(freed.values())
-    stack_kept = sum(n for addr, n in stack_before.items() if addr not in freed)
+    stack_kept = 0
+    for addr, (cat, n) in stack_before.items():
+        if addr not in freed:
+            cats[f"{cat}, kept from the previous step"] += n
+            stack_kept += n
     cats["weights"] += weights
-    cats["KV stack (kept from the previous step)"] += stack_kept
     cats["other, from before the step"] += max(0, before - weights - stack_kept)
     cats["fragmentation (reserved - allocated)"] = peak["reserved_at_peak"] - peak["peak_allocated"]
     top = sorted(((c, s, b, n) for (c, s), (b, n) in sites.items()), key=lambda x: -x[2])
@@ -179,7 +195,7 @@ def predicted(spec, runner, dtype: torch.dtype, params: int, out) -> dict[str, f
     itemsize = torch.empty((), dtype=dtype).element_size()
     chunk = getattr(runner, "logprob_chunk", 4096)
     rows = min(chunk, out.num_unique_tokens)
-    stack_bytes = sum(t.nbytes for t in _stack_tensors(runner))
+    stack_bytes = sum(t.nbytes for t in _stack_tensors(runner).values())
     return {
         "weights": params * itemsize,
         "gradients": params * itemsize,
@@ -225,7 +241,7 @@ def profile_config(config, model, forest, loss, device, spec, params: int, top: 
     if device.type == "cuda":
         result["warmup_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         model.zero_grad(set_to_none=True)
-        stack_before = _storages(_stack_tensors(runner))
+        stack_before = stack_storages(runner)
         start_allocated, start_reserved = torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device)
         index = device.index if device.index is not None else torch.cuda.current_device()
         _start_recording()
@@ -238,7 +254,7 @@ def profile_config(config, model, forest, loss, device, spec, params: int, top: 
         trace = snapshot["device_traces"][index][offset:]
         peak = replay_peak(trace, start_allocated, start_reserved)
         grads = _storages(p.grad for p in model.parameters())
-        stack = _storages(_stack_tensors(runner))
+        stack = stack_storages(runner)
         cats, sites = breakdown(peak, start_allocated, params * torch.empty((), dtype=next(model.parameters()).dtype)
                                 .element_size(), grads, stack, stack_before)
         result.update({

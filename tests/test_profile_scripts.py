@@ -51,12 +51,13 @@ def test_replay_peak_and_breakdown():
     assert peak["peak_allocated"] == 100 + 300 + 500 - 40 + 200 + 50
     assert sorted(peak["live"]) == [10, 11, 12, 13] and peak["pre_existing_freed"] == {2: 40}
     assert peak["reserved_at_peak"] == 2000 + 4096
-    cats, top = profile_memory.breakdown(peak, 100, weights=60, grads={12: 200}, stack={}, stack_before={2: 40})
+    old_stack = {2: ("KV stack: K/V (bfloat16)", 40)}
+    cats, top = profile_memory.breakdown(peak, 100, weights=60, grads={12: 200}, stack={}, stack_before=old_stack)
     assert cats["gradients"] == 200 and cats["weights"] == 60
     assert cats["decoder-layer activations (forward)"] == 300
     assert cats["LM head (logits chunks, their gradient, weight-grad accumulator)"] == 500
     assert cats["backward temporaries (activation gradients)"] == 50
-    assert cats["KV stack (kept from the previous step)"] == 0  # freed before the peak
+    assert cats.get("KV stack: K/V (bfloat16), kept from the previous step", 0) == 0  # freed before the peak
     assert cats["fragmentation (reserved - allocated)"] == 6096 - peak["peak_allocated"]
     assert top[0][0].startswith("LM head") and top[0][2] == 500
     assert sum(v for k, v in cats.items() if not k.startswith("fragmentation")) == peak["peak_allocated"]
