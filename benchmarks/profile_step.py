@@ -6,7 +6,9 @@ other. Writes the same as Markdown with ``--out DIR``.
 
     python benchmarks/profile_step.py --model qwen2.5-1.5b --workload grpo \
         --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512 \
-        --config dtree --config tree-mask --config dtree:group_tokens=2048
+        --configs dtree,tree-mask:split16k,dtree:group_tokens=2048
+
+Configurations use ``dtree bench --configs``'s grammar (:mod:`dtree.bench.configs`).
 """
 
 from __future__ import annotations
@@ -21,8 +23,20 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.sweep import add_common_arguments, parse_config, setup  # noqa: E402
 from dtree.baselines import make_method  # noqa: E402
+from dtree.bench.configs import parse_assignments, parse_configs  # noqa: E402
+from dtree.losses import ppo_clip  # noqa: E402
+from dtree.models import adapt  # noqa: E402
+from dtree.presets import build_model  # noqa: E402
+from dtree.workloads import make_workload  # noqa: E402
+
+
+def setup(model_name: str, workload: str, overrides: list[str], dtype=torch.bfloat16):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model = build_model(model_name, dtype=dtype, device=device)
+    spec = adapt(model).dtree_spec()
+    forest = make_workload(workload, vocab_size=spec.vocab_size, **parse_assignments(overrides, "--set"))
+    return model, forest, ppo_clip(), spec
 
 
 def classify(name: str) -> str:
@@ -60,7 +74,12 @@ def profile(runner, forest, loss, model, steps: int = 2):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_common_arguments(p)
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--workload", default="grpo")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--configs", default="dtree,tree-mask", help="as dtree bench --configs")
+    p.add_argument("--out", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (all configs)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--name", default="")
     args = p.parse_args()
@@ -70,9 +89,9 @@ def main() -> int:
 
         compile_layers(model)
     lines = [f"# profile: {args.model} / {args.workload} {args.overrides}", ""]
-    for cfg in args.config or ["dtree", "tree-mask"]:
-        method, kw = parse_config(cfg)
-        runner = make_method(method, model, **kw)
+    for config in parse_configs(args.configs):
+        cfg = config.label
+        runner = make_method(config.method, model, **config.options)
         wall, kernels, cpu = profile(runner, forest, loss, model)
         busy = sum(v[0] for v in kernels.values()) / 1e6
         launches = sum(v[1] for v in kernels.values())

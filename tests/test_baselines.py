@@ -181,7 +181,7 @@ def test_tree_mask_split_like_areal():
     out = trainer.forward_backward(forest, dtree.losses.nll())
     assert out.num_model_calls == 2
     assert out.metrics == dict(
-        attention="sdpa", micro_batches=2, computed_tokens=19, tokens_recomputed=4, split_trees=1
+        attention="sdpa", micro_batches=2, computed_tokens=19, tokens_recomputed=4, split_trees=1, checkpoint=False
     )
     groups = split_tree(forest, np.array([0, 2, 3]), 10)
     assert sorted(len(g) for g in groups) == [1, 2]

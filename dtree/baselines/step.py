@@ -15,6 +15,10 @@ the same for both::
 Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
 
+With ``checkpoint=True`` the model call runs under
+:func:`dtree.baselines.checkpointing.checkpointed_layers` (each decoder layer keeps only
+its input and is recomputed in backward), as mask-based trainers run in practice.
+
 The LM head goes through the same chunked :func:`dtree.ops.logprobs.token_logprobs` as
 :class:`dtree.TreeRuntime`, so no method ever materializes ``[tokens, vocab]`` logits
 and a benchmark measures the effect of the tree alone. Terms with weight 0 (masked
@@ -23,6 +27,7 @@ prompt tokens) never reach the LM head, as in the runtime.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -38,6 +43,7 @@ from ..ops.logprobs import compute_dtype
 from ..runtime import StepOutput
 from ..transfer import upload
 from ..tree import Forest
+from .checkpointing import checkpointed_layers, decoder_layers
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 
@@ -110,13 +116,16 @@ class MicroBatchTrainer:
     Subclasses set ``self.attention`` and implement ``plan`` and ``_attend``.
     """
 
-    def __init__(self, model: torch.nn.Module, logprob_chunk: int) -> None:
+    def __init__(self, model: torch.nn.Module, logprob_chunk: int, checkpoint: bool = False) -> None:
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         self.module = model
         self.model: TreeModule = adapt(model)
         self.spec = self.model.dtree_spec()
         self.logprob_chunk = logprob_chunk
+        self.checkpoint = bool(checkpoint)
+        if self.checkpoint:
+            decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found
         first = next(iter(model.parameters()))
         self.device, self.dtype = first.device, first.dtype
 
@@ -136,6 +145,7 @@ class MicroBatchTrainer:
             "micro_batches": len(batches),
             "computed_tokens": computed,
             "tokens_recomputed": computed - forest.num_unique_tokens,
+            "checkpoint": self.checkpoint,
         }
 
     def _check_forest(self, forest: Forest) -> None:
@@ -211,7 +221,8 @@ class MicroBatchTrainer:
         for call, dev in zip(calls, self._upload(calls, forest, weights, loss.required_fields)):
             with torch.enable_grad():
                 attend = self._attend(call.batch.layout)
-                hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
+                with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
+                    hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
                 terms = weighted_terms(
                     loss.per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,

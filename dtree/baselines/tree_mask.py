@@ -104,6 +104,10 @@ class TreeMaskTrainer(MicroBatchTrainer):
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); the same
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
+        checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
+            see :mod:`dtree.baselines.checkpointing`): activation memory falls to one
+            ``[T, hidden]`` input per layer plus one layer's internals, for about one
+            extra forward.
     """
 
     def __init__(
@@ -113,8 +117,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
         max_tokens_per_batch: int | None = None,
         attention: str = "auto",
         logprob_chunk: int = 4096,
+        checkpoint: bool = False,
     ) -> None:
-        super().__init__(model, logprob_chunk)
+        super().__init__(model, logprob_chunk, checkpoint)
         if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be None or >= 1, got {max_tokens_per_batch}")
         self.max_tokens_per_batch = max_tokens_per_batch

@@ -1,8 +1,19 @@
-"""Time one training step (forward + backward over the whole forest) of a method.
+"""Time training steps (forward + backward over a whole forest) of one configuration.
 
-Wall time per step is measured after warm-up, median of repeats, with a device sync
-around each step. Peak memory is the device's max allocated bytes during the timed
-steps (parameters and gradients included, since every method holds them).
+Two protocols:
+
+* :func:`measure_steps` (the default of ``dtree bench``): a fresh forest every step, as
+  RL trains. The first and second steps are reported on their own (compilation,
+  autotuning, allocator growth, the call sizes dtree adapts after its first step);
+  the steady figures are over steps 3..N, each with its own unique-token FLOPs.
+* :func:`measure_method` (``--same-forest``, for kernel work): warm-up steps, then the
+  median of repeats on one forest.
+
+Every step has a device sync around it. Peak memory is the device's max allocated
+bytes in the step (parameters and gradients included: every method holds them);
+``torch.cuda.reset_peak_memory_stats`` runs before each step. Out-of-memory ends the
+configuration with ``status="oom"`` and keeps the steps done so far, so the other
+configurations still run; any other exception is ``status="error"``.
 """
 
 from __future__ import annotations
@@ -15,7 +26,18 @@ from typing import Any, Callable
 
 import torch
 
-__all__ = ["MethodResult", "measure_method", "peak_tflops", "device_name", "limit_memory"]
+__all__ = [
+    "MethodResult",
+    "StepForest",
+    "measure_method",
+    "measure_steps",
+    "peak_tflops",
+    "device_name",
+    "limit_memory",
+    "free_memory",
+    "steady_ratio",
+    "is_out_of_memory",
+]
 
 # Dense bf16/fp16 tensor-core peaks (vendor datasheets, TFLOP/s); MFU uses these.
 _PEAK_TFLOPS_16BIT = {
@@ -64,14 +86,39 @@ def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:
 
 
 @dataclass
+class StepForest:
+    """One step's forest with the figures the report needs (computed once, shared by
+    every configuration)."""
+
+    seed: int
+    forest: Any  # dtree.Forest
+    unique_flops: float  # training FLOPs of its unique tokens (ModelSpec.training_flops)
+    flop_ratio: float  # FLOP-weighted compression ratio (the ideal speedup over linearized)
+
+    @property
+    def unique_tokens(self) -> int:
+        return self.forest.num_unique_tokens
+
+    @property
+    def linearized_tokens(self) -> int:
+        return self.forest.num_linearized_tokens
+
+
+@dataclass
 class MethodResult:
+    """One configuration's measurement. In fresh-forest mode ``step_time_s`` is the steady
+    mean (steps 3..N); in same-forest mode the median of the repeats."""
+
     method: str
-    status: str  # "ok", "oom" or "error"
+    status: str  # "ok", "oom", "error" or "skipped"
+    config: str | None = None  # the configuration's label (defaults to the method)
+    options: dict[str, Any] = field(default_factory=dict)
     step_time_s: float | None = None
     tokens_per_s: float | None = None  # unique tokens / step time
     effective_tokens_per_s: float | None = None  # linearized tokens / step time
     mfu: float | None = None  # FLOPs of the unique tokens / step time / peak
-    peak_mem_gib: float | None = None
+    peak_mem_gib: float | None = None  # max allocated over the measured steps
+    peak_reserved_gib: float | None = None  # max reserved by the caching allocator
     loss: float | None = None
     speedup_vs_linearized: float | None = None
     ideal_speedup: float | None = None  # FLOP-weighted compression ratio
@@ -79,10 +126,36 @@ class MethodResult:
     step_times_s: list[float] = field(default_factory=list)
     model_calls: int | None = None
     error: str | None = None
+    note: str | None = None  # e.g. steps cut by a time budget
     metrics: dict[str, Any] = field(default_factory=dict)
+    # fresh-forest mode
+    first_step_s: float | None = None
+    second_step_s: float | None = None
+    steady_max_s: float | None = None
+    steady_steps: list[int] = field(default_factory=list)  # 0-based indices of steps 3..N that ran
+    step_losses: list[float] = field(default_factory=list)
+    step_peak_mem_gib: list[float | None] = field(default_factory=list)
+    step_calls: list[int | None] = field(default_factory=list)
+    allocator: dict[str, int] = field(default_factory=dict)  # cudaMalloc calls, retries, OOMs during the steps
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = self.method
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's ``torch.OutOfMemoryError``, or the CPU allocator's failure (a RuntimeError)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error)
+    )
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
 def _sync(device: torch.device) -> None:
@@ -94,6 +167,16 @@ def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+
+
+_ALLOCATOR_COUNTERS = {"num_device_alloc": "cuda_mallocs", "num_alloc_retries": "alloc_retries", "num_ooms": "ooms"}
+
+
+def _allocator_counts(device: torch.device) -> dict[str, int]:
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {name: int(stats.get(key, 0)) for key, name in _ALLOCATOR_COUNTERS.items()}
 
 
 def measure_method(
@@ -109,14 +192,13 @@ def measure_method(
     unique_flops: float,
     peak: float | None,
     on_step: Callable[[], None] | None = None,
+    config: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> MethodResult:
-    """Run ``warmup + repeats`` steps of ``make_runner().forward_backward(forest, loss)``.
-
-    Out-of-memory is caught and reported as ``status="oom"`` so the other methods
-    still run; any other exception is reported as ``status="error"``.
-    """
+    """Same-forest protocol: ``warmup + repeats`` steps of
+    ``make_runner().forward_backward(forest, loss)``; the median of the repeats."""
     free_memory(device)
-    result = MethodResult(method=name, status="ok")
+    result = MethodResult(method=name, status="ok", config=config, options=dict(options or {}))
     runner = None
     try:
         runner = make_runner()
@@ -146,14 +228,121 @@ def measure_method(
             result.mfu = unique_flops / result.step_time_s / (peak * 1e12)
         if device.type == "cuda":
             result.peak_mem_gib = torch.cuda.max_memory_allocated(device) / 2**30
-    except torch.OutOfMemoryError as e:
-        result.status = "oom"
-        result.error = str(e).splitlines()[0]
+            result.peak_reserved_gib = torch.cuda.max_memory_reserved(device) / 2**30
     except Exception as e:  # reported, so one broken method does not hide the others
-        result.status = "error"
-        result.error = f"{type(e).__name__}: {e}"
+        result.status = "oom" if is_out_of_memory(e) else "error"
+        result.error = _first_line(e)
     finally:
         runner = None
         model.zero_grad(set_to_none=True)
         free_memory(device)
     return result
+
+
+def measure_steps(
+    config: str,
+    method: str,
+    make_runner: Callable[[], Any],
+    forests: list[StepForest],
+    loss,
+    model: torch.nn.Module,
+    *,
+    device: torch.device,
+    peak: float | None,
+    options: dict[str, Any] | None = None,
+    on_step: Callable[[int, float, "MethodResult"], None] | None = None,
+    deadline: float | None = None,
+    max_seconds: float | None = None,
+) -> MethodResult:
+    """Fresh-forest protocol: one step on each of ``forests`` in order, with one runner
+    (as a training loop keeps its trainer).
+
+    ``deadline`` (``time.monotonic()`` value): no step starts after it; the
+    configuration is ``skipped`` if it ran none. ``max_seconds``: stop this
+    configuration once its steps took that long and at least 3 ran (so a steady
+    figure exists). Either cut is written in ``note``. ``on_step(i, seconds, result)``
+    runs after every step (progress lines).
+    """
+    free_memory(device)
+    result = MethodResult(method=method, status="ok", config=config, options=dict(options or {}))
+    runner = out = None
+    spent = 0.0
+    before = _allocator_counts(device)
+    try:
+        runner = make_runner()
+        for i, sf in enumerate(forests):
+            if deadline is not None and time.monotonic() > deadline:
+                result.note = f"time budget spent: ran {i} of {len(forests)} steps"
+                break
+            if max_seconds is not None and spent >= max_seconds and i >= 3:
+                result.note = f"stopped after {i} of {len(forests)} steps ({spent:.0f} s >= {max_seconds:g} s per configuration)"
+                break
+            model.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = runner.forward_backward(sf.forest, loss)
+            _sync(device)
+            dt = time.perf_counter() - t0
+            spent += dt
+            result.step_times_s.append(dt)
+            result.step_losses.append(float(out.loss))
+            result.step_calls.append(getattr(out, "num_model_calls", None))
+            result.step_peak_mem_gib.append(
+                torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+            )
+            if device.type == "cuda":
+                reserved = torch.cuda.max_memory_reserved(device) / 2**30
+                result.peak_reserved_gib = max(result.peak_reserved_gib or 0.0, reserved)
+            result.metrics = dict(getattr(out, "metrics", {}) or {})
+            if on_step:
+                on_step(i, dt, result)
+    except Exception as e:  # reported, so one broken configuration does not hide the others
+        result.status = "oom" if is_out_of_memory(e) else "error"
+        result.error = f"step {len(result.step_times_s) + 1}: {_first_line(e)}"
+    finally:
+        runner = out = None
+        model.zero_grad(set_to_none=True)
+        free_memory(device)
+    after = _allocator_counts(device)
+    result.allocator = {k: after[k] - before.get(k, 0) for k in after}
+    if result.status == "ok" and not result.step_times_s:
+        result.status = "skipped"
+    _summarize_steps(result, forests, peak)
+    return result
+
+
+def _summarize_steps(result: MethodResult, forests: list[StepForest], peak: float | None) -> None:
+    """First, second and steady figures from the steps that ran."""
+    times = result.step_times_s
+    if not times:
+        return
+    result.first_step_s = times[0]
+    result.second_step_s = times[1] if len(times) > 1 else None
+    result.loss = result.step_losses[-1]
+    result.model_calls = result.step_calls[-1]
+    mems = [m for m in result.step_peak_mem_gib if m is not None]
+    result.peak_mem_gib = max(mems) if mems else None
+    result.steady_steps = list(range(2, len(times)))
+    if not result.steady_steps:
+        return
+    steady = [times[i] for i in result.steady_steps]
+    total = sum(steady)
+    result.step_time_s = total / len(steady)
+    result.steady_max_s = max(steady)
+    result.tokens_per_s = sum(forests[i].unique_tokens for i in result.steady_steps) / total
+    result.effective_tokens_per_s = sum(forests[i].linearized_tokens for i in result.steady_steps) / total
+    result.ideal_speedup = statistics.fmean(forests[i].flop_ratio for i in result.steady_steps)
+    if peak:
+        result.mfu = sum(forests[i].unique_flops for i in result.steady_steps) / total / (peak * 1e12)
+
+
+def steady_ratio(slow: dict, fast: dict) -> float | None:
+    """How many times faster ``fast`` ran than ``slow`` (result rows, ``as_dict()``):
+    the ratio of their summed steady step times over the steady steps both ran, so both
+    sides saw the same forests. None when they share none."""
+    common = sorted(set(slow.get("steady_steps") or ()) & set(fast.get("steady_steps") or ()))
+    if not common:
+        return None
+    return sum(slow["step_times_s"][i] for i in common) / sum(fast["step_times_s"][i] for i in common)

@@ -1,13 +1,23 @@
-"""Benchmark reports: a table on screen, and JSON, Markdown and a PNG chart on disk."""
+"""Benchmark reports: a table on screen, and JSON, Markdown and a PNG chart on disk.
+
+A report is a plain dict (what ``dtree bench`` builds; written as JSON as is).
+:func:`finish_report` adds the derived figures: speedups over the best linearized
+configuration, the best configuration of each method that fits, dtree's default
+against each of them, and the loss agreement between configurations.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import statistics
 from typing import Any
 
-__all__ = ["format_table", "write_reports", "environment"]
+from .configs import best_per_method
+from .measure import steady_ratio
+
+__all__ = ["environment", "finish_report", "format_table", "write_reports", "report_stem"]
 
 
 def environment(device) -> dict[str, Any]:
@@ -37,12 +47,89 @@ def environment(device) -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- derived figures
+def _fresh(report: dict) -> bool:
+    return report.get("protocol", "same-forest") == "fresh-forests"
+
+
+def _speedup(report: dict, slow: dict, fast: dict) -> float | None:
+    """How many times faster ``fast`` is than ``slow``."""
+    if _fresh(report):
+        return steady_ratio(slow, fast)
+    if slow.get("step_time_s") and fast.get("step_time_s"):
+        return slow["step_time_s"] / fast["step_time_s"]
+    return None
+
+
+def _dtree_default(rows: list[dict]) -> dict | None:
+    """The dtree row without options (its defaults), if it ran."""
+    return next((r for r in rows if r["method"] == "dtree" and not r.get("options") and r["status"] == "ok"), None)
+
+
+def finish_report(report: dict) -> None:
+    """Fill in speedups over the best linearized configuration, ``best`` (per method, the
+    fastest configuration that fits), ``vs_best`` (dtree's default against each), the
+    loss agreement, and ``summary_lines``."""
+    rows = report["results"]
+    best = best_per_method(rows)
+    lin = best.get("linearized")
+    for r in rows:
+        r["speedup_vs_linearized"] = r["fraction_of_ideal"] = None
+        if lin and r["status"] == "ok" and r.get("step_time_s"):
+            r["speedup_vs_linearized"] = _speedup(report, lin, r)
+            if r["speedup_vs_linearized"] and r.get("ideal_speedup"):
+                r["fraction_of_ideal"] = r["speedup_vs_linearized"] / r["ideal_speedup"]
+    report["best"] = {m: r["config"] for m, r in best.items()}
+    default = _dtree_default(rows)
+    reference = default or best.get("dtree")
+    vs_best = []
+    if reference is not None:
+        for method, r in best.items():
+            vs_best.append({
+                "method": method,
+                "best_config": r["config"],
+                "step_time_s": r["step_time_s"],
+                "peak_mem_gib": r.get("peak_mem_gib"),
+                "dtree": reference["config"],
+                "dtree_speedup": _speedup(report, r, reference),
+                "dtree_memory_ratio": (reference["peak_mem_gib"] / r["peak_mem_gib"])
+                if reference.get("peak_mem_gib") and r.get("peak_mem_gib") else None,
+            })
+    report["vs_best"] = vs_best
+    report["loss_agreement"] = _loss_agreement(report)
+    lines = []
+    for v in vs_best:
+        if v["method"] == "dtree" and v["best_config"] == v["dtree"]:
+            continue
+        line = f"{v['dtree']} vs the best {v['method']} ({v['best_config']}): {_fmt(v['dtree_speedup'], '.2f')}x faster"
+        if v["dtree_memory_ratio"] is not None:
+            line += f", {v['dtree_memory_ratio']:.0%} of its peak memory"
+        lines.append(line)
+    if report["loss_agreement"] is not None:
+        lines.append(f"Loss agreement across configurations: max relative difference {report['loss_agreement']:.1e}"
+                     + (" (per step, same forest)" if _fresh(report) else ""))
+    report["summary_lines"] = lines
+
+
+def _loss_agreement(report: dict) -> float | None:
+    """Max relative difference between the losses of configurations on the same forest."""
+    ok = [r for r in report["results"] if r["status"] in ("ok", "oom") and (r.get("step_losses") or r.get("loss"))]
+    per_step: dict[int, list[float]] = {}
+    for r in ok:
+        losses = r.get("step_losses") or ([r["loss"]] if r.get("loss") is not None else [])
+        for i, value in enumerate(losses):
+            per_step.setdefault(i, []).append(value)
+    spreads = [max(abs(v - vs[0]) for v in vs) / max(abs(vs[0]), 1e-12) for vs in per_step.values() if len(vs) > 1]
+    return max(spreads) if spreads else None
+
+
+# ----------------------------------------------------------------------------- tables
 def _fmt(value, spec: str, missing: str = "-") -> str:
     return missing if value is None else format(value, spec)
 
 
-COLUMNS = [
-    ("method", "method", "s"),
+SAME_FOREST_COLUMNS = [
+    ("config", "config", "s"),
     ("status", "status", "s"),
     ("step (s)", "step_time_s", ".3f"),
     ("tokens/s", "tokens_per_s", ",.0f"),
@@ -55,20 +142,159 @@ COLUMNS = [
     ("of ideal", "fraction_of_ideal", ".0%"),
     ("calls", "model_calls", "d"),
 ]
+FRESH_COLUMNS = [
+    ("config", "config", "s"),
+    ("status", "status", "s"),
+    ("first (s)", "first_step_s", ".3f"),
+    ("second (s)", "second_step_s", ".3f"),
+    ("steady mean (s)", "step_time_s", ".3f"),
+    ("slowest steady (s)", "steady_max_s", ".3f"),
+    ("peak mem (GiB)", "peak_mem_gib", ".2f"),
+    ("tokens/s", "tokens_per_s", ",.0f"),
+    ("eff. tokens/s", "effective_tokens_per_s", ",.0f"),
+    ("MFU", "mfu", ".1%"),
+    ("speedup", "speedup_vs_linearized", ".2f"),
+    ("ideal", "ideal_speedup", ".2f"),
+    ("of ideal", "fraction_of_ideal", ".0%"),
+    ("calls", "model_calls", "d"),
+]
 
 
-def format_table(results: list[dict], markdown: bool = False) -> str:
-    rows = [[h for h, _, _ in COLUMNS]]
-    for r in results:
-        rows.append([_fmt(r.get(k), spec) if spec != "s" else str(r.get(k)) for _, k, spec in COLUMNS])
+def _grid(header: list[str], body: list[list[str]], markdown: bool) -> str:
+    rows = [header] + body
     if markdown:
-        lines = ["| " + " | ".join(rows[0]) + " |", "|" + "|".join("---" for _ in rows[0]) + "|"]
-        lines += ["| " + " | ".join(r) + " |" for r in rows[1:]]
-        return "\n".join(lines)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in body])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
     return "\n".join("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in rows)
 
 
+def format_table(report: dict, markdown: bool = False) -> str:
+    """One row per configuration (columns by protocol)."""
+    columns = FRESH_COLUMNS if _fresh(report) else SAME_FOREST_COLUMNS
+    body = []
+    for r in report["results"]:
+        cells = []
+        for _, key, spec in columns:
+            value = r.get(key)
+            cells.append(f"`{value}`" if key == "config" and markdown else (str(value) if spec == "s" else _fmt(value, spec)))
+        body.append(cells)
+    return _grid([h for h, _, _ in columns], body, markdown)
+
+
+def _best_table(report: dict) -> str:
+    body = [
+        [v["method"], f"`{v['best_config']}`", _fmt(v["step_time_s"], ".3f"), _fmt(v["peak_mem_gib"], ".2f"),
+         _fmt(v["dtree_speedup"], ".2f") + "x", _fmt(v["dtree_memory_ratio"], ".0%")]
+        for v in report.get("vs_best", [])
+    ]
+    if not body:
+        return ""
+    ref = report["vs_best"][0]["dtree"]
+    header = ["method", "best configuration (fastest that fit)", "steady step (s)", "peak mem (GiB)",
+              f"`{ref}` speedup", f"`{ref}` memory"]
+    return _grid(header, body, markdown=True)
+
+
+def _steps_table(report: dict) -> str:
+    forests = report["workload"].get("forests") or []
+    header = ["config"] + [f"step {i + 1}" for i in range(len(forests))]
+    body = []
+    for r in report["results"]:
+        times = r.get("step_times_s") or []
+        cells = [f"{t:.3f}" for t in times] + [r["status"] if r["status"] != "ok" else "-"] * (len(forests) - len(times))
+        body.append([f"`{r['config']}`"] + cells[: len(forests)])
+    body.append(["unique tokens"] + [f"{f['unique_tokens']:,}" for f in forests])
+    body.append(["linearized tokens"] + [f"{f['linearized_tokens']:,}" for f in forests])
+    body.append(["FLOP-weighted compression"] + [f"{f['flop_compression_ratio']:.2f}x" for f in forests])
+    return _grid(header, body, markdown=True)
+
+
+def _workload_line(report: dict) -> str:
+    wl = report["workload"]
+    forests = wl.get("forests") or []
+    uniq = [f["unique_tokens"] for f in forests]
+    lin = [f["linearized_tokens"] for f in forests]
+    comp = [f["compression_ratio"] for f in forests]
+    flop = [f["flop_compression_ratio"] for f in forests]
+
+    def span(xs, spec):
+        return format(xs[0], spec) if min(xs) == max(xs) else f"{format(min(xs), spec)}-{format(max(xs), spec)}"
+
+    where = (f"{len(forests)} fresh forests (seeds {wl['seed']}..{wl['seed'] + len(forests) - 1})"
+             if _fresh(report) else f"one forest (seed {wl['seed']})")
+    return (
+        f"- workload: `{wl['name']}`, {where}: {span([f['sequences'] for f in forests], ',')} sequences, "
+        f"{span([f['trees'] for f in forests], ',')} trees, {span(uniq, ',')} unique / {span(lin, ',')} linearized "
+        f"tokens per step, compression {statistics.fmean(comp):.2f}x (FLOP-weighted {statistics.fmean(flop):.2f}x) "
+        f"on average, longest path {max(f['max_path_length'] for f in forests):,} tokens"
+        + (f"\n- workload parameters: `{json.dumps(wl['params'])}`" if wl.get("params") else "")
+    )
+
+
+def _markdown(report: dict) -> str:
+    env, model = report["env"], report["model"]
+    fresh = _fresh(report)
+    protocol = (
+        f"{report['steps']} steps per configuration, a fresh forest each; first and second steps apart, steady = "
+        "mean of steps 3..N (tokens/s and MFU over those steps, each with its own unique-token FLOPs); the "
+        "configurations run one after the other in one process, so compilation and autotuning land in the first "
+        "step of the first configuration that needs them (benchmarks/profile_warmup.py measures fresh processes)"
+        if fresh else f"one forest; median of {report['repeats']} steps after {report['warmup']} warm-up"
+    )
+    limits = []
+    if report.get("memory_limit_gib"):
+        limits.append(f"GPU memory capped at {report['memory_limit_gib']:g} GiB")
+    if report.get("time_budget_s") is not None:
+        limits.append(f"time budget {report['time_budget_s']:g} s")
+    if report.get("max_config_seconds"):
+        limits.append(f"at most {report['max_config_seconds']:g} s per configuration")
+    lines = [
+        f"# dtree bench: {model['name']} on `{report['workload']['name']}`" + (" (fresh forests)" if fresh else ""),
+        "",
+        f"- device: {env['device']}; torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, "
+        f"transformers {env['transformers']}, dtree {env['dtree']}, python {env['python']}",
+        f"- model: {model['name']} ({model['params'] / 1e9:.2f}B params, {model['layers']} layers, hidden "
+        f"{model['hidden']}, intermediate {model.get('intermediate', '?')}, heads {model['heads']}/{model['kv_heads']} kv, "
+        f"head_dim {model['head_dim']}, vocab {model['vocab']}), {model['dtype']}, random weights",
+        _workload_line(report),
+        f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}"
+        + (f"; {'; '.join(limits)}" if limits else ""),
+        f"- loss: {report['loss']}; step = forward + backward over the whole forest; {protocol}",
+        "- configurations: " + "; ".join(f"`{c['label']}` = {c['method']} {c['options'] or '(defaults)'}"
+                                         for c in report.get("configs", [])),
+        "",
+        format_table(report, markdown=True),
+        "",
+        "Speedup is over the best linearized configuration in the same run"
+        + (" (over the steady steps both ran)" if fresh else "")
+        + "; ideal = FLOP-weighted compression ratio; MFU counts the FLOPs of the unique tokens only; "
+        "peak memory is the most allocated in any step.",
+    ]
+    best = _best_table(report)
+    if best:
+        lines += ["", "## Best configuration of each method", "", best]
+    if report.get("summary_lines"):
+        lines += [""] + [f"- {s}" for s in report["summary_lines"]]
+    if fresh:
+        lines += ["", "## Step times (s)", "", _steps_table(report)]
+    notes = []
+    for r in report["results"]:
+        if r.get("error") or r.get("note"):
+            notes.append(f"- `{r['config']}` {r['status']}: " + "; ".join(x for x in (r.get("error"), r.get("note")) if x))
+        extra = dict(r.get("metrics") or {})
+        if r.get("allocator"):
+            extra["allocator"] = r["allocator"]
+        if r.get("peak_reserved_gib") is not None:
+            extra["peak_reserved_gib"] = round(r["peak_reserved_gib"], 2)
+        if extra:
+            notes.append(f"- `{r['config']}` (last step): {json.dumps(extra, sort_keys=True)}")
+    if notes:
+        lines += ["", "## Notes", ""] + notes
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------- files
 def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.]+", "-", text).strip("-").lower()
 
@@ -81,42 +307,6 @@ def report_stem(report: dict) -> str:
     return "_".join(_slug(x) for x in parts if x)
 
 
-def _markdown(report: dict) -> str:
-    env, model, wl = report["env"], report["model"], report["workload"]
-    lines = [
-        f"# dtree bench: {model['name']} on `{wl['name']}`",
-        "",
-        f"- device: {env['device']}; torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, "
-        f"transformers {env['transformers']}, dtree {env['dtree']}",
-        f"- model: {model['name']} ({model['params'] / 1e9:.2f}B params, {model['layers']} layers, hidden "
-        f"{model['hidden']}, heads {model['heads']}/{model['kv_heads']} kv, head_dim {model['head_dim']}, "
-        f"vocab {model['vocab']}), {model['dtype']}, random weights",
-        f"- workload: `{wl['name']}` {wl.get('params') or ''}: {wl['sequences']} sequences, {wl['trees']} trees, "
-        f"{wl['unique_tokens']:,} unique / {wl['linearized_tokens']:,} linearized tokens, "
-        f"compression {wl['compression_ratio']:.2f}x (FLOP-weighted {wl['flop_compression_ratio']:.2f}x), "
-        f"longest path {wl['max_path_length']:,} tokens",
-        f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}"
-        + (f"; GPU memory capped at {report['memory_limit_gib']:g} GiB" if report.get("memory_limit_gib") else ""),
-        "- method options: "
-        + (", ".join(f"{m} {o}" for m, o in (report.get("method_options") or {}).items() if o) or "defaults"),
-        f"- loss: {report['loss']}; step = forward + backward over the whole forest; median of "
-        f"{report['repeats']} after {report['warmup']} warm-up",
-        "",
-        format_table(report["results"], markdown=True),
-        "",
-        "Speedup is over linearized training in the same run; ideal = FLOP-weighted compression ratio; "
-        "MFU counts the FLOPs of the unique tokens only.",
-    ]
-    for r in report["results"]:
-        if r.get("error"):
-            lines.append(f"\n- `{r['method']}` {r['status']}: {r['error']}")
-        if r.get("metrics"):
-            lines.append(f"\n- `{r['method']}` metrics: {json.dumps(r['metrics'], sort_keys=True)}")
-    if report.get("notes"):
-        lines += ["", report["notes"]]
-    return "\n".join(lines) + "\n"
-
-
 def _chart(report: dict, path: str) -> None:
     import matplotlib
 
@@ -124,20 +314,36 @@ def _chart(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     res = report["results"]
-    names = [r["method"] for r in res]
-    thr = [r["effective_tokens_per_s"] or 0 for r in res]
-    mem = [r["peak_mem_gib"] or 0 for r in res]
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    bars = axes[0].bar(names, thr, color="#4477aa")
-    axes[0].set_title("effective (linearized) tokens/s")
+    names = [r["config"] for r in res]
+    fresh = _fresh(report)
+    fig, axes = plt.subplots(1, 3 if fresh else 2, figsize=(15 if fresh else 10, 4.5))
+    ax_time, ax_mem = axes[-2], axes[-1]
+    if fresh:
+        for r in res:
+            if r.get("step_times_s"):
+                axes[0].plot(range(1, len(r["step_times_s"]) + 1), r["step_times_s"], marker="o", label=r["config"])
+        axes[0].set_yscale("log")
+        axes[0].xaxis.get_major_locator().set_params(integer=True)
+        axes[0].set_xlabel("step (fresh forest each)")
+        axes[0].set_title("step time (s)")
+        if axes[0].lines:
+            axes[0].legend(fontsize=7)
+    times = [r["step_time_s"] or 0 for r in res]
+    bars = ax_time.bar(range(len(res)), times, color="#4477aa")
+    ax_time.set_title("steady step time (s)" if fresh else "step time (s)")
     for b, r in zip(bars, res):
-        label = r["status"] if r["status"] != "ok" else f"{r['speedup_vs_linearized'] or 0:.2f}x"
-        axes[0].annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom")
-    axes[1].bar(names, mem, color="#cc6677")
-    axes[1].set_title("peak memory (GiB)" if any(mem) else "peak memory (not measured on CPU)")
+        label = r["status"] if r["status"] != "ok" else (f"{r['speedup_vs_linearized']:.2f}x"
+                                                          if r.get("speedup_vs_linearized") else "")
+        ax_time.annotate(label, (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom", fontsize=7)
+    mem = [r["peak_mem_gib"] or 0 for r in res]
+    ax_mem.bar(range(len(res)), mem, color="#cc6677")
+    ax_mem.set_title("peak memory (GiB)" if any(mem) else "peak memory (not measured on CPU)")
+    for ax in (ax_time, ax_mem):
+        ax.set_xticks(range(len(res)))
+        ax.set_xticklabels(names, rotation=30, ha="right", fontsize=7)
     env = report["env"]
     fig.suptitle(
-        f"{report['model']['name']} / {report['workload']['name']} on {env['gpu'] or env['device']}\n"
+        f"{report['model']['name']} / {report['workload']['name']} on {env['gpu'] or env['device']}; "
         f"torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}",
         fontsize=9,
     )
@@ -146,14 +352,17 @@ def _chart(report: dict, path: str) -> None:
     plt.close(fig)
 
 
-def write_reports(report: dict, out_dir: str) -> dict[str, str]:
-    """Write ``<stem>.json``, ``.md`` and ``.png`` under ``out_dir``; returns the paths."""
+def write_reports(report: dict, out_dir: str, chart: bool = True) -> dict[str, str]:
+    """Write ``<stem>.json``, ``.md`` (and ``.png`` with ``chart``) under ``out_dir``;
+    returns the paths."""
     os.makedirs(out_dir, exist_ok=True)
     stem = os.path.join(out_dir, report_stem(report))
-    paths = {"json": stem + ".json", "md": stem + ".md", "png": stem + ".png"}
+    paths = {"json": stem + ".json", "md": stem + ".md"}
     with open(paths["json"], "w", encoding="utf-8") as f:
         json.dump(report, f, indent=2, sort_keys=False)
     with open(paths["md"], "w", encoding="utf-8") as f:
         f.write(_markdown(report))
-    _chart(report, paths["png"])
+    if chart:
+        paths["png"] = stem + ".png"
+        _chart(report, paths["png"])
     return paths

@@ -1,68 +1,62 @@
 """``dtree bench``: dtree against its baselines on one workload, in one process.
 
-Every method gets the same model object, forest and loss; they run one after the
-other, so the ratios are taken under the same conditions. Reports go under
-``--out`` (default ``benchmarks/results/``).
+Every configuration gets the same model object, forests and loss; they run one after
+the other, so the ratios are taken under the same conditions. By default every step
+trains a fresh seeded forest (``seed + step``), as RL does; ``--same-forest`` repeats
+one forest (for kernel work). Reports go under ``--out`` (default
+``benchmarks/results/``) and are rewritten after every configuration, so a run cut
+short still leaves the configurations it finished.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
+import time
 from typing import Any
 
 import torch
 
-from ..baselines import METHODS
 from ..presets import DTYPES, MODEL_PRESETS, build_model
-from .measure import MethodResult, device_name, limit_memory, measure_method, peak_tflops
-from .report import environment, format_table, write_reports
+from .configs import PRESETS, BenchConfig, parse_assignments, parse_configs
+from .measure import (
+    MethodResult,
+    StepForest,
+    device_name,
+    limit_memory,
+    measure_method,
+    measure_steps,
+    peak_tflops,
+)
+from .report import environment, finish_report, format_table, write_reports
 
-__all__ = ["add_bench_parser", "run_bench"]
-
-
-
-def _parse_value(text: str) -> Any:
-    if "," in text:  # a range or a choice set, e.g. prompt_len=512,4096
-        return tuple(_parse_value(t.strip()) for t in text.split(",") if t.strip())
-    for cast in (int, float):
-        try:
-            return cast(text)
-        except ValueError:
-            pass
-    if text.lower() in ("true", "false"):
-        return text.lower() == "true"
-    return text
-
-
-def _parse_assignments(items: list[str] | None, what: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for item in items or []:
-        if "=" not in item:
-            raise ValueError(f"{what} takes KEY=VALUE, got {item!r}")
-        key, value = item.split("=", 1)
-        out[key.strip()] = _parse_value(value.strip())
-    return out
-
+__all__ = ["add_bench_parser", "run_bench", "CPU_WORKLOADS"]
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="benchmark dtree against linearized and tree-mask training",
-        description="Time one training step (forward+backward over the whole forest) of each method on the same "
-        "model and forest, in one process, and write JSON/Markdown/PNG reports.",
+        description="Time training steps (forward+backward over a whole forest) of dtree and its baselines on the "
+        "same model, in one process: by default a fresh seeded forest every step (first, second and steady steps "
+        "reported apart); write JSON/Markdown/PNG reports.",
     )
     p.add_argument("--model", default=None, help=f"{', '.join(MODEL_PRESETS)} or a HF config.json path "
                    "(default: tiny on CPU, qwen2.5-1.5b on GPU)")
     src = p.add_mutually_exclusive_group()
     src.add_argument("--workload", default=None, help="grpo, agentic or search (default: grpo)")
-    src.add_argument("--data", default=None, help="a JSONL batch instead of a generated workload")
+    src.add_argument("--data", default=None, help="a JSONL batch instead of a generated workload (implies --same-forest)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a workload parameter (repeatable), e.g. --set group_size=8")
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset of " + ", ".join(METHODS))
+    sel = p.add_mutually_exclusive_group()
+    sel.add_argument("--methods", default=None,
+                     help="comma-separated methods, each at its defaults: dtree, linearized, tree-mask")
+    sel.add_argument("--configs", default=None,
+                     help="comma-separated configurations METHOD[:PART+PART...] and presets; parts: whole, splitN "
+                          "(split16k), ckpt, plain, recompute, KEY=VALUE. Presets: "
+                          + "; ".join(f"{k} = {','.join(v)}" for k, v in PRESETS.items())
+                          + ". Default: gpu on a GPU, basic on CPU")
     p.add_argument("--opt", action="append", metavar="METHOD.KEY=VALUE",
-                   help="method option (repeatable), e.g. --opt dtree.mode=recompute --opt tree-mask.max_tokens_per_batch=32768")
+                   help="option under every configuration of METHOD (repeatable), e.g. --opt dtree.logprob_chunk=1024")
     p.add_argument("--loss", choices=("auto", "nll", "ppo"), default="auto",
                    help="ppo when the forest has advantages and old_logprobs, else nll (default: auto)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default: bf16 on GPU, fp32 on CPU")
@@ -71,10 +65,17 @@ def add_bench_parser(sub) -> None:
                    help="torch.compile the model's decoder layers (applies to every method alike)")
     p.add_argument("--memory-limit-gib", type=float, default=None,
                    help="cap this process's GPU memory (e.g. 80 to emulate an 80 GB GPU on a larger one)")
-    p.add_argument("--warmup", type=int, default=2,
-                   help="untimed steps first (default 2: compilation and autotuning, then the call sizes "
-                        "dtree adapts after measuring its first step)")
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per configuration, one fresh forest each (seeds seed..seed+steps-1); "
+                        "default 6 on GPU, 4 on CPU. Steady figures are over steps 3..N")
+    p.add_argument("--same-forest", action="store_true",
+                   help="repeat one forest instead: --warmup untimed steps, then the median of --repeats")
+    p.add_argument("--warmup", type=int, default=2, help="(--same-forest) untimed steps first (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="(--same-forest) timed steps (default 3)")
+    p.add_argument("--time-budget", type=float, default=None, metavar="SECONDS",
+                   help="no step starts after this many seconds; the configurations left are reported as skipped")
+    p.add_argument("--max-config-seconds", type=float, default=None, metavar="SECONDS",
+                   help="a configuration stops once its steps took this long (after at least 3 steps)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="benchmarks/results", help="report directory (default: benchmarks/results)")
     p.add_argument("--tag", default="", help="suffix for the report file names")
@@ -82,21 +83,25 @@ def add_bench_parser(sub) -> None:
     p.set_defaults(func=run_bench)
 
 
-# Micro-batch budgets the baselines run with unless --opt says otherwise: packed rows
-# of at most this many tokens (linearized: whole sequences; tree-mask: whole trees,
-# larger trees split the way AReaL does). Without one, tree-mask packs the whole
-# forest into one row.
-METHOD_DEFAULTS: dict[str, dict[str, Any]] = {"tree-mask": {"max_tokens_per_batch": 32768}}
-
-
-def _method_options(opts: dict[str, Any], methods: list[str]) -> dict[str, dict[str, Any]]:
-    per: dict[str, dict[str, Any]] = {m: dict(METHOD_DEFAULTS.get(m, {})) for m in methods}
+def _method_options(opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    per: dict[str, dict[str, Any]] = {}
     for key, value in opts.items():
         method, _, name = key.partition(".")
-        if method not in per or not name:
-            raise ValueError(f"--opt {key}: expected METHOD.KEY with METHOD in {methods}")
-        per[method][name] = value
+        if method not in ("dtree", "linearized", "tree-mask") or not name:
+            raise ValueError(f"--opt {key}: expected METHOD.KEY with METHOD one of dtree, linearized, tree-mask")
+        per.setdefault(method, {})[name] = value
     return per
+
+
+def select_configs(args: argparse.Namespace, on_gpu: bool) -> list[BenchConfig]:
+    """``--configs``, else ``--methods`` at their defaults, else the device's preset."""
+    base = _method_options(parse_assignments(args.opt, "--opt"))
+    text = args.configs or args.methods or ("gpu" if on_gpu else "basic")
+    if args.methods:
+        unknown = [m for m in args.methods.split(",") if m.strip() and m.strip() not in ("dtree", "linearized", "tree-mask")]
+        if unknown:
+            raise ValueError(f"unknown methods {unknown}; choose from dtree, linearized, tree-mask (or use --configs)")
+    return parse_configs(text, base)
 
 
 # CPU-sized shapes for the default CPU run (tiny model): a few thousand linearized
@@ -109,17 +114,50 @@ CPU_WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def _workload(args, vocab_size: int, on_gpu: bool):
+def _step_forests(args, spec, on_gpu: bool, steps: int) -> tuple[list[StepForest], dict]:
+    """The forests of the run (one, or one per step) and the workload's description."""
     from ..tree import Forest
-    from ..workloads import make_workload
+    from ..workloads import make_workload, workload_parameters
+
+    flops = (spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())
+
+    def wrap(seed: int, forest) -> StepForest:
+        return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions)),
+                          forest.flop_compression_ratio(*flops))
 
     if args.data:
-        return Forest.from_jsonl(args.data), os.path.basename(args.data), {}
+        return [wrap(args.seed, Forest.from_jsonl(args.data))], {"name": os.path.basename(args.data), "params": None}
     name = args.workload or "grpo"
     small = not on_gpu and args.model in (None, "tiny")
-    overrides = {**(CPU_WORKLOADS.get(name, {}) if small else {}), **_parse_assignments(args.overrides, "--set")}
-    forest = make_workload(name, seed=args.seed, vocab_size=vocab_size, **overrides)
-    return forest, name + (" (cpu size)" if small else ""), overrides
+    overrides = {**(CPU_WORKLOADS.get(name, {}) if small else {}), **parse_assignments(args.overrides, "--set")}
+    params = {**workload_parameters(name), **overrides}
+    forests = []
+    for i in range(steps):
+        t0 = time.perf_counter()
+        forests.append(wrap(args.seed + i, make_workload(name, seed=args.seed + i, vocab_size=spec.vocab_size, **overrides)))
+        st = forests[-1].forest.stats()
+        print(f"  forest {i + 1}/{steps} (seed {args.seed + i}): {st.num_trees} trees, {st.unique_tokens:,} unique / "
+              f"{st.linearized_tokens:,} linearized tokens, {st.compression_ratio:.2f}x "
+              f"(FLOP-weighted {forests[-1].flop_ratio:.2f}x), built in {time.perf_counter() - t0:.1f} s", flush=True)
+    desc = {
+        "name": name + (" (cpu size)" if small else ""),
+        "params": {k: list(v) if isinstance(v, tuple) else v for k, v in params.items()},
+        "overrides": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()},
+    }
+    return forests, desc
+
+
+def _forest_summary(forests: list[StepForest]) -> list[dict]:
+    rows = []
+    for sf in forests:
+        st = sf.forest.stats()
+        rows.append({
+            "seed": sf.seed, "sequences": st.num_sequences, "trees": st.num_trees, "nodes": st.num_nodes,
+            "unique_tokens": st.unique_tokens, "linearized_tokens": st.linearized_tokens,
+            "compression_ratio": st.compression_ratio, "flop_compression_ratio": sf.flop_ratio,
+            "max_path_length": st.max_path_length, "max_depth": st.max_depth, "unique_flops": sf.unique_flops,
+        })
+    return rows
 
 
 def _loss(kind: str, forest):
@@ -131,80 +169,48 @@ def _loss(kind: str, forest):
     return losses.nll(reduction="token_mean"), "nll(token_mean)"
 
 
+def _progress(start: float):
+    def line(i: int, dt: float, r: MethodResult) -> None:
+        mem = r.step_peak_mem_gib[-1]
+        print(f"  [{time.monotonic() - start:7.1f} s] {r.config:<28} step {i + 1}: {dt:8.3f} s"
+              + (f", peak {mem:6.2f} GiB" if mem is not None else "")
+              + f", loss {r.step_losses[-1]:.6g}, calls {r.step_calls[-1]}", flush=True)
+
+    return line
+
+
 def run_bench(args: argparse.Namespace) -> int:
     from ..baselines import make_method
+    from ..models import adapt
 
+    start = time.monotonic()
+    deadline = start + args.time_budget if args.time_budget is not None else None
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = device.type == "cuda"
     dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
     model_name = args.model or ("qwen2.5-1.5b" if on_gpu else "tiny")
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown:
-        raise ValueError(f"unknown methods {unknown}; choose from {list(METHODS)}")
-    method_opts = _method_options(_parse_assignments(args.opt, "--opt"), methods)
+    configs = select_configs(args, on_gpu)
+    same_forest = args.same_forest or bool(args.data)
+    steps = 1 if same_forest else (args.steps or (6 if on_gpu else 4))
+    if steps < 1 or args.repeats < 1 or args.warmup < 0:
+        raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
 
     if args.memory_limit_gib:
         limit_memory(device, args.memory_limit_gib)
-    print(f"dtree bench: {model_name} ({dtype}) on {device_name(device)}", flush=True)
+    print(f"dtree bench: {model_name} ({dtype}) on {device_name(device)}; "
+          + ("one forest, " + f"{args.warmup} warm-up + {args.repeats} timed steps" if same_forest
+             else f"{steps} steps, a fresh forest each")
+          + f"; configurations: {', '.join(c.label for c in configs)}", flush=True)
     model = build_model(model_name, dtype=dtype, device=device, seed=args.seed)
-    from ..models import adapt
-
     spec = adapt(model).dtree_spec()
     if args.compile:
         from ..models import compile_layers
 
         compile_layers(model)
-    forest, wl_name, overrides = _workload(args, spec.vocab_size, on_gpu)
-    loss, loss_desc = _loss(args.loss, forest)
-    st = forest.stats()
-    flop_ratio = forest.flop_compression_ratio(spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())
-    unique_flops = spec.training_flops(torch.from_numpy(forest.positions))
-    print(f"workload {wl_name}: {st.num_sequences} sequences, {st.unique_tokens:,} unique / "
-          f"{st.linearized_tokens:,} linearized tokens, compression {st.compression_ratio:.2f}x "
-          f"(FLOP-weighted {flop_ratio:.2f}x)", flush=True)
+    forests, workload = _step_forests(args, spec, on_gpu, steps)
+    loss, loss_desc = _loss(args.loss, forests[0].forest)
+    peak = peak_tflops(device, dtype)
 
-    from tqdm import tqdm
-
-    steps = args.warmup + args.repeats
-    bar = tqdm(total=steps * len(methods), desc="bench", unit="step", file=sys.stderr, dynamic_ncols=True)
-    results: list[MethodResult] = []
-    for name in methods:
-        bar.set_postfix_str(name)
-        res = measure_method(
-            name,
-            lambda name=name: make_method(name, model, **method_opts[name]),
-            forest,
-            loss,
-            model,
-            device=device,
-            warmup=args.warmup,
-            repeats=args.repeats,
-            unique_flops=unique_flops,
-            peak=peak_tflops(device, dtype),
-            on_step=lambda: bar.update(1),
-        )
-        if res.status != "ok":
-            bar.update(steps - len(res.step_times_s) - min(args.warmup, steps))
-        results.append(res)
-    bar.close()
-
-    lin = next((r for r in results if r.method == "linearized" and r.status == "ok"), None)
-    for r in results:
-        r.ideal_speedup = flop_ratio
-        if lin and r.status == "ok":
-            r.speedup_vs_linearized = lin.step_time_s / r.step_time_s
-            r.fraction_of_ideal = r.speedup_vs_linearized / flop_ratio
-    rows = [r.as_dict() for r in results]
-    ok = [r for r in results if r.status == "ok"]
-    notes = ""
-    if len(ok) > 1:
-        spread = max(abs(r.loss - ok[0].loss) for r in ok) / max(abs(ok[0].loss), 1e-12)
-        notes = f"Loss agreement across methods: max relative difference {spread:.1e}."
-    print()
-    print(format_table(rows))
-    if notes:
-        print(notes)
     report = {
         "env": environment(device),
         "model": {
@@ -212,26 +218,54 @@ def run_bench(args: argparse.Namespace) -> int:
             "params": sum(p.numel() for p in model.parameters()),
             "layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
             "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab_size,
+            "intermediate": spec.intermediate_size,
         },
-        "workload": {
-            "name": wl_name, "params": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()} or None,
-            "seed": args.seed,
-            "sequences": st.num_sequences, "trees": st.num_trees, "nodes": st.num_nodes,
-            "unique_tokens": st.unique_tokens, "linearized_tokens": st.linearized_tokens,
-            "compression_ratio": st.compression_ratio, "flop_compression_ratio": flop_ratio,
-            "max_path_length": st.max_path_length, "max_depth": st.max_depth,
-        },
+        "workload": {**workload, "seed": args.seed, "forests": _forest_summary(forests)},
+        "protocol": "same-forest" if same_forest else "fresh-forests",
+        "steps": steps,
+        "warmup": args.warmup if same_forest else None,
+        "repeats": args.repeats if same_forest else None,
         "loss": loss_desc,
         "compiled_layers": bool(args.compile),
         "memory_limit_gib": args.memory_limit_gib,
-        "warmup": args.warmup,
-        "repeats": args.repeats,
-        "method_options": method_opts,
+        "time_budget_s": args.time_budget,
+        "max_config_seconds": args.max_config_seconds,
+        "configs": [{"label": c.label, "method": c.method, "options": c.options} for c in configs],
         "tag": args.tag,
-        "results": rows,
-        "notes": notes,
+        "results": [],
     }
+    results: list[MethodResult] = []
+    for cfg in configs:
+        make = lambda cfg=cfg: make_method(cfg.method, model, **cfg.options)  # noqa: E731
+        print(f"{cfg.label}: {cfg.method} {cfg.options or ''}", flush=True)
+        if same_forest:
+            if deadline is not None and time.monotonic() > deadline:
+                res = MethodResult(cfg.method, "skipped", config=cfg.label, options=cfg.options,
+                                   note="time budget spent before it started")
+            else:
+                sf = forests[0]
+                res = measure_method(cfg.method, make, sf.forest, loss, model, device=device, warmup=args.warmup,
+                                     repeats=args.repeats, unique_flops=sf.unique_flops, peak=peak,
+                                     config=cfg.label, options=cfg.options)
+                res.ideal_speedup = sf.flop_ratio
+        else:
+            res = measure_steps(cfg.label, cfg.method, make, forests, loss, model, device=device, peak=peak,
+                                options=cfg.options, on_step=_progress(start), deadline=deadline,
+                                max_seconds=args.max_config_seconds)
+        if res.status != "ok" or res.note:
+            print(f"  {cfg.label}: {res.status}" + (f" ({res.error})" if res.error else "")
+                  + (f"; {res.note}" if res.note else ""), flush=True)
+        results.append(res)
+        report["results"] = [r.as_dict() for r in results]
+        finish_report(report)
+        if not args.no_report:
+            write_reports(report, args.out, chart=False)
+    print()
+    print(format_table(report))
+    for line in report.get("summary_lines", []):
+        print(line)
     if not args.no_report:
         paths = write_reports(report, args.out)
         print("reports: " + ", ".join(paths.values()))
-    return 0 if ok else 1
+    print(f"total {time.monotonic() - start:.1f} s", flush=True)
+    return 0 if any(r.status == "ok" for r in results) else 1

@@ -1,0 +1,130 @@
+#!/usr/bin/env bash
+# GPU session for issue 11 (fast and lean by default) and issue 10 part 5 (memory
+# scaling), one part per device command (each must end within 10 minutes):
+#
+#   bash benchmarks/h100_session.sh PART [PART ...]
+#
+# Every part runs under `timeout`, writes its reports under $OUT/results/PART/, appends
+# its Markdown reports to $OUT/summary.md and its output to $OUT/session.log; at the end
+# the reports are bundled into $OUT/results.tgz (the device tool returns at most 8
+# files, 2 folders deep). Parts and their expected time on an H100 (eager layers,
+# qwen2.5-1.5b, bf16):
+#
+#   env              versions, GPU                                            ~10 s
+#   tests            pytest -m gpu (fixed Triton configs)                     ~3-5 min
+#   bench-case1      dtree bench, grpo case 1 (prompt 2048, G=8, answers 512) ~2-3 min
+#   bench-agentic64k dtree bench, one agentic tree of ~64k unique tokens       ~7-9 min
+#   bench-agentic    dtree bench, default agentic (4 trees, ~66k unique)       ~6-8 min
+#   bench-grpo       dtree bench, default grpo (8 prompts, 120k-210k unique)   ~7-9 min
+#   warmup           benchmarks/profile_warmup.py (fresh processes, 5 steps)   ~5 min
+#   memory           benchmarks/profile_memory.py (21k-unique agentic tree)    ~2-3 min
+#   memscale         benchmarks/bench_memory_scaling.py (both sweeps)          ~8 min
+#   kernel           benchmarks/bench_stack_attention.py                       ~2 min
+#
+# The bench parts run a fresh forest every step (--steps), every configuration in one
+# process; a time budget cuts the last configurations cleanly (reported as skipped), and
+# the reports are rewritten after every configuration, so even a killed run leaves them.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+OUT=${OUT:-/tmp/dtree_out}
+RES=$OUT/results
+mkdir -p "$RES"
+LOG=$OUT/session.log
+SUMMARY=$OUT/summary.md
+
+# Configurations (dtree bench --configs): dtree's default and recompute mode against the
+# strongest forms of the baselines. linearized:ckpt only where the run has time for it
+# (its steps are the slowest, and plain linearized fits in 16k micro-batches anyway).
+CONFIGS_FULL="dtree,dtree:recompute,tree-mask:whole+ckpt,tree-mask:split16k,tree-mask:split16k+ckpt,linearized,linearized:ckpt"
+CONFIGS_BIG="dtree,dtree:recompute,tree-mask:whole+ckpt,tree-mask:split16k,tree-mask:split16k+ckpt,linearized"
+BENCH="python -m dtree bench --model qwen2.5-1.5b"
+CASE1="--workload grpo --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512"
+AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"
+AGENTIC="--workload agentic"
+GRPO="--workload grpo"
+WARMUP="" MEMORY="" MEMSCALE=""
+# SMOKE=1: the same parts on CPU with the tiny model and small shapes (checks the plumbing)
+if [ "${SMOKE:-0}" = 1 ]; then
+  SMALL_TREE="--set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set turn_len_median=12"
+  BENCH="python -m dtree bench --model tiny --device cpu"
+  CASE1="--workload grpo --set num_prompts=1 --set prompt_len=64 --set group_size=4 --set answer_len=16"
+  AGENTIC64K="--workload agentic $SMALL_TREE --set target_unique_tokens=400"
+  AGENTIC="--workload agentic --set num_trees=2 --set system_prompt_len=64 --set trajectories=2,3 --set turn_len=4,40"
+  GRPO="--workload grpo --set num_prompts=2 --set prompt_len=32,64 --set group_size=2,4 --set answer_len=8,16"
+  WARMUP="--model tiny --device cpu --configs dtree,tree-mask --steps 2 $SMALL_TREE --set target_unique_tokens=300"
+  MEMORY="--model tiny --device cpu --configs dtree:recompute,dtree $SMALL_TREE --set target_unique_tokens=300"
+  MEMSCALE="--model tiny --device cpu --branches 2,3 --prompt-len 32 --answer-len 8 --tree-sizes 200,300 \
+    --set-tree system_prompt_len=64 --set-tree turn_len=4,24"
+fi
+
+part() {
+  local name=$1 secs=$2 dir=$RES/$1
+  mkdir -p "$dir"
+  echo "=== $name (limit ${secs}s) $(date +%T)"
+  local t0=$SECONDS rc
+  case $name in
+    env)
+      { nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv || echo "no nvidia-smi"; } \
+        | tee "$dir/env.txt"
+      python -c "import torch, triton, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
+'triton', triton.__version__, 'transformers', transformers.__version__, \
+torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')" | tee -a "$dir/env.txt"
+      ;;
+    tests)
+      local to=""
+      python -c "import pytest_timeout" 2>/dev/null && to="--timeout 240"
+      DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests \
+        2>&1 | tee "$dir/pytest.txt"
+      ;;
+    bench-case1)
+      timeout "$secs" $BENCH $CASE1 --steps 6 --configs "$CONFIGS_FULL" --time-budget $((secs - 40)) \
+        --tag case1 --out "$dir" ;;
+    bench-agentic64k)
+      timeout "$secs" $BENCH $AGENTIC64K --steps 6 \
+        --configs "$CONFIGS_BIG" --max-config-seconds 90 --time-budget $((secs - 40)) --tag 64k --out "$dir" ;;
+    bench-agentic)
+      timeout "$secs" $BENCH $AGENTIC --steps 6 --configs "$CONFIGS_FULL" --max-config-seconds 80 \
+        --time-budget $((secs - 40)) --out "$dir" ;;
+    bench-grpo)
+      timeout "$secs" $BENCH $GRPO --steps 4 --configs "$CONFIGS_FULL" --max-config-seconds 70 \
+        --time-budget $((secs - 40)) --out "$dir" ;;
+    warmup)
+      timeout "$secs" python benchmarks/profile_warmup.py $WARMUP --time-budget $((secs - 30)) --out "$dir" ;;
+    memory)
+      timeout "$secs" python benchmarks/profile_memory.py $MEMORY --time-budget $((secs - 60)) --out "$dir" ;;
+    memscale)
+      timeout "$secs" python benchmarks/bench_memory_scaling.py $MEMSCALE --time-budget $((secs - 90)) --out "$dir" ;;
+    kernel)
+      timeout "$secs" python benchmarks/bench_stack_attention.py --out "$dir" ;;
+    *) echo "unknown part $name (see the header of $0)"; false ;;
+  esac
+  rc=$?
+  echo "=== $name done in $((SECONDS - t0))s, rc=$rc"
+  {
+    echo "## $name: rc=$rc, $((SECONDS - t0)) s"
+    echo
+    for md in "$dir"/*.md; do [ -f "$md" ] && { cat "$md"; echo; }; done
+    [ -f "$dir/env.txt" ] && { echo '```'; cat "$dir/env.txt"; echo '```'; }
+    [ -f "$dir/pytest.txt" ] && { echo '```'; tail -n 40 "$dir/pytest.txt"; echo '```'; }
+    echo
+  } >> "$SUMMARY"
+}
+
+# default limits leave a margin under the device tool's 10 minutes per command
+limit() {
+  case $1 in
+    env) echo 60 ;; tests) echo 420 ;; bench-case1) echo 300 ;; memory) echo 300 ;; kernel) echo 240 ;;
+    *) echo 570 ;;
+  esac
+}
+
+[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+for spec in "$@"; do
+  name=${spec%%:*}
+  secs=${spec#*:}
+  [[ $spec == *:* ]] || secs=$(limit "$name")
+  part "$name" "$secs" 2>&1 | tee -a "$LOG"
+done
+tar -czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$RES"
+echo "results: $OUT/results.tgz, $SUMMARY, $LOG"

@@ -1,0 +1,134 @@
+"""Activation checkpointing of the baselines' decoder layers (``checkpoint=True``).
+
+Users of mask-based tree training run it with activation checkpointing (AReaL does, with
+HF's ``gradient_checkpointing_enable``). The baselines cannot use HF's: the dtree adapter
+refuses a model with HF checkpointing on, because that re-runs attention in backward,
+outside the adapter's call, which breaks dtree's KV stack. The baselines' attention
+functions are pure (they read only the call's own q/k/v and a layout), so re-running a
+layer in backward is safe for them, provided it runs the same attention again.
+
+:func:`checkpointed_layers` gives them their own per-layer checkpointing: while the
+block runs, every decoder layer of the model runs under
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``. Only the layer's
+input is kept (one ``[T, hidden]`` tensor per layer); its internals are recomputed in
+backward. The recompute re-enters the attention implementation the forward used: the
+models' configs are switched to the adapter's attention function only during the
+model call, so a plain recompute in backward would silently run the model's default
+attention (full, unmasked) instead.
+
+The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
+for the duration of the block (the wrapper calls the layer itself, so a
+``torch.compile``-d layer stays compiled inside the checkpoint), and restored after.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
+
+# Where decoder layers live: transformers causal LMs keep them at
+# ``<base_model>.layers``; custom TreeModules (e.g. tests/nanogpt.py) at one of these.
+_LAYER_LIST_NAMES = ("layers", "blocks", "h")
+
+
+def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
+    """The ``ModuleList`` of ``model``'s decoder layers.
+
+    transformers models: ``getattr(model, model.base_model_prefix).layers``; other
+    modules: a ``ModuleList`` attribute named ``layers``, ``blocks`` or ``h``.
+    """
+    prefix = getattr(model, "base_model_prefix", None)
+    owners = ([getattr(model, prefix)] if prefix and hasattr(model, prefix) else []) + [model]
+    for owner in owners:
+        for name in _LAYER_LIST_NAMES:
+            layers = getattr(owner, name, None)
+            if isinstance(layers, torch.nn.ModuleList) and len(layers):
+                return layers
+    raise ValueError(
+        f"checkpoint=True needs {type(model).__name__}'s decoder layers as a torch.nn.ModuleList attribute named "
+        f"one of {_LAYER_LIST_NAMES} (on the model or its base model); rename it, or run with checkpoint=False"
+    )
+
+
+def _attention_configs(model: torch.nn.Module) -> list[Any]:
+    """Every distinct transformers config reachable from ``model``'s modules: the
+    objects whose ``_attn_implementation`` picks each layer's attention function."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and hasattr(config, "_attn_implementation"):
+            found.setdefault(id(config), config)
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def _attention_implementations(saved: list[tuple[Any, Any]]) -> Iterator[None]:
+    """Set each config's ``_attn_implementation`` to the saved value while the block runs."""
+    current = [(config, config._attn_implementation) for config, _ in saved]
+    try:
+        for config, impl in saved:
+            if config._attn_implementation != impl:
+                config._attn_implementation = impl
+        yield
+    finally:
+        for config, impl in current:
+            if config._attn_implementation != impl:
+                config._attn_implementation = impl
+
+
+class CheckpointedLayer(torch.nn.Module):
+    """``layer`` run under non-reentrant ``torch.utils.checkpoint``.
+
+    ``configs``: the transformers configs whose attention implementation must be the
+    same in the backward recompute as in the forward (captured at every call).
+    """
+
+    def __init__(self, layer: torch.nn.Module, configs: list[Any]) -> None:
+        super().__init__()
+        self.layer = layer
+        self._configs = configs
+
+    def forward(self, *args, **kwargs):
+        saved = [(config, config._attn_implementation) for config in self._configs]
+        layer = self.layer
+
+        def run(*a, **kw):
+            with _attention_implementations(saved):
+                return layer(*a, **kw)
+
+        if not torch.is_grad_enabled():
+            return layer(*args, **kwargs)
+        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+    def __getattr__(self, name: str):
+        # attributes a model's forward may read off its layers (e.g. attention_type)
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("layer"), name)
+
+
+@contextlib.contextmanager
+def checkpointed_layers(model: torch.nn.Module) -> Iterator[None]:
+    """While the block runs, every decoder layer of ``model`` (see :func:`decoder_layers`)
+    is checkpointed: its forward keeps only its input, and backward recomputes it.
+
+    Nested use is a no-op (the layers are wrapped once)."""
+    layers = decoder_layers(model)
+    if any(isinstance(layer, CheckpointedLayer) for layer in layers):
+        yield
+        return
+    originals = list(layers)
+    configs = _attention_configs(model)
+    try:
+        for i, layer in enumerate(originals):
+            layers[i] = CheckpointedLayer(layer, configs)
+        yield
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer

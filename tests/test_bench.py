@@ -1,0 +1,102 @@
+"""``dtree bench`` on CPU with the tiny model: fresh forests per step, configurations of
+one method side by side, the best configuration of each method, same-forest mode, time
+budget and out-of-memory handling, and the reports it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dtree.bench.configs import PRESETS, best_per_method, parse_configs
+from dtree.cli import main
+
+TINY_GRPO = ["--set", "num_prompts=1", "--set", "prompt_len=16,32", "--set", "group_size=3", "--set", "answer_len=4,8"]
+
+
+def _run(tmp_path, *args) -> dict:
+    rc = main(["bench", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path), *TINY_GRPO, *args])
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    report["_rc"] = rc
+    return report
+
+
+def test_parse_configs():
+    configs = parse_configs("dtree,tree-mask:whole+ckpt,tree-mask:split16k,linearized:ckpt+split4k,dtree:recompute")
+    got = {c.label: (c.method, c.options) for c in configs}
+    assert got == {
+        "dtree": ("dtree", {}),
+        "tree-mask:whole+ckpt": ("tree-mask", {"max_tokens_per_batch": None, "checkpoint": True}),
+        "tree-mask:split16k": ("tree-mask", {"max_tokens_per_batch": 16384}),
+        "linearized:ckpt+split4k": ("linearized", {"checkpoint": True, "max_tokens_per_batch": 4096}),
+        "dtree:recompute": ("dtree", {"mode": "recompute"}),
+    }
+    assert parse_configs("tree-mask")[0].options == {"max_tokens_per_batch": 32768}  # the method's defaults
+    assert [c.label for c in parse_configs("gpu,dtree")] == list(PRESETS["gpu"])  # presets expand, duplicates drop
+    assert parse_configs("dtree:group_tokens=4096", {"dtree": {"mode": "recompute"}})[0].options == {
+        "mode": "recompute", "group_tokens": 4096,
+    }
+    for bad, match in [("dtree:ckpt", "recompute"), ("linearized:whole", "tree-mask"), ("tree-mask:recompute", "ckpt"),
+                       ("foo", "unknown method"), ("tree-mask:splitx", "token count"), ("dtree:bogus", "unknown")]:
+        with pytest.raises(ValueError, match=match):
+            parse_configs(bad)
+
+
+def test_best_per_method_skips_what_did_not_fit():
+    rows = [
+        {"method": "tree-mask", "config": "a", "status": "ok", "step_time_s": 2.0},
+        {"method": "tree-mask", "config": "b", "status": "oom", "step_time_s": None},
+        {"method": "tree-mask", "config": "c", "status": "ok", "step_time_s": 1.5},
+        {"method": "linearized", "config": "d", "status": "error", "step_time_s": None},
+    ]
+    assert {m: r["config"] for m, r in best_per_method(rows).items()} == {"tree-mask": "c"}
+
+
+def test_fresh_forests_and_configurations(tmp_path):
+    report = _run(tmp_path, "--steps", "3",
+                  "--configs", "dtree,dtree:recompute,tree-mask:whole+ckpt,tree-mask:split16,linearized:ckpt")
+    assert report["_rc"] == 0 and report["protocol"] == "fresh-forests"
+    seeds = [f["seed"] for f in report["workload"]["forests"]]
+    assert seeds == [0, 1, 2]
+    assert len({f["unique_tokens"] for f in report["workload"]["forests"]}) > 1  # a fresh forest each step
+    rows = {r["config"]: r for r in report["results"]}
+    assert list(rows) == ["dtree", "dtree:recompute", "tree-mask:whole+ckpt", "tree-mask:split16", "linearized:ckpt"]
+    for r in rows.values():
+        assert r["status"] == "ok" and len(r["step_times_s"]) == 3
+        assert r["first_step_s"] == r["step_times_s"][0] and r["second_step_s"] == r["step_times_s"][1]
+        assert r["steady_steps"] == [2] and r["step_time_s"] == r["steady_max_s"] == r["step_times_s"][2]
+        assert r["tokens_per_s"] == pytest.approx(report["workload"]["forests"][2]["unique_tokens"] / r["step_time_s"])
+    assert rows["tree-mask:split16"]["metrics"]["split_trees"] == 1
+    assert rows["tree-mask:whole+ckpt"]["metrics"]["checkpoint"] is True
+    # every configuration trains the same forests: the same losses, step by step
+    assert report["loss_agreement"] < 1e-5
+    assert rows["linearized:ckpt"]["speedup_vs_linearized"] == pytest.approx(1.0)
+    assert set(report["best"]) == {"dtree", "tree-mask", "linearized"}
+    assert {v["method"] for v in report["vs_best"]} == {"dtree", "tree-mask", "linearized"}
+    assert all(v["dtree"] == "dtree" for v in report["vs_best"])  # dtree's default is the reference
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "## Best configuration of each method" in md and "## Step times (s)" in md
+    assert "torch " in md and "num_prompts" in md and "hidden 128" in md
+    assert next(tmp_path.glob("*.png")).stat().st_size > 0
+
+
+def test_same_forest_mode(tmp_path):
+    report = _run(tmp_path, "--same-forest", "--warmup", "0", "--repeats", "2", "--methods", "dtree,tree-mask")
+    assert report["protocol"] == "same-forest" and len(report["workload"]["forests"]) == 1
+    assert [len(r["step_times_s"]) for r in report["results"]] == [2, 2]
+    assert report["loss_agreement"] < 1e-5
+    assert "median of 2 steps after 0 warm-up" in next(tmp_path.glob("*.md")).read_text()
+
+
+def test_out_of_memory_and_time_budget(tmp_path):
+    """A configuration whose allocation fails is reported as oom and the next one still
+    runs; with no time left, configurations are reported as skipped."""
+    report = _run(tmp_path, "--steps", "2", "--configs", "dtree:stack_capacity=17592186044416,tree-mask")
+    oom, ok = report["results"]
+    assert oom["status"] == "oom" and "step 1" in oom["error"] and oom["step_times_s"] == []
+    assert ok["status"] == "ok" and len(ok["step_times_s"]) == 2
+    report = _run(tmp_path, "--steps", "2", "--time-budget", "0", "--configs", "dtree,tree-mask")
+    assert report["_rc"] == 1
+    assert [r["status"] for r in report["results"]] == ["skipped", "skipped"]
+    assert "time budget" in report["results"][0]["note"]
