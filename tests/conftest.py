@@ -3,7 +3,12 @@ import sys
 import warnings
 
 import pytest
-import torch
+
+# torch's OpenMP threads spin-wait by default; on a loaded 2-core machine (CI, shared dev
+# boxes) spinning threads starve each other and a 40-token step can take seconds.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402  (after the OpenMP setting)
 from hypothesis import HealthCheck, settings
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests import their helpers (hf_models, reference, ...)
