@@ -245,9 +245,9 @@ def main() -> int:
             return 2
         os.environ["TRITON_INTERPRET"] = "1"  # before Triton is imported
         sys.path.insert(0, os.path.join(ROOT, "tests"))
-        from interpreter_worker import _allow_index_of_one_element_arrays
+        from interpreter_worker import patch_interpreter
 
-        _allow_index_of_one_element_arrays()
+        patch_interpreter()
     from dtree.ops import logprobs_triton as lt
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

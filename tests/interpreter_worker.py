@@ -25,14 +25,20 @@ import torch
 TESTS = Path(__file__).resolve().parent
 
 
-def _allow_index_of_one_element_arrays() -> None:
-    """Triton 3.6's interpreter calls int() on (1,)-shaped arrays, which NumPy >= 2.4
-    refuses; give its tensors an ``__index__`` that reads the one element."""
+def patch_interpreter() -> None:
+    """Make Triton 3.6's interpreter behave like compiled Triton where kernels here and in
+    Liger-Kernel need it:
+
+    * it calls int() on (1,)-shaped arrays, which NumPy >= 2.4 refuses: give its tensors
+      an ``__index__`` that reads the one element;
+    * it passes Python float arguments through as floats, where compiled Triton passes
+      float32 scalars (Liger's RMSNorm calls ``eps.to(tl.float32)``): wrap them as such.
+    """
+    from triton.runtime import interpreter
+
     try:
         int(np.ones(1))
     except TypeError:
-        from triton.runtime import interpreter
-
         original = interpreter._patch_lang_tensor
 
         def patched(tensor, scope):
@@ -41,6 +47,17 @@ def _allow_index_of_one_element_arrays() -> None:
 
         interpreter._patch_lang_tensor = patched
 
+    import triton.language as tl
+
+    convert = interpreter._implicit_cvt
+
+    def float32_scalars(arg):
+        if isinstance(arg, float):
+            return tl.tensor(interpreter.TensorHandle(np.array([arg], dtype=np.float32), tl.float32), tl.float32)
+        return convert(arg)
+
+    interpreter._implicit_cvt = float32_scalars
+
 
 def serve(module_name: str) -> None:
     """Worker main loop: one JSON request per stdin line, one JSON reply per line on the
@@ -48,7 +65,7 @@ def serve(module_name: str) -> None:
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    _allow_index_of_one_element_arrays()
+    patch_interpreter()
     module = importlib.import_module(module_name)
     for line in sys.stdin:
         request = json.loads(line)
