@@ -22,7 +22,9 @@ CUDA-event times over ``--reps`` (after one warm-up) for each (hidden, rows) sha
 and without entropy (gradients arrive on both outputs when it is on), TFLOP/s counted as
 2NHV forward and 8NHV forward+backward, and the peak memory above the inputs. Then the
 CUDA time per kernel class (matmul / Triton / other) of one forward+backward, to check
-the byte count of ``benchmarks/PERF_NOTES.md``. A short table is printed last; ``--out``
+the byte count of ``benchmarks/PERF_NOTES.md``, and each fused kernel alone on one
+``[4096, V]`` chunk over a few launch shapes (ms, GB/s), to set ``_FWD`` / ``_BWD`` in
+``dtree/ops/logprobs_triton.py``. A short table is printed last; ``--out``
 writes ``DIR/logprobs_<gpu>.md``. Exits 1 when the correctness check fails (after the
 report).
 """
@@ -205,17 +207,58 @@ def kernel_classes(fn, device) -> dict[str, float]:
         fn()
         torch.cuda.synchronize()
     out = {"matmul": 0.0, "triton": 0.0, "other": 0.0}
-    for event in prof.key_averages():
-        if getattr(event, "device_type", None) is not None and "CUDA" not in str(event.device_type):
-            continue
+    events = list(prof.key_averages())
+    # kernels only: a CPU op's device time is its kernels' again
+    kernels = [e for e in events if "CUDA" in str(getattr(e, "device_type", ""))] or events
+    for event in kernels:
         total = (getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)) / 1e3
         key = event.key
-        if key.startswith("_row_stats_kernel") or key.startswith("_dlogits_kernel"):
+        if key.startswith(("_row_stats_kernel", "_dlogits_kernel")):
             out["triton"] += total
-        elif re.search(r"gemm|nvjet|cutlass|sm90_xmma|ampere_|Kernel2", key):
+        elif re.search(r"gemm|nvjet|cutlass|xmma|ampere_|Kernel2", key):
             out["matmul"] += total
-        elif not key.startswith(("aten::", "cuda", "Memcpy", "Memset")) and total > 0:
+        else:
             out["other"] += total
+    return out
+
+
+def kernel_configs(lt, device, v, rows=4096) -> list[list[str]]:
+    """Time each fused kernel alone on a [rows, v] bf16 chunk over a few launch shapes
+    (the defaults are ``_FWD`` / ``_BWD`` in the op's module): ms and effective GB/s
+    (forward reads 2 B per logit, backward reads and writes 2 B each)."""
+    if device.type != "cuda":
+        return []
+    gen = torch.Generator(device=device).manual_seed(3)
+    logits = (torch.randn(rows, v, device=device, generator=gen) * 3).bfloat16()
+    labels = torch.randint(0, v, (rows,), device=device, generator=gen)
+    tf = lt._Transform()
+    _, norm, ent = lt._row_stats_torch(logits, labels, tf, True)
+    g, ge = torch.randn(rows, device=device), torch.randn(rows, device=device)
+    saved_fwd, saved_bwd = dict(lt._FWD), dict(lt._BWD)
+    out = []
+    try:
+        for block_v in (1024, 2048, 4096, 8192):
+            for warps in (4, 8, 16):
+                lt._FWD.clear()
+                lt._FWD.update(BLOCK_V=block_v, num_warps=warps)
+                ms = time_ms(lambda: lt._row_stats_triton(logits, labels, tf, True), device, 10)
+                out.append(["row stats (fwd)", f"BLOCK_V={block_v}, warps={warps}", f"{ms:.3f}",
+                            f"{2 * logits.numel() / ms / 1e6:.0f}"])
+        lt._FWD.clear()
+        lt._FWD.update(saved_fwd)
+        for block_m, block_v in ((1, 2048), (4, 1024), (8, 1024), (16, 512), (8, 2048)):
+            for warps in (4, 8):
+                lt._BWD.clear()
+                lt._BWD.update(BLOCK_M=block_m, BLOCK_V=block_v, num_warps=warps)
+                buf = logits.clone()
+                ms = time_ms(lambda buf=buf: lt._dlogits_triton(buf, labels, norm, ent, g, ge, tf), device, 10)
+                out.append(["dlogits (bwd)", f"BLOCK_M={block_m}, BLOCK_V={block_v}, warps={warps}", f"{ms:.3f}",
+                            f"{4 * logits.numel() / ms / 1e6:.0f}"])
+    finally:
+        lt._FWD.clear()
+        lt._FWD.update(saved_fwd)
+        lt._BWD.clear()
+        lt._BWD.update(saved_bwd)
     return out
 
 
@@ -298,6 +341,7 @@ def main() -> int:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    config_rows = kernel_configs(lt, device, args.vocab)
     seconds = time.time() - started
     lines = [
         "# LM-head log-probs: fused kernel vs chunked torch",
@@ -326,6 +370,10 @@ def main() -> int:
             [[str(h), str(n), "yes" if e else "no", name, *(f"{c.get(k, 0.0):.2f}" for k in ("matmul", "triton", "other"))]
              for (h, n, e, name), c in classes.items()],
         )
+    if config_rows:
+        lines += ["", f"## Fused kernels alone on a [4096, {args.vocab}] bf16 chunk, by launch shape "
+                  f"(defaults: forward {lt._FWD}, backward {lt._BWD})", ""]
+        lines += table(["kernel", "launch", "ms", "GB/s"], config_rows)
     text = "\n".join(lines) + "\n"
     if args.out:
         os.makedirs(args.out, exist_ok=True)
