@@ -313,12 +313,16 @@ def _fp32_out_mm_works(device: torch.device) -> bool:
 def _accumulate_mm(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` in a wider dtype than ``a, b`` (or the same):
     accumulated by cuBLAS in place when it can, so no ``[V, H]`` product is rounded to
-    16 bits per chunk and no extra pass over it is made. Elsewhere (CPU, torch < 2.9)
-    the inputs are widened first: exact, but a float32 copy of ``a``."""
+    16 bits per chunk and no extra pass over it is made. On CPU the inputs are widened
+    first (exact). On a CUDA torch without ``addmm(out_dtype=)`` the product is rounded
+    to 16 bits and added, as the chunked torch op does: widening ``a`` (``[V, chunk]``)
+    would cost a 2.5 GB float32 copy per chunk at V = 152k."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
     elif acc.dtype == torch.float32 and _fp32_out_mm_works(acc.device):
         torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif acc.device.type == "cuda":
+        acc += a @ b
     else:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
