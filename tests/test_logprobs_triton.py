@@ -1,0 +1,377 @@
+"""The fused LM-head log-prob / entropy op against full-logits autograd.
+
+CPU: the Triton kernels run under the interpreter in a worker subprocess
+(``interpreter_worker``); in float32 every output and every gradient (hidden, weight,
+bias) is compared with the float64 full-logits computation (``token_logprobs_dense``)
+for gradients arriving on the log-probs, on the entropy, or on both, under every logit
+transform, at odd sizes and chunk boundaries; in float16 by the flash-attention rule.
+The kernels are also compared stage by stage with their torch twins. The torch path
+(float64, CPU without the interpreter) and the input checks run in this process.
+Under the interpreter, bf16 stores truncate instead of rounding to nearest (Triton 3.6),
+so bf16 is tested on GPU only.
+
+GPU (``-m gpu``): bf16/fp16 by the flash-attention rule (error against the float32
+full-logits reference at most 2x (forward) / 3x (gradients) that of the same
+computation in torch at the input precision, plus an absolute floor), at vocab 151,936.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from interpreter_worker import InterpreterWorker  # noqa: E402
+
+from dtree.ops import logprobs_triton as lt  # noqa: E402
+
+TRANSFORMS = {
+    "plain": {},
+    "scale": {"logit_scale": 0.37},
+    "softcap": {"softcap": 2.5},
+    "temperature": {"temperature": 0.6},
+    "all": {"logit_scale": 1.3, "softcap": 4.0, "temperature": 1.7},
+}
+# (rows, hidden, vocab, chunk): ragged last chunk, chunks that end exactly at N, one
+# chunk, vocab below one block, one token in the vocabulary
+SIZES = {
+    "ragged": (63, 60, 1000, 17),
+    "exact": (64, 60, 1000, 32),
+    "one_chunk": (23, 20, 300, 4096),
+    "small_vocab": (5, 8, 100, 2),
+    "vocab_1": (3, 4, 1, 2),
+    "small": (21, 24, 300, 8),  # for the transform x gradient-seed matrix
+}
+
+
+# --------------------------------------------------------------------------- problems
+def make_problem(n, h, v, *, dtype=torch.float32, device="cpu", seed=0, bias=True, logit_std=3.0):
+    """Leaf hidden [n, h], weight [v, h], bias [v] (or None) whose logits have standard
+    deviation ``logit_std``; labels [n] with the vocabulary's first and last ids in."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen)
+    weight = torch.randn(v, h, generator=gen) * (logit_std / h**0.5)
+    b = torch.randn(v, generator=gen) if bias else None
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[0], labels[-1] = 0, v - 1
+    leaves = [x.to(device=device, dtype=dtype).requires_grad_() if x is not None else None for x in (hidden, weight, b)]
+    return (*leaves, labels.to(device))
+
+
+def run(fn, hidden, weight, bias, labels, kw, seeds: str, seed=0):
+    """(logp, entropy, d hidden, d weight, d bias) of ``fn`` for random gradients on the
+    outputs named by ``seeds`` ("logp", "entropy" or "both")."""
+    with_entropy = seeds != "logp"
+    logp, ent = fn(hidden, weight, labels, bias, with_entropy=with_entropy, **kw)
+    gen = torch.Generator().manual_seed(seed + 1)
+    g, ge = (torch.randn(logp.shape, generator=gen).to(logp) for _ in range(2))
+    total = 0.0
+    if seeds in ("logp", "both"):
+        total = total + (logp * g).sum()
+    if seeds in ("entropy", "both"):
+        total = total + (ent * ge).sum()
+    leaves = [x for x in (hidden, weight, bias) if x is not None]
+    grads = torch.autograd.grad(total, leaves)
+    grads = list(grads) + ([None] if bias is None else [])
+    return [logp, ent, *grads]
+
+
+def float64_copy(hidden, weight, bias, labels):
+    return [x.detach().double().requires_grad_() if x is not None else None for x in (hidden, weight, bias)] + [labels]
+
+
+NAMES = ["logp", "entropy", "d hidden", "d weight", "d bias"]
+
+
+def assert_close_rel(got, want, rel=1e-5, what=""):
+    """max |got - want| <= rel * max |want| (a floor of 1 for values near 0, where float32
+    rounding of O(1) intermediates dominates)."""
+    for name, g, w in zip(NAMES, got, want):
+        if w is None:
+            assert g is None, f"{what} {name}: expected None"
+            continue
+        err = (g.double() - w.double()).abs().max().item()
+        scale = max(w.abs().max().item(), 1.0)
+        assert err <= rel * scale, f"{what} {name}: max error {err:.3e} > {rel:g} x {scale:.3e}"
+
+
+# --------------------------------------------------------------------------- interpreted cases
+def _interpreted():
+    assert lt._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
+    return lt
+
+
+def _case_against_float64(size, transform, seeds, bias=True, seed=0):
+    n, h, v, chunk = SIZES[size]
+    inputs = make_problem(n, h, v, seed=seed, bias=bias)
+    kw = dict(TRANSFORMS[transform])
+    got = run(_interpreted().token_logprobs_triton, *inputs, {**kw, "chunk_size": chunk, "impl": "triton"}, seeds)
+    want = run(lt.token_logprobs_dense, *float64_copy(*inputs), kw, seeds)
+    assert got[0].dtype == torch.float32 and (got[1] is None or got[1].dtype == torch.float32)
+    assert_close_rel(got, want, what=f"{size}/{transform}/{seeds}")
+
+
+def _case_peaked_entropy():
+    """Nearly one-hot rows with |logits| ~ 100: the kernel's entropy of given float32
+    logits keeps its absolute precision (5e-7; computing lse - sum p z would lose ~1e-5
+    to cancellation against the max logit), and the whole op stays within 1e-5."""
+    inputs = make_problem(40, 16, 700, seed=3, logit_std=40.0)
+    hidden, weight, bias, labels = inputs
+    logits = torch.nn.functional.linear(hidden, weight, bias).detach()
+    logq = torch.log_softmax(logits.double(), -1)
+    exact = -(logq.exp() * logq).sum(-1)
+    assert exact.min().item() < 1e-3 and logits.abs().max().item() > 100
+    _, _, entropy = _interpreted()._row_stats_triton(logits, labels, lt._Transform(), True)
+    assert (entropy.double() - exact).abs().max().item() <= 5e-7
+    got = run(lt.token_logprobs_triton, *inputs, {"chunk_size": 16, "impl": "triton"}, "both")
+    want = run(lt.token_logprobs_dense, *float64_copy(*inputs), {}, "both")
+    assert_close_rel(got, want, what="peaked")
+
+
+def _case_stages_match_torch_twins(dtype):
+    """Each kernel against its torch twin on raw logits (ragged tiles, extreme rows)."""
+    lt_ = _interpreted()
+    dtype = getattr(torch, dtype)
+    gen = torch.Generator().manual_seed(5)
+    n, v = 13, 300
+    x = torch.randn(n, v, generator=gen) * 4
+    x[1] *= 30  # peaked
+    x[2] = 0.0  # uniform
+    x = x.to(dtype)
+    labels = torch.randint(0, v, (n,), generator=gen)
+    labels[0], labels[3] = v - 1, 0
+    g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
+    for kw in TRANSFORMS.values():
+        tf = lt_._Transform(kw.get("logit_scale", 1.0), kw.get("softcap"), kw.get("temperature", 1.0))
+        fused = lt_._row_stats_triton(x, labels, tf, True)
+        twin = lt_._row_stats_torch(x, labels, tf, True)
+        for name, a, b in zip(("logp", "normalizer", "entropy"), fused, twin):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6, msg=lambda m, name=name: f"{kw} {name}: {m}")
+        norm, ent = twin[1], twin[2]
+        for gg, gge in ((g, ge), (g, None), (None, ge)):
+            d_fused = lt_._dlogits_triton(x.clone(), labels, norm, ent, gg, gge, tf)
+            d_twin = lt_._dlogits_torch(x.clone(), labels, norm, ent, gg, gge, tf)
+            # float16: the two round the same float32 value; allow one ulp where they differ by rounding
+            tol = {"atol": 1e-6, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 1e-3, "rtol": 1e-3}
+            torch.testing.assert_close(d_fused, d_twin, **tol, msg=lambda m: f"{kw} dlogits: {m}")
+
+
+def _case_labels_outside_vocab():
+    """Ids outside [0, V) give NaN log-probs (no read outside the logits) and leave the
+    other rows alone, in the kernel and the torch twin alike."""
+    hidden, weight, bias, labels = make_problem(9, 12, 50, seed=2)
+    labels[2], labels[5] = -1, 50
+    for impl in ("triton", "torch"):
+        logp, ent = lt.token_logprobs_triton(hidden, weight, labels, bias, with_entropy=True, chunk_size=4, impl=impl)
+        bad = torch.zeros(9, dtype=torch.bool)
+        bad[[2, 5]] = True
+        assert torch.isnan(logp[bad]).all() and torch.isfinite(logp[~bad]).all(), impl
+        assert torch.isfinite(ent).all(), impl
+        ok = labels.clamp(0, 49)
+        want, _ = lt.token_logprobs_dense(hidden, weight, ok, bias)
+        torch.testing.assert_close(logp[~bad], want[~bad], atol=1e-5, rtol=1e-5)
+
+
+def _case_fp16_flash_rule(transform):
+    check_flash_rule(lt.token_logprobs_triton, 57, 40, 700, 16, torch.float16, "cpu", transform, "both")
+
+
+def _case_weight_frozen_and_no_grad():
+    """Only the inputs that require grad get one; under no_grad nothing is saved."""
+    hidden, weight, bias, labels = make_problem(20, 8, 90, seed=4)
+    weight.requires_grad_(False)
+    logp, ent = lt.token_logprobs_triton(hidden, weight, labels, bias, with_entropy=True, chunk_size=7, impl="triton")
+    dh, db = torch.autograd.grad((logp + ent).sum(), (hidden, bias))
+    hd, wd, bd, _ = float64_copy(hidden, weight, bias, labels)
+    wd.requires_grad_(False)
+    lp, e = lt.token_logprobs_dense(hd, wd, labels, bd, with_entropy=True)
+    wdh, wdb = torch.autograd.grad((lp + e).sum(), (hd, bd))
+    torch.testing.assert_close(dh.double(), wdh, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(db.double(), wdb, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        logp2, _ = lt.token_logprobs_triton(hidden, weight, labels, bias, chunk_size=7, impl="triton")
+    assert not logp2.requires_grad
+    torch.testing.assert_close(logp2, logp.detach())
+
+
+# --------------------------------------------------------------------------- worker tests
+@pytest.fixture(scope="module")
+def worker():
+    w = InterpreterWorker("test_logprobs_triton")
+    yield w
+    w.close()
+
+
+@pytest.mark.parametrize("size", [s for s in SIZES if s != "small"])
+def test_sizes_match_float64(worker, size):
+    worker.run("against_float64", size=size, transform="all", seeds="both")
+
+
+@pytest.mark.parametrize("transform", list(TRANSFORMS))
+@pytest.mark.parametrize("seeds", ["logp", "entropy", "both"])
+def test_transforms_and_gradient_seeds_match_float64(worker, transform, seeds):
+    worker.run("against_float64", size="small", transform=transform, seeds=seeds, seed=len(transform))
+
+
+def test_without_bias_matches_float64(worker):
+    worker.run("against_float64", size="exact", transform="softcap", seeds="both", bias=False)
+
+
+def test_peaked_entropy_keeps_absolute_precision(worker):
+    worker.run("peaked_entropy")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_kernels_match_torch_twins(worker, dtype):
+    worker.run("stages_match_torch_twins", dtype=dtype)
+
+
+def test_labels_outside_vocab_give_nan(worker):
+    worker.run("labels_outside_vocab")
+
+
+@pytest.mark.parametrize("transform", ["plain", "all"])
+def test_fp16_flash_rule(worker, transform):
+    worker.run("fp16_flash_rule", transform=transform)
+
+
+def test_frozen_weight_and_no_grad(worker):
+    worker.run("weight_frozen_and_no_grad")
+
+
+# --------------------------------------------------------------------------- in process (torch path, checks)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_torch_path_matches_dense(dtype):
+    """float64 always takes the torch stages (``impl="auto"``); float32 on request."""
+    inputs = make_problem(63, 60, 1000, dtype=dtype, seed=7)
+    kw = dict(TRANSFORMS["all"])
+    got = run(lt.token_logprobs_triton, *inputs, {**kw, "chunk_size": 17, "impl": "torch" if dtype == torch.float32 else "auto"}, "both")
+    want = run(lt.token_logprobs_dense, *float64_copy(*inputs), kw, "both")
+    assert got[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert_close_rel(got, want, rel=1e-12 if dtype == torch.float64 else 1e-5, what=str(dtype))
+
+
+def test_empty_rows():
+    hidden, weight, bias, labels = make_problem(1, 8, 10)
+    logp, ent = lt.token_logprobs_triton(hidden[:0], weight, labels[:0], bias, with_entropy=True)
+    assert logp.shape == (0,) and ent.shape == (0,)
+
+
+def test_accumulate_mm_keeps_float32():
+    """dW over several chunks of 16-bit products sums in float32 (no per-chunk rounding)."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(30, 50, generator=gen).bfloat16()
+    b = torch.randn(50, 20, generator=gen).bfloat16()
+    acc = torch.full((30, 20), 0.1)
+    lt._accumulate_mm(acc, a, b)
+    torch.testing.assert_close(acc, 0.1 + a.float() @ b.float(), atol=1e-4, rtol=1e-4)
+
+
+BAD_INPUTS = [
+    ("hidden [N, H]", lambda h, w, b, y: (h[None], w, y, b, {})),
+    ("weight [V, H]", lambda h, w, b, y: (h, w[:, :-1], y, b, {})),
+    ("labels must be", lambda h, w, b, y: (h, w, y[:-1], b, {})),
+    ("int64 or int32", lambda h, w, b, y: (h, w, y.float(), b, {})),
+    ("bias must be", lambda h, w, b, y: (h, w, y, b[:-1], {})),
+    ("share one floating dtype", lambda h, w, b, y: (h.double(), w, y, b, {})),
+    ("temperature", lambda h, w, b, y: (h, w, y, b, {"temperature": 0.0})),
+    ("softcap", lambda h, w, b, y: (h, w, y, b, {"softcap": -1.0})),
+    ("logit_scale", lambda h, w, b, y: (h, w, y, b, {"logit_scale": float("nan")})),
+    ("chunk_size", lambda h, w, b, y: (h, w, y, b, {"chunk_size": 0})),
+    ("impl", lambda h, w, b, y: (h, w, y, b, {"impl": "cuda"})),
+]
+
+
+@pytest.mark.parametrize("match,make", BAD_INPUTS, ids=[m for m, _ in BAD_INPUTS])
+def test_bad_input_raises_before_any_work(match, make):
+    hidden, weight, bias, labels = make_problem(6, 8, 20)
+    weight.grad = torch.ones_like(weight)
+    h, w, y, b, kw = make(hidden, weight, bias, labels)
+    with pytest.raises(ValueError, match=re.escape(match)):
+        lt.token_logprobs_triton(h, w, y, b, **kw)
+    assert torch.equal(weight.grad, torch.ones_like(weight))
+
+
+def test_triton_impl_on_cpu_names_the_fix():
+    if lt._INTERPRET:
+        pytest.skip("the session runs with TRITON_INTERPRET set")
+    hidden, weight, bias, labels = make_problem(6, 8, 20)
+    with pytest.raises(ValueError, match="impl='auto'"):
+        lt.token_logprobs_triton(hidden, weight, labels, bias, impl="triton")
+
+
+# --------------------------------------------------------------------------- flash rule (CPU fp16, GPU)
+def check_flash_rule(fn, n, h, v, chunk, dtype, device, transform, seeds, seed=0, impl="triton"):
+    """``fn`` at ``dtype`` against the full-logits reference at higher precision: error at
+    most 2x (outputs) / 3x (gradients) the same reference's own error at ``dtype``, plus
+    a floor. Returns the errors for reports."""
+    ref_dtype = torch.float64 if dtype == torch.float32 else torch.float32
+    inputs = make_problem(n, h, v, dtype=dtype, device=device, seed=seed)
+    labels = inputs[3]
+    kw = dict(TRANSFORMS[transform])
+    got = run(fn, *inputs, {**kw, "chunk_size": chunk, "impl": impl}, seeds, seed)
+
+    def reference(precision):
+        leaves = [x.detach().to(precision).requires_grad_() for x in inputs[:3]]
+        return run(lt.token_logprobs_dense, *leaves, labels, kw, seeds, seed)
+
+    exact, same_precision = reference(ref_dtype), reference(dtype)
+    errors = {}
+    for i, (name, g, e, p) in enumerate(zip(NAMES, got, exact, same_precision)):
+        if e is None:
+            continue
+        err = (g.to(ref_dtype) - e).abs().max().item()
+        base = (p.to(ref_dtype) - e).abs().max().item()
+        factor, floor = (2, 1e-5) if i < 2 else (3, 1e-4)
+        bound = factor * base + floor * max(1.0, e.abs().max().item())
+        assert err <= bound, f"{transform}/{seeds} {name}: kernel error {err:.3e}, torch {dtype} error {base:.3e}"
+        errors[name] = (err, base)
+    return errors
+
+
+GPU_SHAPES = [  # rows, hidden, vocab, chunk
+    (1031, 256, 32003, 512),
+    (700, 1536, 151936, 256),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("transform,seeds", [("plain", "logp"), ("all", "both"), ("softcap", "entropy")])
+@pytest.mark.parametrize("impl", ["triton", "torch"])
+def test_gpu_flash_rule(dtype, shape, transform, seeds, impl):
+    n, h, v, chunk = shape
+    check_flash_rule(lt.token_logprobs_triton, n, h, v, chunk, dtype, "cuda", transform, seeds, impl=impl)
+
+
+@pytest.mark.gpu
+def test_gpu_float32_matches_float64():
+    inputs = make_problem(300, 128, 20011, device="cuda", seed=9)
+    kw = dict(TRANSFORMS["all"])
+    # TF32 off: the product itself must be float32 to compare at 1e-5
+    torch.backends.cuda.matmul.allow_tf32, saved = False, torch.backends.cuda.matmul.allow_tf32
+    try:
+        got = run(lt.token_logprobs_triton, *inputs, {**kw, "chunk_size": 128, "impl": "triton"}, "both")
+        want = run(lt.token_logprobs_dense, *float64_copy(*inputs), kw, "both")
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved
+    assert_close_rel(got, want, what="cuda fp32")
+
+
+@pytest.mark.gpu
+def test_gpu_weight_gradient_accumulates_in_float32():
+    """Several chunks: dW summed in float32 (by cuBLAS in place when torch has
+    ``addmm(out_dtype=)``), then rounded once."""
+    if not lt._fp32_out_mm_works(torch.device("cuda")):
+        pytest.skip(f"torch {torch.__version__} has no addmm(out_dtype=float32) here: dW chunks are rounded "
+                    "to 16 bits before the float32 sum, as in the chunked torch op")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    a = torch.randn(64, 4096, device="cuda", generator=gen).bfloat16()
+    b = torch.randn(4096, 32, device="cuda", generator=gen).bfloat16()
+    acc = torch.full((64, 32), 0.5, device="cuda")
+    lt._accumulate_mm(acc, a, b)
+    torch.testing.assert_close(acc, 0.5 + a.float() @ b.float(), atol=1e-2, rtol=1e-4)
