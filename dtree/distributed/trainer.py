@@ -3,7 +3,7 @@
 Per step, every rank runs the same collectives in the same order, whatever it
 received (a whole tree, a piece of one, or nothing)::
 
-    1. all-reduce [loss tokens, loss sequences]      -> global Normalization
+    1. all-reduce [loss tokens, loss sequences, sequences] -> global Normalization
     2. sync.begin()                                   (FSDP2: all-gather once)
     3. the local DFS walk (no collective)             TreeRuntime.forward_backward
     4. all-reduce [loss, failed flag, seconds] per rank
@@ -109,13 +109,13 @@ def _all_reduce(values: Sequence[float], group, op=None) -> list[float]:
 
 
 def global_normalization(forest: Forest | None, group=None) -> Normalization:
-    """The batch's loss-token and loss-sequence counts, summed over ranks (step 1).
+    """The batch's loss-token, loss-sequence and sequence counts, summed over ranks (step 1).
 
     Mirrors what ``TokenLoss.weights`` uses on one process (``local_normalization``),
     so the reductions divide by exactly the single-process counts."""
-    local = local_normalization(forest) if forest is not None else Normalization(0.0, 0.0)
-    tokens, seqs = _all_reduce([local.loss_tokens, local.loss_sequences], group)
-    return Normalization(loss_tokens=tokens, loss_sequences=seqs)
+    local = local_normalization(forest) if forest is not None else Normalization(0.0, 0.0, 0.0)
+    tokens, seqs, all_seqs = _all_reduce([local.loss_tokens, local.loss_sequences, local.num_sequences], group)
+    return Normalization(loss_tokens=tokens, loss_sequences=seqs, num_sequences=all_seqs)
 
 
 def _free_memory(runtime: TreeRuntime) -> None:
