@@ -14,10 +14,24 @@ def padded(rows: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
     return torch.stack([torch.cat([r, r.new_full((width - len(r),), value)]) for r in rows])
 
 
-def batch_tensors(model, seqs, fields):
+def path_logprobs_entropy(model, seq: list[int], temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """([len-1] log-probs, [len-1] entropies) of ``softmax(logits / temperature)``, one HF
+    forward over the one sequence; both differentiable."""
+    x = torch.tensor([seq], device=next(model.parameters()).device)
+    logits = model(input_ids=x).logits[0, :-1]
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logp_all = torch.log_softmax(logits.to(dt) / temperature, -1)
+    return logp_all.gather(-1, x[0, 1:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def batch_tensors(model, seqs, fields, temperature: float | None = None):
     """Per-path HF log-probs and the fields as padded [S, T] prediction-aligned tensors
-    (column j is the prediction of token j + 1); ``mask`` is the loss mask there."""
-    lps = [path_logprobs(model, list(s)) for s in seqs]
+    (column j is the prediction of token j + 1); ``mask`` is the loss mask there. With
+    ``temperature``, log-probs and ``entropy`` are those of ``logits / temperature``."""
+    if temperature is None:
+        lps, ents = [path_logprobs(model, list(s)) for s in seqs], None
+    else:
+        lps, ents = zip(*(path_logprobs_entropy(model, list(s), temperature) for s in seqs))
     dt = lps[0].dtype
 
     def field(name, default=None):
@@ -30,7 +44,7 @@ def batch_tensors(model, seqs, fields):
     mask = field("loss_mask", 1.0) * real
     return dict(
         lp=lp, mask=mask, adv=field("advantages"), old=field("old_logprobs"), ref=field("ref_logprobs"),
-        entropy=field("entropy"),
+        entropy=padded(list(ents)) if ents is not None else None,
     )
 
 
@@ -122,9 +136,9 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, name: str, constant: 
     raise ValueError(name)
 
 
-def reference_step(model, seqs, fields, variant, aggregation, constant=None, **kw) -> float:
+def reference_step(model, seqs, fields, variant, aggregation, constant=None, temperature=None, **kw) -> float:
     """Accumulate the reference loss's gradient into ``model``; returns the loss."""
-    t = batch_tensors(model, seqs, fields)
+    t = batch_tensors(model, seqs, fields, temperature)
     loss = aggregate(loss_matrix(t, variant, **kw), t["mask"], aggregation, constant)
     loss.backward()
     return float(loss.detach())

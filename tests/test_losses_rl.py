@@ -436,3 +436,46 @@ def test_reference_path_logprobs_are_what_the_runtime_sees(model):
     with torch.no_grad():
         for s, seq in enumerate(SEQS):
             torch.testing.assert_close(got[s], path_logprobs(model, seq), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------- pending runtime wiring
+# The runtime does not compute temperature-scaled log-probs, entropies or loss metrics
+# yet (another change owns dtree/runtime.py and dtree/ops/logprobs.py). These tests are
+# the end-to-end contract for that wiring: today they fail with the clear refusal
+# (xfail on exactly that exception); once wired they pass, and strict=True reports it.
+PENDING = "TreeRuntime does not pass temperature / entropy / metrics yet"
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason=PENDING)
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_runtime_entropy_bonus_and_temperature(model, temperature):
+    loss = ppo_clip(0.2, entropy_coef=0.05, temperature=temperature, **aggregation("grpo"))
+    run_case(model, loss, "ppo", "grpo", temperature=temperature, entropy_coef=0.05)
+
+
+@pytest.mark.xfail(raises=ValueError, strict=True, reason=PENDING)
+def test_runtime_temperature_without_entropy(model):
+    loss = cispo(1.2, temperature=0.6, **aggregation("dapo"))
+    run_case(model, loss, "cispo_trl", "dapo", temperature=0.6, eps_high=1.2)
+
+
+@pytest.mark.xfail(raises=KeyError, strict=True, reason=PENDING)
+def test_runtime_reports_metrics(model):
+    fields = make_fields()
+    forest = dtree.Forest.from_sequences(SEQS, **fields)
+    out = dtree.TreeRuntime(copy.deepcopy(model)).forward_backward(forest, ppo_clip(0.1, epsilon_high=0.15, kl_coef=0.05))
+    for name, value in reference_ppo_metrics(model, fields, 0.1, 0.15).items():
+        assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+
+
+@pytest.mark.xfail(raises=TypeError, strict=True, reason=PENDING)
+def test_runtime_logprobs_at_a_temperature(model):
+    from rl_reference import path_logprobs_entropy
+
+    forest = dtree.Forest.from_sequences(SEQS)
+    got, ent = dtree.TreeRuntime(copy.deepcopy(model)).logprobs(forest, temperature=0.7, with_entropy=True)
+    with torch.no_grad():
+        for s, seq in enumerate(SEQS):
+            lp, h = path_logprobs_entropy(model, seq, 0.7)
+            torch.testing.assert_close(got[s][-len(lp):], lp, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[s][-len(h):], h, rtol=1e-5, atol=1e-5)
