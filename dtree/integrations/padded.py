@@ -221,7 +221,8 @@ def from_prompt_completion(
     def whole(arr: np.ndarray, prompt_values: np.ndarray) -> list[np.ndarray]:
         """Per row: ``prompt_values[r]`` on the prompt tokens, then ``arr``'s completion values."""
         return [
-            np.concatenate([np.full(p.size, prompt_values[r]), arr[r, c]]) for r, (p, c) in enumerate(zip(p_runs, c_runs))
+            np.concatenate([np.full(p.size, prompt_values[r]), arr[r, c]])
+            for r, (p, c) in enumerate(zip(p_runs, c_runs))
         ]
 
     batch = p_ids.shape[0]
