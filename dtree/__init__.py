@@ -7,12 +7,16 @@ equal those of training every root-to-leaf sequence on its own.
     rt = dtree.TreeRuntime(model)
     out = rt.forward_backward(forest, dtree.losses.ppo_clip(clip_eps=0.2))
     optimizer.step()
+
+Padded batches in and out: ``dtree.Forest.from_padded`` / ``from_prompt_completion``
+and :mod:`dtree.integrations` (``to_padded``, ``to_padded_completion``).
 """
 
 from . import losses
+from .losses import Normalization
 from .runtime import StepOutput, TreeRuntime
 from .tree import Forest, ForestStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Forest", "ForestStats", "StepOutput", "TreeRuntime", "losses", "__version__"]
+__all__ = ["Forest", "ForestStats", "Normalization", "StepOutput", "TreeRuntime", "losses", "__version__"]

@@ -13,25 +13,45 @@ Conventions (the same as ``Forest``):
 * ``loss_mask`` (default: all ones) weights each prediction; a 0 removes it from
   the loss and from the normalization counts.
 
-Reductions:
+Reductions (``m`` the mask, ``n_s = sum_t m_{s,t}`` a sequence's loss tokens):
 
 * ``sum``: ``sum_{s,t} m_{s,t} * l_{s,t}``
 * ``token_mean``: the sum divided by ``sum_{s,t} m_{s,t}`` over the whole batch
-* ``sequence_mean``: the mean over sequences of each sequence's masked token mean;
-  sequences whose mask sums to 0 are left out of the mean
+  (TRL ``bnpo``/``dapo``, verl ``token-mean``)
+* ``sequence_mean``: the mean over sequences of each sequence's masked token mean
+  ``sum_t m l / n_s`` (TRL ``grpo``, verl ``seq-mean-token-mean``)
+* ``seq_mean_token_sum``: the mean over sequences of each sequence's masked token
+  sum (verl ``seq-mean-token-sum``; with ``scale=1/max_completion_length`` and
+  ``count_empty_sequences=True``, TRL ``dr_grpo``)
 
-Every reduction is then multiplied by ``scale`` (use it for a fixed-constant
-normalization, e.g. ``reduction="sum", scale=1/4096``).
+The sequence-level reductions leave sequences with ``n_s = 0`` out of the number of
+sequences they divide by (verl); ``count_empty_sequences=True`` counts them (TRL
+clamps ``n_s`` to 1 and divides by the number of rows). Every reduction is then
+multiplied by ``scale``. :func:`aggregation` gives the arguments for each of TRL's
+``loss_type`` and verl's ``loss_agg_mode`` by name.
+
+Gradient accumulation: the counts a reduction divides by are a
+:class:`Normalization`, by default the forest's own. To split one optimizer step
+into micro-batches (or ranks) and get the gradient of the whole batch, build it from
+all of them, ``Normalization.from_forests(micro_batches, loss)``, and pass it to every
+``forward_backward(..., normalization=norm)``.
+
+Metrics: a loss may have ``metrics(logp, fields) -> {name: [M] per-token values}``;
+the runtime averages them over the loss tokens, weighted by the loss mask
+(:func:`masked_metric_sums`, :func:`metric_means`), and reports them in
+``StepOutput.metrics`` under the names TRL logs (``clip_ratio/low_mean``, ``kl``, ...).
 
 A loss that is not a sum of per-token terms goes through the two-pass path:
 pass any callable ``fn(logprobs: list[Tensor], forest) -> Tensor`` to
-``TreeRuntime.forward_backward`` (see :mod:`dtree.runtime`).
+``TreeRuntime.forward_backward`` (see :mod:`dtree.runtime`); :class:`SequenceLoss`
+(and :func:`gspo`, GSPO's sequence-level ratio) is such a callable with the
+reductions above.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import numpy as np
 import torch
@@ -39,19 +59,69 @@ import torch
 from .ops.logprobs import token_logprobs
 from .tree import Forest
 
-__all__ = ["TokenLoss", "Normalization", "nll", "ppo_clip", "weighted_terms", "REDUCTIONS"]
+__all__ = [
+    "TokenLoss",
+    "Normalization",
+    "SequenceLoss",
+    "SequenceBatch",
+    "nll",
+    "ppo_clip",
+    "cispo",
+    "sapo",
+    "gspo",
+    "kl_penalty",
+    "aggregation",
+    "masked_metric_sums",
+    "add_metric_sums",
+    "metric_means",
+    "weighted_terms",
+    "REDUCTIONS",
+    "KL_ESTIMATORS",
+]
 
-REDUCTIONS = ("sum", "token_mean", "sequence_mean")
-KL_ESTIMATORS = ("k1", "k2", "k3")
+REDUCTIONS = ("sum", "token_mean", "sequence_mean", "seq_mean_token_sum")
+
+PerTokenFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+MetricsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
 @dataclass(frozen=True)
 class Normalization:
-    """Counts a reduction divides by. Defaults to the local forest's; distributed
-    training passes the global counts (summed over ranks) here."""
+    """The counts a reduction divides by.
 
-    loss_tokens: float  # sum of loss_mask over all predictions
-    loss_sequences: float  # sequences with a non-zero mask sum
+    By default a step uses its own forest's counts. For gradient accumulation over
+    micro-batches, or data parallelism over ranks, pass the counts of the whole
+    optimizer step (:meth:`from_forests`, or summed over ranks) to every
+    ``forward_backward(..., normalization=...)``: the accumulated gradient then equals
+    that of one step over the whole batch (DAPO's global token normalization is
+    ``token_mean`` with these counts).
+
+    Attributes:
+        loss_tokens: sum of the loss mask over all predictions.
+        loss_sequences: sequences with a non-zero mask sum.
+        num_sequences: all sequences, including those without a loss token (what
+            ``count_empty_sequences=True`` divides by). None: unknown, and a reduction
+            that needs it raises.
+    """
+
+    loss_tokens: float
+    loss_sequences: float
+    num_sequences: float | None = None
+
+    @classmethod
+    def from_forests(cls, forests: Iterable[Forest], loss: "TokenLoss | SequenceLoss | None" = None) -> "Normalization":
+        """The counts of several forests together (the micro-batches of one optimizer
+        step), with ``loss``'s choice of mask (``use_loss_mask``)."""
+        use_mask = True if loss is None else loss.use_loss_mask
+        total = cls(0.0, 0.0, 0.0)
+        for forest in forests:
+            total = total + local_normalization(forest, use_mask)
+        return total
+
+    def __add__(self, other: "Normalization") -> "Normalization":
+        known = self.num_sequences is not None and other.num_sequences is not None
+        seqs = self.num_sequences + other.num_sequences if known else None
+        return Normalization(self.loss_tokens + other.loss_tokens, self.loss_sequences + other.loss_sequences, seqs)
 
 
 def prediction_mask(forest: Forest, use_loss_mask: bool = True) -> np.ndarray:
@@ -68,7 +138,57 @@ def local_normalization(forest: Forest, use_loss_mask: bool = True) -> Normaliza
     """This forest's counts (what a single-process step divides by)."""
     mask = prediction_mask(forest, use_loss_mask)
     per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
-    return Normalization(loss_tokens=float(mask.sum()), loss_sequences=float(np.count_nonzero(per_seq)))
+    return Normalization(
+        loss_tokens=float(mask.sum()),
+        loss_sequences=float(np.count_nonzero(per_seq)),
+        num_sequences=float(forest.num_sequences),
+    )
+
+
+def reduction_weights(
+    forest: Forest,
+    reduction: str,
+    *,
+    scale: float = 1.0,
+    use_loss_mask: bool = True,
+    count_empty_sequences: bool = False,
+    norm: Normalization | None = None,
+) -> np.ndarray:
+    """[N] float64 weight of each linearized token's loss term (0 where not predicted):
+    ``loss = sum_k weights[k] * l[k]`` is the reduction (see module docstring)."""
+    mask = prediction_mask(forest, use_loss_mask)
+    norm = norm or local_normalization(forest, use_loss_mask)
+    if reduction == "sum":
+        w = mask
+    elif reduction == "token_mean":
+        w = mask / norm.loss_tokens if norm.loss_tokens > 0 else np.zeros_like(mask)
+    else:  # the mean over sequences of a per-sequence token mean or token sum
+        if count_empty_sequences and norm.num_sequences is None:
+            raise ValueError(
+                "count_empty_sequences=True needs Normalization.num_sequences (the number of all sequences); "
+                "build the Normalization with Normalization.from_forests"
+            )
+        num_seqs = norm.num_sequences if count_empty_sequences else norm.loss_sequences
+        w = np.zeros_like(mask)
+        if num_seqs > 0:
+            if reduction == "sequence_mean":
+                per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
+                per_tok = np.repeat(per_seq, forest.sequence_lengths())
+                ok = per_tok > 0
+                w[ok] = mask[ok] / (per_tok[ok] * num_seqs)
+            else:  # seq_mean_token_sum
+                w = mask / num_seqs
+    return w * scale
+
+
+def _check_reduction(reduction: str, scale: float) -> None:
+    if reduction not in REDUCTIONS:
+        hint = ""
+        if reduction in TRL_LOSS_TYPES or reduction in VERL_LOSS_AGG_MODES:
+            hint = f"; for the trainer name {reduction!r} pass **dtree.losses.aggregation({reduction!r}, ...)"
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}{hint}")
+    if not np.isfinite(scale):
+        raise ValueError(f"scale must be finite, got {scale}")
 
 
 @dataclass
@@ -77,32 +197,64 @@ class TokenLoss:
 
     Args:
         per_token: ``fn(logp [M], fields: name -> [M]) -> [M]`` loss of each prediction
-            before masking and reduction. ``logp`` is ``log p(s[t] | s[:t])``.
-        reduction: one of ``sum``, ``token_mean``, ``sequence_mean``.
+            before masking and reduction. ``logp`` is ``log p(s[t] | s[:t])`` (of the
+            distribution ``softmax(logits / temperature)``).
+        reduction: one of :data:`REDUCTIONS` (see the module docstring).
         scale: multiplies the reduced loss.
         required_fields: fields ``per_token`` reads; checked before any compute.
         name: shown in errors and reports.
         use_loss_mask: weight terms by the ``loss_mask`` field (when the forest has one).
+        temperature: log-probs (and entropies) are those of ``logits / temperature``,
+            the distribution rollouts were sampled from (TRL ``temperature``, verl
+            ``rollout.temperature``).
+        needs_entropy: ``per_token`` or ``metrics`` read ``fields["entropy"]`` [M], the
+            entropy of the predictive distribution at that token (differentiable).
+        metrics: ``fn(logp [M], fields) -> {name: [M]}`` per-token values that the
+            runtime averages over the loss tokens (mask-weighted) into
+            ``StepOutput.metrics``; called without grad.
+        count_empty_sequences: sequence-level reductions count sequences without a loss
+            token in the number of sequences (TRL); default: leave them out (verl).
     """
 
-    per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+    per_token: PerTokenFn
     reduction: str = "token_mean"
     scale: float = 1.0
     required_fields: tuple[str, ...] = ()
     name: str = "custom"
     use_loss_mask: bool = True
+    temperature: float = 1.0
+    needs_entropy: bool = False
+    metrics: MetricsFn | None = None
+    count_empty_sequences: bool = False
 
     def __post_init__(self) -> None:
-        if self.reduction not in REDUCTIONS:
-            raise ValueError(f"reduction must be one of {REDUCTIONS}, got {self.reduction!r}")
+        _check_reduction(self.reduction, self.scale)
+        if not self.temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
 
-    def check_fields(self, forest: Forest) -> None:
+    def check_fields(
+        self, forest: Forest, *, supports_temperature: bool = False, supports_entropy: bool = False
+    ) -> None:
+        """Raise before any compute if ``forest`` lacks a field this loss reads, or if the
+        caller cannot compute what the loss needs: a runtime passes
+        ``supports_temperature`` / ``supports_entropy`` once it computes temperature-scaled
+        log-probs / the entropy (so such a loss never silently gets something else)."""
+        if self.temperature != 1.0 and not supports_temperature:
+            raise ValueError(
+                f"loss {self.name!r} has temperature={self.temperature}, but this trainer computes log-probs at "
+                "temperature 1 only; use temperature=1.0 or a runtime that supports the sampling temperature"
+            )
+        if self.needs_entropy and not supports_entropy:
+            raise ValueError(
+                f"loss {self.name!r} reads the entropy (entropy_coef or an entropy metric), which this trainer does "
+                "not compute yet; use entropy_coef=0 or a runtime that supports it"
+            )
         missing = [f for f in self.required_fields if f not in forest.fields]
         if missing:
             raise ValueError(
                 f"loss {self.name!r} needs per-token fields {missing}; pass them to Forest.from_sequences(..., "
                 + ", ".join(f"{m}=[...]" for m in missing)
-                + ")"
+                + ") or Forest.with_fields"
             )
 
     def weights(self, forest: Forest, norm: Normalization | None = None) -> np.ndarray:
@@ -110,74 +262,79 @@ class TokenLoss:
 
         ``loss = sum_k weights[k] * per_token(...)[k]`` over linearized tokens ``k``.
         """
-        mask = prediction_mask(forest, self.use_loss_mask)
-        norm = norm or local_normalization(forest, self.use_loss_mask)
-        if self.reduction == "sum":
-            w = mask
-        elif self.reduction == "token_mean":
-            w = mask / norm.loss_tokens if norm.loss_tokens > 0 else np.zeros_like(mask)
-        else:  # sequence_mean
-            per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
-            per_tok = np.repeat(per_seq, forest.sequence_lengths())
-            w = np.zeros_like(mask)
-            ok = per_tok > 0
-            if norm.loss_sequences > 0:
-                w[ok] = mask[ok] / (per_tok[ok] * norm.loss_sequences)
-        return w * self.scale
+        return reduction_weights(
+            forest,
+            self.reduction,
+            scale=self.scale,
+            use_loss_mask=self.use_loss_mask,
+            count_empty_sequences=self.count_empty_sequences,
+            norm=norm,
+        )
+
+    def metric_mask(self, forest: Forest) -> np.ndarray:
+        """[N] float64 weight of each linearized token in the metric averages: its loss
+        mask (0 at each sequence's first token), as TRL and verl average metrics."""
+        return prediction_mask(forest, self.use_loss_mask)
+
+    def recording(self, sink: list) -> PerTokenFn:
+        """``per_token``, which also appends ``metrics(logp, fields)`` (detached) to
+        ``sink`` on every call: how a runtime collects metrics without a second
+        LM-head pass (it pairs each entry with the terms' :meth:`metric_mask`)."""
+        if self.metrics is None:
+            return self.per_token
+        metrics, per_token = self.metrics, self.per_token
+
+        def recorded(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            with torch.no_grad():
+                sink.append(metrics(logp.detach(), {k: v.detach() for k, v in fields.items()}))
+            return per_token(logp, fields)
+
+        return recorded
 
 
-def nll(reduction: str = "token_mean", scale: float = 1.0) -> TokenLoss:
+def masked_metric_sums(values: Mapping[str, torch.Tensor], mask: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Mask-weighted sums of per-token metric values, to add up across model calls,
+    micro-batches and ranks (all-reduce SUM) before :func:`metric_means`.
+
+    Args:
+        values: name -> [M] per-token values; mask: [M] weights (the loss mask).
+
+    Returns:
+        name -> 0-d ``sum(mask * value)``, and ``"_weight"`` -> 0-d ``sum(mask)`` (on the
+        device: no sync).
+    """
+    mask = mask.detach()
+    out = {name: (v.detach().to(mask.dtype) * mask).sum() for name, v in values.items()}
+    out["_weight"] = mask.sum()
+    return out
+
+
+def add_metric_sums(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Key-wise sum of two :func:`masked_metric_sums` results (either may be empty)."""
+    out = dict(a)
+    for k, v in b.items():
+        out[k] = out[k] + v if k in out else v
+    return out
+
+
+def metric_means(sums: Mapping[str, torch.Tensor]) -> dict[str, float]:
+    """``{name: sum / weight}`` from :func:`masked_metric_sums` (one host sync); NaN for
+    every metric when no token had weight."""
+    if not sums:
+        return {}
+    names = [k for k in sums if k != "_weight"]
+    host = torch.stack([sums[k].double() for k in names] + [sums["_weight"].double()]).cpu().tolist()
+    weight = host[-1]
+    return {k: (v / weight if weight != 0 else float("nan")) for k, v in zip(names, host[:-1])}
+
+
+def nll(reduction: str = "token_mean", scale: float = 1.0, *, temperature: float = 1.0) -> TokenLoss:
     """Negative log-likelihood (SFT): ``l = -logp``."""
 
     def per_token(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
         return -logp
 
-    return TokenLoss(per_token, reduction=reduction, scale=scale, name="nll")
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
-    """Per-token KL(pi || ref) estimate from samples of pi (Schulman's k1, k2, k3)."""
-    log_ratio = logp - ref_logp
-    if estimator == "k1":
-        return log_ratio
-    if estimator == "k2":
-        return 0.5 * log_ratio.square()
-    # k3: exp(ref - logp) - (ref - logp) - 1, unbiased and always >= 0
-    return torch.exp(-log_ratio) + log_ratio - 1.0
-
-
-def ppo_clip(
-    clip_eps: float = 0.2,
-    reduction: str = "token_mean",
-    *,
-    clip_eps_high: float | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    scale: float = 1.0,
-) -> TokenLoss:
-    """PPO/GRPO clipped surrogate: ``l = -min(r*A, clip(r, 1-eps, 1+eps_high)*A) + kl_coef*KL``.
-
-    ``r = exp(logp - old_logprobs)``, ``A = advantages``. ``clip_eps_high`` defaults to
-    ``clip_eps`` (set it for DAPO's asymmetric clip). With ``kl_coef > 0`` the loss
-    adds a KL estimate against ``ref_logprobs``.
-    """
-    if clip_eps < 0 or (clip_eps_high is not None and clip_eps_high < 0):
-        raise ValueError("clip_eps and clip_eps_high must be non-negative")
-    if kl_estimator not in KL_ESTIMATORS:
-        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    high = clip_eps if clip_eps_high is None else clip_eps_high
-    required = ("advantages", "old_logprobs") + (("ref_logprobs",) if kl_coef else ())
-
-    def per_token(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        adv = fields["advantages"]
-        ratio = torch.exp(logp - fields["old_logprobs"])
-        surrogate = torch.minimum(ratio * adv, torch.clamp(ratio, 1.0 - clip_eps, 1.0 + high) * adv)
-        loss = -surrogate
-        if kl_coef:
-            loss = loss + kl_coef * kl_penalty(logp, fields["ref_logprobs"], kl_estimator)
-        return loss
-
-    return TokenLoss(per_token, reduction=reduction, scale=scale, required_fields=required, name="ppo_clip")
+    return TokenLoss(per_token, reduction=reduction, scale=scale, name="nll", temperature=temperature)
 
 
 def logprob_grad_surrogate() -> TokenLoss:
@@ -222,3 +379,18 @@ def weighted_terms(
     if per.shape != logp.shape:
         raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")
     return per * weights
+
+
+# The policy-gradient losses and the two-pass sequence losses build on the classes
+# above; importing them last keeps ``dtree.losses`` the one namespace users read.
+from .policy_losses import (  # noqa: E402
+    KL_ESTIMATORS,
+    TRL_LOSS_TYPES,
+    VERL_LOSS_AGG_MODES,
+    aggregation,
+    cispo,
+    kl_penalty,
+    ppo_clip,
+    sapo,
+)
+from .sequence_loss import SequenceBatch, SequenceLoss, gspo  # noqa: E402

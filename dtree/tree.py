@@ -83,21 +83,64 @@ def _as_token_array(seq: Any, index: int) -> np.ndarray:
     return arr
 
 
-def _as_field_array(name: str, value: Any, index: int, length: int) -> np.ndarray:
+def _as_field_array(name: str, value: Any, index: int, length: int, prediction_aligned: bool = False) -> np.ndarray:
+    """One sequence's values of a field as [length] float64.
+
+    ``value`` is either one number (a per-sequence scalar: Python number, numpy scalar,
+    0-d array or tensor), broadcast to every token, or a 1-D array of ``length`` values.
+    With ``prediction_aligned``, a 1-D array of ``length - 1`` values is accepted too
+    (value ``i`` belongs to token ``i + 1``, as ``TreeRuntime.logprobs`` returns them)
+    and gets a 0 at position 0, which is never predicted.
+    """
     if hasattr(value, "detach") and hasattr(value, "cpu"):
         value = value.detach().float().cpu().numpy() if value.dtype.is_floating_point else value.detach().cpu().numpy()
-    arr = np.asarray(value, dtype=np.float64)
-    if arr.ndim != 1:
-        raise ValueError(f"field {name!r} of sequence {index} must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.shape[0] != length:
+    try:
+        arr = np.asarray(value, dtype=np.float64)
+    except (TypeError, ValueError):
         raise ValueError(
-            f"field {name!r} of sequence {index} has {arr.shape[0]} values but the sequence has {length} tokens"
+            f"field {name!r} of sequence {index} must be a number or a 1-D list of numbers, got {type(value).__name__}"
+        ) from None
+    if arr.ndim == 0:
+        arr = np.full(length, float(arr))
+    if arr.ndim != 1:
+        raise ValueError(
+            f"field {name!r} of sequence {index} must be a number (per sequence) or 1-D (per token), "
+            f"got shape {tuple(arr.shape)}"
+        )
+    if prediction_aligned and arr.shape[0] == length - 1:
+        arr = np.concatenate([[0.0], arr])
+    if arr.shape[0] != length:
+        expected = f"{length} (or {length - 1}, prediction-aligned)" if prediction_aligned else f"{length}"
+        hint = (
+            "; for prediction-aligned values (one per predicted token, as TreeRuntime.logprobs returns them) "
+            "use Forest.with_fields"
+            if not prediction_aligned and arr.shape[0] == length - 1
+            else ""
+        )
+        raise ValueError(
+            f"field {name!r} of sequence {index} has {arr.shape[0]} values but the sequence has {length} tokens "
+            f"(expected {expected} values, or one number per sequence){hint}"
         )
     bad = np.flatnonzero(~np.isfinite(arr))
     if bad.size:
         t = int(bad[0])
         raise ValueError(f"field {name!r} of sequence {index} at position {t} is {arr[t]} (must be finite)")
     return arr
+
+
+def _field_arrays(name: str, values: Any, lengths: Sequence[int], prediction_aligned: bool = False) -> list[np.ndarray]:
+    """A field's values per sequence (see :func:`_as_field_array`), one entry per sequence."""
+    try:
+        count = len(values) if not isinstance(values, (str, bytes)) else None
+    except TypeError:  # a number or a 0-d array/tensor
+        count = None
+    if count is None:
+        raise ValueError(
+            f"field {name!r} must hold one entry per sequence (a list, array or tensor), got {type(values).__name__}"
+        )
+    if count != len(lengths):
+        raise ValueError(f"field {name!r} has {count} entries but there are {len(lengths)} sequences")
+    return [_as_field_array(name, v, i, n, prediction_aligned) for i, (v, n) in enumerate(zip(values, lengths))]
 
 
 class Forest:
@@ -148,10 +191,15 @@ class Forest:
 
         Args:
             sequences: list of token-id sequences (lists, numpy arrays or 1-D int tensors).
-            **fields: per-token values, each a list aligned with ``sequences`` whose
-                entry ``s`` has ``len(sequences[s])`` numbers. ``loss_mask``,
-                ``advantages``, ``old_logprobs`` and ``ref_logprobs`` are read by
-                :mod:`dtree.losses`; any other name is carried along for custom losses.
+            **fields: per-token values, each a list (or array, or tensor) aligned with
+                ``sequences`` whose entry ``s`` is either ``len(sequences[s])`` numbers
+                (per token) or one number (per sequence, e.g. a GRPO advantage; it is
+                broadcast to every token of the sequence). What an entry is follows from
+                its own dimensionality, never from lengths: a ``[S]`` tensor or a list
+                of floats gives one scalar per sequence, a list of lists (or ``[S, L]``)
+                gives per-token values. ``loss_mask``, ``advantages``, ``old_logprobs``
+                and ``ref_logprobs`` are read by :mod:`dtree.losses`; any other name is
+                carried along for custom losses.
 
         Raises:
             ValueError: empty or non-integer sequences, negative token ids, fields whose
@@ -163,16 +211,53 @@ class Forest:
         seqs = [_as_token_array(s, i) for i, s in enumerate(sequences)]
         if not seqs:
             raise ValueError("sequences is empty: a forest needs at least one sequence")
-        field_arrays: dict[str, list[np.ndarray]] = {}
-        for name, values in fields.items():
-            if values is None:
-                continue
-            if len(values) != len(seqs):
-                raise ValueError(f"field {name!r} has {len(values)} entries but there are {len(seqs)} sequences")
-            field_arrays[name] = [_as_field_array(name, v, i, len(seqs[i])) for i, v in enumerate(values)]
+        lengths = [len(s) for s in seqs]
+        field_arrays = {name: _field_arrays(name, v, lengths) for name, v in fields.items() if v is not None}
         forest = cls()
         forest._build(seqs, field_arrays)
         return forest
+
+    @classmethod
+    def from_padded(cls, input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> "Forest":
+        """Sequences from a padded ``[B, L]`` batch (verl / OpenRLHF / AReaL layout); see
+        :func:`dtree.integrations.padded.from_padded`."""
+        from .integrations.padded import from_padded
+
+        return from_padded(input_ids, attention_mask, loss_mask, **fields)
+
+    @classmethod
+    def from_prompt_completion(
+        cls, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, **completion_fields: Any
+    ) -> "Forest":
+        """Sequences from separate prompt and completion tensors (TRL's layout); see
+        :func:`dtree.integrations.padded.from_prompt_completion`."""
+        from .integrations.padded import from_prompt_completion
+
+        return from_prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask, **completion_fields)
+
+    def with_fields(self, **fields: Any) -> "Forest":
+        """A new forest that shares this one's trie, with fields added or replaced.
+
+        Each field is given as in :meth:`from_sequences` (per token, or one number per
+        sequence), and also **prediction-aligned**: an entry of ``len - 1`` values, as
+        :meth:`TreeRuntime.logprobs` returns them (value ``i`` belongs to the prediction
+        of token ``i + 1``), gets a 0 put at position 0. So the round trip is direct::
+
+            forest = forest.with_fields(old_logprobs=rt.logprobs(forest))
+
+        Lengths ``len`` and ``len - 1`` never coincide, so each entry's alignment is
+        unambiguous. ``None`` removes a field. This forest is left unchanged.
+        """
+        lengths = self.sequence_lengths().tolist()
+        out = Forest()
+        out.__dict__.update(self.__dict__)
+        out.fields = dict(self.fields)
+        for name, values in fields.items():
+            if values is None:
+                out.fields.pop(name, None)
+            else:
+                out.fields[name] = np.concatenate(_field_arrays(name, values, lengths, prediction_aligned=True))
+        return out
 
     def _build(self, seqs: list[np.ndarray], field_arrays: dict[str, list[np.ndarray]]) -> None:
         lengths = np.array([len(s) for s in seqs], dtype=np.int64)

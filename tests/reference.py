@@ -51,6 +51,9 @@ def linearized_step(model, sequences, fields=None, kind="nll", reduction="token_
     elif reduction == "sequence_mean":
         active = [(t, m) for t, m in zip(per_seq_terms, masks) if float(m.sum()) > 0]
         loss = sum(t.sum() / m.sum() for t, m in active) / len(active) if active else 0.0 * sum(t.sum() for t in per_seq_terms)
+    elif reduction == "seq_mean_token_sum":
+        active = [t for t, m in zip(per_seq_terms, masks) if float(m.sum()) > 0]
+        loss = sum(t.sum() for t in active) / len(active) if active else 0.0 * sum(t.sum() for t in per_seq_terms)
     else:
         raise ValueError(reduction)
     loss = loss * scale

@@ -109,6 +109,11 @@ def _scenarios(rank: int, world: int) -> dict:
         res[f"mixed/{red}"] = dict(grads=_grads(model), loss=out.loss, report=out.partition.as_dict(),
                                    local=out.local is not None, norm=out.normalization)
 
+    # a two-pass SequenceLoss (GSPO) divides by the global counts too
+    model = make_model("qwen2", tied=True)
+    out = trainer_for(model).step(forest_of("mixed"), dtree.losses.gspo(0.2, count_empty_sequences=True))
+    res["mixed/gspo"] = dict(grads=_grads(model), loss=out.loss)
+
     # one tree, forced to be split across ranks: pieces of at most one sequence
     model = make_model("llama")
     tr = trainer_for(model, split_threshold=1e-12)
@@ -352,6 +357,20 @@ def test_summed_gradients_are_exact(ranks, reduction):
     # the global counts are the single-process ones
     norm = dtree.losses.local_normalization(forest_of("mixed"))
     assert ranks[0][f"mixed/{reduction}"]["norm"] == norm or reduction == "sum"
+
+
+@pytest.mark.distributed
+def test_sequence_loss_uses_global_counts(ranks):
+    from hf_models import make_model
+
+    model = make_model("qwen2", tied=True)
+    with one_thread():
+        want = dtree.TreeRuntime(model, group_tokens=0).forward_backward(
+            forest_of("mixed"), dtree.losses.gspo(0.2, count_empty_sequences=True)
+        )
+    for res in ranks:
+        assert_grads_match(res["mixed/gspo"]["grads"], model)
+        assert abs(res["mixed/gspo"]["loss"] - want.loss) <= FP32_TOL * max(1.0, abs(want.loss))
 
 
 @pytest.mark.distributed

@@ -9,8 +9,10 @@ the same for both::
         hidden = model.dtree_hidden_states(ids, positions, attend)              [T, H]
         logp   = token_logprobs(hidden[pred_rows], W, labels)                   [P]
         (loss.per_token(logp[term_pred], fields) * w).sum().backward()
+        loss.metrics(logp[term_pred], fields), summed with the terms' loss mask
     one device sync for the loss value; if it is not finite, param.grad is restored
-    and a ValueError names the first bad (sequence, position)
+    and a ValueError names the first bad (sequence, position); the loss's metrics
+    (mask-weighted means over the loss tokens) go into ``StepOutput.metrics``
 
 Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
@@ -37,7 +39,7 @@ import torch
 
 from ..checks import raise_non_finite, validate_forest
 from ..grad_guard import GradStash
-from ..losses import Normalization, TokenLoss, weighted_terms
+from ..losses import Normalization, TokenLoss, add_metric_sums, masked_metric_sums, metric_means, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
 from ..ops.logprobs import compute_dtype
 from ..runtime import StepOutput
@@ -172,7 +174,7 @@ class MicroBatchTrainer:
         batches = self.plan(forest)
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
         with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
-            total, term_log = self._run(calls, forest, weights, loss)
+            total, term_log, metric_sums = self._run(calls, forest, weights, loss)
             loss_value = float(total)  # the step's one device sync
             if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
                 lin = np.concatenate([c.term_lin for c in calls])
@@ -187,11 +189,16 @@ class MicroBatchTrainer:
             stack_tokens=0,
             peak_graph_tokens=max((c.batch.num_tokens for c in calls), default=0),
             seconds=time.perf_counter() - t0,
-            metrics=self._metrics(forest, batches),
+            metrics={**self._metrics(forest, batches), **metric_means(metric_sums)},
         )
 
     def _upload(
-        self, calls: list[_Call], forest: Forest, weights: np.ndarray, field_names: Sequence[str]
+        self,
+        calls: list[_Call],
+        forest: Forest,
+        weights: np.ndarray,
+        metric_mask: np.ndarray,
+        field_names: Sequence[str],
     ) -> list[dict]:
         """Every call's arrays in one host-to-device copy per dtype (as the runtime does);
         returns per call a dict of device views."""
@@ -202,34 +209,46 @@ class MicroBatchTrainer:
         flat = np.concatenate([a for arrays in ints for a in arrays]).astype(np.int64)
         views = iter(torch.split(upload(flat, self.device), [len(a) for arrays in ints for a in arrays]))
         lin = np.concatenate([c.term_lin for c in calls])
-        floats = np.stack([weights[lin]] + [forest.fields[n][lin] for n in field_names])
+        floats = np.stack([weights[lin], metric_mask[lin]] + [forest.fields[n][lin] for n in field_names])
         floats = upload(floats, self.device, compute_dtype(self.dtype))
         per_call = torch.split(floats, [len(c.term_lin) for c in calls], dim=1)
         return [
-            {**{k: next(views) for k in keys}, "weights": f[0], "fields": dict(zip(field_names, f[1:]))}
+            {
+                **{k: next(views) for k in keys},
+                "weights": f[0],
+                "metric_mask": f[1],
+                "fields": dict(zip(field_names, f[2:])),
+            }
             for f in per_call
         ]
 
     def _run(self, calls: list[_Call], forest: Forest, weights: np.ndarray, loss: TokenLoss):
-        """Forward and backward of every call; (loss sum on the device, per-call terms)."""
+        """Forward and backward of every call; (loss sum on the device, per-call terms,
+        the loss's metric sums)."""
         total = torch.zeros((), dtype=compute_dtype(self.dtype), device=self.device)
         term_log: list[tuple[int, torch.Tensor]] = []
+        sums: dict[str, torch.Tensor] = {}
         if not calls:
-            return total, term_log
+            return total, term_log, sums
         output_layer = self.model.dtree_output_layer()
+        recorded: list[dict] = []  # per call, the loss's per-token metrics (see TokenLoss.recording)
+        per_token = loss.recording(recorded)
+        uploaded = self._upload(calls, forest, weights, loss.metric_mask(forest), loss.required_fields)
         e0 = 0
-        for call, dev in zip(calls, self._upload(calls, forest, weights, loss.required_fields)):
+        for call, dev in zip(calls, uploaded):
             with torch.enable_grad():
                 attend = self._attend(call.batch.layout)
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
                 terms = weighted_terms(
-                    loss.per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
+                    per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,
                 )
                 call_loss = terms.sum()
                 call_loss.backward()
+            if recorded:
+                sums = add_metric_sums(sums, masked_metric_sums(recorded.pop(), dev["metric_mask"]))
             term_log.append((e0, terms.detach()))
             e0 += len(call.term_lin)
             total = total + call_loss.detach()
-        return total, term_log
+        return total, term_log, sums

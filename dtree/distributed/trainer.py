@@ -3,7 +3,7 @@
 Per step, every rank runs the same collectives in the same order, whatever it
 received (a whole tree, a piece of one, or nothing)::
 
-    1. all-reduce [loss tokens, loss sequences]      -> global Normalization
+    1. all-reduce [loss tokens, loss sequences, sequences] -> global Normalization
     2. sync.begin()                                   (FSDP2: all-gather once)
     3. the local DFS walk (no collective)             TreeRuntime.forward_backward
     4. all-reduce [loss, failed flag, seconds] per rank
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..losses import Normalization, TokenLoss, local_normalization
+from ..losses import Normalization, SequenceLoss, TokenLoss, local_normalization
 from ..runtime import StepOutput, TreeRuntime
 from ..tree import Forest
 from .cost_model import CostModel
@@ -108,14 +108,14 @@ def _all_reduce(values: Sequence[float], group, op=None) -> list[float]:
     return t.cpu().tolist()
 
 
-def global_normalization(forest: Forest | None, group=None) -> Normalization:
-    """The batch's loss-token and loss-sequence counts, summed over ranks (step 1).
+def global_normalization(forest: Forest | None, group=None, use_loss_mask: bool = True) -> Normalization:
+    """The batch's loss-token, loss-sequence and sequence counts, summed over ranks (step 1).
 
     Mirrors what ``TokenLoss.weights`` uses on one process (``local_normalization``),
     so the reductions divide by exactly the single-process counts."""
-    local = local_normalization(forest) if forest is not None else Normalization(0.0, 0.0)
-    tokens, seqs = _all_reduce([local.loss_tokens, local.loss_sequences], group)
-    return Normalization(loss_tokens=tokens, loss_sequences=seqs)
+    local = local_normalization(forest, use_loss_mask) if forest is not None else Normalization(0.0, 0.0, 0.0)
+    tokens, seqs, all_seqs = _all_reduce([local.loss_tokens, local.loss_sequences, local.num_sequences], group)
+    return Normalization(loss_tokens=tokens, loss_sequences=seqs, num_sequences=all_seqs)
 
 
 def _free_memory(runtime: TreeRuntime) -> None:
@@ -144,9 +144,9 @@ def distributed_forward_backward(
     Args:
         runtime: this rank's :class:`TreeRuntime` (over the unwrapped module).
         forest: this rank's forest, ``None`` for a rank that received no sequence.
-        loss: a :class:`TokenLoss`; its ``token_mean``/``sequence_mean`` reductions use
-            the global counts. A two-pass callable loss runs on the local forest as is:
-            it must already be a sum over sequences (or normalize by global counts itself).
+        loss: a :class:`TokenLoss` or a :class:`SequenceLoss` (``gspo``); their reductions
+            use the global counts. Any other two-pass callable runs on the local forest as
+            is: it must already be a sum over sequences (or normalize by global counts itself).
         sync: the gradient strategy, default :func:`make_grad_sync` of ``runtime.module``
             (plain all-reduce). Pass the trainer's DDP/FSDP strategy for wrapped models.
         sequence_ids: this rank's original sequence indices; only used to name the
@@ -159,7 +159,11 @@ def distributed_forward_backward(
     t0 = time.perf_counter()
     rank, world = _world(group)
     sync = sync or make_grad_sync(runtime.module, group)
-    norm = global_normalization(forest, group) if isinstance(loss, TokenLoss) else None
+    norm = None
+    if isinstance(loss, (TokenLoss, SequenceLoss)):
+        norm = global_normalization(forest, group, loss.use_loss_mask)
+    if isinstance(loss, SequenceLoss):  # the two-pass path takes its counts from the loss itself
+        loss = loss.with_normalization(norm)
     sync.begin()
 
     local: StepOutput | None = None

@@ -1,0 +1,394 @@
+"""The per-token policy-gradient losses RL trainers use, under their names.
+
+Each builder returns a :class:`dtree.losses.TokenLoss` (re-exported from
+:mod:`dtree.losses`). With ``r = exp(logp - old_logprobs)`` and ``A = advantages``:
+
+==============  =====================================================================
+``ppo_clip``    ``-min(r*A, clip(r, 1-eps_low, 1+eps_high)*A)`` (PPO / GRPO / DAPO
+                clip-higher), with TRL's ``delta`` (``r`` capped at ``delta`` before the
+                min, INTELLECT-2) or verl's dual clip ``clip_ratio_c`` (for ``A < 0``,
+                the loss is capped at ``-A*clip_ratio_c``); the two agree whenever the
+                cap is at least ``1 + eps_high``
+``cispo``       ``-sg(clip(r, ratio_min, ratio_max)) * A * logp`` (MiniMax-M1; ``sg`` =
+                stop-gradient). TRL: ``ratio_max = epsilon_high`` and no lower bound;
+                verl: ``ratio_min = 1 - clip_ratio_low``, ``ratio_max = 1 + clip_ratio_high``
+``sapo``        ``-(4/tau) * sigmoid(tau*(r-1)) * A``, ``tau = tau_pos if A > 0 else tau_neg``
+==============  =====================================================================
+
+Every one adds, per token, ``+ kl_coef * KL(logp, ref_logprobs)`` (estimator
+``kl_estimator``, times ``r`` with ``kl_bias_correction`` as TRL's
+``use_bias_correction_kl``) and ``- entropy_coef * entropy``. Every one has metrics
+(mask-weighted means over the loss tokens, named as TRL logs them):
+``clip_ratio/low_mean`` (``r < 1-eps_low`` and ``A < 0``), ``clip_ratio/high_mean``
+(``r > 1+eps_high`` and ``A > 0``), ``clip_ratio/region_mean`` (either),
+``ratio/mean`` (mean ``r``), ``kl`` (with ``kl_coef``), ``entropy`` (with
+``entropy_coef`` or ``log_entropy``).
+
+verl clamps ``logp - old_logprobs`` to ``[-20, 20]`` before ``exp`` in its vanilla,
+CISPO and SAPO losses: pass ``log_ratio_clip=20.0`` to match it bit for bit (it only
+differs for ratios beyond ``e^20``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import torch
+
+from .losses import TokenLoss
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "TRL_LOSS_TYPES",
+    "VERL_LOSS_AGG_MODES",
+    "aggregation",
+    "cispo",
+    "kl_penalty",
+    "ppo_clip",
+    "sapo",
+]
+
+# Schulman's estimators of KL(pi || ref) from samples of pi, named as TRL / verl name
+# them. ``low_var_kl`` is verl's clamped k3 (verl calls it "k3" too); a trailing "+"
+# keeps the estimator's value but takes k2's gradient (verl's straight-through trick:
+# k2's gradient is the unbiased gradient of KL).
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+")
+
+Fields = Mapping[str, torch.Tensor]
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi.
+
+    ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``; ``k3 = exp(ref - logp) - (ref -
+    logp) - 1`` (unbiased, always >= 0; TRL's); ``low_var_kl``: k3 with ``ref - logp``
+    clamped to [-20, 20] and the result to [-10, 10] (verl's ``low_var_kl`` / ``k3``);
+    ``abs = |logp - ref|``. ``<name>+``: the value of ``<name>``, the gradient of k2.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
+    base = estimator.rstrip("+")
+    log_ratio = logp - ref_logp
+    if base == "k1":
+        value = log_ratio
+    elif base == "k2":
+        value = 0.5 * log_ratio.square()
+    elif base == "k3":
+        value = torch.exp(-log_ratio) + log_ratio - 1.0
+    elif base == "low_var_kl":
+        d = torch.clamp(-log_ratio, -20.0, 20.0)
+        value = torch.clamp(torch.exp(d) - d - 1.0, -10.0, 10.0)
+    else:  # abs
+        value = log_ratio.abs()
+    if not estimator.endswith("+"):
+        return value
+    k2 = 0.5 * log_ratio.square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _ratio(logp: torch.Tensor, old: torch.Tensor, log_ratio_clip: float | None) -> torch.Tensor:
+    log_ratio = logp - old
+    if log_ratio_clip is not None:
+        log_ratio = torch.clamp(log_ratio, -log_ratio_clip, log_ratio_clip)
+    return torch.exp(log_ratio)
+
+
+class _Regularizers:
+    """What every policy loss adds per token: the KL to a reference and the entropy bonus."""
+
+    def __init__(
+        self, kl_coef: float, kl_estimator: str, kl_bias_correction: bool, entropy_coef: float, log_entropy: bool
+    ) -> None:
+        if kl_estimator not in KL_ESTIMATORS:
+            raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
+        self.kl_coef, self.kl_estimator, self.kl_bias_correction = kl_coef, kl_estimator, kl_bias_correction
+        self.entropy_coef = entropy_coef
+        self.needs_entropy = entropy_coef != 0 or log_entropy
+        self.required = ("ref_logprobs",) if kl_coef else ()
+
+    def kl(self, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> torch.Tensor:
+        kl = kl_penalty(logp, fields["ref_logprobs"], self.kl_estimator)
+        # TRL's use_bias_correction_kl: the importance ratio (differentiable) makes the
+        # KL gradient the unbiased reverse-KL gradient off-policy
+        return kl * ratio if self.kl_bias_correction else kl
+
+    def add(self, loss: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> torch.Tensor:
+        if self.kl_coef:
+            loss = loss + self.kl_coef * self.kl(logp, ratio, fields)
+        if self.entropy_coef:
+            loss = loss - self.entropy_coef * fields["entropy"]
+        return loss
+
+    def metrics(self, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
+        out = {"ratio/mean": ratio}
+        if self.kl_coef:
+            out["kl"] = self.kl(logp, ratio, fields)
+        if "entropy" in fields:
+            out["entropy"] = fields["entropy"]
+        return out
+
+
+def _check_bound(name: str, value: float | None, low: float) -> None:
+    if value is not None and not value > low:
+        raise ValueError(f"{name} must be > {low}, got {value}")
+
+
+def ppo_clip(
+    clip_eps: float = 0.2,
+    reduction: str = "token_mean",
+    *,
+    clip_eps_high: float | None = None,
+    epsilon_low: float | None = None,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    clip_ratio_c: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_bias_correction: bool = False,
+    entropy_coef: float = 0.0,
+    log_entropy: bool = False,
+    temperature: float = 1.0,
+    log_ratio_clip: float | None = None,
+    scale: float = 1.0,
+    count_empty_sequences: bool = False,
+) -> TokenLoss:
+    """PPO/GRPO clipped surrogate, per token:
+    ``l = -min(r*A, clip(r, 1-eps_low, 1+eps_high)*A) + kl_coef*KL - entropy_coef*H``.
+
+    Args:
+        clip_eps: both clip bounds, unless ``epsilon_low`` / ``epsilon_high`` set one
+            (TRL ``epsilon``, verl ``clip_ratio``).
+        epsilon_low, epsilon_high: asymmetric bounds (DAPO's clip-higher: 0.2 / 0.28;
+            TRL ``epsilon`` / ``epsilon_high``, verl ``clip_ratio_low`` / ``clip_ratio_high``).
+            ``clip_eps_high`` is an older name of ``epsilon_high``.
+        delta: TRL's ``delta`` (two-sided clipping, INTELLECT-2): ``r`` is capped at
+            ``delta`` inside the min. Must be > 1 (TRL recommends > 1 + eps_high).
+        clip_ratio_c: verl's dual clip: for ``A < 0`` the loss is at most
+            ``-A * clip_ratio_c``. Must be > 1 (verl: 3.0 when enabled).
+        kl_coef, kl_estimator: ``+ kl_coef * KL`` against the field ``ref_logprobs``
+            (TRL ``beta`` with ``k3``; verl ``kl_loss_coef`` / ``kl_loss_type``).
+        kl_bias_correction: multiply the KL by ``r`` (TRL ``use_bias_correction_kl``, on
+            by default in TRL 1.x).
+        entropy_coef: ``- entropy_coef * entropy`` per token, under this loss's
+            reduction (verl ``entropy_coeff``). Needs a runtime that passes the entropy.
+        log_entropy: report the mean entropy as a metric (also needs the entropy).
+        temperature: the sampling temperature (see :class:`TokenLoss`).
+        log_ratio_clip: clamp ``logp - old_logprobs`` to ``[-c, c]`` before ``exp``
+            (verl: 20).
+        scale, count_empty_sequences: see :class:`TokenLoss`.
+    """
+    if clip_eps_high is not None and epsilon_high is not None:
+        raise ValueError("pass epsilon_high or clip_eps_high (its older name), not both")
+    high_given = epsilon_high if epsilon_high is not None else clip_eps_high
+    low = clip_eps if epsilon_low is None else epsilon_low
+    high = clip_eps if high_given is None else high_given
+    if low < 0 or high < 0:
+        raise ValueError(f"clip bounds must be non-negative, got low={low}, high={high}")
+    _check_bound("delta", delta, 1.0)
+    _check_bound("clip_ratio_c", clip_ratio_c, 1.0)
+    reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
+
+    def capped(ratio: torch.Tensor) -> torch.Tensor:
+        return ratio if delta is None else torch.clamp(ratio, max=delta)
+
+    def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
+        adv = fields["advantages"]
+        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
+        loss = -torch.minimum(capped(ratio) * adv, torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv)
+        if clip_ratio_c is not None:
+            loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
+        return reg.add(loss, logp, ratio, fields)
+
+    def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
+        adv = fields["advantages"]
+        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
+        r = capped(ratio)  # TRL reports the clip fractions of the delta-capped ratio
+        is_low, is_high = (r < 1.0 - low) & (adv < 0), (r > 1.0 + high) & (adv > 0)
+        out = {
+            "clip_ratio/low_mean": is_low.float(),
+            "clip_ratio/high_mean": is_high.float(),
+            "clip_ratio/region_mean": (is_low | is_high).float(),
+        }
+        if clip_ratio_c is not None:  # verl's pg_clipfrac_lower: the dual clip is the active branch
+            surrogate_ratio = torch.maximum(r, torch.clamp(r, 1.0 - low, 1.0 + high))
+            out["clip_ratio/dual_mean"] = ((surrogate_ratio > clip_ratio_c) & (adv < 0)).float()
+        return {**out, **reg.metrics(logp, ratio, fields)}
+
+    return TokenLoss(
+        per_token,
+        reduction=reduction,
+        scale=scale,
+        required_fields=("advantages", "old_logprobs") + reg.required,
+        name="ppo_clip",
+        temperature=temperature,
+        needs_entropy=reg.needs_entropy,
+        metrics=metrics,
+        count_empty_sequences=count_empty_sequences,
+    )
+
+
+def cispo(
+    ratio_max: float,
+    reduction: str = "token_mean",
+    *,
+    ratio_min: float | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_bias_correction: bool = False,
+    entropy_coef: float = 0.0,
+    log_entropy: bool = False,
+    temperature: float = 1.0,
+    log_ratio_clip: float | None = None,
+    scale: float = 1.0,
+    count_empty_sequences: bool = False,
+) -> TokenLoss:
+    """CISPO (MiniMax-M1): ``l = -sg(clip(r, ratio_min, ratio_max)) * A * logp`` (+ KL,
+    entropy as in :func:`ppo_clip`). The clipped importance weight carries no gradient,
+    so every token keeps its policy gradient.
+
+    TRL (``loss_type="cispo"``): ``cispo(ratio_max=epsilon_high)`` (ScaleRL recommends
+    5.0), no lower bound, ``token_mean`` with the global counts. verl
+    (``loss_mode="cispo"``): ``cispo(ratio_min=1-clip_ratio_low,
+    ratio_max=1+clip_ratio_high, log_ratio_clip=20.0)``.
+
+    Metrics: ``cispo_clip_ratio`` (TRL: ``r > ratio_max`` and ``A > 0``),
+    ``clip_ratio/low_mean`` / ``clip_ratio/high_mean`` (the weight is clipped from
+    below / above, whatever ``A``; verl's ``pg_clipfrac`` is their sum), ``ratio/mean``.
+    """
+    _check_bound("ratio_max", ratio_max, 0.0)
+    if ratio_min is not None and not 0 <= ratio_min < ratio_max:
+        raise ValueError(f"ratio_min must be in [0, ratio_max), got {ratio_min}")
+    reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
+
+    def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
+        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
+        weight = torch.clamp(ratio, min=ratio_min, max=ratio_max).detach()
+        return reg.add(-weight * fields["advantages"] * logp, logp, ratio, fields)
+
+    def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
+        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
+        below = ratio < ratio_min if ratio_min is not None else torch.zeros_like(ratio, dtype=torch.bool)
+        out = {
+            "cispo_clip_ratio": ((ratio > ratio_max) & (fields["advantages"] > 0)).float(),
+            "clip_ratio/low_mean": below.float(),
+            "clip_ratio/high_mean": (ratio > ratio_max).float(),
+        }
+        return {**out, **reg.metrics(logp, ratio, fields)}
+
+    return TokenLoss(
+        per_token,
+        reduction=reduction,
+        scale=scale,
+        required_fields=("advantages", "old_logprobs") + reg.required,
+        name="cispo",
+        temperature=temperature,
+        needs_entropy=reg.needs_entropy,
+        metrics=metrics,
+        count_empty_sequences=count_empty_sequences,
+    )
+
+
+def sapo(
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    reduction: str = "sequence_mean",
+    *,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_bias_correction: bool = False,
+    entropy_coef: float = 0.0,
+    log_entropy: bool = False,
+    temperature: float = 1.0,
+    log_ratio_clip: float | None = None,
+    scale: float = 1.0,
+    count_empty_sequences: bool = False,
+) -> TokenLoss:
+    """SAPO (soft adaptive policy optimization): a smooth gate instead of the clip,
+    ``l = -(4/tau) * sigmoid(tau * (r - 1)) * A`` with ``tau = tau_pos`` where ``A > 0``
+    and ``tau_neg`` elsewhere (+ KL, entropy as in :func:`ppo_clip`).
+
+    TRL ``loss_type="sapo"`` (``sapo_temperature_pos`` / ``_neg``) aggregates like
+    ``grpo`` (``count_empty_sequences=True``); verl ``loss_mode="sapo"`` (``tau_pos`` /
+    ``tau_neg``) always uses ``seq-mean-token-mean`` and ``log_ratio_clip=20.0``.
+    """
+    _check_bound("tau_pos", tau_pos, 0.0)
+    _check_bound("tau_neg", tau_neg, 0.0)
+    reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
+
+    def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
+        adv = fields["advantages"]
+        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
+        tau = torch.where(adv > 0, tau_pos, tau_neg).to(ratio.dtype)
+        return reg.add(-torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * adv, logp, ratio, fields)
+
+    def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
+        return reg.metrics(logp, _ratio(logp, fields["old_logprobs"], log_ratio_clip), fields)
+
+    return TokenLoss(
+        per_token,
+        reduction=reduction,
+        scale=scale,
+        required_fields=("advantages", "old_logprobs") + reg.required,
+        name="sapo",
+        temperature=temperature,
+        needs_entropy=reg.needs_entropy,
+        metrics=metrics,
+        count_empty_sequences=count_empty_sequences,
+    )
+
+
+# ---------------------------------------------------------------------- trainer names
+# TRL GRPOConfig.loss_type -> how its _compute_loss aggregates (trl 1.16,
+# grpo_trainer.py, GRPOTrainer._compute_loss). "local": each micro-batch's own counts,
+# the loss divided by gradient_accumulation_steps; "global": the counts of the whole
+# accumulated batch (Normalization.from_forests).
+TRL_LOSS_TYPES: dict[str, tuple[dict[str, Any], str]] = {
+    "grpo": (dict(reduction="sequence_mean", count_empty_sequences=True), "local"),
+    "sapo": (dict(reduction="sequence_mean", count_empty_sequences=True), "local"),
+    "bnpo": (dict(reduction="token_mean"), "local"),
+    "dr_grpo": (dict(reduction="seq_mean_token_sum", count_empty_sequences=True), "local"),
+    "luspo": (dict(reduction="seq_mean_token_sum", count_empty_sequences=True), "local"),
+    "dapo": (dict(reduction="token_mean"), "global"),
+    "cispo": (dict(reduction="token_mean"), "global"),
+    "vespo": (dict(reduction="token_mean"), "global"),
+}
+# verl actor.loss_agg_mode (verl/trainer/ppo/core_algos.py, agg_loss)
+VERL_LOSS_AGG_MODES: dict[str, dict[str, Any]] = {
+    "token-mean": dict(reduction="token_mean"),
+    "seq-mean-token-mean": dict(reduction="sequence_mean"),
+    "seq-mean-token-sum": dict(reduction="seq_mean_token_sum"),
+    "seq-mean-token-sum-norm": dict(reduction="sum"),
+}
+
+
+def aggregation(name: str, *, max_completion_length: int | None = None) -> dict[str, Any]:
+    """Loss keyword arguments (``reduction``, ``count_empty_sequences``, ``scale``) equal
+    to a trainer's named aggregation: a TRL ``loss_type`` or a verl ``loss_agg_mode``::
+
+        dtree.losses.ppo_clip(0.2, **dtree.losses.aggregation("dr_grpo", max_completion_length=1024))
+
+    ``dr_grpo`` (TRL) and ``seq-mean-token-sum-norm`` (verl ``loss_scale_factor``) divide
+    by a constant: pass it as ``max_completion_length``. Over several micro-batches,
+    TRL's ``grpo``/``sapo``/``bnpo``/``dr_grpo``/``luspo`` normalize each micro-batch by
+    its own counts and divide by ``gradient_accumulation_steps`` (multiply ``scale`` by
+    ``1/steps``); ``dapo``/``cispo``/``vespo`` use the counts of the whole step
+    (``Normalization.from_forests``). For equal-size micro-batches ``grpo`` and
+    ``dr_grpo`` give the same either way; ``bnpo`` does not. verl's legacy actor
+    normalizes per micro-batch (``scale=1/steps``); its new engine uses global counts.
+    """
+    if name in TRL_LOSS_TYPES:
+        kw = dict(TRL_LOSS_TYPES[name][0])
+        constant = name == "dr_grpo"
+    elif name in VERL_LOSS_AGG_MODES:
+        kw = dict(VERL_LOSS_AGG_MODES[name])
+        constant = name == "seq-mean-token-sum-norm"
+    else:
+        raise ValueError(
+            f"unknown aggregation {name!r}; TRL loss_type: {sorted(TRL_LOSS_TYPES)}, "
+            f"verl loss_agg_mode: {sorted(VERL_LOSS_AGG_MODES)}"
+        )
+    if constant:
+        if not max_completion_length or max_completion_length <= 0:
+            raise ValueError(f"aggregation {name!r} divides by a constant: pass max_completion_length=<tokens>")
+        kw["scale"] = 1.0 / max_completion_length
+    return kw
