@@ -10,9 +10,10 @@ equal those of training every root-to-leaf sequence on its own.
 """
 
 from . import losses
+from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
 from .tree import Forest, ForestStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Forest", "ForestStats", "StepOutput", "TreeRuntime", "losses", "__version__"]
+__all__ = ["Forest", "ForestStats", "OutputHead", "StepOutput", "TreeRuntime", "losses", "__version__"]
