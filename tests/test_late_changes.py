@@ -51,6 +51,21 @@ def test_dtype_move_after_wrapping(mode, group_tokens):
     assert_exact(model, ref_model, out, ref_loss, tol=1e-6)
 
 
+def test_bf16_move_on_cpu():
+    """The issue's SDPA dtype error: .to(bfloat16) after wrapping now runs in bf16 (its
+    exactness rule is GPU-side, test_bf16_move_after_wrapping_on_cuda); here the loss
+    agrees with the float32 reference to bf16 precision."""
+    model = make_model("llama")
+    _, ref_loss = reference(model)
+    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8)
+    step(rt)
+    model.to(torch.bfloat16).zero_grad(set_to_none=True)
+    out = step(rt)
+    assert rt._stack.dtype == torch.bfloat16
+    assert abs(out.loss - ref_loss) < 2e-2 * abs(ref_loss)
+    assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_meta_model_materialized_after_wrapping(mode):
     ref_weights = make_model("llama", seed=5)

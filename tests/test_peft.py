@@ -110,3 +110,16 @@ def test_prompt_learning_adapters_are_refused():
     model = peft.get_peft_model(make_model("qwen2"), peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3))
     with pytest.raises(ValueError, match="prompt-learning adapter"):
         dtree.TreeRuntime(model)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", MODES)
+def test_peft_lora_on_cuda(mode):
+    """LoRA on q/v and lm_head on the GPU (the fused Triton attention, the head's module
+    path on CUDA), float32 without tf32, against the same model per path."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = peft_model("lm_head").cuda()
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, mode=mode, group_tokens=8)
+    assert out.metrics["attention"] == "triton"
+    assert_exact(tree_model, ref_model, out, ref_loss, tol=1e-4)  # fp32 kernels, another summation order
