@@ -14,9 +14,10 @@ and :mod:`dtree.integrations` (``to_padded``, ``to_padded_completion``).
 
 from . import losses
 from .losses import Normalization
+from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
 from .tree import Forest, ForestStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Forest", "ForestStats", "Normalization", "StepOutput", "TreeRuntime", "losses", "__version__"]
+__all__ = ["Forest", "ForestStats", "Normalization", "OutputHead", "StepOutput", "TreeRuntime", "losses", "__version__"]

@@ -3,13 +3,45 @@ method rejects the same inputs with the same messages."""
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import numpy as np
 import torch
 
 from .models import ModelSpec
 from .tree import Forest
 
-__all__ = ["validate_forest", "raise_non_finite"]
+__all__ = ["validate_forest", "raise_non_finite", "model_placement", "check_trainable"]
+
+
+def model_placement(params: Iterable[torch.Tensor]) -> tuple[torch.device, torch.dtype]:
+    """(device, dtype) of the model now: those of its first floating-point parameter.
+
+    Read at every call, not once at construction, so ``model.to(torch.bfloat16)``,
+    ``.cuda()`` or materializing a meta model after wrapping it just work (the runtime
+    reallocates its KV stack when they change). A parameter still on the meta device
+    gets an error naming the fix."""
+    first = None
+    for p in params:
+        if p.device.type == "meta":
+            raise ValueError(
+                "the model has parameters on the meta device (not materialized): materialize it first, e.g. "
+                "model.to_empty(device=...) and initialize or load its weights, then call dtree again"
+            )
+        if first is None and p.is_floating_point():
+            first = p
+    if first is None:
+        raise ValueError("the model has no floating-point parameters")
+    return first.device, first.dtype
+
+
+def check_trainable(params: Iterable[torch.Tensor]) -> None:
+    """A training step needs at least one parameter that requires grad."""
+    if not any(p.requires_grad for p in params):
+        raise ValueError(
+            "no parameter of the model requires grad, so a training step has nothing to compute: unfreeze some "
+            "(p.requires_grad_(True), or peft.get_peft_model for adapters), or use TreeRuntime.logprobs for inference"
+        )
 
 
 def validate_forest(forest: Forest, spec: ModelSpec) -> None:

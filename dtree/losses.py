@@ -56,7 +56,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from .ops.logprobs import token_logprobs
+from .ops.logprobs import OutputHead, token_logprobs
 from .tree import Forest
 
 __all__ = [
@@ -357,7 +357,7 @@ def weighted_terms(
     term_pred: torch.Tensor,
     weights: torch.Tensor,
     fields: Mapping[str, torch.Tensor],
-    output_layer: tuple[torch.Tensor, torch.Tensor | None],
+    output_layer: OutputHead | tuple[torch.Tensor, torch.Tensor | None],
     logprob_chunk: int,
 ) -> torch.Tensor:
     """Weighted loss terms of one model call, the same in dtree and its baselines.
@@ -368,13 +368,12 @@ def weighted_terms(
         term_pred: [E] which prediction each loss term reads (terms that share a unique
             token share its prediction).
         weights, fields: [E] the terms' weights (reduction and mask folded in) and fields.
-        output_layer: (weight [V, H], bias [V] or None).
+        output_layer: the LM head (an :class:`~dtree.ops.logprobs.OutputHead`, or (weight [V, H], bias [V] or None)).
 
     Returns:
         [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
     """
-    weight, bias = output_layer
-    logp = token_logprobs(hidden[pred_rows], weight, labels, bias, logprob_chunk)[term_pred]
+    logp = token_logprobs(hidden[pred_rows], output_layer, labels, logprob_chunk)[0][term_pred]
     per = per_token(logp, fields)
     if per.shape != logp.shape:
         raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")

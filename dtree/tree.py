@@ -208,6 +208,12 @@ class Forest:
         """
         if isinstance(sequences, (str, bytes)):
             raise TypeError("sequences must be a list of token-id sequences, not a string")
+        if getattr(sequences, "ndim", 1) != 1:  # a tensor or array: a padded [B, L] batch is the usual mistake
+            raise ValueError(
+                f"sequences is a [B, L] tensor (shape {tuple(sequences.shape)}): a padded batch would make its pads "
+                "tokens. Use Forest.from_padded(input_ids, attention_mask), or list(tensor) if every row is a "
+                "whole sequence without padding"
+            )
         seqs = [_as_token_array(s, i) for i, s in enumerate(sequences)]
         if not seqs:
             raise ValueError("sequences is empty: a forest needs at least one sequence")

@@ -12,8 +12,9 @@ from dtree.models import ModelSpec
 
 
 class Block(nn.Module):
-    def __init__(self, d: int, heads: int):
+    def __init__(self, d: int, heads: int, dropout: float = 0.0):
         super().__init__()
+        self.drop = nn.Dropout(dropout)  # residual dropout, as GPT-2
         self.heads, self.hd = heads, d // heads
         self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
         self.qkv = nn.Linear(d, 3 * d)
@@ -23,17 +24,19 @@ class Block(nn.Module):
     def forward(self, x, attend):  # x: [T, d]
         t = x.shape[0]
         q, k, v = self.qkv(self.ln1(x)).view(t, 3, self.heads, self.hd).unbind(1)
-        x = x + self.proj(attend(q, k, v).reshape(t, -1))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+        x = x + self.drop(self.proj(attend(q, k, v).reshape(t, -1)))
+        return x + self.drop(self.out(F.gelu(self.fc(self.ln2(x)))))
 
 
 class NanoGPT(nn.Module):
-    def __init__(self, vocab: int = 61, d: int = 48, heads: int = 4, layers: int = 2, block_size: int = 256):
+    def __init__(
+        self, vocab: int = 61, d: int = 48, heads: int = 4, layers: int = 2, block_size: int = 256, dropout: float = 0.0
+    ):
         super().__init__()
         self.vocab, self.d, self.heads, self.block_size = vocab, d, heads, block_size
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(block_size, d)
-        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(d, heads, dropout) for _ in range(layers))
         self.ln_f = nn.LayerNorm(d)
         self.lm_head = nn.Linear(d, vocab, bias=False)
         self.lm_head.weight = self.wte.weight

@@ -173,6 +173,41 @@ def test_custom_module_protocol():
     assert abs(out.loss - total) < 1e-4
 
 
+class TransformedHeadGPT(NanoGPT):
+    """A custom module whose head is a module (a low-rank-adapted linear) and whose
+    logits are scaled and soft-capped: the protocol's OutputHead."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = torch.nn.Sequential(torch.nn.Linear(self.d, 5, bias=False), torch.nn.Linear(5, self.vocab))
+
+    def forward(self, idx):
+        logits = super().forward(idx) * 0.7
+        return 3.0 * torch.tanh(logits / 3.0)
+
+    def dtree_output_layer(self):
+        return dtree.OutputHead(module=self.lm_head, logit_scale=0.7, final_softcap=3.0)
+
+
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+def test_custom_module_output_head(mode):
+    torch.manual_seed(0)
+    model = TransformedHeadGPT()
+    seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [8, 9]]
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    forest = dtree.Forest.from_sequences(seqs)
+    out = dtree.TreeRuntime(tree_model, mode=mode, chunk_size=2, group_tokens=0).forward_backward(forest, dtree.losses.nll("sum"))
+    total = 0.0
+    for s in seqs:
+        x = torch.tensor(s)
+        lp = torch.log_softmax(ref_model(x)[:-1], -1).gather(-1, x[1:, None]).squeeze(-1)
+        (-lp.sum()).backward()
+        total += -lp.sum().item()
+    errs = grad_errors(tree_model, ref_model)
+    assert max(errs.values()) < FP32_TOL, errs
+    assert abs(out.loss - total) < 1e-4
+
+
 def test_two_pass_non_separable_loss():
     """A loss that is not a sum of per-token terms: squared mean log-prob per sequence."""
     seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7]]

@@ -7,7 +7,7 @@ the same for both::
     loss.check_fields(forest); w = loss.weights(forest, normalization)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)              [T, H]
-        logp   = token_logprobs(hidden[pred_rows], W, labels)                   [P]
+        logp   = token_logprobs(hidden[pred_rows], head, labels)[0]             [P]
         (loss.per_token(logp[term_pred], fields) * w).sum().backward()
         loss.metrics(logp[term_pred], fields), summed with the terms' loss mask
     one device sync for the loss value; if it is not finite, param.grad is restored
@@ -37,11 +37,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..checks import raise_non_finite, validate_forest
+from ..checks import model_placement, raise_non_finite, validate_forest
 from ..grad_guard import GradStash
 from ..losses import Normalization, TokenLoss, add_metric_sums, masked_metric_sums, metric_means, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
-from ..ops.logprobs import compute_dtype
+from ..ops.logprobs import as_output_head, compute_dtype
 from ..runtime import StepOutput
 from ..transfer import upload
 from ..tree import Forest
@@ -128,8 +128,15 @@ class MicroBatchTrainer:
         self.checkpoint = bool(checkpoint)
         if self.checkpoint:
             decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found
-        first = next(iter(model.parameters()))
-        self.device, self.dtype = first.device, first.dtype
+
+    @property
+    def device(self) -> torch.device:
+        """The model's device now (read at every call, like the runtime)."""
+        return model_placement(self.module.parameters())[0]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return model_placement(self.module.parameters())[1]
 
     def plan(self, forest: Forest) -> list[MicroBatch]:
         raise NotImplementedError
@@ -230,7 +237,7 @@ class MicroBatchTrainer:
         sums: dict[str, torch.Tensor] = {}
         if not calls:
             return total, term_log, sums
-        output_layer = self.model.dtree_output_layer()
+        output_layer = as_output_head(self.model.dtree_output_layer())
         recorded: list[dict] = []  # per call, the loss's per-token metrics (see TokenLoss.recording)
         per_token = loss.recording(recorded)
         uploaded = self._upload(calls, forest, weights, loss.metric_mask(forest), loss.required_fields)

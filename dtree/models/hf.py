@@ -16,6 +16,7 @@ from typing import Iterator
 
 import torch
 
+from ..ops.logprobs import OutputHead
 from .protocol import AttendFn, ModelSpec
 
 __all__ = ["HFTreeModel", "ATTENTION_NAME"]
@@ -41,7 +42,7 @@ def _dtree_attention(
             "set the model back to 'sdpa' or 'eager' to use it directly"
         )
     if dropout:
-        raise ValueError("attention dropout is not supported by dtree (it would break exactness); set it to 0")
+        raise ValueError("attention dropout is not supported by dtree's stack attention; set it to 0 or call model.eval()")
     for unsupported in ("softcap", "s_aux"):
         if kwargs.get(unsupported) is not None:
             raise ValueError(f"attention with {unsupported!r} is not supported by dtree yet")
@@ -79,6 +80,26 @@ def _effective_sliding_window(config) -> int | None:
     return int(window)
 
 
+def _is_plain_linear(head: torch.nn.Module) -> bool:
+    """True for an ``nn.Linear`` that does exactly ``F.linear(x, weight, bias)`` when
+    called: not a subclass (quantized, parametrized, adapter-wrapped), no hooks, no
+    patched ``forward``, plain parameters. Anything else goes through the module."""
+    from torch.nn.modules import module as nn_module
+
+    global_hooks = any(
+        getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
+    )
+    return (
+        type(head) is torch.nn.Linear
+        and not head._forward_hooks
+        and not head._forward_pre_hooks
+        and not global_hooks
+        and "forward" not in vars(head)
+        and type(head.weight) is torch.nn.Parameter
+        and (head.bias is None or type(head.bias) is torch.nn.Parameter)
+    )
+
+
 class HFTreeModel:
     """Adapter giving a transformers ``*ForCausalLM`` the :class:`TreeModule` methods."""
 
@@ -92,14 +113,10 @@ class HFTreeModel:
                 raise ValueError(f"{type(model).__name__} uses {attr}, which dtree does not support yet")
         if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
             raise ValueError(f"{type(model).__name__} scales its logits (logit_scale), which dtree does not support yet")
-        checkpointing = getattr(type(model), "is_activation_checkpointing", None)
-        checkpointing = model.is_activation_checkpointing if checkpointing is not None else getattr(
-            model, "is_gradient_checkpointing", False
-        )
-        if checkpointing:
-            raise ValueError(
-                "HF gradient checkpointing re-runs attention inside backward, which breaks the KV stack; "
-                "disable it and use TreeRuntime(model, mode='recompute') instead"
+        if model.get_output_embeddings() is None:
+            raise TypeError(
+                f"{type(model).__name__} has no LM head (get_output_embeddings() is None): dtree trains causal LMs; "
+                "load the model with AutoModelForCausalLM"
             )
         self.model = model
         self.base = getattr(model, model.base_model_prefix)
@@ -146,9 +163,38 @@ class HFTreeModel:
             )
         return out.last_hidden_state[0]
 
-    def dtree_output_layer(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def dtree_output_layer(self) -> OutputHead:
+        """The LM head as it is now (adapters may have wrapped it since construction):
+        the fused path for a plain ``nn.Linear`` (tied or not), else the module path,
+        which calls the head itself (PEFT LoRA or ``modules_to_save`` wrappers,
+        quantized linears, hooked or patched modules, subclasses)."""
         head = self.model.get_output_embeddings()
-        return head.weight, getattr(head, "bias", None)
+        if _is_plain_linear(head):
+            return OutputHead(weight=head.weight, bias=head.bias)
+        return OutputHead(module=head)
+
+    def dtree_check(self, training: bool) -> None:
+        """Raise a ValueError for a model state dtree cannot run, before any compute.
+        Runs at every call: these are switched on and off after construction.
+
+        Args:
+            training: the call computes gradients (``forward_backward``)."""
+        for m in self.model.modules():
+            if not m.training:
+                continue
+            if training and getattr(m, "gradient_checkpointing", False) is True:
+                raise ValueError(
+                    "HF gradient checkpointing is on: it re-runs attention inside backward, which breaks dtree's KV "
+                    "stack. Call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer "
+                    "transformers) and use TreeRuntime(model, mode='recompute') for the same memory saving"
+                )
+            p = getattr(m, "attention_dropout", 0.0)
+            if isinstance(p, (int, float)) and p > 0:
+                raise ValueError(
+                    f"attention dropout ({type(m).__name__}.attention_dropout={p}) is not supported by dtree's stack "
+                    "attention: build the model with config.attention_dropout=0 (or set attention_dropout = 0 on every "
+                    "attention module), or call model.eval(). Dropout elsewhere (LoRA, residual) is replayed exactly"
+                )
 
     def parameters(self):
         return self.model.parameters()

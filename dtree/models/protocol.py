@@ -17,7 +17,18 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
             return final_hidden  # [T, hidden] after the final norm
 
         def dtree_output_layer(self):
-            return self.lm_head.weight, None  # ([vocab, hidden], bias [vocab] or None)
+            return OutputHead(weight=self.lm_head.weight)  # fused: [vocab, hidden] (+ bias)
+            # or OutputHead(module=self.lm_head): any nn.Module [N, hidden] -> [N, vocab],
+            # called chunk by chunk (LoRA on the head, a quantized linear, ...);
+            # logit_scale= / final_softcap= for models that transform their logits.
+            # The older ``return weight, bias`` tuple is still accepted (fused path).
+
+        # optional: refuse a state the module cannot run in, before any compute
+        def dtree_check(self, training: bool) -> None: ...
+
+Called at every step, so the head may change after construction (adapters injected,
+dtype or device moves). Dropout in a custom module is replayed exactly like in a
+transformers model (see :mod:`dtree.rng`).
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from dataclasses import dataclass
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
+
+from ..ops.logprobs import OutputHead
 
 __all__ = ["ModelSpec", "AttendFn", "TreeModule"]
 
@@ -88,4 +101,4 @@ class TreeModule(Protocol):
         self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
     ) -> torch.Tensor: ...
 
-    def dtree_output_layer(self) -> tuple[torch.Tensor, torch.Tensor | None]: ...
+    def dtree_output_layer(self) -> OutputHead | tuple[torch.Tensor, torch.Tensor | None]: ...

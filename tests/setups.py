@@ -1,0 +1,71 @@
+"""Harness of the per-setup tests (test_peft, test_frozen, test_late_changes, ...): a
+forest that needs several model calls, the three modes and three group budgets, and
+every parameter gradient compared with the same model run on each path by HF
+(tests/reference.py)."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from reference import grad_errors, linearized_step, path_logprobs
+
+import dtree
+
+FP32_TOL = 1e-5
+MODES = ("auto", "retain", "recompute")
+GROUP_TOKENS = (0, 8, None)  # node by node, a few segments per call, the default (one call here)
+CHUNK = 3  # 3-token segments: chains of calls, and subtrees packed with in-call ancestors
+
+# Three trees: a deep one with branches at several depths, a duplicate and a sequence
+# that ends inside another; a second with two branches; a two-token one.
+SEQS = [
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+    [1, 2, 3, 4, 5, 6, 7, 12, 13, 14],
+    [1, 2, 3, 4, 5, 15, 16, 17, 18, 19, 20, 21],
+    [1, 2, 3, 22, 23],
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
+    [1, 2, 3, 4, 5, 6],
+    [30, 31, 32, 33, 34, 35, 36],
+    [30, 31, 32, 40, 41, 42, 43, 44, 45],
+    [50, 51],
+]
+
+
+def reference(model, seqs=SEQS, loss_kind: str = "nll"):
+    """(per-path model with its gradients, loss) of linearized HF training on ``seqs``."""
+    ref_model = copy.deepcopy(model)
+    ref_loss, _ = linearized_step(ref_model, seqs, None, loss_kind, "token_mean")
+    return ref_model, ref_loss
+
+
+def run_dtree(model, seqs=SEQS, *, copy_model: bool = True, **rt_kw):
+    """(dtree output, the model it trained): one ``forward_backward`` with token-mean NLL."""
+    tree_model = copy.deepcopy(model) if copy_model else model
+    rt_kw.setdefault("chunk_size", CHUNK)
+    out = dtree.TreeRuntime(tree_model, **rt_kw).forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll())
+    return out, tree_model
+
+
+def assert_exact(tree_model, ref_model, out=None, ref_loss=None, tol: float = FP32_TOL) -> None:
+    """Every parameter's gradient within ``tol`` (relative, with the floor of
+    ``grad_errors``), the same parameters with and without gradients, and some
+    gradient that is not zero (so the comparison can fail)."""
+    errs = grad_errors(tree_model, ref_model)
+    worst = max(errs, key=errs.get)
+    assert errs[worst] < tol, f"gradient of {worst} off by {errs[worst]:.2e}"
+    ref = dict(ref_model.named_parameters())
+    for name, p in tree_model.named_parameters():
+        assert (p.grad is None) == (ref[name].grad is None), name
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in tree_model.parameters())
+    if out is not None:
+        assert abs(out.loss - ref_loss) <= tol * max(1.0, abs(ref_loss)), (out.loss, ref_loss)
+
+
+def assert_logprobs_exact(model, rt_kw: dict, seqs=SEQS, tol: float = FP32_TOL) -> None:
+    """``TreeRuntime.logprobs`` equals the per-path log-probs of the same model."""
+    rt_kw = {"chunk_size": CHUNK, **rt_kw}
+    got = dtree.TreeRuntime(model, **rt_kw).logprobs(dtree.Forest.from_sequences(seqs))
+    with torch.no_grad():
+        for s, lp in zip(seqs, got):
+            torch.testing.assert_close(lp, path_logprobs(model, s), atol=tol, rtol=tol)
