@@ -8,7 +8,6 @@
 #   gputests   the runtime's and the kernel's GPU tests only
 #   tests      pytest -m gpu (fixed Triton config: autotuning every test case would
 #              spend minutes compiling)
-#   ext        scripts/check_ext_gpu.py (CUDA build of the KV-stack extension)
 #   kernel     benchmarks/bench_stack_attention.py
 #   case1      dtree bench qwen2.5-1.5b grpo 2048/8x512 (the fast-path target case)
 #   grpo15     dtree bench qwen2.5-1.5b grpo default shape (1 batch of prompts)
@@ -53,7 +52,6 @@ PY
     gputests) DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -q -p no:cacheprovider --timeout 240 -rfE \
              tests/test_runtime_gpu.py tests/test_stack_attention_triton.py -m gpu ;;
     tests) DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider --timeout 240 -rfE tests ;;
-    ext) timeout "$secs" python scripts/check_ext_gpu.py --no-large ;;
     kernel) timeout "$secs" python benchmarks/bench_stack_attention.py --out "$RES" ;;
     case1) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload grpo \
              --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512 --tag case1 ;;

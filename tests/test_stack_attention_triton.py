@@ -259,9 +259,8 @@ def _worker_main():
 
 class _Worker:
     def __init__(self):
-        # the interpreter reads TRITON_INTERPRET when Triton is imported; the runtime case's
-        # KV-stack ops take their pure-torch references rather than a build of the extension
-        env = dict(os.environ, TRITON_INTERPRET="1", DTREE_NO_EXT="1")
+        # the interpreter reads TRITON_INTERPRET when Triton is imported
+        env = dict(os.environ, TRITON_INTERPRET="1")
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
         code = "import test_stack_attention_triton as t; t._worker_main()"
