@@ -131,12 +131,16 @@ class _GroupAttention:
         self.push, self.record = push, record
         self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * stack.num_layers
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
+    ) -> torch.Tensor:
+        """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
+        of :func:`dtree.ops.stack_attention.stack_attention`."""
         if self.push:
             self.stack.write(layer, self.lo, k.detach(), v.detach())
         if self.record:
             self.own[layer] = (k, v)
-        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend)
+        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend, **options)
 
 
 @dataclass
@@ -262,9 +266,11 @@ class TreeRuntime:
         spec = self.spec
         capacity = max(capacity, self.stack_capacity or 0, 1)
         args = (spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim)
-        if self._stack is None or not self._stack.fits(*args, self.dtype, self.device, with_grad):
+        if self._stack is None or not self._stack.fits(*args, self.dtype, self.device, with_grad, spec.v_head_dim):
             self._stack = None  # free the old buffers before allocating new ones
-            self._stack = KVStack(*args, dtype=self.dtype, device=self.device, with_grad=with_grad)
+            self._stack = KVStack(
+                *args, v_head_dim=spec.v_head_dim, dtype=self.dtype, device=self.device, with_grad=with_grad
+            )
         return self._stack
 
     def release_memory(self) -> None:

@@ -222,6 +222,15 @@ def _case_runtime_end_to_end():
     assert_exact(out, ref, errs)
 
 
+def _case_runtime_options_end_to_end(family):
+    """TreeRuntime(attention="triton") on models whose layers pass options: Gemma2
+    (softcap, layers alternating sliding and full windows), GPT-OSS (sinks, with their
+    gradient, and windows), DeepSeek-V3 (values narrower than keys), paths 4x the window."""
+    from test_runtime_attention_options import Reference, family_model, long_forest
+
+    Reference(family_model(family), long_forest(2)[:3]).check(attention="triton", chunk_size=7)
+
+
 def _case_fp16_flash_rule(name, option):
     """The 16-bit paths (casts of p and ds before the dots, stores) by the GPU tests'
     rule; fp16 only: the interpreter's bf16 dot is wrong (Triton 3.6)."""
@@ -371,6 +380,15 @@ def test_work_tables_cover_every_row_and_slot_once(worker):
 
 def test_runtime_end_to_end_matches_linearized(worker):
     worker.run("runtime_end_to_end")
+
+
+# CI runs Gemma2 (softcap and per-layer windows); sinks and narrow values are covered
+# at the op level under the interpreter, and end to end by the other backends
+@pytest.mark.parametrize(
+    "family", ["gemma2", pytest.param("gpt_oss", marks=pytest.mark.slow), pytest.param("deepseek_v3", marks=pytest.mark.slow)]
+)
+def test_runtime_options_end_to_end_match_linearized(worker, family):
+    worker.run("runtime_options_end_to_end", family=family)
 
 
 @pytest.mark.parametrize("name,option", [("odd", "plain"), ("short_siblings", "plain"), ("odd", "all")])
