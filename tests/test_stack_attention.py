@@ -204,6 +204,30 @@ def test_in_call_ancestors(name, option):
     check_against_naive(backend(name), layout, t, 19, 6, 3, 20, options=opts, seed=5)
 
 
+@pytest.mark.parametrize("name", ["reference", "sdpa"])
+def test_alibi_matches_transformers_bloom(name):
+    """Our ALiBi term against Bloom's own bias (transformers' build_alibi_tensor:
+    slope_h * key position, added to the scaled scores), on a segment under a prefix."""
+    from transformers.models.bloom.modeling_bloom import build_alibi_tensor
+
+    hq, p, t, d = 8, 7, 13, 16
+    gen = torch.Generator().manual_seed(0)
+    alibi = build_alibi_tensor(torch.ones(1, p + t), hq, torch.float64)  # [Hq, 1, P + T]
+    slopes = alibi[:, 0, 1].clone()
+    q, k, v = (torch.randn(n, hq, d, generator=gen, dtype=torch.float64) for n in (t, p + t, p + t))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * d**-0.5 + alibi
+    causal = torch.arange(p + t)[None, :] > (p + torch.arange(t))[:, None]
+    want = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(causal, -torch.inf), -1), v)
+
+    stack = KVStack(1, p + t, hq, d, dtype=torch.float64, device="cpu", grad_dtype=torch.float64)
+    stack.write(0, 0, k, v)
+    layout = SegmentLayout(np.array([0, t]), np.array([p]), [((0, p),)])
+    got = stack_attention(q, k[p:], v[p:], stack, 0, layout, d**-0.5, name, alibi_slopes=slopes)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
+    plain = stack_attention(q, k[p:], v[p:], stack, 0, layout, d**-0.5, name)
+    assert (plain - want).abs().max() > 1e-2  # the bias matters here
+
+
 def test_window_reads_only_the_window_of_the_stack():
     """With a window, the reference backend gathers only the last window - 1 prefix
     slots of a segment: slots below hold NaN here and must not reach anything."""

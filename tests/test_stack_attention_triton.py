@@ -265,18 +265,6 @@ def _worker_main():
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     sys.stdout = sys.stderr
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
-    try:  # Triton 3.6's interpreter uses int() on (1,)-shaped arrays; NumPy >= 2.4 refuses
-        int(np.ones(1))
-    except TypeError:
-        from triton.runtime import interpreter
-
-        original = interpreter._patch_lang_tensor
-
-        def patched(tensor, scope):
-            original(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-        interpreter._patch_lang_tensor = patched
     for line in sys.stdin:
         request = json.loads(line)
         try:

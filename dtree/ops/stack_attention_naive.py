@@ -18,6 +18,13 @@ key's index in ``[prefix ; own]`` is its depth in the tree and the query's depth
     out  = sum_j p_j v_j
 
 with ``h`` the query head. Keys may be wider than values (MLA): q, k ``Dk``, v ``Dv``.
+
+HF conventions: Gemma2 caps after the scale (as here); GPT-OSS's sinks are unscaled
+logits (as here); Bloom adds ``slope_h * pos_k`` to the scaled scores, which differs
+from the ALiBi term here by a per-row constant (softmax ignores it): pass its slopes
+(tests/test_stack_attention.py checks this against transformers' Bloom code). Falcon
+adds the same bias *before* scaling by ``1 / sqrt(head_dim)``: pass ``slope * scale``.
+HF's sliding window: a query at ``i`` sees keys ``i - window < j <= i`` (as here).
 """
 
 from __future__ import annotations

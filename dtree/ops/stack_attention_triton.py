@@ -114,6 +114,30 @@ __all__ = ["require_triton", "stack_attention_triton"]
 # Read once, like triton.jit does when it decorates the kernels below.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
+
+def _patch_interpreter_for_numpy() -> None:
+    """Triton 3.6's interpreter calls int() on (1,)-shaped arrays, which NumPy >= 2.4
+    refuses: give its tensors an ``__index__`` (a no-op where NumPy still allows it)."""
+    try:
+        int(np.ones(1))
+    except TypeError:
+        from triton.runtime import interpreter
+
+        original = interpreter._patch_lang_tensor
+        if getattr(original, "_dtree_patched", False):
+            return
+
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        patched._dtree_patched = True
+        interpreter._patch_lang_tensor = patched
+
+
+if _INTERPRET:
+    _patch_interpreter_for_numpy()
+
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
