@@ -373,10 +373,15 @@ def environment(device: str = "cuda") -> dict:
 
 
 def tuned_configs(sat) -> list[str]:
+    """The configs that ran: the autotuner's picks, or the fixed candidates that fit."""
     lines = []
     for name, tuner in getattr(sat, "_TUNED", {}).items():
         for key, config in tuner.cache.items():
             lines.append(f"{name} {key}: {config}")
+    for key, i in getattr(sat, "_FITTING", {}).items():
+        kernel, table, dtype = key[:3]
+        inner, warps, stages = sat._fixed_candidates(kernel, table, dtype)[i]
+        lines.append(f"{kernel} {key}: {sat._INNER_NAME[kernel]} {inner}, num_warps {warps}, num_stages {stages}")
     return lines
 
 
@@ -438,7 +443,7 @@ def report(rows: list[dict], option_rows: list[dict], args, env: dict, sat, seco
         out += option_report(option_rows)
     configs = tuned_configs(sat)
     if configs:
-        out += ["", "Tuned configs (kernel (key): config):", ""] + [f"- `{c}`" for c in configs]
+        out += ["", "Configs (kernel (key): config):", ""] + [f"- `{c}`" for c in configs]
     return "\n".join(out) + "\n"
 
 

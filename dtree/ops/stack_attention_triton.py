@@ -429,10 +429,13 @@ def _dkdv_tile(
                        HAS_SOFTCAP, HAS_ALIBI)
     p_t = tl.math.exp2(s_t - lse[None, :])
     if masked:
-        own_ok = (rows[None, :] >= cols[:, None]) & (rows[None, :] < col_seg_end[:, None])
-        visible = (own_ok | (col_seg_end[:, None] == 0)) & row_ok[None, :]
+        visible = (rows[None, :] >= cols[:, None]) & (rows[None, :] < col_seg_end[:, None])
+        # prefix items (col_seg_end 0) are masked only for a window or ALiBi's last tile;
+        # the plain kernel keeps the two terms out of its registers
         if HAS_WINDOW:
-            visible = visible & (dist_t < window)
+            visible = (visible | (col_seg_end[:, None] == 0)) & row_ok[None, :] & (dist_t < window)
+        elif HAS_ALIBI:
+            visible = (visible | (col_seg_end[:, None] == 0)) & row_ok[None, :]
         p_t = tl.where(visible, p_t, 0.0)
     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
     dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
@@ -636,26 +639,31 @@ def _dq_kernel(
 # --------------------------------------------------------------------------- tuning
 # Candidates as (inner tile, num_warps, num_stages), per kernel and per work-table tile
 # (chosen on the host by _tiles). The inner tile is BLOCK_N (keys per step) for the
-# forward and dq, BLOCK_M (rows per step) for dK/dV. The FIRST candidate of each list
-# is the default config (no autotuning): for 128-row/key tables, the configs the
+# forward and dq, BLOCK_M (rows per step) for dK/dV. Without autotuning, the first
+# candidate that fits the GPU's shared memory runs (fp32: the smallest first).
+#
+# 128-row/key tables (16-bit, head dims up to 128): first come the configs the
 # autotuner picked on an H200 (bf16, 32/8 heads of 128, every layout of
-# benchmarks/bench_stack_attention.py: benchmarks/results/stack_attention_nvidia_h200.md);
-# for 64 tables (fp32, head dims above 128), the first plausible one. fp32 inputs take
-# the smallest candidate, whose shared memory fits any sm_80+ GPU.
-# Every candidate compiles for sm_90 without register spills at head dims 64 and 128
-# in bf16 with no options (ptxas through triton.compile, Triton 3.6; 8-40 bytes at 96,
-# whose masked padding costs registers). Dropped for spilling: 4 warps on 128-row
-# tiles (forward and dq 136-352 bytes, dK/dV over 1 KB), 64-row inner tiles in dK/dV
-# (16-1720 bytes) and 32-row ones with 3 stages or, on 64-key tiles, 4 warps (64-80
-# bytes at head dim 128). A 64-row tile on 8 warps may replicate part of the score
-# tile across warp groups: few such candidates, the tuner decides.
+# benchmarks/bench_stack_attention.py: benchmarks/results/stack_attention_nvidia_h200.md).
+# They compile for sm_90 without register spills at head dims 64 and 128, with and
+# without options (benchmarks/kernel_registers.py: ptxas through triton.compile, no GPU
+# needed; the dK/dV kernel keeps 240 registers plain, 247-254 with options). The forward's 128-key step needs 224 KB of shared
+# memory at head dim 128: an A100 (164 KB) falls through to the next candidate.
+# 64 tables (fp32, head dims above 128): 8 warps first, the only configs found
+# without spills at head dims 192/128 (MLA) and 256 in bf16 and 64/128 in fp32
+# (4 warps spill 300-1700 bytes in dq and dK/dV there; 88 bytes remain in the MLA
+# dK/dV kernel with every option on).
+# Dropped for spilling at 128: 4 warps on 128-row tiles (forward and dq 136-352 bytes,
+# dK/dV over 1 KB), 64-row inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3
+# stages. A 64-row tile on 8 warps may replicate part of the score tile across warp
+# groups: few such candidates, the tuner decides.
 _CANDIDATES = {
     ("fwd", 128): [(128, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2)],
-    ("fwd", 64): [(64, 4, 3), (64, 4, 4), (32, 4, 2), (32, 8, 2)],
+    ("fwd", 64): [(64, 8, 2), (64, 4, 3), (32, 8, 2), (32, 4, 2)],
     ("dq", 128): [(64, 8, 2), (32, 8, 3), (32, 8, 2)],
-    ("dq", 64): [(32, 4, 3), (64, 4, 3), (32, 4, 2), (32, 8, 2)],
+    ("dq", 64): [(32, 8, 2), (32, 4, 3), (64, 4, 3), (32, 4, 2)],
     ("dkdv", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
-    ("dkdv", 64): [(16, 4, 2), (16, 4, 3), (32, 8, 2)],
+    ("dkdv", 64): [(16, 8, 2), (16, 4, 2), (16, 4, 3), (32, 8, 2)],
 }
 _INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
 _TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N"}
@@ -688,25 +696,52 @@ def _autotuned(fn, kernel: str, restore_value=None):
 
 _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
 # DTREE_TRITON_AUTOTUNE=1 times every candidate on the first call of each key; by
-# default the first candidate runs (no timing runs, one compile per key).
+# default the first candidate that fits runs (no timing runs, one compile per key).
 _AUTOTUNE = os.environ.get("DTREE_TRITON_AUTOTUNE", "0").lower() in ("1", "true", "on", "yes")
 _TUNED = {} if _INTERPRET or not _AUTOTUNE else {
     "fwd": _autotuned(_fwd_kernel, "fwd"),
     "dq": _autotuned(_dq_kernel, "dq"),
     "dkdv": _autotuned(_dkdv_kernel, "dkdv", restore_value=["GK", "GV"]),
 }
+# (kernel, table tile, dtype, device, head dims, group, flags) -> index of the first
+# candidate that launched, so the fall-through below runs once per key
+_FITTING: dict = {}
 
 
-def _launcher(kernel: str, table: int, dtype: torch.dtype) -> tuple:
-    """(kernel to launch, extra launch arguments) for one of "fwd", "dq", "dkdv"."""
+def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    candidates = _CANDIDATES[(kernel, table)]
+    if dtype == torch.float32:  # fp32 tiles take twice the shared memory: smallest first, 8 warps first
+        return sorted(candidates, key=lambda c: (c[0], c[2], -c[1]))
+    return candidates
+
+
+def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict) -> None:
+    """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
+    its small tiles; autotuned with DTREE_TRITON_AUTOTUNE=1; else the first fixed
+    candidate that fits the device (a launch that runs out of shared memory raises
+    before the kernel starts, so trying the next one adds nothing twice)."""
     name = _INNER_NAME[kernel]
     if _INTERPRET:
-        return _KERNELS[kernel], {name: _INTERPRETER_TILES["inner"]}
-    if not _AUTOTUNE or not _TUNED:
-        candidates = _CANDIDATES[(kernel, table)]
-        inner, warps, stages = candidates[0] if dtype != torch.float32 else min(candidates, key=lambda c: (c[0], c[2]))
-        return _KERNELS[kernel], {name: inner, "num_warps": warps, "num_stages": stages}
-    return _TUNED[kernel], {}
+        _KERNELS[kernel][grid](*args, **meta, **{name: _INTERPRETER_TILES["inner"]})
+        return
+    if _AUTOTUNE and _TUNED:
+        _TUNED[kernel][grid](*args, **meta)
+        return
+    key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"],
+           *(meta[f] for f in _FLAGS[kernel]))
+    candidates = _fixed_candidates(kernel, table, dtype)
+    for i in range(_FITTING.get(key, 0), len(candidates)):
+        inner, warps, stages = candidates[i]
+        try:
+            _KERNELS[kernel][grid](*args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _FITTING[key] = i
+        return
+    raise RuntimeError(
+        f"no config of the {kernel} kernel fits this GPU's shared memory (head dims {meta['HEAD_DIM']}/"
+        f"{meta['V_DIM']}, {dtype}); use attention='sdpa'"
+    )
 
 
 def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
@@ -913,15 +948,15 @@ class _StackAttention(torch.autograd.Function):
         lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
         opts = _Options(options, scale, lse)
         meta = _common_meta(q, k, v)
-        fwd, launch = _launcher("fwd", block_m, q.dtype)
-        fwd[(q_blocks.shape[0], hq)](
+        args = (
             q, k, v, sk, sv, out, lse, q_blocks, tables["range_lo"], tables["range_hi"], seg_start, opts.sinks2,
             opts.slopes2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), out.stride(0), out.stride(1),
             t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
-            BLOCK_M=block_m, **meta, **opts.flags_for("fwd"), **launch,
         )
+        _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
+                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")})
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
         ctx.tiles = (block_m, block_n)
@@ -956,32 +991,32 @@ class _StackAttention(torch.autograd.Function):
         dk = torch.empty(k.shape, dtype=k.dtype, device=device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=device)
         items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window)
-        dkdv, launch = _launcher("dkdv", block_n, q.dtype)
-        dkdv[(items.shape[0], hkv)](
+        args = (
             q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
             dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1),
             t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
-            BLOCK_N=block_n, **meta, **opts.flags_for("dkdv"), **launch,
         )
+        _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args,
+                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")})
 
         dq = None
         if ctx.needs_input_grad[0]:
             tables = layout.device_tables(device)
             q_blocks = _q_blocks(layout, device, block_m)
             dq = torch.empty(q.shape, dtype=q.dtype, device=device)
-            dq_kernel, launch = _launcher("dq", block_m, q.dtype)
-            dq_kernel[(q_blocks.shape[0], hq)](
+            args = (
                 q, k, v, sk, sv, do, lse, delta, dq, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
                 opts.slopes2,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                 sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
                 dq.stride(0), dq.stride(1),
                 t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
-                BLOCK_M=block_m, **meta, **opts.flags_for("dq"), **launch,
             )
+            _launch("dq", block_m, q.dtype, (q_blocks.shape[0], hq), args,
+                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")})
 
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
