@@ -197,3 +197,15 @@ def test_baselines_refuse_options_they_do_not_implement():
         LinearizedTrainer(family_model("mistral")).forward_backward(
             dtree.Forest.from_sequences([list(range(1, 12))]), dtree.losses.nll()
         )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "gemma2", "gpt_oss", "deepseek_v3"])
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+def test_triton_on_cuda(family, mode):
+    """The compiled fused kernel with each family's options (fp32, no TF32) against HF
+    per path on the GPU; windows over paths 4x longer."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    seqs = long_forest(5)
+    ref = Reference(family_model(family).cuda(), seqs)
+    ref.check(tol=1e-4, attention="triton", mode=mode, chunk_size=6, group_tokens=16)
