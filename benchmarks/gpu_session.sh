@@ -8,7 +8,9 @@
 #   gputests   the runtime's and the kernel's GPU tests only
 #   tests      pytest -m gpu (fixed Triton config: autotuning every test case would
 #              spend minutes compiling)
-#   kernel     benchmarks/bench_stack_attention.py
+#   kernel     benchmarks/bench_stack_attention.py (layouts and attention options)
+#   warmup     benchmarks/warmup_steps.py: first 4 steps of a fresh process, cold Triton cache,
+#              fixed configs then DTREE_TRITON_AUTOTUNE=1
 #   case1      dtree bench qwen2.5-1.5b grpo 2048/8x512 (the fast-path target case)
 #   grpo15     dtree bench qwen2.5-1.5b grpo default shape (1 batch of prompts)
 #   agentic15  dtree bench qwen2.5-1.5b agentic (1 tree)
@@ -50,9 +52,14 @@ except Exception as e:
 PY
       ;;
     gputests) DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -q -p no:cacheprovider --timeout 240 -rfE \
-             tests/test_runtime_gpu.py tests/test_stack_attention_triton.py -m gpu ;;
+             tests/test_runtime_gpu.py tests/test_stack_attention_triton.py tests/test_runtime_attention_options.py \
+             tests/test_kv_stack.py -m gpu ;;
     tests) DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider --timeout 240 -rfE tests ;;
     kernel) timeout "$secs" python benchmarks/bench_stack_attention.py --out "$RES" ;;
+    warmup) for tune in 0 1; do
+              TRITON_CACHE_DIR=$(mktemp -d) DTREE_TRITON_AUTOTUNE=$tune timeout "$secs" python benchmarks/warmup_steps.py \
+                --model qwen2.5-1.5b --workload agentic --set num_trees=1 --steps 4
+            done ;;
     case1) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload grpo \
              --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512 --tag case1 ;;
     sdpa1) timeout "$secs" $BENCH --model qwen2.5-1.5b --workload grpo --methods dtree \
