@@ -11,7 +11,7 @@ import torch
 from .models import ModelSpec
 from .tree import Forest
 
-__all__ = ["validate_forest", "raise_non_finite", "model_placement", "check_trainable"]
+__all__ = ["validate_forest", "refuse_paths_beyond_window", "raise_non_finite", "model_placement", "check_trainable"]
 
 
 def model_placement(params: Iterable[torch.Tensor]) -> tuple[torch.device, torch.dtype]:
@@ -46,7 +46,7 @@ def check_trainable(params: Iterable[torch.Tensor]) -> None:
 
 def validate_forest(forest: Forest, spec: ModelSpec) -> None:
     """Host-side checks before any kernel runs: token ids inside the vocabulary, paths
-    within the model's positions and sliding window. Errors name the sequence."""
+    within the model's positions. Errors name the sequence."""
     bad = np.flatnonzero(forest.lin_tokens >= spec.vocab_size)
     if bad.size:
         s, t = forest.locate(int(bad[0]))
@@ -60,10 +60,18 @@ def validate_forest(forest: Forest, spec: ModelSpec) -> None:
         raise ValueError(
             f"sequence {s} has {int(lengths[s])} tokens, longer than the model's {spec.max_positions} positions"
         )
+
+
+def refuse_paths_beyond_window(forest: Forest, spec: ModelSpec, method: str) -> None:
+    """For a ``method`` whose attention ignores sliding windows: refuse paths longer
+    than the model's window (within it, windowed and full attention agree)."""
+    lengths = forest.sequence_lengths()
+    s = int(np.argmax(lengths))
     if spec.sliding_window is not None and lengths[s] > spec.sliding_window:
         raise ValueError(
             f"sequence {s} has {int(lengths[s])} tokens, longer than the model's sliding window "
-            f"({spec.sliding_window}); dtree does not implement sliding-window attention yet"
+            f"({spec.sliding_window}); the {method} does not implement sliding-window attention "
+            "(dtree.TreeRuntime does)"
         )
 
 

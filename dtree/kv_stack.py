@@ -1,8 +1,12 @@
 """KVStack: preallocated K/V of the current root-to-node path, with gradient buffers.
 
 Layout (one tensor each, all layers):
-    k, v:           [layers, capacity, kv_heads, head_dim] model dtype
-    grad_k, grad_v: [layers, capacity, kv_heads, head_dim] float32
+    k:              [layers, capacity, kv_heads, head_dim]    model dtype
+    v:              [layers, capacity, kv_heads, v_head_dim]  model dtype
+    grad_k, grad_v: same shapes as k, v                        float32
+
+``v_head_dim`` differs from ``head_dim`` for multi-head latent attention (DeepSeek-V2/V3:
+queries and keys 192 wide, values 128); it defaults to ``head_dim``.
 
 Token-major slots match the packed varlen layout of queries (``[tokens, heads, dim]``),
 so pushing a group's K/V is one contiguous copy per layer. Gradients are kept in
@@ -17,20 +21,31 @@ Life of a slot range ``[lo, hi)`` (one group of the schedule):
     pop       the group's backward seeds autograd with ``grad_k[:, lo:hi]`` and the
               range is free for the next group (the next push zeroes it again).
 
-``write``, ``accumulate`` and ``zero_grad`` run the ops of :mod:`dtree.kv_stack_ext`
-(K and V in one kernel launch; pure-torch references when the extension is missing).
+The three operations are plain torch ops on slices of the buffers (``copy_``,
+``add_`` / ``index_add_``, ``zero_``), as gpt-fast's KV cache does, so they trace
+under ``torch.compile``. On the CUDA fast path the fused Triton kernel adds the prefix
+gradients into ``grad_k/grad_v`` itself; ``accumulate`` serves the other backends.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import kv_stack_ext
-
 __all__ = ["KVStack"]
 
 
 class KVStack:
+    """The KV stack's buffers and its push / accumulate / zero operations.
+
+    Args:
+        num_layers, capacity, num_kv_heads, head_dim: the shape of ``k``.
+        v_head_dim: the last dim of ``v`` (None: ``head_dim``).
+        dtype: of ``k`` and ``v`` (the model's).
+        device: where the buffers live.
+        grad_dtype: of ``grad_k`` and ``grad_v``.
+        with_grad: allocate the gradient buffers (not needed for log-prob passes).
+    """
+
     def __init__(
         self,
         num_layers: int,
@@ -38,30 +53,46 @@ class KVStack:
         num_kv_heads: int,
         head_dim: int,
         *,
+        v_head_dim: int | None = None,
         dtype: torch.dtype,
         device: torch.device | str,
         grad_dtype: torch.dtype = torch.float32,
         with_grad: bool = True,
     ) -> None:
-        shape = (num_layers, capacity, num_kv_heads, head_dim)
-        self.num_layers, self.capacity, self.num_kv_heads, self.head_dim = shape
+        self.num_layers, self.capacity, self.num_kv_heads, self.head_dim = num_layers, capacity, num_kv_heads, head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.dtype = dtype
-        self.k = torch.empty(shape, dtype=dtype, device=device)
+        k_shape = (num_layers, capacity, num_kv_heads, head_dim)
+        v_shape = (num_layers, capacity, num_kv_heads, self.v_head_dim)
+        self.k = torch.empty(k_shape, dtype=dtype, device=device)
         self.device = self.k.device  # with its index: "cuda" becomes "cuda:0"
-        self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.grad_k = torch.empty(shape, dtype=grad_dtype, device=device) if with_grad else None
-        self.grad_v = torch.empty(shape, dtype=grad_dtype, device=device) if with_grad else None
+        self.v = torch.empty(v_shape, dtype=dtype, device=device)
+        self.grad_k = torch.empty(k_shape, dtype=grad_dtype, device=device) if with_grad else None
+        self.grad_v = torch.empty(v_shape, dtype=grad_dtype, device=device) if with_grad else None
 
     @property
     def has_grad(self) -> bool:
         return self.grad_k is not None
 
-    def fits(self, num_layers: int, capacity: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, with_grad: bool) -> bool:
+    def fits(
+        self,
+        num_layers: int,
+        capacity: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device,
+        with_grad: bool,
+        v_head_dim: int | None = None,
+    ) -> bool:
+        """Whether this stack can serve a step that needs these shapes (a larger
+        capacity serves a smaller one)."""
         return (
             self.num_layers == num_layers
             and self.capacity >= capacity
             and self.num_kv_heads == num_kv_heads
             and self.head_dim == head_dim
+            and self.v_head_dim == (head_dim if v_head_dim is None else v_head_dim)
             and self.dtype == dtype
             and self.device == torch.empty(0, device=device).device
             and (self.has_grad or not with_grad)
@@ -74,25 +105,32 @@ class KVStack:
         return total
 
     def write(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Push values: ``k, v`` are [T, kv_heads, head_dim] for slots ``[lo, lo+T)``."""
-        kv_stack_ext.push(self.k, self.v, layer, k, v, start=lo)
+        """Push values: ``k`` [T, kv_heads, head_dim] and ``v`` [T, kv_heads, v_head_dim]
+        (any strides, any float dtype) into slots ``[lo, lo + T)`` of ``layer``."""
+        self.k[layer, lo : lo + k.shape[0]].copy_(k)
+        self.v[layer, lo : lo + v.shape[0]].copy_(v)
 
     def zero_grad(self, lo: int, hi: int) -> None:
         """Clear the gradient slots ``[lo, hi)`` of every layer."""
         if self.has_grad:
-            kv_stack_ext.zero_grad(self.grad_k, self.grad_v, lo, hi)
+            self.grad_k[:, lo:hi].zero_()
+            self.grad_v[:, lo:hi].zero_()
 
     def accumulate(self, layer: int, index: torch.Tensor | slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
-        """Add dK/dV ([n, kv_heads, head_dim]) into the slots ``index`` (a slice or a
-        LongTensor of n slots, which may repeat)."""
+        """Add ``dk`` [n, kv_heads, head_dim] and ``dv`` [n, kv_heads, v_head_dim] into
+        the gradient slots ``index`` of ``layer``: a slice, or a LongTensor of n slots
+        (repeats allowed: every one is added)."""
         if isinstance(index, slice):
             # explicit arithmetic instead of slice.indices(), which torch.compile cannot trace
             start = 0 if index.start is None else index.start
             stop = self.capacity if index.stop is None else index.stop
             step = 1 if index.step is None else index.step
-            if step == 1 and 0 <= start and stop - start == dk.shape[0]:
-                kv_stack_ext.accumulate(self.grad_k, self.grad_v, layer, dk, dv, start=start)
+            if step == 1:
+                if dk.shape[0] != stop - start or dv.shape[0] != stop - start:  # add_ would broadcast one row
+                    raise ValueError(f"{dk.shape[0]} rows of dK/dV for the {stop - start} slots [{start}, {stop})")
+                self.grad_k[layer, start:stop].add_(dk.to(self.grad_k.dtype))
+                self.grad_v[layer, start:stop].add_(dv.to(self.grad_v.dtype))
                 return
-            # a strided (or mis-sized) slice: as slots, which the op checks against dk
             index = torch.arange(start, stop, step, device=self.device)
-        kv_stack_ext.accumulate(self.grad_k, self.grad_v, layer, dk, dv, index=index)
+        self.grad_k[layer].index_add_(0, index, dk.to(self.grad_k.dtype))
+        self.grad_v[layer].index_add_(0, index, dv.to(self.grad_v.dtype))

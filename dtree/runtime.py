@@ -163,12 +163,16 @@ class _GroupAttention:
         self.push, self.record = push, record
         self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * stack.num_layers
 
-    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    def __call__(
+        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
+    ) -> torch.Tensor:
+        """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
+        of :func:`dtree.ops.stack_attention.stack_attention`."""
         if self.push:
             self.stack.write(layer, self.lo, k.detach(), v.detach())
         if self.record:
             self.own[layer] = (k, v)
-        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend)
+        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend, **options)
 
 
 @dataclass
@@ -360,12 +364,12 @@ class TreeRuntime:
         device, dtype = self._placement
         capacity = max(capacity, self.stack_capacity or 0, 1)
         args = (spec.num_layers, capacity, spec.num_kv_heads, spec.head_dim)
-        if self._stack is None or not self._stack.fits(*args, dtype, device, with_grad):
+        if self._stack is None or not self._stack.fits(*args, dtype, device, with_grad, spec.v_head_dim):
             self._stack = None  # free the old buffers before allocating new ones
             # Normal tensors even under torch.inference_mode(): an inference-mode stack,
             # kept for reuse, would make every later training step fail.
             with torch.inference_mode(False):
-                self._stack = KVStack(*args, dtype=dtype, device=device, with_grad=with_grad)
+                self._stack = KVStack(*args, v_head_dim=spec.v_head_dim, dtype=dtype, device=device, with_grad=with_grad)
         return self._stack
 
     def release_memory(self) -> None:

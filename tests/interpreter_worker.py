@@ -82,7 +82,7 @@ class InterpreterWorker:
     """The subprocess serving ``module_name``'s cases under ``TRITON_INTERPRET=1``."""
 
     def __init__(self, module_name: str):
-        env = dict(os.environ, TRITON_INTERPRET="1", DTREE_NO_EXT="1")
+        env = dict(os.environ, TRITON_INTERPRET="1")
         env["PYTHONPATH"] = os.pathsep.join([str(TESTS.parent), str(TESTS), env.get("PYTHONPATH", "")])
         self.log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 (closed by close())
         code = f"import interpreter_worker as w; w.serve({module_name!r})"

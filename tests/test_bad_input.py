@@ -103,12 +103,20 @@ def test_bad_options(model):
         dtree.TreeRuntime(torch.nn.Linear(3, 3))
 
 
-def test_sliding_window_rejected_when_it_matters():
+def test_sliding_window_rejected_only_where_it_is_not_implemented():
+    """TreeRuntime implements sliding windows (tests/test_runtime_attention_options.py);
+    the baselines refuse paths longer than the window, before touching param.grad."""
     from transformers import AutoModelForCausalLM, MistralConfig
+
+    from dtree.baselines import LinearizedTrainer
 
     cfg = MistralConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
-    rt = dtree.TreeRuntime(AutoModelForCausalLM.from_config(cfg))
-    rt.logprobs(dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6, 7, 8]]))  # fits in the window: fine
+    model = AutoModelForCausalLM.from_config(cfg)
+    long = dtree.Forest.from_sequences([list(range(1, 10))])
+    dtree.TreeRuntime(model).logprobs(long)
+    LinearizedTrainer(model).forward_backward(dtree.Forest.from_sequences([list(range(1, 9))]), dtree.losses.nll())
+    before = grads_of(model)
     with pytest.raises(ValueError, match="longer than the model's sliding window"):
-        rt.logprobs(dtree.Forest.from_sequences([list(range(1, 10))]))
+        LinearizedTrainer(model).forward_backward(long, dtree.losses.nll())
+    assert_grads_equal(model, before)

@@ -37,7 +37,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..checks import model_placement, raise_non_finite, validate_forest
+from ..checks import model_placement, raise_non_finite, refuse_paths_beyond_window, validate_forest
 from ..grad_guard import GradStash
 from ..losses import Normalization, TokenLoss, add_metric_sums, masked_metric_sums, metric_means, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
@@ -63,6 +63,23 @@ def pack_in_order(sizes: np.ndarray, budget: int | None) -> list[tuple[int, int]
         total += n
     ranges.append((start, len(sizes)))
     return ranges
+
+
+def _plain_causal(attend: AttendFn, method: str) -> AttendFn:
+    """``attend`` for models that pass attention options: the baselines implement plain
+    causal attention only, so softcapping, sinks and ALiBi are refused by name; a
+    window is dropped, since ``_check_forest`` refused the paths it would change."""
+
+    def call(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options) -> torch.Tensor:
+        used = sorted(name for name, value in options.items() if value is not None and name != "window")
+        if used:
+            raise ValueError(
+                f"the {method} baseline implements plain causal attention, not {used}; train this model with "
+                "dtree.TreeRuntime"
+            )
+        return attend(layer, q, k, v, scale)
+
+    return call
 
 
 @dataclass
@@ -159,8 +176,10 @@ class MicroBatchTrainer:
 
     def _check_forest(self, forest: Forest) -> None:
         """The runtime's checks, with its messages: token ids inside the vocabulary,
-        sequences within the model's positions and sliding window."""
+        sequences within the model's positions; and within its sliding window, which
+        the baselines' attention does not implement."""
         validate_forest(forest, self.spec)
+        refuse_paths_beyond_window(forest, self.spec, f"{type(self).__name__} baseline")
 
     def forward_backward(
         self, forest: Forest, loss: TokenLoss, *, normalization: Normalization | None = None
@@ -244,7 +263,7 @@ class MicroBatchTrainer:
         e0 = 0
         for call, dev in zip(calls, uploaded):
             with torch.enable_grad():
-                attend = self._attend(call.batch.layout)
+                attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
                 terms = weighted_terms(

@@ -23,6 +23,45 @@ __all__ = ["HFTreeModel", "ATTENTION_NAME"]
 
 ATTENTION_NAME = "dtree"
 
+# transformers' names of the per-layer attention options -> dtree's attend() options
+_OPTION_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sliding_window": "window"}
+# keyword arguments that reach the attention function and change nothing it computes
+# (model-call flags forwarded to every layer; our own callback)
+_HARMLESS_KWARGS = frozenset(
+    {
+        "dtree_attend",
+        "position_ids",
+        "cache_position",
+        "use_cache",
+        "output_attentions",
+        "output_hidden_states",
+        "output_router_logits",
+        "return_dict",
+    }
+)
+
+
+def _attention_options(kwargs: dict) -> dict:
+    """dtree attend() options from the keyword arguments transformers passes the
+    attention function. A non-None argument that is neither an option nor harmless
+    could change the attention (a cache, a non-causal flag, a new model feature): it
+    is refused by name rather than ignored."""
+    options = {}
+    for name, value in kwargs.items():
+        if value is None:
+            continue
+        if name in _OPTION_KWARGS:
+            options[_OPTION_KWARGS[name]] = value
+        elif name == "is_causal":
+            if value is not True:
+                raise ValueError("dtree trains causal LMs; this attention layer asked for is_causal=False")
+        elif name not in _HARMLESS_KWARGS:
+            raise ValueError(
+                f"the model passed {name!r} to its attention function, which dtree does not implement; "
+                "it could change the attention, so dtree refuses rather than ignore it"
+            )
+    return options
+
 
 def _dtree_attention(
     module: torch.nn.Module,
@@ -34,7 +73,9 @@ def _dtree_attention(
     dropout: float = 0.0,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """transformers attention function: [1, H, T, D] q/k/v -> ([1, T, H, D], None)."""
+    """transformers attention function: [1, Hq, T, Dk] q, [1, Hkv, T, Dk] k, [1, Hkv, T, Dv] v
+    -> ([1, T, Hq, Dv], None). ``softcap``, ``s_aux`` (sinks) and ``sliding_window``
+    become the per-layer options of dtree's attention."""
     attend: AttendFn | None = kwargs.get("dtree_attend")
     if attend is None:
         raise RuntimeError(
@@ -43,16 +84,14 @@ def _dtree_attention(
         )
     if dropout:
         raise ValueError("attention dropout is not supported by dtree's stack attention; set it to 0 or call model.eval()")
-    for unsupported in ("softcap", "s_aux"):
-        if kwargs.get(unsupported) is not None:
-            raise ValueError(f"attention with {unsupported!r} is not supported by dtree yet")
+    options = _attention_options(kwargs)
     if query.shape[0] != 1:
         raise ValueError(f"dtree runs one packed row per call, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = attend(module.layer_idx, q, k, v, scale)
+    out = attend(module.layer_idx, q, k, v, scale, **options)
     return out.unsqueeze(0), None
 
 
@@ -108,9 +147,8 @@ class HFTreeModel:
         if config is None or not hasattr(model, "get_output_embeddings"):
             raise TypeError("HFTreeModel needs a transformers causal LM (a model with .config and an output embedding)")
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        for attr in ("attn_logit_softcapping", "final_logit_softcapping"):
-            if getattr(config, attr, None):
-                raise ValueError(f"{type(model).__name__} uses {attr}, which dtree does not support yet")
+        if getattr(config, "final_logit_softcapping", None):
+            raise ValueError(f"{type(model).__name__} uses final_logit_softcapping, which dtree does not support yet")
         if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
             raise ValueError(f"{type(model).__name__} scales its logits (logit_scale), which dtree does not support yet")
         if model.get_output_embeddings() is None:
@@ -123,11 +161,18 @@ class HFTreeModel:
         self.config = config
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+        kv_heads, v_head_dim = getattr(config, "num_key_value_heads", None) or heads, None
+        if getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None):
+            # multi-head latent attention (DeepSeek-V2/V3, Kimi): the attention receives K and V
+            # expanded from the latent to every query head, keys nope + rope wide, values narrower
+            head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
+            kv_heads, v_head_dim = heads, config.v_head_dim
         self.spec = ModelSpec(
             num_layers=config.num_hidden_layers,
             num_heads=heads,
-            num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+            num_kv_heads=kv_heads,
             head_dim=head_dim,
+            v_head_dim=v_head_dim,
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
             intermediate_size=getattr(config, "intermediate_size", 0) or 0,

@@ -11,9 +11,12 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
             # input_ids, position_ids: [T] int64 (positions are depths in the tree)
             # run the usual blocks; in every attention layer call
             #     out = attend(layer_idx, q, k, v, scale)
-            # with q: [T, q_heads, head_dim], k, v: [T, kv_heads, head_dim]
-            # (after any rotary embedding), out: [T, q_heads, head_dim];
-            # do not mask or cache anything, attend() handles both
+            # with q: [T, q_heads, head_dim], k: [T, kv_heads, head_dim],
+            # v: [T, kv_heads, v_head_dim] (after any rotary embedding),
+            # out: [T, q_heads, v_head_dim]; do not mask or cache anything,
+            # attend() handles both. Layers that need them pass keyword options
+            # (dtree.ops.stack_attention): softcap=float, sinks=[q_heads] tensor,
+            # alibi_slopes=[q_heads] tensor, window=int (sliding window)
             return final_hidden  # [T, hidden] after the final norm
 
         def dtree_output_layer(self):
@@ -42,7 +45,8 @@ from ..ops.logprobs import OutputHead
 
 __all__ = ["ModelSpec", "AttendFn", "TreeModule"]
 
-AttendFn = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
+# attend(layer_idx, q, k, v, scale, *, softcap=None, sinks=None, alibi_slopes=None, window=None) -> out
+AttendFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -57,19 +61,26 @@ class ModelSpec:
     vocab_size: int
     intermediate_size: int = 0
     max_positions: int | None = None  # longest path the model accepts
-    sliding_window: int | None = None  # paths longer than this are rejected
+    # the widest sliding window of the model's layers (the attention applies each layer's
+    # own per call); the baselines reject paths longer than it
+    sliding_window: int | None = None
     name: str = "model"
+    v_head_dim: int | None = None  # value head dim when it differs from head_dim (MLA)
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
     def forward_flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, excluding attention scores."""
-        h, d = self.hidden_size, self.head_dim
-        attn_proj = 2 * h * d * (2 * self.num_heads + 2 * self.num_kv_heads)  # q, o, k, v
+        h, d, dv = self.hidden_size, self.head_dim, self.value_head_dim
+        attn_proj = 2 * h * (d + dv) * (self.num_heads + self.num_kv_heads)  # q, k (d wide); v, o (dv wide)
         mlp = 2 * 3 * h * self.intermediate_size  # gate, up, down
         return self.num_layers * (attn_proj + mlp) + 2 * h * self.vocab_size
 
     def forward_attention_flops_per_key(self) -> float:
         """FLOPs of one (query, key) pair in the forward: QK^T and PV over all layers."""
-        return self.num_layers * 4 * self.num_heads * self.head_dim
+        return self.num_layers * 2 * self.num_heads * (self.head_dim + self.value_head_dim)
 
     def activation_bytes_per_token(self, itemsize: int = 2) -> float:
         """Estimated bytes autograd keeps per token for the backward of eager decoder

@@ -1,18 +1,29 @@
 """Kernels of the hot path, each beside its pure-torch reference.
 
 - :mod:`dtree.ops.stack_attention`: attention of packed query segments over the KV stack
-  (``reference``, ``sdpa``, and the fused ``triton`` backend).
+  (``reference``, ``sdpa``, and the fused ``triton`` backend), with softcapping, sinks,
+  ALiBi and sliding windows; :mod:`dtree.ops.stack_attention_naive` is the dense
+  reference every backend is tested against.
 - :mod:`dtree.ops.logprobs`: chunked log-probs and entropies through the LM head (:class:`OutputHead`).
 """
 
 from .logprobs import OutputHead, as_output_head, token_logprobs, token_logprobs_reference
-from .stack_attention import SegmentLayout, stack_attention, stack_attention_reference, stack_attention_sdpa
+from .stack_attention import (
+    AttentionOptions,
+    SegmentLayout,
+    stack_attention,
+    stack_attention_reference,
+    stack_attention_sdpa,
+)
+from .stack_attention_naive import stack_attention_naive
 
 __all__ = [
+    "AttentionOptions",
     "OutputHead",
     "SegmentLayout",
     "as_output_head",
     "stack_attention",
+    "stack_attention_naive",
     "stack_attention_reference",
     "stack_attention_sdpa",
     "token_logprobs",

@@ -59,11 +59,31 @@ is never slower, so the atomics are not what limits the kernel and a segmented
 reduction, which would remove only them, has nothing to save; unbounded items are
 slower because too few programs fill the GPU.
 
+*Options* (:class:`dtree.ops.stack_attention.AttentionOptions`), each a constexpr
+flag, so a model that uses none compiles the plain kernels: ``softcap`` applies
+``cap * tanh(s / cap)`` to the scores (the backward multiplies dS by ``1 - tanh^2``);
+``sinks`` add ``exp(sink)`` to each row's denominator (folded into the saved
+log-sum-exp, so the backward needs nothing else; dsinks = -sum_rows p_sink * delta,
+in torch); ``alibi_slopes`` subtract ``slope * (pos_q - pos_k)``; ``window`` masks keys
+at ``pos_q - pos_k >= window``. Positions are depths: a run's prefix ranges are its
+segments' whole root path, so a prefix slot's depth is its offset in the ranges and a
+query row's is ``prefix_len + row - segment_start``. Values may be narrower than keys
+(MLA): ``V_DIM`` is its own constexpr.
+
+*Windows read only the in-window stack.* A forward/dq block starts each prefix range
+at the first slot its shallowest row can see and skips the ranges it cannot; the dK/dV
+table drops the prefix items none of whose rows see their slots, and skips row tiles
+out of the window of an item's keys. A path 4x the window reads about a quarter of
+its prefix.
+
 Tiles: the work tables depend on the q-block rows (forward/dq) and the kv-block
-slots (dK/dV), chosen on the host from the head dim, dtype and mean run length
-(:func:`_tiles`); the inner step, ``num_warps`` and ``num_stages`` are autotuned with
-a key of (head dim, GQA group, tile, dtypes), so a new ``T`` never retunes
-(``DTREE_TRITON_AUTOTUNE=0`` launches a fixed candidate instead).
+slots (dK/dV), chosen on the host from the head dims and dtype only (:func:`_tiles`),
+so every forest of one model uses the same compiled kernels. The inner step,
+``num_warps`` and ``num_stages`` are fixed per (kernel, tile) by default: the configs
+the autotuner picked on an H200 (bf16, head dim 128). ``DTREE_TRITON_AUTOTUNE=1`` times
+every candidate on the first call of each key (head dims, GQA group, tile, option
+flags, dtypes) instead; ``T`` and ``window`` are not specialized on, so no call length
+or window value compiles anew.
 
 Runs on CUDA (compute capability >= 8.0) or, for tests, on CPU tensors under the
 Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
@@ -78,7 +98,7 @@ import torch
 
 from ..kv_stack import KVStack
 from ..transfer import upload
-from .stack_attention import SegmentLayout
+from .stack_attention import AttentionOptions, SegmentLayout, check_stack_attention
 
 try:
     import triton
@@ -93,6 +113,30 @@ __all__ = ["require_triton", "stack_attention_triton"]
 
 # Read once, like triton.jit does when it decorates the kernels below.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+def _patch_interpreter_for_numpy() -> None:
+    """Triton 3.6's interpreter calls int() on (1,)-shaped arrays, which NumPy >= 2.4
+    refuses: give its tensors an ``__index__`` (a no-op where NumPy still allows it)."""
+    try:
+        int(np.ones(1))
+    except TypeError:
+        from triton.runtime import interpreter
+
+        original = interpreter._patch_lang_tensor
+        if getattr(original, "_dtree_patched", False):
+            return
+
+        def patched(tensor, scope):
+            original(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+        patched._dtree_patched = True
+        interpreter._patch_lang_tensor = patched
+
+
+if _INTERPRET:
+    _patch_interpreter_for_numpy()
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _MAX_HEAD_DIM = 256
@@ -138,235 +182,386 @@ def require_triton(device: torch.device | str) -> None:
 
 
 # --------------------------------------------------------------------------- kernels
-# Conventions: rows/slots index the token axis; HEAD_DIM is padded to BLOCK_D (a power
-# of two) with masked loads; scores are kept in base 2 (qk_scale = softmax scale *
-# log2(e)) and lse is base 2 too. Every load of a partial tile uses other=0 and every
-# score outside the visible set is -inf (forward) or its probability is replaced by 0
-# (backward), so stack slots outside the ranges are never read and no 0 * NaN or
-# inf * 0 can reach a stored value.
+# Conventions: rows/slots index the token axis; the key/query head dim HEAD_DIM is
+# padded to BLOCK_D and the value head dim V_DIM to BLOCK_DV (powers of two) with
+# masked loads; scores are kept in base 2 (qk_scale = softmax scale * log2(e); the
+# sinks and ALiBi slopes arrive multiplied by log2(e)) and lse is base 2 too. Every
+# load of a partial tile uses other=0 and every score outside the visible set is -inf
+# (forward) or its probability is replaced by 0 (backward), so stack slots outside the
+# ranges are never read and no 0 * NaN or inf * 0 can reach a stored value.
 #
 # Each loop visits its keys (or rows) once, and masks a tile only when a runtime test
 # says some of it is invisible (a range tail, a tile crossing segments, the
-# diagonal). One loop with a uniform branch instead of separate masked/unmasked loops
-# keeps one copy of the pipelined body: the dK/dV kernel at head dim 128 otherwise
-# spills registers (ptxas, sm_90: 240 registers and no spill for BLOCK_N=128,
-# BLOCK_M=32, 8 warps, against 328 bytes of spill with three loops).
+# diagonal, the window's edge). One loop with a uniform branch instead of separate
+# masked/unmasked loops keeps one copy of the pipelined body: the dK/dV kernel at head
+# dim 128 otherwise spills registers (ptxas, sm_90: 240 registers and no spill for
+# BLOCK_N=128, BLOCK_M=32, 8 warps, against 328 bytes of spill with three loops).
+#
+# Positions (ALiBi, window): ``dist`` = pos_q - pos_k. For prefix keys it is the
+# query's depth minus the slot's; for own keys, which a row sees only in its own
+# segment, it is row - key.
 
 
 @triton.jit
-def _load_tile(base, idx, stride, idx_ok, offs_d, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr):
-    """[len(idx), BLOCK_D] tile of rows ``idx`` (row stride ``stride``, unit dim stride);
-    rows with ``idx_ok`` False and padded dims read as 0."""
+def _load_tile(base, idx, stride, idx_ok, offs_d, DIM: tl.constexpr, BLOCK: tl.constexpr):
+    """[len(idx), BLOCK] tile of rows ``idx`` (row stride ``stride``, unit dim stride);
+    rows with ``idx_ok`` False and dims past DIM read as 0."""
     ptrs = base + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
-    if BLOCK_D == HEAD_DIM:
+    if BLOCK == DIM:
         tile = tl.load(ptrs, mask=idx_ok[:, None], other=0.0)
     else:
-        tile = tl.load(ptrs, mask=idx_ok[:, None] & (offs_d < HEAD_DIM)[None, :], other=0.0)
+        tile = tl.load(ptrs, mask=idx_ok[:, None] & (offs_d < DIM)[None, :], other=0.0)
     return tile
 
 
 @triton.jit
-def _store_tile(base, idx, stride, idx_ok, offs_d, value, HEAD_DIM: tl.constexpr):
+def _store_tile(base, idx, stride, idx_ok, offs_d, value, DIM: tl.constexpr):
     ptrs = base + idx.to(tl.int64)[:, None] * stride + offs_d[None, :]
-    tl.store(ptrs, value.to(base.dtype.element_ty), mask=idx_ok[:, None] & (offs_d < HEAD_DIM)[None, :])
+    tl.store(ptrs, value.to(base.dtype.element_ty), mask=idx_ok[:, None] & (offs_d < DIM)[None, :])
 
 
 @triton.jit
-def _visible(cols, col_ok, rows, row_seg_start, OWN: tl.constexpr):
+def _tanh(x):
+    """tanh through exp2 (libdevice's tanh does not run under the interpreter):
+    (1 - e) / (1 + e) with e = exp(-2|x|), within ~1e-7 of tanh."""
+    e = tl.math.exp2(-2.8853900817779268 * tl.abs(x))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _logits(dot, dist, qk_scale, cap_in, cap_out, slope, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr):
+    """Base-2 logits of the raw products ``dot`` = q . k, and the ``tanh`` the softcap
+    backward needs (``dot`` itself without softcap). Softcap: ``cap_in`` = scale / cap,
+    ``cap_out`` = cap * log2(e). ALiBi: ``slope`` = the head's slope * log2(e)."""
+    if HAS_SOFTCAP:
+        t = _tanh(dot * cap_in)
+        s = t * cap_out
+    else:
+        t = dot
+        s = dot * qk_scale
+    if HAS_ALIBI:
+        s = s - slope * dist.to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def _visible(cols, col_ok, rows, row_seg_start, dist, window, OWN: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """[BLOCK_M, BLOCK_N] mask of the keys ``cols`` that query ``rows`` see: prefix
     keys (OWN False) are seen by every row; own keys by rows of their segment at or
-    after them."""
+    after them; with a window, only at ``dist < window``."""
     if OWN:
         mask = col_ok[None, :] & (cols[None, :] >= row_seg_start[:, None]) & (cols[None, :] <= rows[:, None])
     else:
         mask = col_ok[None, :] & (rows[:, None] >= 0)
+    if HAS_WINDOW:
+        mask = mask & (dist < window)
     return mask
-
-
-@triton.jit
-def _fwd_inner(
-    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, kv_lo, kv_hi, full_lo, full_hi, rows, row_seg_start, offs_d,
-    qk_scale,
-    OWN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
-):
-    """Online-softmax update over keys ``[kv_lo, kv_hi)`` of ``K, V`` (already offset to
-    the kv head). Key tiles inside ``[full_lo, full_hi)`` are seen whole by every row
-    and skip the mask."""
-    for start in range(kv_lo, kv_hi, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < kv_hi
-        k = _load_tile(K, cols, stride_kt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
-        if (start < full_lo) | (start + BLOCK_N > full_hi):
-            s = tl.where(_visible(cols, col_ok, rows, row_seg_start, OWN), s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(V, cols, stride_vt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
-        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
-        m_i = m_new
-    return acc, l_i, m_i
 
 
 @triton.jit
 def _q_block(QBLOCKS, SEG_START, blk):
     """Work item ``blk`` of the forward/dq table: rows ``[r0, r1)`` of one run, its
-    prefix ranges ``[g0, g1)``, and its own keys ``[ss_min, r1)`` of which
-    ``[ss_max, r0 + 1)`` are seen by every row (at or after every row's segment
-    start, at or before every row)."""
-    r0 = tl.load(QBLOCKS + 4 * blk)
-    r1 = tl.load(QBLOCKS + 4 * blk + 1)
-    g0 = tl.load(QBLOCKS + 4 * blk + 2)
-    g1 = tl.load(QBLOCKS + 4 * blk + 3)
+    prefix ranges ``[g0, g1)`` of ``plen`` slots, and its own keys ``[ss_min, r1)`` of
+    which ``[ss_max, r0 + 1)`` are seen by every row (at or after every row's segment
+    start, at or before every row). Rows' depths lie in ``[q_min, q_max]``: a block
+    holding a segment start has a row at depth ``plen``; ``q_max`` is an upper bound."""
+    r0 = tl.load(QBLOCKS + 5 * blk)
+    r1 = tl.load(QBLOCKS + 5 * blk + 1)
+    g0 = tl.load(QBLOCKS + 5 * blk + 2)
+    g1 = tl.load(QBLOCKS + 5 * blk + 3)
+    plen = tl.load(QBLOCKS + 5 * blk + 4)
     ss_min = tl.load(SEG_START + r0)
     ss_max = tl.load(SEG_START + r1 - 1)
-    return r0, r1, g0, g1, ss_min, ss_max
+    q_min = plen + tl.where(ss_min == ss_max, r0 - ss_min, 0)
+    q_max = plen + r1 - 1 - ss_min
+    return r0, r1, g0, g1, plen, ss_min, ss_max, q_min, q_max
 
 
 @triton.jit
-def _fwd_kernel(
-    Q, K, V, SK, SV, O, LSE, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh, stride_ot, stride_oh,
-    T, qk_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+def _prefix_span(lo, hi, depth, q_min, q_max, window, HAS_WINDOW: tl.constexpr):
+    """(first slot to read, first slot every row sees) of the prefix range ``[lo, hi)``
+    whose slot ``lo`` is at ``depth``: with a window, slots at depth <= q_min - window
+    are seen by no row of the block and are not read at all."""
+    first = lo
+    full = lo
+    if HAS_WINDOW:
+        first = tl.maximum(lo, lo - depth + q_min - window + 1)
+        full = tl.maximum(lo, lo - depth + q_max - window + 1)
+    return first, full
+
+
+@triton.jit
+def _own_span(ss_min, ss_max, r0, r1, window, HAS_WINDOW: tl.constexpr):
+    """(first own key to read, first own key every row sees) of a q block."""
+    first = ss_min
+    full = ss_max
+    if HAS_WINDOW:
+        first = tl.maximum(ss_min, r0 - window + 1)
+        full = tl.maximum(ss_max, r1 - window)
+    return first, full
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, kv_lo, kv_hi, full_lo, full_hi, rows, row_seg_start, qpos, kshift,
+    offs_d, offs_dv, qk_scale, cap_in, cap_out, slope, window,
+    OWN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
-    """Grid (q blocks, q heads). QBLOCKS[b] = (r0, r1, g0, g1): rows ``[r0, r1)`` of one
-    run and its prefix ranges ``RANGE_LO/HI[g0:g1]``."""
+    """Online-softmax update over keys ``[kv_lo, kv_hi)`` of ``K, V`` (already offset to
+    the kv head), at positions ``cols + kshift``. Key tiles inside ``[full_lo, full_hi)``
+    are seen whole by every row and skip the mask."""
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < kv_hi
+        k = _load_tile(K, cols, stride_kt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
+        dist = qpos[:, None] - (cols + kshift)[None, :]
+        s, _ = _logits(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), dist, qk_scale, cap_in, cap_out, slope,
+                       HAS_SOFTCAP, HAS_ALIBI)
+        if (start < full_lo) | (start + BLOCK_N > full_hi):
+            s = tl.where(_visible(cols, col_ok, rows, row_seg_start, dist, window, OWN, HAS_WINDOW), s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(V, cols, stride_vt, col_ok, offs_dv, V_DIM, BLOCK_DV)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=DOT_PREC)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["T", "window"])
+def _fwd_kernel(
+    Q, K, V, SK, SV, O, LSE, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START, SINK_LOGITS, ALIBI_SLOPES,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
+    stride_ot, stride_oh,
+    T, qk_scale, cap_in, cap_out, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Grid (q blocks, q heads). QBLOCKS[b] = (r0, r1, g0, g1, plen): rows ``[r0, r1)`` of
+    one run and its prefix ranges ``RANGE_LO/HI[g0:g1]`` of ``plen`` slots."""
     blk = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
-    r0, r1, g0, g1, ss_min, ss_max = _q_block(QBLOCKS, SEG_START, blk)
+    r0, r1, g0, g1, plen, ss_min, ss_max, q_min, q_max = _q_block(QBLOCKS, SEG_START, blk)
 
     rows = r0 + tl.arange(0, BLOCK_M)
     row_ok = rows < r1
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
     row_seg_start = tl.load(SEG_START + rows, mask=row_ok, other=0)
+    qpos = plen + rows - row_seg_start
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI_SLOPES + head)
 
     # Finite start for the running max: a row that sees nothing in the first tiles
     # (a later segment of a packed tile) keeps alpha = exp2(0) and p = exp2(-inf) = 0
     # instead of exp2(-inf - -inf) = NaN.
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-    SKh = SK + kv_head * stride_sh
-    SVh = SV + kv_head * stride_sh
+    SKh = SK + kv_head * stride_skh
+    SVh = SV + kv_head * stride_svh
+    depth = g0 * 0
     for g in range(g0, g1):
         lo = tl.load(RANGE_LO + g)
         hi = tl.load(RANGE_HI + g)
-        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, SKh, SVh, stride_st, stride_st, lo, hi, lo, hi, rows,
-                                   row_seg_start, offs_d, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PREC)
+        first, full = _prefix_span(lo, hi, depth, q_min, q_max, window, HAS_WINDOW)
+        acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, SKh, SVh, stride_skt, stride_svt, first, hi, full, hi, rows,
+                                   row_seg_start, qpos, depth - lo, offs_d, offs_dv, qk_scale, cap_in, cap_out, slope,
+                                   window, False, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, DOT_PREC, HAS_SOFTCAP,
+                                   HAS_ALIBI, HAS_WINDOW)
+        depth += hi - lo
+    first, full = _own_span(ss_min, ss_max, r0, r1, window, HAS_WINDOW)
     acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, K + kv_head * stride_kh, V + kv_head * stride_vh, stride_kt,
-                               stride_vt, ss_min, r1, ss_max, r0 + 1, rows, row_seg_start, offs_d, qk_scale,
-                               True, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PREC)
+                               stride_vt, first, r1, full, r0 + 1, rows, row_seg_start, rows, 0, offs_d, offs_dv,
+                               qk_scale, cap_in, cap_out, slope, window, True, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                               BLOCK_N, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+    if HAS_SINKS:  # one more term of the denominator, with no value
+        sink = tl.load(SINK_LOGITS + head)
+        m_new = tl.maximum(m_i, sink)
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.math.exp2(sink - m_new)
+        acc = acc * alpha[:, None]
+        m_i = m_new
 
     # every valid row sees at least its own key, so l_i > 0 there
-    _store_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_d, acc / l_i[:, None], HEAD_DIM)
+    _store_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_dv, acc / l_i[:, None], V_DIM)
     tl.store(LSE + head * T + rows, m_i + tl.math.log2(l_i), mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T"])
 def _delta_kernel(
     O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
+    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
     """delta[h, r] = sum_d O[r, h, d] * dO[r, h, d] in fp32. Grid (cdiv(T, BLOCK_M), Hq)."""
     head = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
-    offs_d = tl.arange(0, BLOCK_D)
-    o = _load_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
-    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    o = _load_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_dv, V_DIM, BLOCK_DV)
+    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     tl.store(DELTA + head * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
 
 
 @triton.jit
-def _dkdv_kernel(
-    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_END,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh,
-    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_gt, stride_gh,
-    T, qk_scale, sm_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+def _dkdv_tile(
+    dk, dv, k, v, Q, DO, LSE, DELTA, head, rows, row_ok, cols, col_seg_end, dist_t, masked,
+    stride_qt, stride_qh, stride_dot, stride_doh, T, offs_d, offs_dv, qk_scale, cap_in, cap_out, slope, window,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1): keys ``[c0, c1)``
-    (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV``) and the query
-    rows ``[q0, q1)`` that may see them. Own items store dK/dV into ``DK, DV``; prefix
-    items atomically add them into ``GK, GV``. dK/dV are accumulated transposed
-    (keys x rows), as in FlashAttention-2."""
+    """dK/dV (transposed: keys x rows) of one row tile of query head ``head``.
+    ``col_seg_end`` is 0 for prefix keys, whose mask is only the window."""
+    q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
+    lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
+    delta = tl.load(DELTA + head * T + rows, mask=row_ok, other=0.0)
+    s_t, t_t = _logits(tl.dot(k, tl.trans(q), input_precision=DOT_PREC), dist_t, qk_scale, cap_in, cap_out, slope,
+                       HAS_SOFTCAP, HAS_ALIBI)
+    p_t = tl.math.exp2(s_t - lse[None, :])
+    if masked:
+        visible = (rows[None, :] >= cols[:, None]) & (rows[None, :] < col_seg_end[:, None])
+        # prefix items (col_seg_end 0) are masked only for a window or ALiBi's last tile;
+        # the plain kernel keeps the two terms out of its registers
+        if HAS_WINDOW:
+            visible = (visible | (col_seg_end[:, None] == 0)) & row_ok[None, :] & (dist_t < window)
+        elif HAS_ALIBI:
+            visible = (visible | (col_seg_end[:, None] == 0)) & row_ok[None, :]
+        p_t = tl.where(visible, p_t, 0.0)
+    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
+    dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
+    ds_t = p_t * (dp_t - delta[None, :])
+    if HAS_SOFTCAP:
+        ds_t = ds_t * (1.0 - t_t * t_t)
+    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["T", "window"])
+def _dkdv_kernel(
+    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
+    stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_gkt, stride_gkh, stride_gvt,
+    stride_gvh,
+    T, qk_scale, sm_scale, cap_in, cap_out, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+):
+    """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1, kshift, plen): keys
+    ``[c0, c1)`` (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV`` at
+    depths ``c + kshift``) and the query rows ``[q0, q1)`` that may see them (of a run
+    with ``plen`` prefix slots). Own items store dK/dV into ``DK, DV``; prefix items
+    atomically add them into ``GK, GV``. dK/dV are accumulated transposed (keys x
+    rows), as in FlashAttention-2."""
     item = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
-    kind = tl.load(ITEMS + 5 * item)
-    c0 = tl.load(ITEMS + 5 * item + 1)
-    c1 = tl.load(ITEMS + 5 * item + 2)
-    q0 = tl.load(ITEMS + 5 * item + 3)
-    q1 = tl.load(ITEMS + 5 * item + 4)
+    kind = tl.load(ITEMS + 7 * item)
+    c0 = tl.load(ITEMS + 7 * item + 1)
+    c1 = tl.load(ITEMS + 7 * item + 2)
+    q0 = tl.load(ITEMS + 7 * item + 3)
+    q1 = tl.load(ITEMS + 7 * item + 4)
+    kshift = tl.load(ITEMS + 7 * item + 5)
+    plen = tl.load(ITEMS + 7 * item + 6)
     is_prefix = kind == 1
     is_own = kind == 0
 
     cols = c0 + tl.arange(0, BLOCK_N)
     col_ok = cols < c1
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     # a select of base and stride rather than an if/else around two loads: one copy of
     # the load keeps the tile's registers down
-    k_base = tl.where(is_prefix, SK + kv_head * stride_sh, K + kv_head * stride_kh)
-    v_base = tl.where(is_prefix, SV + kv_head * stride_sh, V + kv_head * stride_vh)
-    k = _load_tile(k_base, cols, tl.where(is_prefix, stride_st, stride_kt), col_ok, offs_d, HEAD_DIM, BLOCK_D)
-    v = _load_tile(v_base, cols, tl.where(is_prefix, stride_st, stride_vt), col_ok, offs_d, HEAD_DIM, BLOCK_D)
+    k_base = tl.where(is_prefix, SK + kv_head * stride_skh, K + kv_head * stride_kh)
+    v_base = tl.where(is_prefix, SV + kv_head * stride_svh, V + kv_head * stride_vh)
+    k = _load_tile(k_base, cols, tl.where(is_prefix, stride_skt, stride_kt), col_ok, offs_d, HEAD_DIM, BLOCK_D)
+    v = _load_tile(v_base, cols, tl.where(is_prefix, stride_svt, stride_vt), col_ok, offs_dv, V_DIM, BLOCK_DV)
     # own key c is seen by rows [c, seg_end[c]); 0 for prefix items and columns past c1
     col_seg_end = tl.load(SEG_END + cols, mask=col_ok & is_own, other=0)
+    kpos = cols + kshift  # own items: kshift = 0 and positions are rows
 
     # Row tiles start on the grid q0 + j * BLOCK_M (q0 = c0 for own items). A tile
-    # starting at s is unmasked when s >= c1 - 1 (every row is at or after every key)
-    # and s + BLOCK_M <= seg_end[c0] (every row is in the segment of every key): the
-    # tiles in [fa, fb). Prefix items see every row: [fa, fb) = [q0, q1), and their
-    # padded rows past q1 read q = dO = lse = delta = 0, so p = 1 there and both
-    # products below vanish. Columns past c1 read k = v = 0; whatever they accumulate
-    # stays in their own rows of dk/dv, which are never stored.
+    # starting at s is unmasked when s >= c1 - 1 (every row is at or after every key),
+    # s + BLOCK_M <= seg_end[c0] (every row is in the segment of every key) and, with
+    # a window, s + BLOCK_M <= c0 + window: the tiles in [fa, fb). Own rows past
+    # c1 - 1 + window see none of the keys. Prefix items see every row: [fa, fb) =
+    # [q0, q1), and their padded rows past q1 read q = dO = lse = delta = 0, so
+    # p = exp2(-slope * dist) <= 1 there (dist > 0) and both products below vanish;
+    # with ALiBi the tile holding q1 is masked anyway, against negative slopes.
+    # Columns past c1 read k = v = 0; whatever they accumulate stays in their own rows
+    # of dk/dv, which are never stored.
     se_min = tl.load(SEG_END + c0, mask=is_own, other=0)
+    fb_end = se_min
+    if HAS_WINDOW:
+        q1 = tl.where(is_own, tl.minimum(q1, c1 - 1 + window), q1)
+        fb_end = tl.minimum(se_min, c0 + window)
     fa = tl.where(is_prefix, q0, tl.minimum(c0 + (c1 - 1 - c0 + BLOCK_M - 1) // BLOCK_M * BLOCK_M, q1))
-    fb = tl.where(is_prefix, q1, tl.maximum(fa, c0 + (se_min - c0) // BLOCK_M * BLOCK_M))
+    fb = tl.where(is_prefix, q1, tl.maximum(fa, c0 + (fb_end - c0) // BLOCK_M * BLOCK_M))
+    k_first = c0 + kshift
+    k_last = c1 - 1 + kshift
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(GROUP):
         head = kv_head * GROUP + g
+        slope = 0.0
+        if HAS_ALIBI:
+            slope = tl.load(ALIBI_SLOPES + head)
         for start in range(q0, q1, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
             row_ok = rows < q1
-            q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
-            do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
-            lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
-            delta = tl.load(DELTA + head * T + rows, mask=row_ok, other=0.0)
-            p_t = tl.math.exp2(tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale - lse[None, :])
-            if (start < fa) | (start >= fb):
-                visible = (rows[None, :] >= cols[:, None]) & (rows[None, :] < col_seg_end[:, None])
-                p_t = tl.where(visible, p_t, 0.0)
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PREC)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PREC)
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+            row_seg_start = tl.load(SEG_START + rows, mask=row_ok & is_prefix, other=0)
+            qpos = tl.where(is_prefix, plen + rows - row_seg_start, rows)
+            dist_t = qpos[None, :] - kpos[:, None]
+            masked = (start < fa) | (start >= fb)
+            if HAS_ALIBI:
+                masked = masked | (start + BLOCK_M > q1)
+            if HAS_WINDOW:
+                # a run's rows restart at depth plen in every segment, so bound each tile
+                q_lo = tl.min(tl.where(row_ok, qpos, 1 << 30), 0)
+                q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 30)), 0)
+                masked = masked | (q_hi - k_first >= window)
+                if q_lo - k_last < window:  # some row of the tile sees some key
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, head, rows, row_ok, cols, col_seg_end, dist_t,
+                                        masked, stride_qt, stride_qh, stride_dot, stride_doh, T, offs_d, offs_dv,
+                                        qk_scale, cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                        DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+            else:
+                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, head, rows, row_ok, cols, col_seg_end, dist_t,
+                                    masked, stride_qt, stride_qh, stride_dot, stride_doh, T, offs_d, offs_dv,
+                                    qk_scale, cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                    DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
     dk = dk * sm_scale
 
     if is_prefix:
         # Other runs of this call, and later calls' descendants, add into the same slots.
-        g_offs = cols.to(tl.int64)[:, None] * stride_gt + kv_head * stride_gh + offs_d[None, :]
-        g_mask = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        tl.atomic_add(GK + g_offs, dk.to(GK.dtype.element_ty), mask=g_mask, sem="relaxed")
-        tl.atomic_add(GV + g_offs, dv.to(GV.dtype.element_ty), mask=g_mask, sem="relaxed")
+        gk_offs = cols.to(tl.int64)[:, None] * stride_gkt + kv_head * stride_gkh + offs_d[None, :]
+        gv_offs = cols.to(tl.int64)[:, None] * stride_gvt + kv_head * stride_gvh + offs_dv[None, :]
+        tl.atomic_add(GK + gk_offs, dk.to(GK.dtype.element_ty), mask=col_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
+                      sem="relaxed")
+        tl.atomic_add(GV + gv_offs, dv.to(GV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv < V_DIM)[None, :],
+                      sem="relaxed")
     else:
         _store_tile(DK + kv_head * stride_dkh, cols, stride_dkt, col_ok, offs_d, dk, HEAD_DIM)
-        _store_tile(DV + kv_head * stride_dkh, cols, stride_dkt, col_ok, offs_d, dv, HEAD_DIM)
+        _store_tile(DV + kv_head * stride_dvh, cols, stride_dvt, col_ok, offs_dv, dv, V_DIM)
 
 
 @triton.jit
 def _dq_inner(
-    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, kv_lo, kv_hi, full_lo, full_hi, rows, row_seg_start, offs_d,
-    qk_scale,
-    OWN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, kv_lo, kv_hi, full_lo, full_hi, rows, row_seg_start, qpos,
+    kshift, offs_d, offs_dv, qk_scale, cap_in, cap_out, slope, window,
+    OWN: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
 ):
     """dQ (unscaled) over keys ``[kv_lo, kv_hi)``, tiles as :func:`_fwd_inner`. Masked
     probabilities are replaced by 0 after exp2, which also drops an overflow from a
@@ -375,81 +570,114 @@ def _dq_inner(
         cols = start + tl.arange(0, BLOCK_N)
         col_ok = cols < kv_hi
         k = _load_tile(K, cols, stride_kt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
-        v = _load_tile(V, cols, stride_vt, col_ok, offs_d, HEAD_DIM, BLOCK_D)
-        p = tl.math.exp2(tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale - lse[:, None])
+        v = _load_tile(V, cols, stride_vt, col_ok, offs_dv, V_DIM, BLOCK_DV)
+        dist = qpos[:, None] - (cols + kshift)[None, :]
+        s, t = _logits(tl.dot(q, tl.trans(k), input_precision=DOT_PREC), dist, qk_scale, cap_in, cap_out, slope,
+                       HAS_SOFTCAP, HAS_ALIBI)
+        p = tl.math.exp2(s - lse[:, None])
         if (start < full_lo) | (start + BLOCK_N > full_hi):
-            p = tl.where(_visible(cols, col_ok, rows, row_seg_start, OWN), p, 0.0)
+            p = tl.where(_visible(cols, col_ok, rows, row_seg_start, dist, window, OWN, HAS_WINDOW), p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
         ds = p * (dp - delta[:, None])
+        if HAS_SOFTCAP:
+            ds = ds * (1.0 - t * t)
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PREC)
     return dq
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["T", "window"])
 def _dq_kernel(
-    Q, K, V, SK, SV, DO, LSE, DELTA, DQ, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_st, stride_sh,
+    Q, K, V, SK, SV, DO, LSE, DELTA, DQ, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START, ALIBI_SLOPES,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
     stride_dot, stride_doh, stride_dqt, stride_dqh,
-    T, qk_scale, sm_scale,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    T, qk_scale, sm_scale, cap_in, cap_out, window,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
-    """Grid (q blocks, q heads), same work table and key tiles as :func:`_fwd_kernel`."""
+    """Grid (q blocks, q heads), same work table and key tiles as :func:`_fwd_kernel`.
+    Sinks need nothing here: they are in ``LSE``."""
     blk = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
-    r0, r1, g0, g1, ss_min, ss_max = _q_block(QBLOCKS, SEG_START, blk)
+    r0, r1, g0, g1, plen, ss_min, ss_max, q_min, q_max = _q_block(QBLOCKS, SEG_START, blk)
 
     rows = r0 + tl.arange(0, BLOCK_M)
     row_ok = rows < r1
     offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
     q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
-    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_d, HEAD_DIM, BLOCK_D)
+    do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
     delta = tl.load(DELTA + head * T + rows, mask=row_ok, other=0.0)
     row_seg_start = tl.load(SEG_START + rows, mask=row_ok, other=0)
+    qpos = plen + rows - row_seg_start
+    slope = 0.0
+    if HAS_ALIBI:
+        slope = tl.load(ALIBI_SLOPES + head)
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    SKh = SK + kv_head * stride_sh
-    SVh = SV + kv_head * stride_sh
+    SKh = SK + kv_head * stride_skh
+    SVh = SV + kv_head * stride_svh
+    depth = g0 * 0
     for g in range(g0, g1):
         lo = tl.load(RANGE_LO + g)
         hi = tl.load(RANGE_HI + g)
-        dq = _dq_inner(dq, q, do, lse, delta, SKh, SVh, stride_st, stride_st, lo, hi, lo, hi, rows, row_seg_start,
-                       offs_d, qk_scale, False, HEAD_DIM, BLOCK_D, BLOCK_N, DOT_PREC)
+        first, full = _prefix_span(lo, hi, depth, q_min, q_max, window, HAS_WINDOW)
+        dq = _dq_inner(dq, q, do, lse, delta, SKh, SVh, stride_skt, stride_svt, first, hi, full, hi, rows,
+                       row_seg_start, qpos, depth - lo, offs_d, offs_dv, qk_scale, cap_in, cap_out, slope, window,
+                       False, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+        depth += hi - lo
+    first, full = _own_span(ss_min, ss_max, r0, r1, window, HAS_WINDOW)
     dq = _dq_inner(dq, q, do, lse, delta, K + kv_head * stride_kh, V + kv_head * stride_vh, stride_kt, stride_vt,
-                   ss_min, r1, ss_max, r0 + 1, rows, row_seg_start, offs_d, qk_scale, True, HEAD_DIM, BLOCK_D,
-                   BLOCK_N, DOT_PREC)
+                   first, r1, full, r0 + 1, rows, row_seg_start, rows, 0, offs_d, offs_dv, qk_scale, cap_in, cap_out,
+                   slope, window, True, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, BLOCK_N, DOT_PREC, HAS_SOFTCAP, HAS_ALIBI,
+                   HAS_WINDOW)
     _store_tile(DQ + head * stride_dqh, rows, stride_dqt, row_ok, offs_d, dq * sm_scale, HEAD_DIM)
 
 
 # --------------------------------------------------------------------------- tuning
-# Autotuning candidates as (inner tile, num_warps, num_stages), per kernel and per
-# work-table tile (chosen on the host by _tiles, and part of the tuning key). The inner
-# tile is BLOCK_N (keys per step) for the forward and dq, BLOCK_M (rows per step) for
-# dK/dV. Every candidate compiles for sm_90 without register spills at head dims 64
-# and 128 in bf16 (ptxas through triton.compile, Triton 3.6; 8-40 bytes at 96, whose
-# masked padding costs registers). Dropped for spilling:
-# 4 warps on 128-row tiles (forward and dq 136-352 bytes, dK/dV over 1 KB), 64-row
-# inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3 stages or, on 64-key
-# tiles, 4 warps (64-80 bytes at head dim 128). A 64-row tile on 8 warps may replicate
-# part of the score tile across warp groups: few such candidates, the tuner decides.
+# Candidates as (inner tile, num_warps, num_stages), per kernel and per work-table tile
+# (chosen on the host by _tiles). The inner tile is BLOCK_N (keys per step) for the
+# forward and dq, BLOCK_M (rows per step) for dK/dV. Without autotuning, the first
+# candidate that fits the GPU's shared memory runs (fp32: the smallest first).
+#
+# 128-row/key tables (16-bit, head dims up to 128): first come the configs the
+# autotuner picked on an H200 (bf16, 32/8 heads of 128, every layout of
+# benchmarks/bench_stack_attention.py: benchmarks/results/stack_attention_nvidia_h200.md).
+# They compile for sm_90 without register spills at head dims 64 and 128, with and
+# without options (benchmarks/kernel_registers.py: ptxas through triton.compile, no GPU
+# needed; the dK/dV kernel keeps 240 registers plain, 247-254 with options). The forward's 128-key step needs 224 KB of shared
+# memory at head dim 128: an A100 (164 KB) falls through to the next candidate.
+# 64 tables (fp32, head dims above 128): 8 warps first, the only configs found
+# without spills at head dims 192/128 (MLA) and 256 in bf16 and 64/128 in fp32
+# (4 warps spill 300-1700 bytes in dq and dK/dV there; 88 bytes remain in the MLA
+# dK/dV kernel with every option on).
+# Dropped for spilling at 128: 4 warps on 128-row tiles (forward and dq 136-352 bytes,
+# dK/dV over 1 KB), 64-row inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3
+# stages. A 64-row tile on 8 warps may replicate part of the score tile across warp
+# groups: few such candidates, the tuner decides.
 _CANDIDATES = {
-    ("fwd", 128): [(64, 8, 3), (128, 8, 3), (64, 8, 2), (32, 8, 2)],
-    ("fwd", 64): [(64, 4, 3), (64, 4, 4), (32, 4, 2), (32, 8, 2)],
-    ("dq", 128): [(32, 8, 3), (64, 8, 2), (32, 8, 2)],
-    ("dq", 64): [(32, 4, 3), (64, 4, 3), (32, 4, 2), (32, 8, 2)],
+    ("fwd", 128): [(128, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2)],
+    ("fwd", 64): [(64, 8, 2), (64, 4, 3), (32, 8, 2), (32, 4, 2)],
+    ("dq", 128): [(64, 8, 2), (32, 8, 3), (32, 8, 2)],
+    ("dq", 64): [(32, 8, 2), (32, 4, 3), (64, 4, 3), (32, 4, 2)],
     ("dkdv", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
-    ("dkdv", 64): [(16, 4, 2), (16, 4, 3), (32, 8, 2)],
+    ("dkdv", 64): [(16, 8, 2), (16, 4, 2), (16, 4, 3), (32, 8, 2)],
 }
 _INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
 _TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N"}
+_FLAGS = {
+    "fwd": ["HAS_SOFTCAP", "HAS_SINKS", "HAS_ALIBI", "HAS_WINDOW"],
+    "dq": ["HAS_SOFTCAP", "HAS_ALIBI", "HAS_WINDOW"],
+    "dkdv": ["HAS_SOFTCAP", "HAS_ALIBI", "HAS_WINDOW"],
+}
 
 
 def _autotuned(fn, kernel: str, restore_value=None):
     """``fn`` under ``triton.autotune`` over the candidates of its table tile. The key
-    (head dim, GQA group, table tile; Triton adds the argument dtypes) never contains
-    ``T``, so a call of a new length reuses the tuned config."""
+    (head dims, GQA group, table tile, option flags; Triton adds the argument dtypes)
+    never contains ``T``, so a call of a new length reuses the tuned config."""
     candidates = sorted({c for (name, _), cs in _CANDIDATES.items() if name == kernel for c in cs})
     configs = [triton.Config({_INNER_NAME[kernel]: inner}, num_warps=w, num_stages=s) for inner, w, s in candidates]
 
@@ -459,7 +687,7 @@ def _autotuned(fn, kernel: str, restore_value=None):
 
     return triton.autotune(
         configs=configs,
-        key=["HEAD_DIM", "GROUP", _TABLE_NAME[kernel]],
+        key=["HEAD_DIM", "V_DIM", "GROUP", _TABLE_NAME[kernel], *_FLAGS[kernel]],
         prune_configs_by={"early_config_prune": for_table},
         # each candidate's timing runs would add the prefix gradients once more
         restore_value=restore_value,
@@ -467,39 +695,65 @@ def _autotuned(fn, kernel: str, restore_value=None):
 
 
 _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
-_TUNED = {} if _INTERPRET else {
+# DTREE_TRITON_AUTOTUNE=1 times every candidate on the first call of each key; by
+# default the first candidate that fits runs (no timing runs, one compile per key).
+_AUTOTUNE = os.environ.get("DTREE_TRITON_AUTOTUNE", "0").lower() in ("1", "true", "on", "yes")
+_TUNED = {} if _INTERPRET or not _AUTOTUNE else {
     "fwd": _autotuned(_fwd_kernel, "fwd"),
     "dq": _autotuned(_dq_kernel, "dq"),
     "dkdv": _autotuned(_dkdv_kernel, "dkdv", restore_value=["GK", "GV"]),
 }
-# DTREE_TRITON_AUTOTUNE=0 launches a fixed candidate instead of timing all of them on
-# the first call of each key: for short jobs and tests, and reproducible configs.
-_AUTOTUNE = os.environ.get("DTREE_TRITON_AUTOTUNE", "1") != "0"
+# (kernel, table tile, dtype, device, head dims, group, flags) -> index of the first
+# candidate that launched, so the fall-through below runs once per key
+_FITTING: dict = {}
 
 
-def _launcher(kernel: str, table: int, dtype: torch.dtype) -> tuple:
-    """(kernel to launch, extra launch arguments) for one of "fwd", "dq", "dkdv"."""
+def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+    candidates = _CANDIDATES[(kernel, table)]
+    if dtype == torch.float32:  # fp32 tiles take twice the shared memory: smallest first, 8 warps first
+        return sorted(candidates, key=lambda c: (c[0], c[2], -c[1]))
+    return candidates
+
+
+def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict) -> None:
+    """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
+    its small tiles; autotuned with DTREE_TRITON_AUTOTUNE=1; else the first fixed
+    candidate that fits the device (a launch that runs out of shared memory raises
+    before the kernel starts, so trying the next one adds nothing twice)."""
     name = _INNER_NAME[kernel]
     if _INTERPRET:
-        return _KERNELS[kernel], {name: _INTERPRETER_TILES["inner"]}
-    if not _AUTOTUNE:
-        candidates = _CANDIDATES[(kernel, table)]
-        # the first candidate is the usual winner for 16-bit inputs; fp32 takes the
-        # smallest, whose shared memory fits any sm_80+ GPU
-        inner, warps, stages = candidates[0] if dtype != torch.float32 else min(candidates, key=lambda c: (c[0], c[2]))
-        return _KERNELS[kernel], {name: inner, "num_warps": warps, "num_stages": stages}
-    return _TUNED[kernel], {}
+        _KERNELS[kernel][grid](*args, **meta, **{name: _INTERPRETER_TILES["inner"]})
+        return
+    if _AUTOTUNE and _TUNED:
+        _TUNED[kernel][grid](*args, **meta)
+        return
+    key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"],
+           *(meta[f] for f in _FLAGS[kernel]))
+    candidates = _fixed_candidates(kernel, table, dtype)
+    for i in range(_FITTING.get(key, 0), len(candidates)):
+        inner, warps, stages = candidates[i]
+        try:
+            _KERNELS[kernel][grid](*args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
+        except triton.runtime.errors.OutOfResources:
+            continue
+        _FITTING[key] = i
+        return
+    raise RuntimeError(
+        f"no config of the {kernel} kernel fits this GPU's shared memory (head dims {meta['HEAD_DIM']}/"
+        f"{meta['V_DIM']}, {dtype}); use attention='sdpa'"
+    )
 
 
-def _tiles(head_dim: int, dtype: torch.dtype, mean_run_rows: float) -> tuple[int, int]:
+def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
     """(q-block rows of the forward/dq work items, kv-block keys of the dK/dV items).
 
-    128 for 16-bit inputs on long runs; 64 when runs are short (less padding in each
-    run's last tile), for fp32 (shared memory) and for head dims above 128 (registers
-    of the [tile, 256] fp32 accumulators)."""
+    128 for 16-bit inputs; 64 for fp32 (shared memory) and for head dims above 128
+    (registers of the [tile, 256] fp32 accumulators). The forest plays no part: a tile
+    that followed the forest (it used to drop to 64 for short runs) compiled a second
+    set of kernels whenever a later step's forest crossed the threshold."""
     if _INTERPRET:
         return _INTERPRETER_TILES["q_block"], _INTERPRETER_TILES["kv_block"]
-    if dtype == torch.float32 or head_dim > 128 or mean_run_rows < 128:
+    if dtype == torch.float32 or max(head_dim, v_head_dim) > 128:
         return 64, 64
     return 128, 128
 
@@ -542,6 +796,7 @@ def _runs(layout: SegmentLayout) -> dict:
         last_a = np.asarray(last, dtype=np.int64)
         range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
         ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
+        seg_start = np.repeat(q_off[:-1], lens)
         layout._index_cache[key] = {
             "row_lo": q_off[first_a],
             "row_hi": q_off[last_a + 1],
@@ -550,8 +805,9 @@ def _runs(layout: SegmentLayout) -> dict:
             "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
             "ranges": ranges,
             "slots_end": max((hi for _, hi in flat), default=0),
-            "seg_start": np.repeat(q_off[:-1], lens),
+            "seg_start": seg_start,
             "seg_end": np.repeat(q_off[1:], lens),
+            "row_depth": np.arange(int(q_off[-1]), dtype=np.int64) - seg_start,  # minus the run's prefix_len
         }
     return layout._index_cache[key]
 
@@ -567,44 +823,66 @@ def _row_tables(layout: SegmentLayout, device: torch.device) -> tuple[torch.Tens
 
 
 def _q_blocks(layout: SegmentLayout, device: torch.device, block_m: int) -> torch.Tensor:
-    """[NB, 4] int32 forward/dq work items: (r0, r1, range_begin, range_end)."""
+    """[NB, 5] int32 forward/dq work items: (r0, r1, range_begin, range_end, prefix_len)."""
     key = ("triton", "q", device, block_m)
     if key not in layout._index_cache:
         runs = _runs(layout)
         run, r0, r1 = _split(runs["row_lo"], runs["row_hi"], block_m)
-        table = np.stack([r0, r1, runs["range_begin"][run], runs["range_end"][run]], axis=1)
-        cost = (r1 - r0) * (runs["prefix_len"][run] + r1 - runs["seg_start"][r0])
+        plen = runs["prefix_len"][run]
+        table = np.stack([r0, r1, runs["range_begin"][run], runs["range_end"][run], plen], axis=1)
+        cost = (r1 - r0) * (plen + r1 - runs["seg_start"][r0])
         layout._index_cache[key] = upload(_by_cost(table, cost), device)
     return layout._index_cache[key]
 
 
-def _kv_items(layout: SegmentLayout, device: torch.device, block_n: int, with_prefix: bool) -> torch.Tensor:
-    """[NI, 5] int32 dK/dV work items: (kind, c0, c1, q0, q1).
+def _kv_items(
+    layout: SegmentLayout, device: torch.device, block_n: int, with_prefix: bool, window: int | None = None
+) -> torch.Tensor:
+    """[NI, 7] int32 dK/dV work items: (kind, c0, c1, q0, q1, kshift, plen).
 
     Own items: keys ``[c0, c1)`` of a run, queries ``[c0, seg_end[c1 - 1])``. Prefix
-    items (only ``with_prefix``): stack slots ``[c0, c1)`` of one of the run's ranges,
-    and at most ``_PREFIX_ITEM_ROWS`` of the run's rows."""
-    key = ("triton", "kv", device, block_n, with_prefix, _PREFIX_ITEM_ROWS)
+    items (only ``with_prefix``): stack slots ``[c0, c1)`` of one of the run's ranges
+    (at depths ``c + kshift``), and at most ``_PREFIX_ITEM_ROWS`` of the run's rows.
+    With a window, the ranges are cut from the first slot the run's shallowest row
+    sees (no item reads a slot that no row of its run sees), and only the items some
+    of whose rows see some of their slots are kept."""
+    key = ("triton", "kv", device, block_n, with_prefix, _PREFIX_ITEM_ROWS, window)
     if key not in layout._index_cache:
         runs = _runs(layout)
-        _, c0, c1 = _split(runs["row_lo"], runs["row_hi"], block_n)
+        run, c0, c1 = _split(runs["row_lo"], runs["row_hi"], block_n)
         q1 = runs["seg_end"][c1 - 1] if len(c1) else c1
-        tables = [np.stack([np.full_like(c0, _OWN), c0, c1, c0, q1], axis=1)]
+        zeros = np.zeros_like(c0)
+        tables = [np.stack([np.full_like(c0, _OWN), c0, c1, c0, q1, zeros, runs["prefix_len"][run]], axis=1)]
         costs = [(c1 - c0) * (q1 - c0)]
         if with_prefix:
-            flat = [(r, lo, hi) for r, ranges in enumerate(runs["ranges"]) for lo, hi in ranges]
+            flat = []  # (run, first slot to read, hi, kshift: depth of slot s is s + kshift)
+            for r, ranges in enumerate(runs["ranges"]):
+                depth, plen = 0, int(runs["prefix_len"][r])
+                for lo, hi in ranges:
+                    # with a window, a run's shallowest row (depth plen) sees the deepest slots
+                    first = lo if window is None else max(lo, lo - depth + plen - window + 1)
+                    if first < hi:
+                        flat.append((r, first, hi, depth - lo))
+                    depth += hi - lo
             if flat:
-                f_run, f_lo, f_hi = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
+                f_run, f_lo, f_hi, f_shift = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
                 owner, s0, s1 = _split(f_lo, f_hi, block_n)
-                c_run = f_run[owner]
+                c_run, c_shift = f_run[owner], f_shift[owner]
                 split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], _PREFIX_ITEM_ROWS)
+                split_starts = qa
                 n_splits = np.bincount(split_run, minlength=len(runs["row_lo"]))
                 first_split = np.cumsum(n_splits) - n_splits
                 rep = n_splits[c_run]
                 chunk = np.repeat(np.arange(len(s0)), rep)
                 split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
-                s0, s1, qa, qb = s0[chunk], s1[chunk], qa[split], qb[split]
-                tables.append(np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb], axis=1))
+                s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
+                plen = runs["prefix_len"][split_run[split]]
+                if window is not None and len(qa):
+                    # the splits tile the rows in order, so reduceat gives each one's shallowest row
+                    split_min = np.minimum.reduceat(runs["row_depth"], split_starts)
+                    keep = plen + split_min[split] - (s1 - 1 + shift) < window
+                    s0, s1, shift, qa, qb, plen = (x[keep] for x in (s0, s1, shift, qa, qb, plen))
+                tables.append(np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb, shift, plen], axis=1))
                 costs.append((s1 - s0) * (qb - qa))
         table = _by_cost(np.concatenate(tables), np.concatenate(costs))
         layout._index_cache[key] = upload(table, device)
@@ -617,129 +895,159 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _common_meta(q: torch.Tensor, k: torch.Tensor) -> dict:
-    head_dim = q.shape[-1]
+def _common_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     return {
         "GROUP": q.shape[1] // k.shape[1],
-        "HEAD_DIM": head_dim,
-        "BLOCK_D": max(16, triton.next_power_of_2(head_dim)),
+        "HEAD_DIM": k.shape[-1],
+        "BLOCK_D": max(16, triton.next_power_of_2(k.shape[-1])),
+        "V_DIM": v.shape[-1],
+        "BLOCK_DV": max(16, triton.next_power_of_2(v.shape[-1])),
         # fp32 inputs: true fp32 products, as torch's default matmul (no TF32)
         "DOT_PREC": "ieee" if q.dtype == torch.float32 else "tf32",
     }
 
 
+class _Options:
+    """The kernels' view of :class:`AttentionOptions`: constexpr flags, runtime
+    scalars, and fp32 per-head vectors pre-multiplied by log2(e) (``placeholder``, any
+    fp32 tensor, stands in for an absent one: the flag keeps it unread)."""
+
+    def __init__(self, options: AttentionOptions, scale: float, placeholder: torch.Tensor):
+        cap = options.softcap
+        self.flags = {
+            "HAS_SOFTCAP": cap is not None,
+            "HAS_SINKS": options.sinks is not None,
+            "HAS_ALIBI": options.alibi_slopes is not None,
+            "HAS_WINDOW": options.window is not None,
+        }
+        self.qk_scale = scale * _LOG2E
+        self.cap_in = scale / cap if cap is not None else 0.0
+        self.cap_out = cap * _LOG2E if cap is not None else 0.0
+        self.window = int(options.window) if options.window is not None else 0
+        self.sinks2 = (
+            options.sinks.detach().float().contiguous() * _LOG2E if options.sinks is not None else placeholder
+        )
+        slopes = options.alibi_slopes
+        self.slopes2 = slopes.detach().float().contiguous() * _LOG2E if slopes is not None else placeholder
+
+    def flags_for(self, kernel: str) -> dict:
+        return {name: self.flags[name] for name in _FLAGS[kernel]}
+
+
 class _StackAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float):
+    def forward(ctx, q, k, v, sinks, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, options):
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         t, hq, _ = q.shape
         sk, sv = stack.k[layer], stack.v[layer]
-        runs = _runs(layout)
-        block_m, block_n = _tiles(q.shape[-1], q.dtype, t / max(len(runs["row_lo"]), 1))
+        block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype)
         tables = layout.device_tables(q.device)
         seg_start, _ = _row_tables(layout, q.device)
         q_blocks = _q_blocks(layout, q.device, block_m)
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        out = torch.empty((t, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
         lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
-        meta = _common_meta(q, k)
-        fwd, launch = _launcher("fwd", block_m, q.dtype)
-        fwd[(q_blocks.shape[0], hq)](
-            q, k, v, sk, sv, out, lse, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
+        opts = _Options(options, scale, lse)
+        meta = _common_meta(q, k, v)
+        args = (
+            q, k, v, sk, sv, out, lse, q_blocks, tables["range_lo"], tables["range_hi"], seg_start, opts.sinks2,
+            opts.slopes2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            sk.stride(0), sk.stride(1), out.stride(0), out.stride(1),
-            t, scale * _LOG2E,
-            BLOCK_M=block_m, **meta, **launch,
+            sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), out.stride(0), out.stride(1),
+            t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
         )
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.stack, ctx.layer, ctx.layout, ctx.scale = stack, layer, layout, scale
+        _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
+                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")})
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
+        ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
         ctx.tiles = (block_m, block_n)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         stack, layer, layout, scale = ctx.stack, ctx.layer, ctx.layout, ctx.scale
         block_m, block_n = ctx.tiles
         do = _unit_last(grad_out)
         t, hq, _ = q.shape
         hkv = k.shape[1]
-        meta = _common_meta(q, k)
+        meta = _common_meta(q, k, v)
         device = q.device
 
         delta = torch.empty((hq, t), dtype=torch.float32, device=device)
         _delta_kernel[(triton.cdiv(t, 64), hq)](
             out, do, delta, out.stride(0), out.stride(1), do.stride(0), do.stride(1), t,
-            HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], BLOCK_M=64,
+            V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=64,
         )
+        opts = _Options(ctx.options, scale, delta)
 
         sk, sv = stack.k[layer], stack.v[layer]
         with_prefix = stack.has_grad
         if with_prefix:
             gk, gv = stack.grad_k[layer], stack.grad_v[layer]
-        else:  # no prefix items are launched; any fp32 tensor stands in for the pointers
-            gk = gv = torch.empty((1, hkv, q.shape[-1]), dtype=torch.float32, device=device)
+        else:  # no prefix items are launched; any fp32 tensors stand in for the pointers
+            gk = torch.empty((1, hkv, k.shape[-1]), dtype=torch.float32, device=device)
+            gv = torch.empty((1, hkv, v.shape[-1]), dtype=torch.float32, device=device)
         seg_start, seg_end = _row_tables(layout, device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=device)
-        items = _kv_items(layout, device, block_n, with_prefix)
-        dkdv, launch = _launcher("dkdv", block_n, q.dtype)
-        dkdv[(items.shape[0], hkv)](
-            q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_end,
+        items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window)
+        args = (
+            q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            sk.stride(0), sk.stride(1), do.stride(0), do.stride(1), dk.stride(0), dk.stride(1),
-            gk.stride(0), gk.stride(1),
-            t, scale * _LOG2E, scale,
-            BLOCK_N=block_n, **meta, **launch,
+            sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
+            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1),
+            t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
         )
+        _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args,
+                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")})
 
         dq = None
         if ctx.needs_input_grad[0]:
             tables = layout.device_tables(device)
             q_blocks = _q_blocks(layout, device, block_m)
             dq = torch.empty(q.shape, dtype=q.dtype, device=device)
-            dq_kernel, launch = _launcher("dq", block_m, q.dtype)
-            dq_kernel[(q_blocks.shape[0], hq)](
+            args = (
                 q, k, v, sk, sv, do, lse, delta, dq, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
+                opts.slopes2,
                 q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                sk.stride(0), sk.stride(1), do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
-                t, scale * _LOG2E, scale,
-                BLOCK_M=block_m, **meta, **launch,
+                sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
+                dq.stride(0), dq.stride(1),
+                t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
             )
-        return dq, dk, dv, None, None, None, None
+            _launch("dq", block_m, q.dtype, (q_blocks.shape[0], hq), args,
+                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")})
+
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:
+            # d out_r / d sink = -p_sink(r) * out_r, so dL/dsink = -sum_r p_sink(r) * delta_r
+            p_sink = torch.exp2(opts.sinks2[:, None] - lse)
+            dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None, None
 
 
-def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout) -> None:
+def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: AttentionOptions) -> None:
+    check_stack_attention(q, k, v, stack, layout, options)
     require_triton(q.device)
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        raise ValueError(f"q, k, v must be [T, heads, dim], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
-    t, hq, d = q.shape
-    if k.shape != v.shape or k.shape[0] != t or k.shape[2] != d:
-        raise ValueError(f"k and v must be [{t}, kv_heads, {d}], got {tuple(k.shape)} and {tuple(v.shape)}")
-    hkv = k.shape[1]
-    if hq % hkv:
-        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv})")
     if q.dtype not in _DTYPES:
         raise TypeError(f"the 'triton' backend supports {_DTYPES}, got {q.dtype}; use attention='sdpa'")
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
-    if d > _MAX_HEAD_DIM:
-        raise ValueError(f"the 'triton' backend supports head dims up to {_MAX_HEAD_DIM}, got {d}")
-    if (stack.num_kv_heads, stack.head_dim) != (hkv, d):
+    if max(k.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
         raise ValueError(
-            f"stack holds {stack.num_kv_heads} kv heads of dim {stack.head_dim}, the call has {hkv} of dim {d}"
+            f"the 'triton' backend supports head dims up to {_MAX_HEAD_DIM}, got {k.shape[-1]} (keys) and "
+            f"{v.shape[-1]} (values); use attention='sdpa'"
         )
     if not (q.device == k.device == v.device == stack.device):
         raise ValueError(
             f"q, k, v and the stack must be on one device, got {q.device}, {k.device}, {v.device}, {stack.device}"
         )
-    if not stack.k.is_contiguous() or (stack.has_grad and not stack.grad_k.is_contiguous()):
+    if not (stack.k.is_contiguous() and stack.v.is_contiguous()) or (
+        stack.has_grad and not (stack.grad_k.is_contiguous() and stack.grad_v.is_contiguous())
+    ):
         raise ValueError("the stack buffers must be contiguous")
-    if t == 0:
+    if q.shape[0] == 0:
         raise ValueError("stack attention needs at least one query row")
-    if int(layout.q_offsets[0]) != 0 or int(layout.q_offsets[-1]) != t:
-        raise ValueError(
-            f"layout.q_offsets must run from 0 to T={t}, got {int(layout.q_offsets[0])}..{int(layout.q_offsets[-1])}"
-        )
     # the kernels index the stack without bounds checks
     slots_end = _runs(layout)["slots_end"]
     if slots_end > stack.capacity:
@@ -754,25 +1062,32 @@ def stack_attention_triton(
     layer: int,
     layout: SegmentLayout,
     scale: float,
+    *,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Fused attention of all packed segments over (stack prefix + own K/V).
 
     Args:
-        q: [T, q_heads, dim] packed queries (any strides with a unit last stride is
+        q: [T, q_heads, Dk] packed queries (any strides with a unit last stride is
             fastest; other views are made contiguous).
-        k, v: [T, kv_heads, dim] the segments' own keys/values; ``q_heads`` is a
-            multiple of ``kv_heads`` (GQA/MQA).
+        k: [T, kv_heads, Dk], v: [T, kv_heads, Dv] the segments' own keys/values;
+            ``q_heads`` is a multiple of ``kv_heads`` (GQA/MQA).
         stack: the KV stack; ``stack.k/v[layer]`` hold the ancestors at
             ``layout.prefix_ranges``. Other slots may hold anything and are not read.
         layer: layer index into the stack.
         layout: segment offsets and prefix ranges (its device tables are built once
             and reused by every layer).
         scale: softmax scale.
+        softcap, sinks [q_heads], alibi_slopes [q_heads], window: see
+            :class:`dtree.ops.stack_attention.AttentionOptions`.
 
     Returns:
-        [T, q_heads, dim] in ``q.dtype``. Backward returns dq, dk, dv and adds the
-        prefix dK/dV into ``stack.grad_k/grad_v[layer]`` (float32).
+        [T, q_heads, Dv] in ``q.dtype``. Backward returns dq, dk, dv, dsinks and adds
+        the prefix dK/dV into ``stack.grad_k/grad_v[layer]`` (float32).
     """
-    _check(q, k, v, stack, layer, layout)
-    return _StackAttention.apply(q, k, v, stack, layer, layout, float(scale))
-
+    options = AttentionOptions(softcap, sinks, alibi_slopes, window)
+    _check(q, k, v, stack, layer, layout, options)
+    return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options)

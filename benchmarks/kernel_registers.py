@@ -1,0 +1,103 @@
+"""Registers, spills and shared memory of the stack-attention kernels, without a GPU.
+
+    python benchmarks/kernel_registers.py                 # default configs, every option set
+    python benchmarks/kernel_registers.py --all-candidates
+
+Compiles each kernel of ``dtree.ops.stack_attention_triton`` for sm_90 through
+``triton.compile`` (the PTX, then ``ptxas -v`` from Triton's bundled CUDA tools), with
+the argument attributes the JIT gives real calls (16-byte aligned pointers, strides
+divisible by 16), for bf16 head dims 64 and 128, the MLA shape 192/128, and fp32 64,
+each plain and with options. The kernels' config comments quote its output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+
+from dtree.ops import stack_attention_triton as sat  # noqa: E402
+
+PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+INT_POINTERS = {"QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START", "SEG_END", "ITEMS"}
+FP32_POINTERS = {"LSE", "DELTA", "GK", "GV", "SINK_LOGITS", "ALIBI_SLOPES"}
+FLOATS = {"qk_scale", "cap_in", "cap_out", "sm_scale"}
+OPTION_SETS = {
+    "plain": {},
+    "window": {"HAS_WINDOW": True},
+    "softcap+sinks": {"HAS_SOFTCAP": True, "HAS_SINKS": True},
+    "all": {"HAS_SOFTCAP": True, "HAS_SINKS": True, "HAS_ALIBI": True, "HAS_WINDOW": True},
+}
+SHAPES = [("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 192, 128), ("fp32", 64, 64)]  # dtype, Dk, Dv
+
+
+def compile_kernel(kernel: str, dtype: str, constexprs: dict, warps: int, stages: int) -> dict:
+    """Compile one specialization for sm_90; its ptxas registers, spill bytes and shared memory."""
+    fn = sat._KERNELS[kernel]
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in INT_POINTERS:
+            signature[name] = "*i32"
+        elif name in FP32_POINTERS:
+            signature[name] = "*fp32"
+        elif name in FLOATS:
+            signature[name] = "fp32"
+        elif name.startswith("stride") or name in ("T", "window"):
+            signature[name] = "i32"
+        else:
+            signature[name] = "*" + dtype
+    aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+               if signature[n].startswith("*") or n.startswith("stride")}
+    compiled = triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": warps, "num_stages": stages})
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(compiled.asm["ptx"])
+    try:
+        log = subprocess.run([PTXAS, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    return {
+        "registers": int(re.search(r"Used (\d+) registers", log).group(1)),
+        "spill": int(re.search(r"(\d+) bytes spill stores", log).group(1)),
+        "shared_kb": compiled.metadata.shared / 1024,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--all-candidates", action="store_true", help="every autotuning candidate, not only the default")
+    args = p.parse_args()
+    print("| dtype | Dk/Dv | tile | options | kernel | config (inner, warps, stages) | registers | spill bytes | shared KB |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for dtype, dk, dv in SHAPES:
+        torch_dtype = getattr(__import__("torch"), {"bf16": "bfloat16", "fp32": "float32"}[dtype])
+        for options, flags in OPTION_SETS.items():
+            for kernel in ("fwd", "dq", "dkdv"):
+                table = 64 if dtype == "fp32" or max(dk, dv) > 128 else 128
+                candidates = sat._fixed_candidates(kernel, table, torch_dtype)
+                for inner, warps, stages in candidates if args.all_candidates else candidates[:1]:
+                    constexprs = {
+                        "GROUP": 4, "HEAD_DIM": dk, "BLOCK_D": triton.next_power_of_2(dk), "V_DIM": dv,
+                        "BLOCK_DV": triton.next_power_of_2(dv), "DOT_PREC": "ieee" if dtype == "fp32" else "tf32",
+                        sat._TABLE_NAME[kernel]: table, sat._INNER_NAME[kernel]: inner,
+                        **{f: flags.get(f, False) for f in sat._FLAGS[kernel]},
+                    }
+                    r = compile_kernel(kernel, dtype, constexprs, warps, stages)
+                    print(f"| {dtype} | {dk}/{dv} | {table} | {options} | {kernel} | {inner}, {warps}, {stages} | "
+                          f"{r['registers']} | {r['spill']} | {r['shared_kb']:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
