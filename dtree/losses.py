@@ -242,12 +242,14 @@ class TokenLoss:
         if self.temperature != 1.0 and not supports_temperature:
             raise ValueError(
                 f"loss {self.name!r} has temperature={self.temperature}, but this trainer computes log-probs at "
-                "temperature 1 only; use temperature=1.0 or a runtime that supports the sampling temperature"
+                "temperature 1 only; use temperature=1.0, or dtree.TreeRuntime (or its baselines), which support "
+                "the sampling temperature"
             )
         if self.needs_entropy and not supports_entropy:
             raise ValueError(
                 f"loss {self.name!r} reads the entropy (entropy_coef or an entropy metric), which this trainer does "
-                "not compute yet; use entropy_coef=0 or a runtime that supports it"
+                "not compute; use entropy_coef=0 and log_entropy=False, or dtree.TreeRuntime (or its baselines), "
+                "which compute it"
             )
         missing = [f for f in self.required_fields if f not in forest.fields]
         if missing:
