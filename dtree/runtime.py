@@ -523,6 +523,7 @@ class TreeRuntime:
         return self._inference(forest, temperature, with_entropy=True)
 
     def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
+        """The checks of an inference call, then :meth:`_logprobs`."""
         self._check_call(training=False)
         temperature = _check_temperature(temperature)
         return self._logprobs(forest, self.plan(forest), with_entropy, temperature)

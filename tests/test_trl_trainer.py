@@ -224,8 +224,10 @@ def test_other_loss_types(model_dir, loss_type):
     compare(model_dir, loss_type=loss_type, beta=0.04, **kw)
 
 
-def test_delta_temperature_no_bias_correction(model_dir):
-    compare(model_dir, loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7, use_bias_correction_kl=False)
+def test_delta_temperature_no_bias_correction_fp32_head(model_dir):
+    """cast_lm_head_to_fp32 patches lm_head.forward: dtree then calls the head as a module."""
+    compare(model_dir, loss_type="grpo", beta=0.04, delta=1.5, temperature=0.7, use_bias_correction_kl=False,
+            cast_lm_head_to_fp32=True)
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
