@@ -59,7 +59,15 @@ from . import rng
 from .checks import check_trainable, model_placement, raise_non_finite, validate_forest
 from .grad_guard import GradStash
 from .kv_stack import KVStack
-from .losses import Normalization, TokenLoss, weighted_terms
+from .losses import (
+    Normalization,
+    SequenceLoss,
+    TokenLoss,
+    add_metric_sums,
+    masked_metric_sums,
+    metric_means,
+    weighted_terms,
+)
 from .models import TreeModule, adapt
 from .ops.logprobs import OutputHead, as_output_head, compute_dtype, token_logprobs
 from .ops.stack_attention import BACKENDS, SegmentLayout, stack_attention
@@ -91,7 +99,43 @@ class StepOutput:
     stack_tokens: int
     peak_graph_tokens: int
     seconds: float
-    metrics: dict = field(default_factory=dict)  # e.g. the mode "auto" chose
+    metrics: dict = field(default_factory=dict)  # e.g. the mode "auto" chose, the loss's metrics
+    # with forward_backward(..., return_logprobs=True): per sequence, the [len-1] log-probs
+    # the loss saw, and the entropies when the loss computed them (needs_entropy), detached.
+    # One pass: 0 at predictions without a loss term; two passes: every prediction.
+    logprobs: list | None = None
+    entropy: list | None = None
+
+
+@dataclass(frozen=True)
+class _PerToken:
+    """What a step evaluates per loss term: ``fn(logp, fields)`` on the log-probs of
+    ``softmax(logits / temperature)``, with ``fields["entropy"]`` when ``with_entropy``."""
+
+    fn: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
+    temperature: float = 1.0
+    with_entropy: bool = False
+
+
+def _check_temperature(temperature: float) -> float:
+    if not (isinstance(temperature, (int, float)) and np.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be a positive number (the sampling temperature), got {temperature!r}")
+    return float(temperature)
+
+
+def _identity(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    return logp
+
+
+def _keeping(per_token: Callable, sink: list) -> Callable:
+    """``per_token``, also appending each call's detached (logp, entropy or None) to ``sink``."""
+
+    def kept(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        ent = fields.get("entropy")
+        sink.append((logp.detach(), None if ent is None else ent.detach()))
+        return per_token(logp, fields)
+
+    return kept
 
 
 @dataclass
@@ -380,33 +424,67 @@ class TreeRuntime:
     def forward_backward(
         self,
         forest: Forest,
-        loss: TokenLoss | SequenceLossFn,
+        loss: TokenLoss | SequenceLoss | SequenceLossFn,
         *,
         normalization: Normalization | None = None,
+        return_logprobs: bool = False,
     ) -> StepOutput:
         """Accumulate into ``param.grad`` the gradient of ``loss`` over ``forest``.
 
         Args:
             loss: a :class:`dtree.losses.TokenLoss` (``nll``, ``ppo_clip``, ...) runs in one
-                pass. Any other callable ``fn(logprobs, forest) -> 0-d tensor``, where
-                ``logprobs`` is the list :meth:`logprobs` returns, runs in two passes
-                (log-probs, then one DFS backward seeded with ``d fn / d logprobs``),
-                which is exact for losses that are not sums of per-token terms.
-            normalization: global counts for ``token_mean``/``sequence_mean`` when the
-                batch is split over ranks (see :mod:`dtree.distributed`).
+                pass, at the loss's ``temperature``, with the entropy when it
+                ``needs_entropy``. A :class:`dtree.losses.SequenceLoss` (``gspo``) or any
+                other callable ``fn(logprobs, forest) -> 0-d tensor``, where ``logprobs`` is
+                the list :meth:`logprobs` returns, runs in two passes (log-probs, then one
+                DFS backward seeded with ``d fn / d logprobs``), which is exact for losses
+                that are not sums of per-token terms; a ``SequenceLoss``'s log-probs are at
+                its ``temperature``, a plain callable's at 1.
+            normalization: the counts the reduction divides by (default: the forest's
+                own): ``Normalization.from_forests`` over the micro-batches of one optimizer
+                step, or the global counts over ranks. For a ``SequenceLoss`` it replaces
+                the loss's own ``normalization``; a plain callable normalizes itself and
+                refuses it.
+            return_logprobs: also return, per sequence, the log-probs (and entropies) the
+                loss saw, in ``StepOutput.logprobs`` / ``StepOutput.entropy`` (for metrics
+                a trainer computes itself); no extra compute.
+
+        The loss's metrics (mask-weighted means over the loss tokens, named as TRL logs
+        them: ``clip_ratio/low_mean``, ``kl``, ``entropy``, ...) are in ``StepOutput.metrics``.
         """
         self._check_call(training=True)
         if isinstance(loss, TokenLoss):
-            loss.check_fields(forest)
+            loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
             sched = self.plan(forest)
             weights = loss.weights(forest, normalization)
-            return self._train(forest, sched, loss.per_token, weights, loss.required_fields)
+            return self._train(forest, sched, loss, weights, return_logprobs=return_logprobs)
+        if isinstance(loss, SequenceLoss):
+            loss.check_fields(forest)
+            if normalization is not None:
+                if loss.normalization is not None and loss.normalization != normalization:
+                    raise ValueError(
+                        f"loss {loss.name!r} carries normalization={loss.normalization} and forward_backward got "
+                        f"normalization={normalization}: pass one of them"
+                    )
+                loss = loss.with_normalization(normalization)
+            return self._two_pass(forest, loss, loss.temperature, return_logprobs)
         if callable(loss):
-            return self._two_pass(forest, loss)
-        raise TypeError(f"loss must be a dtree.losses.TokenLoss or a callable, got {type(loss).__name__}")
+            if normalization is not None:
+                raise ValueError(
+                    "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
+                    "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
+                    "terms in a SequenceLoss"
+                )
+            return self._two_pass(forest, loss, 1.0, return_logprobs)
+        raise TypeError(f"loss must be a dtree.losses.TokenLoss, a SequenceLoss or a callable, got {type(loss).__name__}")
 
     def backward_from_logprob_grads(
-        self, forest: Forest, grads: Sequence[torch.Tensor | None], *, loss_value: float = float("nan")
+        self,
+        forest: Forest,
+        grads: Sequence[torch.Tensor | None],
+        *,
+        loss_value: float = float("nan"),
+        temperature: float = 1.0,
     ) -> StepOutput:
         """Second pass of the two-pass path: one DFS backward with ``d loss / d logprobs``.
 
@@ -414,27 +492,51 @@ class TreeRuntime:
             grads: per sequence, [len - 1] gradients of the loss w.r.t. the log-probs
                 :meth:`logprobs` returned (None for a sequence the loss ignores).
             loss_value: reported as ``StepOutput.loss``.
+            temperature: the temperature those log-probs were computed at (the
+                gradient flows through ``softmax(logits / temperature)``).
         """
         self._check_call(training=True)
+        temperature = _check_temperature(temperature)
         w = self._logprob_grad_weights(forest, grads)
-        return self._backward_from_weights(forest, self.plan(forest), w, loss_value)
+        return self._backward_from_weights(forest, self.plan(forest), w, loss_value, temperature)
 
     @torch.no_grad()
-    def logprobs(
-        self, forest: Forest, *, with_entropy: bool = False
-    ) -> list[torch.Tensor] | tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """``log p(s[t] | s[:t])`` for t = 1 .. len-1 of every sequence, in input order.
+    def logprobs(self, forest: Forest, *, temperature: float = 1.0) -> list[torch.Tensor]:
+        """``log p(s[t] | s[:t])`` for t = 1 .. len-1 of every sequence, in input order,
+        under ``softmax(logits / temperature)`` (the sampling temperature).
 
-        Returns one 1-D float32 tensor per sequence (empty for one-token sequences);
-        with ``with_entropy``, also the entropy of each of those predictive
-        distributions. Works under ``torch.inference_mode()``. A model in training mode
-        applies its dropout, as its own forward would.
+        Returns one 1-D float32 tensor of ``len - 1`` values per sequence (empty for
+        one-token sequences); ``forest.with_fields(old_logprobs=rt.logprobs(forest))``
+        puts them back as a field. Works under ``torch.inference_mode()``. A model in
+        training mode applies its dropout, as its own forward would.
         """
+        return self._inference(forest, temperature, with_entropy=False)[0]
+
+    @torch.no_grad()
+    def entropy(self, forest: Forest, *, temperature: float = 1.0) -> list[torch.Tensor]:
+        """The entropy of each predictive distribution ``softmax(logits / temperature)``
+        that :meth:`logprobs` reads, aligned with it: value ``t-1`` is the entropy of the
+        distribution that predicts ``s[t]``. One ``[len-1]`` tensor per sequence."""
+        return self._inference(forest, temperature, with_entropy=True)[1]
+
+    @torch.no_grad()
+    def logprobs_and_entropy(
+        self, forest: Forest, *, temperature: float = 1.0
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(:meth:`logprobs`, :meth:`entropy`) in one pass over the forest."""
+        return self._inference(forest, temperature, with_entropy=True)
+
+    def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
+        """The checks of an inference call, then :meth:`_logprobs`."""
         self._check_call(training=False)
-        return self._logprobs(forest, self.plan(forest), with_entropy)
+        temperature = _check_temperature(temperature)
+        return self._logprobs(forest, self.plan(forest), with_entropy, temperature)
 
     # ------------------------------------------------------------------ internals
-    def _logprobs(self, forest: Forest, sched: Schedule, with_entropy: bool):
+    def _logprobs(
+        self, forest: Forest, sched: Schedule, with_entropy: bool, temperature: float
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """(per sequence [len-1] log-probs, and entropies when ``with_entropy`` else None)."""
         device, dtype = self._placement
         cdt = compute_dtype(dtype)
         terms = _all_predictions(sched)
@@ -455,7 +557,7 @@ class TreeRuntime:
                     unique = dev["pred_unique"][p0:p1]
                     lp, ent = token_logprobs(
                         hidden[dev["pred_row"][p0:p1]], head, dev["labels"][p0:p1], self.logprob_chunk,
-                        with_entropy=with_entropy,
+                        temperature=temperature, with_entropy=with_entropy,
                     )
                     lp_unique[unique] = lp
                     if with_entropy:
@@ -463,18 +565,23 @@ class TreeRuntime:
         targets = upload(forest.lin_unique[self._prediction_lin(forest)], device)
         sizes = (forest.sequence_lengths() - 1).tolist()
         lps = list(torch.split(lp_unique[targets], sizes))
-        if not with_entropy:
-            return lps
-        return lps, list(torch.split(ent_unique[targets], sizes))
+        return lps, (list(torch.split(ent_unique[targets], sizes)) if with_entropy else None)
 
-    def _two_pass(self, forest: Forest, loss_fn: SequenceLossFn) -> StepOutput:
+    def _two_pass(
+        self, forest: Forest, loss_fn: SequenceLossFn, temperature: float, return_logprobs: bool
+    ) -> StepOutput:
         sched = self.plan(forest)  # one schedule for both passes: the same calls, the same draws
         start = rng.capture(self._placement[0])
+        sequence_loss = isinstance(loss_fn, SequenceLoss)
+        with_entropy = sequence_loss and loss_fn.needs_entropy
         with torch.no_grad():
-            lps = self._logprobs(forest, sched, with_entropy=False)
+            lps, ents = self._logprobs(forest, sched, with_entropy, temperature)
         leaves = [lp.detach().requires_grad_(True) for lp in lps]
         with torch.enable_grad():
-            value = loss_fn(leaves, forest)
+            if sequence_loss:
+                value = loss_fn(leaves, forest, temperature=temperature, entropy=ents)
+            else:
+                value = loss_fn(leaves, forest)
         if not isinstance(value, torch.Tensor) or value.numel() != 1:
             raise TypeError("a two-pass loss function must return a one-element tensor")
         loss_value = float(value.detach())
@@ -485,7 +592,12 @@ class TreeRuntime:
         # the second pass replays the first's random draws (dropout masks), so its
         # gradient is that of the log-probs the loss saw
         rng.restore(start, self._placement[0])
-        return self._backward_from_weights(forest, sched, w, loss_value)
+        out = self._backward_from_weights(forest, sched, w, loss_value, temperature)
+        if sequence_loss:
+            out.metrics.update(loss_fn.metric_values(lps, forest, entropy=ents))
+        if return_logprobs:
+            out.logprobs, out.entropy = lps, ents
+        return out
 
     def _logprob_grad_weights(self, forest: Forest, grads: Sequence[torch.Tensor | None]) -> np.ndarray:
         """[N] per linearized token: d loss / d logp (0 at sequence starts and where None)."""
@@ -505,8 +617,12 @@ class TreeRuntime:
             w[forest.seq_offsets[s] + 1 : forest.seq_offsets[s + 1]] = g
         return w
 
-    def _backward_from_weights(self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float) -> StepOutput:
-        out = self._train(forest, sched, lambda logp, fields: logp, w, ())
+    def _backward_from_weights(
+        self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float, temperature: float
+    ) -> StepOutput:
+        # sum_k w[k] * logp[k] at the first pass's temperature: its gradient is the seed
+        surrogate = TokenLoss(_identity, reduction="sum", name="logprob_grad", use_loss_mask=False, temperature=temperature)
+        out = self._train(forest, sched, surrogate, w)
         out.loss = float(loss_value)
         return out
 
@@ -564,7 +680,7 @@ class TreeRuntime:
         return hidden, attend
 
     def _group_loss(
-        self, g: int, hidden: torch.Tensor, terms: _Terms, dev: dict, per_token: Callable, term_log: list,
+        self, g: int, hidden: torch.Tensor, terms: _Terms, dev: dict, per_token: _PerToken, term_log: list,
         head: OutputHead,
     ) -> torch.Tensor | None:
         e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
@@ -572,7 +688,7 @@ class TreeRuntime:
             return None
         p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
         weighted = weighted_terms(
-            per_token,
+            per_token.fn,
             hidden,
             dev["pred_row"][p0:p1],
             dev["labels"][p0:p1],
@@ -581,6 +697,8 @@ class TreeRuntime:
             {n: f[e0:e1] for n, f in dev["fields"].items()},
             head,
             self.logprob_chunk,
+            temperature=per_token.temperature,
+            with_entropy=per_token.with_entropy,
         )
         term_log.append((e0, weighted.detach()))
         return weighted.sum()
@@ -628,21 +746,24 @@ class TreeRuntime:
             torch.autograd.backward(tensors, grads)
 
     def _train(
-        self,
-        forest: Forest,
-        sched: Schedule,
-        per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
-        weights: np.ndarray,
-        field_names: Sequence[str],
+        self, forest: Forest, sched: Schedule, loss: TokenLoss, weights: np.ndarray, return_logprobs: bool = False
     ) -> StepOutput:
         t0 = time.perf_counter()
         terms = _loss_terms(sched, weights)
+        recorded: list[dict] = []  # per call with terms, the loss's per-token metrics (TokenLoss.recording)
+        kept: list[tuple] = []  # per call with terms, (logp, entropy) when return_logprobs
+        fn = loss.recording(recorded)
+        if return_logprobs:
+            fn = _keeping(fn, kept)
+        per_token = _PerToken(fn, loss.temperature, loss.needs_entropy)
         with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
-            total, term_log, calls, peak, recomputed = self._walk(sched, terms, forest, weights, field_names, per_token)
+            total, term_log, calls, peak, recomputed = self._walk(
+                sched, terms, forest, weights, loss.required_fields, per_token
+            )
             loss_value = float(total)  # the step's one device sync
             if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
                 raise_non_finite(forest, terms.loss_lin, term_log)
-        return StepOutput(
+        out = StepOutput(
             loss=loss_value,
             num_sequences=forest.num_sequences,
             num_unique_tokens=forest.num_unique_tokens,
@@ -651,7 +772,7 @@ class TreeRuntime:
             num_model_calls=calls,
             stack_tokens=sched.stack_tokens,
             peak_graph_tokens=peak,
-            seconds=time.perf_counter() - t0,
+            seconds=0.0,
             metrics={
                 "mode": self.mode,
                 "attention": self._attention,
@@ -659,7 +780,44 @@ class TreeRuntime:
                 "group_tokens": sched.group_tokens,
                 "recomputed_tokens": recomputed,
                 "bytes_per_token": self._bytes_per_token(),
+                **self._loss_metrics(loss, forest, terms, term_log, recorded),
             },
+        )
+        if return_logprobs:
+            out.logprobs, out.entropy = self._kept_per_sequence(forest, terms, term_log, kept, loss.needs_entropy)
+        out.seconds = time.perf_counter() - t0
+        return out
+
+    def _loss_metrics(self, loss: TokenLoss, forest: Forest, terms: _Terms, term_log: list, recorded: list) -> dict:
+        """The loss's metrics: mask-weighted means over the step's loss terms. Each
+        call's recorded values pair with its entry of ``term_log`` (both in call order)."""
+        if not recorded:
+            return {}
+        mask = upload(loss.metric_mask(forest)[terms.loss_lin], self._device, compute_dtype(self._dtype))
+        sums: dict = {}
+        for (e0, weighted), values in zip(term_log, recorded):
+            sums = add_metric_sums(sums, masked_metric_sums(values, mask[e0 : e0 + weighted.shape[0]]))
+        return metric_means(sums)
+
+    def _kept_per_sequence(
+        self, forest: Forest, terms: _Terms, term_log: list, kept: list, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Scatter each call's kept (logp, entropy) to its terms' linearized positions,
+        then split per sequence into [len-1] prediction-aligned tensors (0 where no term)."""
+        cdt = compute_dtype(self._dtype)
+        lin = upload(terms.loss_lin, self._device)
+        lp = torch.zeros(forest.num_linearized_tokens, dtype=cdt, device=self._device)
+        ent = torch.zeros_like(lp) if with_entropy else None
+        for (e0, weighted), (values, entropies) in zip(term_log, kept):
+            where = lin[e0 : e0 + weighted.shape[0]]
+            lp[where] = values
+            if ent is not None:
+                ent[where] = entropies
+        pred = upload(self._prediction_lin(forest), self._device)
+        sizes = (forest.sequence_lengths() - 1).tolist()
+        return (
+            list(torch.split(lp[pred], sizes)),
+            list(torch.split(ent[pred], sizes)) if ent is not None else None,
         )
 
     def _group_budget(self) -> int:

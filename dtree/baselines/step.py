@@ -7,8 +7,8 @@ the same for both::
     loss.check_fields(forest); w = loss.weights(forest, normalization)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)              [T, H]
-        logp   = token_logprobs(hidden[pred_rows], head, labels)[0]             [P]
-        (loss.per_token(logp[term_pred], fields) * w).sum().backward()
+        logp, H = token_logprobs(hidden[pred_rows], head, labels, temperature=T)  [P]
+        (loss.per_token(logp[term_pred], fields (+ entropy H)) * w).sum().backward()
         loss.metrics(logp[term_pred], fields), summed with the terms' loss mask
     one device sync for the loss value; if it is not finite, param.grad is restored
     and a ValueError names the first bad (sequence, position); the loss's metrics
@@ -195,7 +195,7 @@ class MicroBatchTrainer:
             raise TypeError(f"the baselines take a dtree.losses.TokenLoss, got {type(loss).__name__}")
         t0 = time.perf_counter()
         self._check_forest(forest)
-        loss.check_fields(forest)
+        loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
         weights = loss.weights(forest, normalization)
         batches = self.plan(forest)
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
@@ -269,6 +269,7 @@ class MicroBatchTrainer:
                 terms = weighted_terms(
                     per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,
+                    temperature=loss.temperature, with_entropy=loss.needs_entropy,
                 )
                 call_loss = terms.sum()
                 call_loss.backward()
