@@ -3,13 +3,23 @@
 The walk (DESIGN.md section 2), over the groups of a :class:`~dtree.schedule.Schedule`::
 
     forward(g):  zero g's gradient slots; run g's segments through the model; every
-                 attention layer pushes g's K/V onto the stack and reads the
-                 ancestors' K/V from it; compute g's loss terms (retain mode)
-    ...          all child groups, depth first
-    backward(g): autograd.backward([loss_g, K_g^l, V_g^l for every layer l],
-                                   [1,      dK_g^l, dV_g^l from the stack])
-                 the attention backward adds g's prefix gradients into the
-                 ancestors' slots, so they are complete when the ancestors pop
+                 attention layer pushes g's K/V onto the stack, reads the ancestors'
+                 K/V from it, and takes g's own K/V through ``seed_from_stack``;
+                 compute g's loss terms (retain mode)
+    ...          all child groups, depth first; their attention backward adds their
+                 prefix gradients into g's slots
+    backward(g): autograd.backward(loss_g)  (or g's final hidden states with a zero
+                 gradient when g has no loss terms): at every layer the seed's
+                 backward adds g's slots (the descendants' gradients, and the ones g's
+                 own segments sent their in-call ancestors) to dK_g, dV_g where the
+                 attention consumed them, and g's attention backward adds its prefix
+                 gradients into the ancestors' slots, complete when they pop
+
+Seeds enter where K/V are consumed, inside whatever graph computed them, so any
+checkpointing inside the model works: dtree's own per-layer checkpointing
+(``checkpoint_layers``) and HF's gradient checkpointing re-run a layer in backward,
+re-push its K/V (the same values, into the slots it holds) and seed the re-run K/V.
+A frozen layer's K/V (no graph) simply drop their seed: nothing trainable computes them.
 
 Modes:
     retain     the graphs of the groups on the current path stay alive between
@@ -62,7 +72,7 @@ from .kv_stack import KVStack
 from .losses import Normalization, TokenLoss, weighted_terms
 from .models import TreeModule, adapt
 from .ops.logprobs import OutputHead, as_output_head, compute_dtype, token_logprobs
-from .ops.stack_attention import BACKENDS, SegmentLayout, stack_attention
+from .ops.stack_attention import BACKENDS, SegmentLayout, seed_from_stack, stack_attention
 from .schedule import FORWARD, Schedule, build_schedule
 from .transfer import upload
 from .tree import Forest
@@ -135,19 +145,20 @@ def _loss_terms(sched: Schedule, weights: np.ndarray) -> _Terms:
     )
 
 
-def _check_grad_pattern(state: _GroupState, expected: list) -> None:
+def _check_grad_pattern(pattern: tuple, expected: list) -> None:
     """Every group of a step must have the same layers whose K/V need grad.
 
     A group's K/V at layer l need grad when a trainable parameter feeds them. For a
-    dense model that holds for all groups alike, and the backward may skip K/V without
-    a graph. If it held for an ancestor but not for a descendant (trainable parts that
-    only some tokens reach, e.g. some MoE experts), the descendant's attention would
-    send the ancestor no gradient: refuse rather than be silently wrong. ``expected``
-    is empty before the step's first group, then holds its pattern."""
-    got = tuple((k.requires_grad, v.requires_grad) for k, v in (kv for kv in state.own if kv is not None))
+    dense model that holds for all groups alike. If it held for an ancestor but not
+    for a descendant (trainable parts that only some tokens reach, e.g. some MoE
+    experts), the descendant's attention would have no backward and send the ancestor
+    no gradient: refuse rather than be silently wrong. ``pattern``: per layer,
+    (k.requires_grad, v.requires_grad) as the group's call saw them with grad on (None
+    where it did not); ``expected`` is empty before the step's first group, then holds
+    its pattern."""
     if not expected:
-        expected.append(got)
-    elif got != expected[0]:
+        expected.append(pattern)
+    elif pattern != expected[0]:
         raise ValueError(
             "the layers whose K/V need gradients differ between model calls of one step: trainable parameters "
             "that only some tokens reach (e.g. some MoE experts) cannot be trained through dtree's KV stack; "
@@ -156,29 +167,45 @@ def _check_grad_pattern(state: _GroupState, expected: list) -> None:
 
 
 class _GroupAttention:
-    """The ``attend`` callable handed to the model for one group's call."""
+    """The ``attend`` callable handed to the model for one group's call.
 
-    def __init__(self, stack: KVStack, stack_start: int, layout: SegmentLayout, backend: str, push: bool, record: bool):
-        self.stack, self.lo, self.layout, self.backend = stack, stack_start, layout, backend
-        self.push, self.record = push, record
-        self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * stack.num_layers
+    ``push``: write the call's K/V into its stack slots ``[lo, hi)`` (every time a
+    layer runs, also when a checkpointed layer re-runs in backward: the same values).
+    ``seed``: pass the call's K/V through :func:`seed_from_stack` (groups whose slots
+    collect gradients: groups with children, and calls with in-call ancestors)."""
+
+    def __init__(
+        self, stack: KVStack, lo: int, hi: int, layout: SegmentLayout, backend: str, push: bool, seed: bool
+    ):
+        self.stack, self.lo, self.hi, self.layout, self.backend = stack, lo, hi, layout, backend
+        self.push, self.seed = push, seed
+        self.called = [False] * stack.num_layers
+        self.pattern: list[tuple[bool, bool] | None] = [None] * stack.num_layers
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
     ) -> torch.Tensor:
         """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
         of :func:`dtree.ops.stack_attention.stack_attention`."""
+        self.called[layer] = True
         if self.push:
             self.stack.write(layer, self.lo, k.detach(), v.detach())
-        if self.record:
-            self.own[layer] = (k, v)
+        if torch.is_grad_enabled():
+            self.pattern[layer] = (k.requires_grad, v.requires_grad)
+            if self.seed:
+                k, v = seed_from_stack(k, v, self.stack, layer, self.lo, self.hi)
         return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend, **options)
 
 
 @dataclass
 class _GroupState:
+    """A group's graph between its forward and its backward: the backward's root is
+    ``loss``, or ``hidden`` (with a zero gradient) when the group has no loss terms but
+    its K/V carry seeds."""
+
     loss: torch.Tensor | None
-    own: list
+    hidden: torch.Tensor | None
+    pattern: tuple
 
 
 def _free_device_memory(device: torch.device) -> float:
@@ -449,7 +476,7 @@ class TreeRuntime:
             if kind != FORWARD:
                 continue
             with rng.seeded(rng.next_seed() if randomness else None, device):
-                hidden, _ = self._hidden(sched, g, stack, dev, push=True, record=False)
+                hidden, _ = self._hidden(sched, g, stack, dev, push=True)
                 p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
                 if p1 > p0:
                     unique = dev["pred_unique"][p0:p1]
@@ -555,12 +582,18 @@ class TreeRuntime:
         )
 
     def _hidden(
-        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool, record: bool
+        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool
     ) -> tuple[torch.Tensor, _GroupAttention]:
         """Run group ``g`` through the model: ([T, hidden] final hidden states, its attend)."""
         r0, r1 = int(sched.row_offsets[g]), int(sched.row_offsets[g + 1])
-        attend = _GroupAttention(stack, sched.groups[g].stack_start, self._layout(sched, g), self._attention, push, record)
+        plan = sched.groups[g]
+        lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
+        seed = stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
+        attend = _GroupAttention(stack, lo, hi, self._layout(sched, g), self._attention, push, seed)
         hidden = self.model.dtree_hidden_states(dev["input_ids"][r0:r1], dev["positions"][r0:r1], attend)
+        if push and not all(attend.called):
+            missing = [layer for layer, called in enumerate(attend.called) if not called]
+            raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
         return hidden, attend
 
     def _group_loss(
@@ -586,46 +619,11 @@ class TreeRuntime:
         return weighted.sum()
 
     def _run_group(self, sched, g, stack, terms, dev, per_token, term_log, head, push: bool) -> _GroupState:
-        hidden, attend = self._hidden(sched, g, stack, dev, push=push, record=True)
+        hidden, attend = self._hidden(sched, g, stack, dev, push=push)
         loss = self._group_loss(g, hidden, terms, dev, per_token, term_log, head)
-        return _GroupState(loss=loss, own=attend.own)
-
-    def _backward_group(
-        self, state: _GroupState, stack: KVStack, lo: int, hi: int, seed_kv: bool, clear: bool = False
-    ) -> None:
-        """Backpropagate the group's loss and its K/V seeded with the stack's gradients.
-
-        Only tensors that require grad take part: K/V of frozen layers (layer 0 of a
-        model with frozen embeddings and k_proj, as under LoRA on q/v) have no graph.
-        Their stack slots still receive the descendants' prefix gradients, which are
-        dropped with nothing lost: a K/V without a graph depends on no trainable
-        parameter, in this group or any other (:func:`_check_grad_pattern`)."""
-        tensors: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        if state.loss is not None and state.loss.requires_grad:
-            tensors.append(state.loss)
-            grads.append(torch.ones_like(state.loss))
-        if seed_kv:
-            missing = [layer for layer, kv in enumerate(state.own) if kv is None]
-            if missing:
-                raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
-            seeded = [(layer, k, v) for layer, (k, v) in enumerate(state.own) if k.requires_grad or v.requires_grad]
-            if seeded:
-                dtype = state.own[0][0].dtype
-                # one conversion kernel for all layers, not two per layer (a copy even in float32,
-                # since clearing the slots below must not clear the seeds)
-                gk_all, gv_all = (g[:, lo:hi].to(dtype, copy=True) for g in (stack.grad_k, stack.grad_v))
-            if clear:
-                stack.zero_grad(lo, hi)
-            for layer, k, v in seeded:
-                if k.requires_grad:
-                    tensors.append(k)
-                    grads.append(gk_all[layer])
-                if v.requires_grad:
-                    tensors.append(v)
-                    grads.append(gv_all[layer])
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        # without loss terms, a group's backward only carries its descendants' seeds
+        keep_hidden = loss is None and not sched.groups[g].is_leaf and hidden.requires_grad
+        return _GroupState(loss=loss, hidden=hidden if keep_hidden else None, pattern=tuple(attend.pattern))
 
     def _train(
         self,
@@ -716,7 +714,7 @@ class TreeRuntime:
         def run(g: int, push: bool, seed: int | None) -> _GroupState:
             with torch.enable_grad(), rng.seeded(seed, device):
                 state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, head, push=push)
-            _check_grad_pattern(state, pattern)
+            _check_grad_pattern(state.pattern, pattern)
             return state
 
         for kind, g in self._events(sched):
@@ -730,7 +728,7 @@ class TreeRuntime:
                         stack.zero_grad(lo, hi)
                     state = run(g, push=plan.in_call_ancestors, seed=seed)
                     peak = max(peak, live_tokens + plan.num_tokens)
-                    total = self._finish_group(state, stack, lo, hi, total, seed_kv=False)
+                    total = self._finish_group(state, total)
                     continue
                 stack.zero_grad(lo, hi)
                 if live_tokens + plan.num_tokens <= budget:
@@ -742,7 +740,7 @@ class TreeRuntime:
                 else:
                     seeds[g] = seed
                     with torch.no_grad(), rng.seeded(seed, device):
-                        self._hidden(sched, g, stack, dev, push=True, record=False)
+                        self._hidden(sched, g, stack, dev, push=True)
                 continue
             if plan.is_leaf:
                 continue
@@ -752,11 +750,12 @@ class TreeRuntime:
             else:
                 calls += 1
                 recomputed += plan.num_tokens
-                # K/V are on the stack already; pushing again would only rewrite them. The
-                # seed replays the forward's dropout masks, so the graph is of those K/V.
+                # K/V are on the stack already and its slots hold the descendants'
+                # gradients: no push, no zeroing. The seed replays the forward's dropout
+                # masks, so the graph is of those K/V.
                 state = run(g, push=False, seed=seeds.pop(g))
                 peak = max(peak, live_tokens + plan.num_tokens)
-            total = self._finish_group(state, stack, lo, hi, total, seed_kv=True, clear=plan.in_call_ancestors)
+            total = self._finish_group(state, total)
         return total, term_log, calls, peak, recomputed
 
     def _allocated(self) -> int:
@@ -773,13 +772,12 @@ class TreeRuntime:
         seen = self._measured_bytes_per_token
         self._measured_bytes_per_token = per_token if seen is None else max(seen, per_token)
 
-    def _finish_group(
-        self, state: _GroupState, stack: KVStack, lo: int, hi: int, total, seed_kv: bool, clear: bool = False
-    ):
-        """Backward of one group; returns the running loss sum. ``clear``: empty the
-        group's gradient slots once the seeds are read, for the in-call attention
-        gradients the backward adds there (``dtree.ops.stack_attention._InCallGrad``)."""
+    def _finish_group(self, state: _GroupState, total):
+        """Backward of one group (see the module docstring); returns the running loss sum."""
         if state.loss is not None:
             total = total + state.loss.detach()
-        self._backward_group(state, stack, lo, hi, seed_kv=seed_kv, clear=clear)
+            if state.loss.requires_grad:
+                state.loss.backward()
+        elif state.hidden is not None:
+            state.hidden.backward(torch.zeros_like(state.hidden))
         return total

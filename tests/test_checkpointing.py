@@ -172,6 +172,7 @@ def test_checkpointed_tree_mask_holds_less_on_cuda():
 
     config = make_config("llama")
     config.head_dim, config.num_hidden_layers = 64, 8
+    config.vocab_size = 4096  # the prompt's ids run to 2047
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
     prompt = list(range(1, 2048))

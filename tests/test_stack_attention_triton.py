@@ -136,7 +136,8 @@ def _case_value_heads_narrower(option):
 
 
 def _case_in_call_ancestors(option):
-    """Nested segments of one call through the dispatcher (``_InCallGrad``)."""
+    """Nested segments of one call through the dispatcher (in-call gradients folded back
+    by ``seed_from_stack``)."""
     layout, t = nested_layout(19)
     opts = OPTIONS[option](torch.Generator().manual_seed(4), 6)
     attn = functools.partial(stack_attention, backend="triton")
