@@ -18,7 +18,7 @@ Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
 
 With ``checkpoint=True`` the model call runs under
-:func:`dtree.baselines.checkpointing.checkpointed_layers` (each decoder layer keeps only
+:func:`dtree.checkpointing.checkpointed_layers` (each decoder layer keeps only
 its input and is recomputed in backward), as mask-based trainers run in practice.
 
 The LM head goes through the same chunked :func:`dtree.ops.logprobs.token_logprobs` as
@@ -45,7 +45,7 @@ from ..ops.logprobs import as_output_head, compute_dtype
 from ..runtime import StepOutput
 from ..transfer import upload
 from ..tree import Forest
-from .checkpointing import checkpointed_layers, decoder_layers
+from ..checkpointing import checkpointed_layers, decoder_layers
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 
