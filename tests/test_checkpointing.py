@@ -1,4 +1,5 @@
-"""Checkpointed baselines (``checkpoint=True``, dtree/checkpointing.py): the
+"""Checkpointed baselines (``checkpoint=True``, dtree/checkpointing.py; and under HF's
+gradient checkpointing): the
 same loss and every parameter gradient as HF run per path (tests/reference.py) and as
 the unchecked baselines, and less activation memory held for backward."""
 
@@ -190,3 +191,18 @@ def test_checkpointed_tree_mask_holds_less_on_cuda():
         peaks[ckpt] = torch.cuda.max_memory_allocated() - base
         model.zero_grad(set_to_none=True)
     assert peaks[True] < 0.6 * peaks[False], peaks
+
+
+@pytest.mark.parametrize("method", ["tree-mask", "linearized"])
+def test_baselines_under_hf_gradient_checkpointing(method):
+    """HF's own checkpointing re-runs the layers in backward through the adapter's
+    attention (the baselines hold its scope over backward too): exact per path."""
+    model = make_model("llama")
+    ref_model = copy.deepcopy(model)
+    ref_loss, _ = linearized_step(ref_model, ALL_EDGE_SEQS)
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    out = make_method(method, m).forward_backward(dtree.Forest.from_sequences(ALL_EDGE_SEQS), dtree.losses.nll())
+    assert max(grad_errors(m, ref_model).values()) < 1e-5
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)

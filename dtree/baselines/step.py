@@ -261,8 +261,11 @@ class MicroBatchTrainer:
         per_token = loss.recording(recorded)
         uploaded = self._upload(calls, forest, weights, loss.metric_mask(forest), loss.required_fields)
         e0 = 0
+        # the model's attention stays the adapter's through backward: HF gradient
+        # checkpointing re-runs layers there
+        scope = getattr(self.model, "dtree_scope", None)
         for call, dev in zip(calls, uploaded):
-            with torch.enable_grad():
+            with torch.enable_grad(), scope() if scope is not None else contextlib.nullcontext():
                 attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
