@@ -370,7 +370,8 @@ def plan_step(
 
 
 def retain_budget(
-    plan: MemoryPlan, spec: ModelSpec, mode: str, *, unique_tokens: int, nonleaf_tokens: int, nonleaf_groups: int
+    plan: MemoryPlan, spec: ModelSpec, mode: str, *, unique_tokens: int, num_groups: int, nonleaf_tokens: int,
+    nonleaf_groups: int,
 ) -> float:
     """Tokens of groups with children whose graphs ``mode`` keeps alive at once (the
     walk retains the outermost first and recomputes the rest).
@@ -379,14 +380,14 @@ def retain_budget(
     checkpointing, what fits in ``plan.retain_bytes`` (a group's layer inputs: cheap);
     without, what fits only if recomputing all of them (their layers' forward again,
     and one more call each) is predicted to cost at least :data:`RETAIN_SAVING` of the
-    step, else none."""
+    step (``unique_tokens`` in ``num_groups`` calls), else none."""
     if mode == "retain" or (mode == "auto" and math.isinf(plan.retain_bytes)):
         return math.inf
     if mode == "recompute" or nonleaf_tokens == 0:
         return 0.0
     if not plan.checkpoint_layers:
         saving = nonleaf_tokens * _layer_share(spec) + nonleaf_groups * _call_tokens(spec)
-        step = unique_tokens + _calls(unique_tokens, max(1, plan.group_tokens)) * _call_tokens(spec)
+        step = unique_tokens + num_groups * _call_tokens(spec)
         if saving < RETAIN_SAVING * step:
             return 0.0
     return plan.retain_tokens()

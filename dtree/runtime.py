@@ -748,7 +748,7 @@ class TreeRuntime:
         :func:`dtree.memory_policy.retain_budget`)."""
         nonleaf = [p.num_tokens for p in sched.groups if not p.is_leaf]
         return memory_policy.retain_budget(
-            self._step, self.spec, self.mode, unique_tokens=int(sched.row_offsets[-1]),
+            self._step, self.spec, self.mode, unique_tokens=int(sched.row_offsets[-1]), num_groups=sched.num_groups,
             nonleaf_tokens=int(sum(nonleaf)), nonleaf_groups=len(nonleaf),
         )
 

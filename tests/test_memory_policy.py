@@ -116,13 +116,13 @@ def test_bad_settings_name_the_choices(bad):
 
 def test_retain_budget():
     unchecked, checked = plan(), plan(checkpoint_layers=True)
-    shape = dict(unique_tokens=65606, nonleaf_tokens=6157, nonleaf_groups=1)
+    shape = dict(unique_tokens=65606, num_groups=6, nonleaf_tokens=6157, nonleaf_groups=1)  # the schedule at 16k
     assert math.isinf(mp.retain_budget(unchecked, QWEN_1_5B, "retain", **shape))
     assert mp.retain_budget(unchecked, QWEN_1_5B, "recompute", **shape) == 0
     # the 64k tree's trunk: retaining it saves ~4% of the step, for ~17 GB: recomputed
     assert mp.retain_budget(unchecked, QWEN_1_5B, "auto", **shape) == 0
     # a tree that is mostly trunk: retained, within the memory left over
-    deep = dict(unique_tokens=65606, nonleaf_tokens=40000, nonleaf_groups=6)
+    deep = dict(unique_tokens=65606, num_groups=12, nonleaf_tokens=40000, nonleaf_groups=6)
     assert mp.retain_budget(unchecked, QWEN_1_5B, "auto", **deep) == pytest.approx(unchecked.retain_tokens())
     # checkpointed groups keep their layer inputs only: retained
     assert mp.retain_budget(checked, QWEN_1_5B, "auto", **shape) == pytest.approx(checked.retain_tokens())
@@ -149,3 +149,30 @@ def test_missing_grad_bytes_counts_tied_weights_once():
     assert mp.missing_grad_bytes(params + params) == want
     params[0].grad = torch.zeros_like(params[0])
     assert mp.missing_grad_bytes(params) == want - params[0].numel() * params[0].element_size()
+
+
+def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
+    """The runtime's side of a CUDA step without a GPU: what the allocator can hand out,
+    the gradients still to allocate, the stack held, the fused head, HF checkpointing."""
+    model = make_model("qwen2")
+    rt = dtree.TreeRuntime(model, chunk_size=3)
+    seen = {}
+
+    def fake_available(device):
+        seen["device"] = device
+        return 5 * GIB, 1 * GIB
+
+    monkeypatch.setattr(mp, "available_bytes", fake_available)
+    rt._placement = (torch.device("cuda", 0), torch.bfloat16)
+    forest = dtree.Forest.from_sequences(SEQS)
+    plan_ = rt._plan_memory(forest)
+    assert seen["device"] == torch.device("cuda", 0)
+    assert plan_.budget_bytes == pytest.approx((1 - mp.MARGIN_FRAGMENTED) * 5 * GIB)
+    assert plan_.parts["gradients"] == mp.missing_grad_bytes(model.parameters()) > 0
+    assert plan_.predicted_peak_bytes <= plan_.budget_bytes and plan_.reason.startswith("fastest")
+    capped = dtree.TreeRuntime(model, chunk_size=3, memory=1.5)
+    capped._placement = rt._placement
+    assert capped._plan_memory(forest).budget_bytes == pytest.approx(0.5 * GIB)
+    model.gradient_checkpointing_enable()
+    model.train()
+    assert rt._plan_memory(forest).checkpoint_layers is True  # HF checkpoints: planned as checkpointed
