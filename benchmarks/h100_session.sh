@@ -86,7 +86,7 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
     tests)
       local to=""
       python -c "import pytest_timeout" 2>/dev/null && to="--timeout 240"
-      DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests \
+      timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests \
         2>&1 | tee "$dir/pytest.txt"
       ;;
     tests-mem)
