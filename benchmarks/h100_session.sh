@@ -12,7 +12,8 @@
 #
 #   env              versions, GPU                                            ~10 s
 #   tests            pytest -m gpu (fixed Triton configs)                     ~3-5 min
-#   tests-mem        the GPU tests of the memory/fused-kernel work only        ~1.5-2.5 min
+#   tests-mem        the GPU tests of the memory/fused-kernel work only, and its
+#                    checkpointing/policy CPU tests on this transformers       ~2-3 min
 #   issue11          everything issue 11 needs, in one command:               ~7-8.5 min
 #                      i11-agentic64k, i11-case1, i11-low21k, i11-fused (below, each on its own too)
 #   i11-agentic64k   64k agentic tree, 5 fresh forests: dtree, dtree:low,
@@ -95,6 +96,9 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
       timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests/test_runtime_gpu.py \
         tests/test_logprobs_triton.py tests/test_checkpointing.py tests/test_late_changes.py tests/test_fused.py \
         tests/test_baselines.py 2>&1 | tee "$dir/pytest.txt"
+      # the CPU tests of HF/dtree layer checkpointing and the policy, on this machine's transformers
+      timeout 120 python -m pytest -q -p no:cacheprovider -rfE tests/test_checkpoint_layers.py \
+        tests/test_memory_policy.py tests/test_kernel_specialization.py 2>&1 | tail -n 15 | tee -a "$dir/pytest.txt"
       ;;
     i11-agentic64k)
       timeout "$secs" $BENCH $AGENTIC64K --steps 5 --configs dtree,dtree:low,tree-mask:whole+ckpt,tree-mask:split16k \
