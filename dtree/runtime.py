@@ -3,13 +3,23 @@
 The walk (DESIGN.md section 2), over the groups of a :class:`~dtree.schedule.Schedule`::
 
     forward(g):  zero g's gradient slots; run g's segments through the model; every
-                 attention layer pushes g's K/V onto the stack and reads the
-                 ancestors' K/V from it; compute g's loss terms (retain mode)
-    ...          all child groups, depth first
-    backward(g): autograd.backward([loss_g, K_g^l, V_g^l for every layer l],
-                                   [1,      dK_g^l, dV_g^l from the stack])
-                 the attention backward adds g's prefix gradients into the
-                 ancestors' slots, so they are complete when the ancestors pop
+                 attention layer pushes g's K/V onto the stack, reads the ancestors'
+                 K/V from it, and takes g's own K/V through ``seed_from_stack``;
+                 compute g's loss terms (retain mode)
+    ...          all child groups, depth first; their attention backward adds their
+                 prefix gradients into g's slots
+    backward(g): autograd.backward(loss_g)  (or g's final hidden states with a zero
+                 gradient when g has no loss terms): at every layer the seed's
+                 backward adds g's slots (the descendants' gradients, and the ones g's
+                 own segments sent their in-call ancestors) to dK_g, dV_g where the
+                 attention consumed them, and g's attention backward adds its prefix
+                 gradients into the ancestors' slots, complete when they pop
+
+Seeds enter where K/V are consumed, inside whatever graph computed them, so any
+checkpointing inside the model works: dtree's own per-layer checkpointing
+(``checkpoint_layers``) and HF's gradient checkpointing re-run a layer in backward,
+re-push its K/V (the same values, into the slots it holds) and seed the re-run K/V.
+A frozen layer's K/V (no graph) simply drop their seed: nothing trainable computes them.
 
 Modes:
     retain     the graphs of the groups on the current path stay alive between
@@ -17,10 +27,10 @@ Modes:
     recompute  forward(g) runs without grad (it only pushes K/V); backward(g) re-runs
                g with grad and backpropagates at once. One group's activations are
                alive at a time, for one extra forward of every group with children.
-    auto       per group: retain while the graphs alive at once stay within a token
-               budget derived from the free device memory (and an estimate of bytes
-               per token), recompute the groups that would exceed it. The outermost
-               groups, which live longest, are the ones retained. Retain on CPU.
+    auto       the memory policy (:mod:`dtree.memory_policy`) decides per step: the
+               call size, layer checkpointing, the LM-head chunk, and which groups
+               with children are retained (the outermost, which live longest) and
+               which recomputed. Retain on CPU.
 
 In every mode a group without children (leaves only) runs once, with grad, and
 backpropagates at once: nothing reads its K/V, so it is neither pushed nor recomputed.
@@ -36,9 +46,17 @@ path replays its own draws in backward. So retain, recompute and auto give the s
 gradients under the same ``torch.manual_seed``. Attention-probability dropout is
 refused (the stack attention does not implement it).
 
+Memory (``memory="auto" | "low" | GiB``, :mod:`dtree.memory_policy`): the call size,
+layer checkpointing (``checkpoint_layers``: every decoder layer of a call under
+non-reentrant ``torch.utils.checkpoint``, keeping its inputs only), the LM-head chunk
+and what auto mode retains are planned per step from the model's shape, its dtype,
+the memory the process may still allocate and the forest's size; explicit arguments
+win.
+
 Model state is read at every call, not at construction: device and dtype (the KV stack
 is reallocated when they change), the LM head (adapters injected later), HF gradient
-checkpointing, attention dropout.
+checkpointing (the step runs inside the adapter's attention scope, so HF's re-run
+layers in backward attend through the stack), attention dropout.
 
 Errors: inputs are validated on the host before any kernel runs. A non-finite loss is
 detected at the end of the step with a single device sync; ``param.grad`` is then
@@ -48,6 +66,7 @@ position of the first bad term.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -55,7 +74,8 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from . import rng
+from . import memory_policy, rng
+from .checkpointing import checkpointed_layers, decoder_layers
 from .checks import check_trainable, model_placement, raise_non_finite, validate_forest
 from .grad_guard import GradStash
 from .kv_stack import KVStack
@@ -68,9 +88,9 @@ from .losses import (
     metric_means,
     weighted_terms,
 )
-from .models import TreeModule, adapt
-from .ops.logprobs import OutputHead, as_output_head, compute_dtype, token_logprobs
-from .ops.stack_attention import BACKENDS, SegmentLayout, stack_attention
+from .models import TreeModule, adapt, unwrap
+from .ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel, token_logprobs
+from .ops.stack_attention import BACKENDS, SegmentLayout, seed_from_stack, stack_attention
 from .schedule import FORWARD, Schedule, build_schedule
 from .transfer import upload
 from .tree import Forest
@@ -179,19 +199,20 @@ def _loss_terms(sched: Schedule, weights: np.ndarray) -> _Terms:
     )
 
 
-def _check_grad_pattern(state: _GroupState, expected: list) -> None:
+def _check_grad_pattern(pattern: tuple, expected: list) -> None:
     """Every group of a step must have the same layers whose K/V need grad.
 
     A group's K/V at layer l need grad when a trainable parameter feeds them. For a
-    dense model that holds for all groups alike, and the backward may skip K/V without
-    a graph. If it held for an ancestor but not for a descendant (trainable parts that
-    only some tokens reach, e.g. some MoE experts), the descendant's attention would
-    send the ancestor no gradient: refuse rather than be silently wrong. ``expected``
-    is empty before the step's first group, then holds its pattern."""
-    got = tuple((k.requires_grad, v.requires_grad) for k, v in (kv for kv in state.own if kv is not None))
+    dense model that holds for all groups alike. If it held for an ancestor but not
+    for a descendant (trainable parts that only some tokens reach, e.g. some MoE
+    experts), the descendant's attention would have no backward and send the ancestor
+    no gradient: refuse rather than be silently wrong. ``pattern``: per layer,
+    (k.requires_grad, v.requires_grad) as the group's call saw them with grad on (None
+    where it did not); ``expected`` is empty before the step's first group, then holds
+    its pattern."""
     if not expected:
-        expected.append(got)
-    elif got != expected[0]:
+        expected.append(pattern)
+    elif pattern != expected[0]:
         raise ValueError(
             "the layers whose K/V need gradients differ between model calls of one step: trainable parameters "
             "that only some tokens reach (e.g. some MoE experts) cannot be trained through dtree's KV stack; "
@@ -200,41 +221,45 @@ def _check_grad_pattern(state: _GroupState, expected: list) -> None:
 
 
 class _GroupAttention:
-    """The ``attend`` callable handed to the model for one group's call."""
+    """The ``attend`` callable handed to the model for one group's call.
 
-    def __init__(self, stack: KVStack, stack_start: int, layout: SegmentLayout, backend: str, push: bool, record: bool):
-        self.stack, self.lo, self.layout, self.backend = stack, stack_start, layout, backend
-        self.push, self.record = push, record
-        self.own: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * stack.num_layers
+    ``push``: write the call's K/V into its stack slots ``[lo, hi)`` (every time a
+    layer runs, also when a checkpointed layer re-runs in backward: the same values).
+    ``seed``: pass the call's K/V through :func:`seed_from_stack` (groups whose slots
+    collect gradients: groups with children, and calls with in-call ancestors)."""
+
+    def __init__(
+        self, stack: KVStack, lo: int, hi: int, layout: SegmentLayout, backend: str, push: bool, seed: bool
+    ):
+        self.stack, self.lo, self.hi, self.layout, self.backend = stack, lo, hi, layout, backend
+        self.push, self.seed = push, seed
+        self.called = [False] * stack.num_layers
+        self.pattern: list[tuple[bool, bool] | None] = [None] * stack.num_layers
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
     ) -> torch.Tensor:
         """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
         of :func:`dtree.ops.stack_attention.stack_attention`."""
+        self.called[layer] = True
         if self.push:
             self.stack.write(layer, self.lo, k.detach(), v.detach())
-        if self.record:
-            self.own[layer] = (k, v)
+        if torch.is_grad_enabled():
+            self.pattern[layer] = (k.requires_grad, v.requires_grad)
+            if self.seed:
+                k, v = seed_from_stack(k, v, self.stack, layer, self.lo, self.hi)
         return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend, **options)
 
 
 @dataclass
 class _GroupState:
+    """A group's graph between its forward and its backward: the backward's root is
+    ``loss``, or ``hidden`` (with a zero gradient) when the group has no loss terms but
+    its K/V carry seeds."""
+
     loss: torch.Tensor | None
-    own: list
-
-
-def _free_device_memory(device: torch.device) -> float:
-    """Bytes the caching allocator can still hand out: free device memory plus what it
-    holds unused, capped by ``torch.cuda.set_per_process_memory_fraction``."""
-    free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    available = free + torch.cuda.memory_reserved(device) - allocated
-    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if get_fraction is not None:
-        available = min(available, total * get_fraction(device) - allocated)
-    return available
+    hidden: torch.Tensor | None
+    pattern: tuple
 
 
 class TreeRuntime:
@@ -249,12 +274,20 @@ class TreeRuntime:
         chunk_size: longest segment in tokens; longer trie nodes are split.
         group_tokens: token budget of one packed model call (sibling nodes, nodes of
             different trees and whole small subtrees run together). 0 runs one segment
-            per call. None (default): 8192 on CPU; on CUDA what fits in 40% of the free
-            memory at the activation bytes per token measured on earlier steps (an
-            estimate before the first), between ``chunk_size`` and 32768.
+            per call. None (default): 8192 on CPU; on CUDA the memory policy's choice
+            (2048 to 32768).
         attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
             ``"triton"``, ``"sdpa"`` or ``"reference"``.
-        logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)).
+        logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); None
+            (default): the memory policy's choice (4096 on CPU).
+        checkpoint_layers: run every decoder layer of a call under non-reentrant
+            ``torch.utils.checkpoint`` (:mod:`dtree.checkpointing`: autograd keeps each
+            layer's input, backward re-runs it). None (default): the memory policy
+            decides (off on CPU). Needs the decoder layers as a ``ModuleList``.
+        memory: ``"auto"`` (default: the fastest plan that fits the free memory with a
+            margin), ``"low"`` (layer checkpointing, 8192-token calls, 1024-row LM-head
+            chunks: the least memory), or a number, a cap in GiB on the step's peak
+            allocated memory (see :mod:`dtree.memory_policy`).
         stack_capacity: fixed KV-stack size in tokens; None sizes it to each step's plan.
         progress: show a progress bar over the model calls of each step (for long steps).
         compile: ``torch.compile`` the model's decoder layers in place (transformers
@@ -270,24 +303,40 @@ class TreeRuntime:
         chunk_size: int = 2048,
         group_tokens: int | None = None,
         attention: str = "auto",
-        logprob_chunk: int = 4096,
+        logprob_chunk: int | None = None,
         stack_capacity: int | None = None,
         progress: bool = False,
         compile: bool = False,
+        checkpoint_layers: bool | None = None,
+        memory: str | float = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         if attention != "auto" and attention not in BACKENDS:
             raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
-        if chunk_size < 1 or (group_tokens is not None and group_tokens < 0) or logprob_chunk < 1:
+        if chunk_size < 1 or (group_tokens is not None and group_tokens < 0) or (
+            logprob_chunk is not None and logprob_chunk < 1
+        ):
             raise ValueError("chunk_size and logprob_chunk must be >= 1 and group_tokens >= 0")
+        if not (memory in memory_policy.SETTINGS or (
+            isinstance(memory, (int, float)) and not isinstance(memory, bool) and memory > 0
+        )):
+            raise ValueError(
+                f"memory must be one of {memory_policy.SETTINGS} or a positive number (a cap in GiB), got {memory!r}"
+            )
+        if checkpoint_layers not in (None, True, False):
+            raise ValueError(f"checkpoint_layers must be None (decided per step), True or False, got {checkpoint_layers!r}")
         self.module = model  # the user's object: its parameters get the gradients
         self.model: TreeModule = adapt(model)
         self.spec = self.model.dtree_spec()
         self.mode = mode
         self.chunk_size = chunk_size
         self.group_tokens = group_tokens
-        self.logprob_chunk = logprob_chunk
+        self._logprob_chunk = logprob_chunk
+        self.checkpoint_layers = checkpoint_layers
+        self.memory = memory
+        if checkpoint_layers:
+            decoder_layers(unwrap(model))  # raises now, naming the fix, if the layers cannot be found
         self.stack_capacity = stack_capacity
         self.progress = progress
         if compile:
@@ -298,8 +347,7 @@ class TreeRuntime:
         self._placement: tuple[torch.device, torch.dtype] | None = None
         self._attention: str | None = None
         self._stack: KVStack | None = None
-        # activation bytes per token measured on retained groups (CUDA), once there are any
-        self._measured_bytes_per_token: float | None = None
+        self._step: memory_policy.MemoryPlan | None = None  # the last planned step
         if not any(p.device.type == "meta" for p in model.parameters()):
             self._sync_placement()  # an explicit attention backend that cannot run fails here
 
@@ -321,6 +369,24 @@ class TreeRuntime:
         return self._attention
 
     @property
+    def logprob_chunk(self) -> int:
+        """Rows per LM-head chunk: the constructor's value, else the last planned step's."""
+        if self._logprob_chunk is not None:
+            return self._logprob_chunk
+        return self._step.logprob_chunk if self._step is not None else memory_policy.DEFAULT_LOGPROB_CHUNK
+
+    @logprob_chunk.setter
+    def logprob_chunk(self, value: int | None) -> None:
+        if value is not None and value < 1:
+            raise ValueError("logprob_chunk must be >= 1")
+        self._logprob_chunk = value
+
+    @property
+    def memory_plan(self) -> memory_policy.MemoryPlan | None:
+        """The memory policy's decisions for the last planned step (None before one)."""
+        return self._step
+
+    @property
     def _device(self) -> torch.device:  # inside a call, after _sync_placement
         return self._placement[0]
 
@@ -337,7 +403,6 @@ class TreeRuntime:
         if placement != self._placement:
             self._placement = placement
             self._attention = self._pick_backend(self.attention_option)
-            self._measured_bytes_per_token = None
         return placement
 
     def _check_call(self, training: bool) -> None:
@@ -388,7 +453,8 @@ class TreeRuntime:
         """Validate ``forest`` against the model and build its schedule."""
         self._sync_placement()
         validate_forest(forest, self.spec)
-        sched = build_schedule(forest, self.chunk_size, self._group_budget())
+        self._step = self._plan_memory(forest)
+        sched = build_schedule(forest, self.chunk_size, self._step.group_tokens)
         if self.stack_capacity is not None and sched.stack_tokens > self.stack_capacity:
             lengths = forest.sequence_lengths()
             s = int(np.argmax(lengths))
@@ -402,6 +468,45 @@ class TreeRuntime:
                 f"{self.stack_capacity}: {hint}"
             )
         return sched
+
+    def _hf_checkpointing(self) -> bool:
+        """Whether HF gradient checkpointing is on for some module in training mode
+        (it then checkpoints the layers itself and dtree adds no checkpoint)."""
+        return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in self.module.modules())
+
+    def _can_checkpoint_layers(self) -> bool:
+        try:
+            decoder_layers(unwrap(self.module))
+        except ValueError:
+            return False
+        return True
+
+    def _plan_memory(self, forest: Forest) -> memory_policy.MemoryPlan:
+        """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.memory_policy`)."""
+        device, dtype = self._placement
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        lengths = forest.sequence_lengths()
+        shape = memory_policy.StepShape(forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0)
+        checkpoint = self.checkpoint_layers
+        if checkpoint is None and not self._can_checkpoint_layers():
+            checkpoint = False
+        kw = {}
+        if device.type == "cuda":
+            available, allocated = memory_policy.available_bytes(device)
+            stack = self._stack
+            kw = dict(
+                available=available,
+                allocated=allocated,
+                expandable_segments=memory_policy.expandable_segments(),
+                stack_held=float(stack.nbytes()) if stack is not None and stack.device == device else 0.0,
+                missing_grads=memory_policy.missing_grad_bytes(self.module.parameters()),
+                fused_head=fused_head_kernel(self._head(), dtype, device),
+            )
+        return memory_policy.plan_step(
+            self.spec, itemsize, shape, on_cuda=device.type == "cuda", setting=self.memory,
+            group_tokens=self.group_tokens, checkpoint_layers=checkpoint, logprob_chunk=self._logprob_chunk,
+            hf_checkpointing=self._hf_checkpointing(), **kw,
+        )
 
     def _get_stack(self, capacity: int, with_grad: bool) -> KVStack:
         spec = self.spec
@@ -551,7 +656,7 @@ class TreeRuntime:
             if kind != FORWARD:
                 continue
             with rng.seeded(rng.next_seed() if randomness else None, device):
-                hidden, _ = self._hidden(sched, g, stack, dev, push=True, record=False)
+                hidden, _ = self._hidden(sched, g, stack, dev, push=True)
                 p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
                 if p1 > p0:
                     unique = dev["pred_unique"][p0:p1]
@@ -671,12 +776,23 @@ class TreeRuntime:
         )
 
     def _hidden(
-        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool, record: bool
+        self, sched: Schedule, g: int, stack: KVStack, dev: dict, push: bool
     ) -> tuple[torch.Tensor, _GroupAttention]:
         """Run group ``g`` through the model: ([T, hidden] final hidden states, its attend)."""
         r0, r1 = int(sched.row_offsets[g]), int(sched.row_offsets[g + 1])
-        attend = _GroupAttention(stack, sched.groups[g].stack_start, self._layout(sched, g), self._attention, push, record)
-        hidden = self.model.dtree_hidden_states(dev["input_ids"][r0:r1], dev["positions"][r0:r1], attend)
+        plan = sched.groups[g]
+        lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
+        seed = stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
+        attend = _GroupAttention(stack, lo, hi, self._layout(sched, g), self._attention, push, seed)
+        checkpoint = (
+            torch.is_grad_enabled() and self._step is not None and self._step.checkpoint_layers
+            and not self._hf_checkpointing()
+        )
+        with checkpointed_layers(unwrap(self.module)) if checkpoint else contextlib.nullcontext():
+            hidden = self.model.dtree_hidden_states(dev["input_ids"][r0:r1], dev["positions"][r0:r1], attend)
+        if push and not all(attend.called):
+            missing = [layer for layer, called in enumerate(attend.called) if not called]
+            raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
         return hidden, attend
 
     def _group_loss(
@@ -704,46 +820,11 @@ class TreeRuntime:
         return weighted.sum()
 
     def _run_group(self, sched, g, stack, terms, dev, per_token, term_log, head, push: bool) -> _GroupState:
-        hidden, attend = self._hidden(sched, g, stack, dev, push=push, record=True)
+        hidden, attend = self._hidden(sched, g, stack, dev, push=push)
         loss = self._group_loss(g, hidden, terms, dev, per_token, term_log, head)
-        return _GroupState(loss=loss, own=attend.own)
-
-    def _backward_group(
-        self, state: _GroupState, stack: KVStack, lo: int, hi: int, seed_kv: bool, clear: bool = False
-    ) -> None:
-        """Backpropagate the group's loss and its K/V seeded with the stack's gradients.
-
-        Only tensors that require grad take part: K/V of frozen layers (layer 0 of a
-        model with frozen embeddings and k_proj, as under LoRA on q/v) have no graph.
-        Their stack slots still receive the descendants' prefix gradients, which are
-        dropped with nothing lost: a K/V without a graph depends on no trainable
-        parameter, in this group or any other (:func:`_check_grad_pattern`)."""
-        tensors: list[torch.Tensor] = []
-        grads: list[torch.Tensor] = []
-        if state.loss is not None and state.loss.requires_grad:
-            tensors.append(state.loss)
-            grads.append(torch.ones_like(state.loss))
-        if seed_kv:
-            missing = [layer for layer, kv in enumerate(state.own) if kv is None]
-            if missing:
-                raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
-            seeded = [(layer, k, v) for layer, (k, v) in enumerate(state.own) if k.requires_grad or v.requires_grad]
-            if seeded:
-                dtype = state.own[0][0].dtype
-                # one conversion kernel for all layers, not two per layer (a copy even in float32,
-                # since clearing the slots below must not clear the seeds)
-                gk_all, gv_all = (g[:, lo:hi].to(dtype, copy=True) for g in (stack.grad_k, stack.grad_v))
-            if clear:
-                stack.zero_grad(lo, hi)
-            for layer, k, v in seeded:
-                if k.requires_grad:
-                    tensors.append(k)
-                    grads.append(gk_all[layer])
-                if v.requires_grad:
-                    tensors.append(v)
-                    grads.append(gv_all[layer])
-        if tensors:
-            torch.autograd.backward(tensors, grads)
+        # without loss terms, a group's backward only carries its descendants' seeds
+        keep_hidden = loss is None and not sched.groups[g].is_leaf and hidden.requires_grad
+        return _GroupState(loss=loss, hidden=hidden if keep_hidden else None, pattern=tuple(attend.pattern))
 
     def _train(
         self, forest: Forest, sched: Schedule, loss: TokenLoss, weights: np.ndarray, return_logprobs: bool = False
@@ -779,7 +860,7 @@ class TreeRuntime:
                 "groups": sched.num_groups,
                 "group_tokens": sched.group_tokens,
                 "recomputed_tokens": recomputed,
-                "bytes_per_token": self._bytes_per_token(),
+                "memory_plan": self._step.describe(),
                 **self._loss_metrics(loss, forest, terms, term_log, recorded),
             },
         )
@@ -820,42 +901,14 @@ class TreeRuntime:
             list(torch.split(ent[pred], sizes)) if ent is not None else None,
         )
 
-    def _group_budget(self) -> int:
-        """Tokens per model call: ``group_tokens``, or the automatic choice (see the
-        class docstring): large calls keep the GPU busy, and one call's activations
-        must fit with room left for the graphs retain mode keeps."""
-        if self.group_tokens is not None:
-            return self.group_tokens
-        if self._device.type != "cuda":
-            return 8192
-        fit = _free_device_memory(self._device) / 2.5 / self._bytes_per_token()
-        return int(min(32768, max(self.chunk_size, fit // 1024 * 1024)))
-
-    def _bytes_per_token(self) -> float:
-        """Activation bytes one token's graph keeps: measured on this runtime's retained
-        groups once it has run some (compiled layers keep ~30% less than eager, a 7B
-        model ~2x less than the estimate), else the conservative estimate of
-        :meth:`ModelSpec.activation_bytes_per_token`."""
-        if self._measured_bytes_per_token is not None:
-            return self._measured_bytes_per_token
-        return self.spec.activation_bytes_per_token(torch.empty((), dtype=self._dtype).element_size())
-
     def _retain_budget(self, sched: Schedule) -> float:
-        """Tokens whose graphs may be alive at once: unbounded in retain mode (and on
-        CPU), 0 in recompute mode; in auto mode what fits in 80% of the free device
-        memory after the stack and one LM-head chunk."""
-        if self.mode == "retain" or (self.mode == "auto" and self._device.type != "cuda"):
-            return float("inf")
-        if self.mode == "recompute":
-            return 0.0
-        free = _free_device_memory(self._device)
-        itemsize = torch.empty((), dtype=self._dtype).element_size()
-        spec = self.spec
-        stack = 0 if self._stack is not None and self._stack.capacity >= sched.stack_tokens else (
-            sched.stack_tokens * spec.num_layers * spec.num_kv_heads * spec.head_dim * 2 * (itemsize + 4)
+        """Tokens of groups with children whose graphs may be alive at once (see
+        :func:`dtree.memory_policy.retain_budget`)."""
+        nonleaf = [p.num_tokens for p in sched.groups if not p.is_leaf]
+        return memory_policy.retain_budget(
+            self._step, self.spec, self.mode, unique_tokens=int(sched.row_offsets[-1]), num_groups=sched.num_groups,
+            nonleaf_tokens=int(sum(nonleaf)), nonleaf_groups=len(nonleaf),
         )
-        logits = self.logprob_chunk * spec.vocab_size * (itemsize + 8)
-        return max(0.0, 0.8 * free - stack - logits) / self._bytes_per_token()
 
     def _walk(self, sched, terms, forest, weights, field_names, per_token):
         budget = self._retain_budget(sched)
@@ -874,70 +927,58 @@ class TreeRuntime:
         def run(g: int, push: bool, seed: int | None) -> _GroupState:
             with torch.enable_grad(), rng.seeded(seed, device):
                 state = self._run_group(sched, g, stack, terms, dev, per_token, term_log, head, push=push)
-            _check_grad_pattern(state, pattern)
+            _check_grad_pattern(state.pattern, pattern)
             return state
 
-        for kind, g in self._events(sched):
-            plan = sched.groups[g]
-            lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
-            if kind == FORWARD:
-                calls += 1
-                seed = rng.next_seed() if randomness else None  # one draw per group in every mode
-                if plan.is_leaf:  # once, with grad, and backward at once (see module docstring)
-                    if plan.in_call_ancestors:  # its segments read each other through the stack
-                        stack.zero_grad(lo, hi)
-                    state = run(g, push=plan.in_call_ancestors, seed=seed)
-                    peak = max(peak, live_tokens + plan.num_tokens)
-                    total = self._finish_group(state, stack, lo, hi, total, seed_kv=False)
+        # the model's attention stays dtree's for the whole step: HF gradient checkpointing
+        # re-runs layers inside backward, after the model call has returned
+        scope = getattr(self.model, "dtree_scope", None)
+        with scope() if scope is not None else contextlib.nullcontext():
+            for kind, g in self._events(sched):
+                plan = sched.groups[g]
+                lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
+                if kind == FORWARD:
+                    calls += 1
+                    seed = rng.next_seed() if randomness else None  # one draw per group in every mode
+                    if plan.is_leaf:  # once, with grad, and backward at once (see module docstring)
+                        if plan.in_call_ancestors:  # its segments read each other through the stack
+                            stack.zero_grad(lo, hi)
+                        state = run(g, push=plan.in_call_ancestors, seed=seed)
+                        peak = max(peak, live_tokens + plan.num_tokens)
+                        total = self._finish_group(state, total)
+                        continue
+                    stack.zero_grad(lo, hi)
+                    if live_tokens + plan.num_tokens <= budget:
+                        live[g] = run(g, push=True, seed=seed)
+                        live_tokens += plan.num_tokens
+                        peak = max(peak, live_tokens)
+                    else:
+                        seeds[g] = seed
+                        with torch.no_grad(), rng.seeded(seed, device):
+                            self._hidden(sched, g, stack, dev, push=True)
                     continue
-                stack.zero_grad(lo, hi)
-                if live_tokens + plan.num_tokens <= budget:
-                    before = self._allocated()
-                    live[g] = run(g, push=True, seed=seed)
-                    self._observe_retained(self._allocated() - before, plan.num_tokens)
-                    live_tokens += plan.num_tokens
-                    peak = max(peak, live_tokens)
+                if plan.is_leaf:
+                    continue
+                if g in live:
+                    state = live.pop(g)
+                    live_tokens -= plan.num_tokens
                 else:
-                    seeds[g] = seed
-                    with torch.no_grad(), rng.seeded(seed, device):
-                        self._hidden(sched, g, stack, dev, push=True, record=False)
-                continue
-            if plan.is_leaf:
-                continue
-            if g in live:
-                state = live.pop(g)
-                live_tokens -= plan.num_tokens
-            else:
-                calls += 1
-                recomputed += plan.num_tokens
-                # K/V are on the stack already; pushing again would only rewrite them. The
-                # seed replays the forward's dropout masks, so the graph is of those K/V.
-                state = run(g, push=False, seed=seeds.pop(g))
-                peak = max(peak, live_tokens + plan.num_tokens)
-            total = self._finish_group(state, stack, lo, hi, total, seed_kv=True, clear=plan.in_call_ancestors)
+                    calls += 1
+                    recomputed += plan.num_tokens
+                    # K/V are on the stack already and its slots hold the descendants'
+                    # gradients: no push, no zeroing. The seed replays the forward's dropout
+                    # masks, so the graph is of those K/V.
+                    state = run(g, push=False, seed=seeds.pop(g))
+                    peak = max(peak, live_tokens + plan.num_tokens)
+                total = self._finish_group(state, total)
         return total, term_log, calls, peak, recomputed
 
-    def _allocated(self) -> int:
-        """Bytes allocated on the device (host-side bookkeeping: no sync); 0 on CPU."""
-        return torch.cuda.memory_allocated(self._device) if self._device.type == "cuda" else 0
-
-    def _observe_retained(self, nbytes: int, tokens: int) -> None:
-        """Record the memory a retained group's graph holds, per token (the largest
-        seen, so later budgets stay on the safe side of what was measured). Groups
-        of a few tokens are skipped: fixed costs would dominate them."""
-        if self._device.type != "cuda" or tokens < 256 or nbytes <= 0:
-            return
-        per_token = nbytes / tokens
-        seen = self._measured_bytes_per_token
-        self._measured_bytes_per_token = per_token if seen is None else max(seen, per_token)
-
-    def _finish_group(
-        self, state: _GroupState, stack: KVStack, lo: int, hi: int, total, seed_kv: bool, clear: bool = False
-    ):
-        """Backward of one group; returns the running loss sum. ``clear``: empty the
-        group's gradient slots once the seeds are read, for the in-call attention
-        gradients the backward adds there (``dtree.ops.stack_attention._InCallGrad``)."""
+    def _finish_group(self, state: _GroupState, total):
+        """Backward of one group (see the module docstring); returns the running loss sum."""
         if state.loss is not None:
             total = total + state.loss.detach()
-        self._backward_group(state, stack, lo, hi, seed_kv=seed_kv, clear=clear)
+            if state.loss.requires_grad:
+                state.loss.backward()
+        elif state.hidden is not None:
+            state.hidden.backward(torch.zeros_like(state.hidden))
         return total

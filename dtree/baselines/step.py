@@ -18,7 +18,7 @@ Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
 
 With ``checkpoint=True`` the model call runs under
-:func:`dtree.baselines.checkpointing.checkpointed_layers` (each decoder layer keeps only
+:func:`dtree.checkpointing.checkpointed_layers` (each decoder layer keeps only
 its input and is recomputed in backward), as mask-based trainers run in practice.
 
 The LM head goes through the same chunked :func:`dtree.ops.logprobs.token_logprobs` as
@@ -45,7 +45,7 @@ from ..ops.logprobs import as_output_head, compute_dtype
 from ..runtime import StepOutput
 from ..transfer import upload
 from ..tree import Forest
-from .checkpointing import checkpointed_layers, decoder_layers
+from ..checkpointing import checkpointed_layers, decoder_layers
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 
@@ -261,8 +261,11 @@ class MicroBatchTrainer:
         per_token = loss.recording(recorded)
         uploaded = self._upload(calls, forest, weights, loss.metric_mask(forest), loss.required_fields)
         e0 = 0
+        # the model's attention stays the adapter's through backward: HF gradient
+        # checkpointing re-runs layers there
+        scope = getattr(self.model, "dtree_scope", None)
         for call, dev in zip(calls, uploaded):
-            with torch.enable_grad():
+            with torch.enable_grad(), scope() if scope is not None else contextlib.nullcontext():
                 attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]

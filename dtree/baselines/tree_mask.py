@@ -105,7 +105,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
         checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
-            see :mod:`dtree.baselines.checkpointing`): activation memory falls to one
+            see :mod:`dtree.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
     """
