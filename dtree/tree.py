@@ -26,10 +26,6 @@ import numpy as np
 
 __all__ = ["Forest", "ForestStats"]
 
-# Fields every loss in dtree.losses knows about. Users may add any other name.
-KNOWN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs")
-
-
 @dataclass(frozen=True)
 class ForestStats:
     """Size and sharing figures of a forest (``Forest.stats()``)."""

@@ -57,7 +57,7 @@ from .balance import karmarkar_karp, lpt
 from .cost_model import CostModel
 from .features import CostFeatures, TreeIndex
 
-__all__ = ["partition", "plan_partition", "Partition", "PartitionReport", "Piece", "split_forest"]
+__all__ = ["plan_partition", "Partition", "PartitionReport", "Piece", "split_forest"]
 
 PARTITION_METHODS = ("auto", "lpt", "kk")
 _BALANCERS = {"lpt": lpt, "kk": karmarkar_karp}
@@ -379,18 +379,3 @@ def plan_partition(
         report.method = f"auto:{report.method}"
     return Partition(source=forest, sequence_ids=seq_ids, report=report)
 
-
-def partition(
-    forest: Forest,
-    world_size: int,
-    cost_model: CostModel | None = None,
-    *,
-    method: str = "auto",
-    split: bool = True,
-    split_threshold: float | None = None,
-) -> list[Forest | None]:
-    """One forest per rank (``None`` for a rank with no sequence); see :func:`plan_partition`
-    for the arguments and the report. Each rank needs only its own entry:
-    ``plan_partition(...).forest(rank)`` builds just that one."""
-    plan = plan_partition(forest, world_size, cost_model, method=method, split=split, split_threshold=split_threshold)
-    return plan.forests()
