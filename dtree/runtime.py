@@ -63,7 +63,7 @@ from .losses import Normalization, TokenLoss, weighted_terms
 from .models import TreeModule, adapt
 from .ops.logprobs import OutputHead, as_output_head, compute_dtype, token_logprobs
 from .ops.stack_attention import BACKENDS, SegmentLayout, stack_attention
-from .schedule import FORWARD, Schedule, build_schedule
+from .schedule import FORWARD, LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
 from .transfer import upload
 from .tree import Forest
 
@@ -92,47 +92,6 @@ class StepOutput:
     peak_graph_tokens: int
     seconds: float
     metrics: dict = field(default_factory=dict)  # e.g. the mode "auto" chose
-
-
-@dataclass
-class _Terms:
-    """Predictions and loss terms the step needs, per group (concatenated; see Schedule)."""
-
-    pred_row: np.ndarray
-    pred_unique: np.ndarray
-    pred_offsets: np.ndarray
-    loss_lin: np.ndarray
-    loss_pred: np.ndarray
-    loss_offsets: np.ndarray
-
-
-def _all_predictions(sched: Schedule) -> _Terms:
-    empty = np.zeros(0, dtype=np.int64)
-    return _Terms(
-        sched.pred_row, sched.pred_unique, sched.pred_offsets, empty, empty, np.zeros(sched.num_groups + 1, np.int64)
-    )
-
-
-def _loss_terms(sched: Schedule, weights: np.ndarray) -> _Terms:
-    """Keep only loss terms with a non-zero weight, and only the predictions they read:
-    masked prompt tokens never reach the LM head."""
-    g = sched.num_groups
-    entry_group = np.repeat(np.arange(g), np.diff(sched.loss_offsets))
-    keep = weights[sched.loss_lin] != 0
-    lin, grp = sched.loss_lin[keep], entry_group[keep]
-    gpred = sched.pred_offsets[grp] + sched.loss_pred[keep]
-    used = np.unique(gpred)
-    used_group = np.searchsorted(sched.pred_offsets, used, side="right") - 1
-    pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
-    loss_pred = np.searchsorted(used, gpred) - pred_offsets[grp]
-    return _Terms(
-        pred_row=sched.pred_row[used],
-        pred_unique=sched.pred_unique[used],
-        pred_offsets=pred_offsets,
-        loss_lin=lin,
-        loss_pred=loss_pred,
-        loss_offsets=np.searchsorted(grp, np.arange(g + 1)),
-    )
 
 
 def _check_grad_pattern(state: _GroupState, expected: list) -> None:
@@ -437,7 +396,7 @@ class TreeRuntime:
     def _logprobs(self, forest: Forest, sched: Schedule, with_entropy: bool):
         device, dtype = self._placement
         cdt = compute_dtype(dtype)
-        terms = _all_predictions(sched)
+        terms = all_predictions(sched)
         # per unique token u: log p(u | its prefix), and the entropy of that distribution
         lp_unique = torch.full((forest.num_unique_tokens,), float("nan"), dtype=cdt, device=device)
         ent_unique = torch.full_like(lp_unique, float("nan")) if with_entropy else None
@@ -460,7 +419,7 @@ class TreeRuntime:
                     lp_unique[unique] = lp
                     if with_entropy:
                         ent_unique[unique] = ent
-        targets = upload(forest.lin_unique[self._prediction_lin(forest)], device)
+        targets = upload(forest.lin_unique[prediction_lin(forest)], device)
         sizes = (forest.sequence_lengths() - 1).tolist()
         lps = list(torch.split(lp_unique[targets], sizes))
         if not with_entropy:
@@ -517,14 +476,8 @@ class TreeRuntime:
 
         return tqdm(sched.events, desc="dtree step", unit="event", leave=False)
 
-    @staticmethod
-    def _prediction_lin(forest: Forest) -> np.ndarray:
-        keep = np.ones(forest.num_linearized_tokens, dtype=bool)
-        keep[forest.seq_offsets[:-1]] = False
-        return np.flatnonzero(keep)
-
     def _to_device(
-        self, forest: Forest, sched: Schedule, terms: _Terms, weights: np.ndarray | None, field_names: Sequence[str]
+        self, forest: Forest, sched: Schedule, terms: LossTerms, weights: np.ndarray | None, field_names: Sequence[str]
     ) -> dict[str, torch.Tensor]:
         """Every per-step array the walk slices, moved to the device once."""
         ints = {
@@ -564,7 +517,7 @@ class TreeRuntime:
         return hidden, attend
 
     def _group_loss(
-        self, g: int, hidden: torch.Tensor, terms: _Terms, dev: dict, per_token: Callable, term_log: list,
+        self, g: int, hidden: torch.Tensor, terms: LossTerms, dev: dict, per_token: Callable, term_log: list,
         head: OutputHead,
     ) -> torch.Tensor | None:
         e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
@@ -636,7 +589,7 @@ class TreeRuntime:
         field_names: Sequence[str],
     ) -> StepOutput:
         t0 = time.perf_counter()
-        terms = _loss_terms(sched, weights)
+        terms = select_loss_terms(sched, weights)
         with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
             total, term_log, calls, peak, recomputed = self._walk(sched, terms, forest, weights, field_names, per_token)
             loss_value = float(total)  # the step's one device sync

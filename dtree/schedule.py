@@ -16,6 +16,11 @@ Terms:
 * **events**: the depth-first walk over the group tree: ``forward(g)``, then all
   child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
   Python's recursion limit.
+* **predictions** and **loss terms**: every unique token but a root is predicted once,
+  from the row of the token before it; every linearized token but a sequence's first
+  is one loss term, which reads its unique token's prediction. A pass keeps only what
+  it needs (:class:`LossTerms`): all predictions for log-probs, the weighted terms
+  and the predictions they read for a training step.
 * **stack slots**: a group's K/V lives in the KV stack at
   ``[stack_start, stack_start + num_tokens)``, right above its parent group. The
   high-water mark over all groups is the stack capacity the plan needs.
@@ -27,13 +32,23 @@ them to the device in a few copies.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
 from .tree import Forest
 
-__all__ = ["Schedule", "GroupPlan", "build_schedule", "FORWARD", "BACKWARD"]
+__all__ = [
+    "Schedule",
+    "GroupPlan",
+    "LossTerms",
+    "build_schedule",
+    "all_predictions",
+    "select_loss_terms",
+    "prediction_lin",
+    "FORWARD",
+    "BACKWARD",
+]
 
 FORWARD, BACKWARD = 0, 1
 
@@ -71,19 +86,36 @@ class GroupPlan:
         return self.num_children == 0
 
 
+@dataclass(frozen=True)
+class LossTerms:
+    """The predictions one pass computes and the loss terms that read them, per group.
+
+    Concatenated over groups like the :class:`Schedule` arrays (``P`` predictions,
+    ``E`` loss terms, ``G`` groups):
+        pred_row:     [P] row (local to its group) whose logits predict ``pred_unique``
+        pred_unique:  [P] unique token predicted (its id is the label)
+        pred_offsets: [G+1] group ``g``'s predictions are ``[pred_offsets[g], pred_offsets[g+1])``
+        loss_lin:     [E] linearized token index of each loss term
+        loss_pred:    [E] index (local to its group's predictions) of the term's log-prob
+        loss_offsets: [G+1] group ``g``'s terms are ``[loss_offsets[g], loss_offsets[g+1])``
+    """
+
+    pred_row: np.ndarray
+    pred_unique: np.ndarray
+    pred_offsets: np.ndarray
+    loss_lin: np.ndarray
+    loss_pred: np.ndarray
+    loss_offsets: np.ndarray
+
+
 @dataclass
 class Schedule:
     """The plan for one forest (see module docstring).
 
-    Concatenated per-group arrays (``G`` groups):
+    Concatenated per-group arrays (``G`` groups, ``U`` unique tokens):
         row_unique:  [U] unique-token index of every row, group after group
-        row_offsets: [G+1]
-        pred_row:    [P] row (local to its group) whose logits predict ``pred_unique``
-        pred_unique: [P] unique token predicted (its id is the label)
-        pred_offsets:[G+1]
-        loss_lin:    [L] linearized token index of each loss term
-        loss_pred:   [L] index (local to its group's predictions) of its log-prob
-        loss_offsets:[G+1]
+        row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
+        terms:       every prediction and every loss term (:class:`LossTerms`)
     """
 
     groups: list[GroupPlan]
@@ -93,17 +125,51 @@ class Schedule:
     group_tokens: int
     row_unique: np.ndarray
     row_offsets: np.ndarray
-    pred_row: np.ndarray
-    pred_unique: np.ndarray
-    pred_offsets: np.ndarray
-    loss_lin: np.ndarray
-    loss_pred: np.ndarray
-    loss_offsets: np.ndarray
+    terms: LossTerms
     num_segments: int
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+
+def prediction_lin(forest: Forest) -> np.ndarray:
+    """[N - S] int64 linearized index of every predicted token, in order: all tokens
+    but each sequence's first (index 0 is never predicted)."""
+    keep = np.ones(forest.num_linearized_tokens, dtype=bool)
+    keep[forest.seq_offsets[:-1]] = False
+    return np.flatnonzero(keep)
+
+
+def all_predictions(sched: Schedule) -> LossTerms:
+    """Every prediction of the schedule and no loss term: what a log-prob pass needs."""
+    empty = np.zeros(0, dtype=np.int64)
+    return replace(sched.terms, loss_lin=empty, loss_pred=empty, loss_offsets=np.zeros_like(sched.terms.loss_offsets))
+
+
+def select_loss_terms(sched: Schedule, weights: np.ndarray) -> LossTerms:
+    """The loss terms with a non-zero weight, and only the predictions they read, so
+    masked tokens (prompts, tool outputs) never reach the LM head.
+
+    Args:
+        weights: [N] weight of each linearized token's loss term (``TokenLoss.weights``).
+    """
+    g, every = sched.num_groups, sched.terms
+    entry_group = np.repeat(np.arange(g), np.diff(every.loss_offsets))
+    keep = weights[every.loss_lin] != 0
+    lin, grp = every.loss_lin[keep], entry_group[keep]
+    gpred = every.pred_offsets[grp] + every.loss_pred[keep]  # index into all of the schedule's predictions
+    used = np.unique(gpred)
+    used_group = np.searchsorted(every.pred_offsets, used, side="right") - 1
+    pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
+    return LossTerms(
+        pred_row=every.pred_row[used],
+        pred_unique=every.pred_unique[used],
+        pred_offsets=pred_offsets,
+        loss_lin=lin,
+        loss_pred=np.searchsorted(used, gpred) - pred_offsets[grp],
+        loss_offsets=np.searchsorted(grp, np.arange(g + 1)),
+    )
 
 
 def _segments(forest: Forest, chunk_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, list[list[int]]]:
@@ -274,9 +340,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     unique_pred_group[pred_unique] = pred_group
 
     # --- loss terms: every linearized token after its sequence's first
-    lin = np.ones(forest.num_linearized_tokens, dtype=bool)
-    lin[forest.seq_offsets[:-1]] = False
-    lin_idx = np.flatnonzero(lin)
+    lin_idx = prediction_lin(forest)
     l_group = unique_pred_group[forest.lin_unique[lin_idx]]
     order = np.argsort(l_group, kind="stable")
     loss_lin = lin_idx[order]
@@ -291,11 +355,6 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         group_tokens=group_tokens,
         row_unique=row_unique,
         row_offsets=row_offsets,
-        pred_row=pred_row,
-        pred_unique=pred_unique,
-        pred_offsets=pred_offsets,
-        loss_lin=loss_lin,
-        loss_pred=loss_pred,
-        loss_offsets=loss_offsets,
+        terms=LossTerms(pred_row, pred_unique, pred_offsets, loss_lin, loss_pred, loss_offsets),
         num_segments=num_segs,
     )
