@@ -413,7 +413,7 @@ class TreeRuntime:
                 if p1 > p0:
                     unique = dev["pred_unique"][p0:p1]
                     lp, ent = token_logprobs(
-                        hidden[dev["pred_row"][p0:p1]], head, dev["labels"][p0:p1], self.logprob_chunk,
+                        hidden[dev["pred_hidden_row"][p0:p1]], head, dev["labels"][p0:p1], self.logprob_chunk,
                         with_entropy=with_entropy,
                     )
                     lp_unique[unique] = lp
@@ -484,7 +484,7 @@ class TreeRuntime:
             "input_ids": forest.tokens[sched.row_unique],
             "positions": forest.positions[sched.row_unique],
             "row_unique": sched.row_unique,
-            "pred_row": terms.pred_row,
+            "pred_hidden_row": terms.pred_hidden_row,
             "pred_unique": terms.pred_unique,
             "labels": forest.tokens[terms.pred_unique],
             "loss_pred": terms.loss_pred,
@@ -527,7 +527,7 @@ class TreeRuntime:
         weighted = weighted_terms(
             per_token,
             hidden,
-            dev["pred_row"][p0:p1],
+            dev["pred_hidden_row"][p0:p1],
             dev["labels"][p0:p1],
             dev["loss_pred"][e0:e1],
             dev["weights"][e0:e1],

@@ -16,11 +16,9 @@ Terms:
 * **events**: the depth-first walk over the group tree: ``forward(g)``, then all
   child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
   Python's recursion limit.
-* **predictions** and **loss terms**: every unique token but a root is predicted once,
-  from the row of the token before it; every linearized token but a sequence's first
-  is one loss term, which reads its unique token's prediction. A pass keeps only what
-  it needs (:class:`LossTerms`): all predictions for log-probs, the weighted terms
-  and the predictions they read for a training step.
+* **predictions** and **loss terms**: each non-root unique token is predicted once, from
+  its predecessor's row; each linearized token but a sequence's first is a loss term
+  reading its unique token's prediction. A pass keeps what it needs (:class:`LossTerms`).
 * **stack slots**: a group's K/V lives in the KV stack at
   ``[stack_start, stack_start + num_tokens)``, right above its parent group. The
   high-water mark over all groups is the stack capacity the plan needs.
@@ -88,7 +86,7 @@ class LossTerms:
 
     Concatenated over groups like the :class:`Schedule` arrays (``P`` predictions,
     ``E`` loss terms, ``G`` groups):
-        pred_row:     [P] row (local to its group) whose logits predict ``pred_unique``
+        pred_hidden_row: [P] row (local to its group) whose hidden state predicts ``pred_unique``
         pred_unique:  [P] unique token predicted (its id is the label)
         pred_offsets: [G+1] group ``g``'s predictions are ``[pred_offsets[g], pred_offsets[g+1])``
         loss_lin:     [E] linearized token index of each loss term
@@ -96,7 +94,7 @@ class LossTerms:
         loss_offsets: [G+1] group ``g``'s terms are ``[loss_offsets[g], loss_offsets[g+1])``
     """
 
-    pred_row: np.ndarray
+    pred_hidden_row: np.ndarray
     pred_unique: np.ndarray
     pred_offsets: np.ndarray
     loss_lin: np.ndarray
@@ -159,7 +157,7 @@ def select_loss_terms(sched: Schedule, weights: np.ndarray) -> LossTerms:
     used_group = np.searchsorted(every.pred_offsets, used, side="right") - 1
     pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
     return LossTerms(
-        pred_row=every.pred_row[used],
+        pred_hidden_row=every.pred_hidden_row[used],
         pred_unique=every.pred_unique[used],
         pred_offsets=pred_offsets,
         loss_lin=lin,
@@ -213,7 +211,8 @@ def _split_segments(forest: Forest, chunk_size: int) -> _Segments:
             children[s].append(s + 1)
         else:
             n = node_of[s]
-            children[s].extend(int(first_seg[c]) for c in forest.child_index[forest.child_offsets[n] : forest.child_offsets[n + 1]])
+            kids = forest.child_index[forest.child_offsets[n] : forest.child_offsets[n + 1]]
+            children[s].extend(int(first_seg[c]) for c in kids)
     sub_count, sub_tokens = _subtree_sizes(parent, length)
     return _Segments(start, length, parent, children, sub_count, sub_tokens)
 
@@ -396,8 +395,8 @@ def _every_term(forest: Forest, row_unique: np.ndarray, row_offsets: np.ndarray)
     unique_group[row_unique] = row_group
     unique_local[row_unique] = np.arange(len(row_unique)) - row_offsets[row_group]
 
-    predicted = np.flatnonzero(forest.pred_row >= 0)
-    p_group = unique_group[forest.pred_row[predicted]]
+    predicted = np.flatnonzero(forest.predecessor >= 0)
+    p_group = unique_group[forest.predecessor[predicted]]
     order = np.argsort(p_group, kind="stable")
     pred_unique = predicted[order]
     pred_group = p_group[order]
@@ -412,7 +411,7 @@ def _every_term(forest: Forest, row_unique: np.ndarray, row_offsets: np.ndarray)
     order = np.argsort(l_group, kind="stable")
     loss_lin = lin_idx[order]
     return LossTerms(
-        pred_row=unique_local[forest.pred_row[pred_unique]],
+        pred_hidden_row=unique_local[forest.predecessor[pred_unique]],
         pred_unique=pred_unique,
         pred_offsets=pred_offsets,
         loss_lin=loss_lin,

@@ -183,7 +183,8 @@ class Forest:
     (built by :func:`dtree.trie.build_trie`):
         tokens:       [U] int64 token ids
         positions:    [U] int64 depth of each token (its position in every path through it)
-        pred_row:     [U] int64 unique index of the token before it on its path, -1 at a root
+        predecessor:  [U] int64 unique index of the token before it on its path, -1 at a root
+                      (the token whose hidden state predicts it)
         node_start:   [M] int64 first unique token of each node; node_length: [M]
         node_parent:  [M] int64, -1 for roots; node_depth: [M] number of ancestors
         node_subtree_end: [M] int64, node ``i``'s subtree is nodes ``[i, node_subtree_end[i])``
@@ -197,7 +198,7 @@ class Forest:
     fields: Mapping[str, np.ndarray]
     tokens: np.ndarray
     positions: np.ndarray
-    pred_row: np.ndarray
+    predecessor: np.ndarray
     node_start: np.ndarray
     node_length: np.ndarray
     node_parent: np.ndarray

@@ -32,7 +32,7 @@ class TrieLayout:
 
     tokens: np.ndarray  # [U]
     positions: np.ndarray  # [U]
-    pred_row: np.ndarray  # [U]
+    predecessor: np.ndarray  # [U]
     node_start: np.ndarray  # [M]
     node_length: np.ndarray  # [M]
     node_parent: np.ndarray  # [M]
@@ -50,10 +50,12 @@ def build_trie(seqs: list[np.ndarray]) -> TrieLayout:
     _merge_single_child_chains(raw)
     order = _preorder(raw, seqs, _subtree_tokens(raw))
     nodes = _node_layout(raw, order)
-    tokens, positions, pred_row = _unique_tokens(raw, order, nodes, seqs)
+    tokens, positions, predecessor = _unique_tokens(raw, order, nodes, seqs)
     lin_unique = _linearized_to_unique(seqs, nodes, tokens, positions)
     assert np.array_equal(tokens[lin_unique], np.concatenate(seqs)), "trie construction is inconsistent"
-    return TrieLayout(tokens=tokens, positions=positions, pred_row=pred_row, lin_unique=lin_unique, **vars(nodes))
+    return TrieLayout(
+        tokens=tokens, positions=positions, predecessor=predecessor, lin_unique=lin_unique, **vars(nodes)
+    )
 
 
 @dataclass
@@ -227,10 +229,10 @@ def _unique_tokens(
         a, b = node_start[i], node_start[i] + node_length[i]
         tokens[a:b] = seqs[raw.rep[old]][raw.d0[old] : raw.d1[old]]
         positions[a:b] = np.arange(raw.d0[old], raw.d1[old])
-    pred_row = np.arange(total, dtype=np.int64) - 1
+    predecessor = np.arange(total, dtype=np.int64) - 1
     parent = np.maximum(node_parent, 0)
-    pred_row[node_start] = np.where(node_parent >= 0, node_start[parent] + node_length[parent] - 1, -1)
-    return tokens, positions, pred_row
+    predecessor[node_start] = np.where(node_parent >= 0, node_start[parent] + node_length[parent] - 1, -1)
+    return tokens, positions, predecessor
 
 
 def _linearized_to_unique(

@@ -41,10 +41,10 @@ def test_schedule_invariants(seqs, chunk, budget):
             for i, seg_ranges in enumerate(g.seg_prefix_ranges):
                 first = s.row_unique[r0 + g.seg_q_offsets[i]]
                 anc = []
-                y = f.pred_row[first]
+                y = f.predecessor[first]
                 while y >= 0:
                     anc.append(y)
-                    y = f.pred_row[y]
+                    y = f.predecessor[y]
                 want = slot_of[np.array(anc[::-1], dtype=np.int64)].tolist()
                 got = [x for lo, hi in seg_ranges for x in range(lo, hi)]
                 assert got == want
@@ -53,11 +53,11 @@ def test_schedule_invariants(seqs, chunk, budget):
     assert not open_groups and len(seen) == s.num_groups
     # predictions: each predicted unique token once, from its predecessor's row
     t = s.terms
-    assert sorted(t.pred_unique.tolist()) == np.flatnonzero(f.pred_row >= 0).tolist()
+    assert sorted(t.pred_unique.tolist()) == np.flatnonzero(f.predecessor >= 0).tolist()
     for gid in range(s.num_groups):
         p0, p1 = t.pred_offsets[gid], t.pred_offsets[gid + 1]
         r0 = s.row_offsets[gid]
-        assert np.array_equal(s.row_unique[r0 + t.pred_row[p0:p1]], f.pred_row[t.pred_unique[p0:p1]])
+        assert np.array_equal(s.row_unique[r0 + t.pred_hidden_row[p0:p1]], f.predecessor[t.pred_unique[p0:p1]])
         e0, e1 = t.loss_offsets[gid], t.loss_offsets[gid + 1]
         assert np.array_equal(t.pred_unique[p0 + t.loss_pred[e0:e1]], f.lin_unique[t.loss_lin[e0:e1]])
     assert t.loss_offsets[-1] == f.num_linearized_tokens - f.num_sequences
@@ -95,7 +95,7 @@ def check_terms(f: Forest, s, t, kept_lin: np.ndarray) -> None:
         assert np.all((t.loss_pred[e0:e1] >= 0) & (t.loss_pred[e0:e1] < p1 - p0))
         assert np.array_equal(t.pred_unique[p0 + t.loss_pred[e0:e1]], f.lin_unique[t.loss_lin[e0:e1]])
         r0 = s.row_offsets[gid]
-        assert np.array_equal(s.row_unique[r0 + t.pred_row[p0:p1]], f.pred_row[t.pred_unique[p0:p1]])
+        assert np.array_equal(s.row_unique[r0 + t.pred_hidden_row[p0:p1]], f.predecessor[t.pred_unique[p0:p1]])
         read.update((p0 + t.loss_pred[e0:e1]).tolist())
     assert read == set(range(len(t.pred_unique)))  # no prediction that no term reads
 
@@ -120,7 +120,7 @@ def test_loss_term_selection(seqs, chunk, budget, seed):
     everything = all_predictions(s)
     assert everything.loss_lin.size == 0 and not np.any(everything.loss_offsets)
     assert np.array_equal(everything.pred_unique, s.terms.pred_unique)
-    assert np.array_equal(everything.pred_row, s.terms.pred_row)
+    assert np.array_equal(everything.pred_hidden_row, s.terms.pred_hidden_row)
     assert np.array_equal(everything.pred_offsets, s.terms.pred_offsets)
 
 

@@ -17,14 +17,14 @@ def check_invariants(f: Forest, seqs):
         u = f.lin_unique[f.seq_offsets[s] : f.seq_offsets[s + 1]]
         assert f.tokens[u].tolist() == list(seq)
         assert f.positions[u].tolist() == list(range(len(seq)))
-        assert f.pred_row[u[0]] == -1 and np.array_equal(f.pred_row[u[1:]], u[:-1])
+        assert f.predecessor[u[0]] == -1 and np.array_equal(f.predecessor[u[1:]], u[:-1])
     # each unique token is one distinct prefix: the trie is maximal
     prefixes = set()
     for x in range(f.num_unique_tokens):
         path, y = [], x
         while y >= 0:
             path.append(int(f.tokens[y]))
-            y = f.pred_row[y]
+            y = f.predecessor[y]
         assert tuple(path) not in prefixes
         prefixes.add(tuple(path))
     assert f.num_unique_tokens == len({tuple(s[: t + 1]) for s in seqs for t in range(len(s))})
