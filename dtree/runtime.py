@@ -1,6 +1,6 @@
 """TreeRuntime: forward, backward and log-probs over a forest, depth first, with a KV stack.
 
-The walk (DESIGN.md section 2), over the groups of a :class:`~dtree.schedule.Schedule`::
+The walk (docs/design.md section 4), over the groups of a :class:`~dtree.schedule.Schedule`::
 
     forward(g):  zero g's gradient slots; run g's segments through the model; every
                  attention layer pushes g's K/V onto the stack and reads the

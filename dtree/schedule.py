@@ -1,6 +1,6 @@
 """Execution plan for one forest: chunks, model calls, DFS order, stack slots.
 
-Terms:
+Terms (the glossary of docs/design.md section 3):
 
 * **segment**: a run of at most ``chunk_size`` tokens of one trie node. A long node
   becomes a chain of segments, so one huge node never sets the memory peak.

@@ -14,7 +14,7 @@ log-prob from the unique token, and autograd sums the gradient back.
 
 Nodes are numbered in depth-first preorder, so the nodes (and the unique tokens)
 of any subtree form one contiguous range. Children are ordered by subtree size,
-largest last (DESIGN.md section 2). :mod:`dtree.trie` builds the tree layout.
+largest last (docs/design.md section 2). :mod:`dtree.trie` builds the tree layout.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ The build runs in named phases, each a function of the previous phases' results:
    node with one child; merging such chains makes every inner node a branch point;
 3. :func:`_subtree_tokens`: tokens below every node (children are ordered by it);
 4. :func:`_preorder`: depth-first preorder, children by subtree size (largest last,
-   which keeps the DFS stack low; docs/design.md section 3), ties by first token;
+   which keeps the DFS stack low; docs/design.md section 2), ties by first token;
 5. :func:`_node_layout`: the node arrays in preorder;
 6. :func:`_unique_tokens`: token ids, depths and predecessors of the unique tokens;
 7. :func:`_linearized_to_unique`: every sequence walked down its trie, one node at a

@@ -11,13 +11,12 @@ global counts (:class:`dtree.losses.Normalization`, summed over ranks), which
 
 **Trees are split at subtree boundaries when that shortens the step.** A piece of a
 tree is the subtrees below some node ``a`` plus the path from the root to ``a``; the
-path is recomputed on every rank that holds a piece below it. DESIGN.md section 4
-describes shipping the subtree with a context-only ancestor path whose loss weight
-is zero. Here no such path exists: the ancestor tokens are the first tokens of the
+path is recomputed on every rank that holds a piece below it. No context-only path
+with zeroed loss weights is needed: the ancestor tokens are the first tokens of the
 piece's own sequences, and their loss terms for *those* sequences belong to this
 rank (the same tokens' terms for other sequences are computed by the ranks owning
-those). The recomputed work is identical; no loss weight is ever zeroed, so the
-returned forests carry the user's fields untouched. Sequences that end inside a
+those; docs/design.md section 7). No loss weight is ever zeroed, so the returned
+forests carry the user's fields untouched. Sequences that end inside a
 split node ``a`` (a prefix of the others) join the first piece below ``a``, where
 they add no unique tokens.
 
