@@ -24,7 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-from .trie import build_trie
+from .trie import TrieLayout, build_trie
 
 __all__ = ["FieldMap", "Forest", "ForestStats"]
 
@@ -163,7 +163,7 @@ class FieldMap(Mapping[str, np.ndarray]):
 
 
 @dataclass(frozen=True, eq=False, repr=False)
-class Forest:
+class Forest(TrieLayout):
     """A batch of token sequences merged into prefix trees; immutable once built.
 
     Build one with :meth:`from_sequences` (or :meth:`from_padded`,
@@ -192,21 +192,9 @@ class Forest:
         tree_roots:   [T] root node of each tree
     """
 
-    seq_offsets: np.ndarray
+    seq_offsets: np.ndarray  # the tree layout's arrays are TrieLayout's fields
     lin_tokens: np.ndarray
-    lin_unique: np.ndarray
     fields: Mapping[str, np.ndarray]
-    tokens: np.ndarray
-    positions: np.ndarray
-    predecessor: np.ndarray
-    node_start: np.ndarray
-    node_length: np.ndarray
-    node_parent: np.ndarray
-    node_depth: np.ndarray
-    node_subtree_end: np.ndarray
-    child_offsets: np.ndarray
-    child_index: np.ndarray
-    tree_roots: np.ndarray
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fields", FieldMap(self.fields))

@@ -22,17 +22,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["TrieLayout", "build_trie"]
+__all__ = ["NodeLayout", "TrieLayout", "build_trie"]
 
 
-@dataclass(frozen=True)
-class TrieLayout:
-    """The tree layout (``U`` unique tokens, ``M`` nodes, ``T`` trees, ``N`` linearized
-    tokens), in depth-first preorder; see :class:`dtree.tree.Forest` for each array."""
+@dataclass(frozen=True, eq=False)
+class NodeLayout:
+    """The trie's nodes (``M`` nodes, ``T`` trees) in depth-first preorder; see
+    :class:`dtree.tree.Forest` for each array."""
 
-    tokens: np.ndarray  # [U]
-    positions: np.ndarray  # [U]
-    predecessor: np.ndarray  # [U]
     node_start: np.ndarray  # [M]
     node_length: np.ndarray  # [M]
     node_parent: np.ndarray  # [M]
@@ -41,6 +38,16 @@ class TrieLayout:
     child_offsets: np.ndarray  # [M+1]
     child_index: np.ndarray  # [M-T]
     tree_roots: np.ndarray  # [T]
+
+
+@dataclass(frozen=True, eq=False)
+class TrieLayout(NodeLayout):
+    """The whole tree layout: the nodes, their ``U`` unique tokens, and the map from the
+    ``N`` linearized tokens to them; see :class:`dtree.tree.Forest` for each array."""
+
+    tokens: np.ndarray  # [U]
+    positions: np.ndarray  # [U]
+    predecessor: np.ndarray  # [U]
     lin_unique: np.ndarray  # [N]
 
 
@@ -174,21 +181,7 @@ def _preorder(raw: _RawTrie, seqs: list[np.ndarray], subtree_tokens: np.ndarray)
     return _Preorder(old, new_id, children, [int(new_id[r]) for r in roots])
 
 
-@dataclass(frozen=True)
-class _NodeArrays:
-    """Phase 5: the node arrays of :class:`TrieLayout`, in preorder."""
-
-    node_start: np.ndarray
-    node_length: np.ndarray
-    node_parent: np.ndarray
-    node_depth: np.ndarray
-    node_subtree_end: np.ndarray
-    child_offsets: np.ndarray
-    child_index: np.ndarray
-    tree_roots: np.ndarray
-
-
-def _node_layout(raw: _RawTrie, order: _Preorder) -> _NodeArrays:
+def _node_layout(raw: _RawTrie, order: _Preorder) -> NodeLayout:
     """Phase 5: starts, lengths, parents, depths and subtree ranges of the nodes in
     preorder, their children (CSR) and the trees' roots."""
     pre = np.array(order.old, dtype=np.int64)
@@ -211,13 +204,13 @@ def _node_layout(raw: _RawTrie, order: _Preorder) -> _NodeArrays:
     child_index = np.array([c for kids in order.children for c in kids], dtype=np.int64)
     node_subtree_end = np.arange(num_nodes, dtype=np.int64) + sizes
     tree_roots = np.array(order.roots, dtype=np.int64)
-    return _NodeArrays(
+    return NodeLayout(
         node_start, node_length, node_parent, node_depth, node_subtree_end, child_offsets, child_index, tree_roots
     )
 
 
 def _unique_tokens(
-    raw: _RawTrie, order: _Preorder, nodes: _NodeArrays, seqs: list[np.ndarray]
+    raw: _RawTrie, order: _Preorder, nodes: NodeLayout, seqs: list[np.ndarray]
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Phase 6: ([U] token ids, [U] depths, [U] predecessor: the unique token before it
     on its path, -1 at a root), node after node in preorder."""
@@ -236,7 +229,7 @@ def _unique_tokens(
 
 
 def _linearized_to_unique(
-    seqs: list[np.ndarray], nodes: _NodeArrays, tokens: np.ndarray, positions: np.ndarray
+    seqs: list[np.ndarray], nodes: NodeLayout, tokens: np.ndarray, positions: np.ndarray
 ) -> np.ndarray:
     """Phase 7: [N] unique-token index of every token of every sequence, in input order."""
     node_start, node_length = nodes.node_start, nodes.node_length
