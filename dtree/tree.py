@@ -28,6 +28,7 @@ from .trie import TrieLayout, build_trie
 
 __all__ = ["FieldMap", "Forest", "ForestStats"]
 
+
 @dataclass(frozen=True)
 class ForestStats:
     """Size and sharing figures of a forest (``Forest.stats()``)."""
