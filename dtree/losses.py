@@ -339,18 +339,6 @@ def nll(reduction: str = "token_mean", scale: float = 1.0, *, temperature: float
     return TokenLoss(per_token, reduction=reduction, scale=scale, name="nll", temperature=temperature)
 
 
-def logprob_grad_surrogate() -> TokenLoss:
-    """``l = logp * g`` with ``g`` the field ``_logprob_grad``: its gradient w.r.t. each
-    log-prob is ``g``. The second pass of the two-pass path runs this loss."""
-
-    def per_token(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return logp * fields["_logprob_grad"]
-
-    return TokenLoss(
-        per_token, reduction="sum", required_fields=("_logprob_grad",), name="logprob_grad", use_loss_mask=False
-    )
-
-
 def weighted_terms(
     per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
     hidden: torch.Tensor,

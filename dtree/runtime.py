@@ -1,6 +1,6 @@
 """TreeRuntime: forward, backward and log-probs over a forest, depth first, with a KV stack.
 
-The walk (DESIGN.md section 2), over the groups of a :class:`~dtree.schedule.Schedule`::
+The walk (docs/design.md section 4), over the groups of a :class:`~dtree.schedule.Schedule`::
 
     forward(g):  zero g's gradient slots; run g's segments through the model; every
                  attention layer pushes g's K/V onto the stack, reads the ancestors'
@@ -91,7 +91,7 @@ from .losses import (
 from .models import TreeModule, adapt, unwrap
 from .ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel, token_logprobs
 from .ops.stack_attention import BACKENDS, SegmentLayout, seed_from_stack, stack_attention
-from .schedule import FORWARD, Schedule, build_schedule
+from .schedule import FORWARD, LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
 from .transfer import upload
 from .tree import Forest
 
@@ -156,47 +156,6 @@ def _keeping(per_token: Callable, sink: list) -> Callable:
         return per_token(logp, fields)
 
     return kept
-
-
-@dataclass
-class _Terms:
-    """Predictions and loss terms the step needs, per group (concatenated; see Schedule)."""
-
-    pred_row: np.ndarray
-    pred_unique: np.ndarray
-    pred_offsets: np.ndarray
-    loss_lin: np.ndarray
-    loss_pred: np.ndarray
-    loss_offsets: np.ndarray
-
-
-def _all_predictions(sched: Schedule) -> _Terms:
-    empty = np.zeros(0, dtype=np.int64)
-    return _Terms(
-        sched.pred_row, sched.pred_unique, sched.pred_offsets, empty, empty, np.zeros(sched.num_groups + 1, np.int64)
-    )
-
-
-def _loss_terms(sched: Schedule, weights: np.ndarray) -> _Terms:
-    """Keep only loss terms with a non-zero weight, and only the predictions they read:
-    masked prompt tokens never reach the LM head."""
-    g = sched.num_groups
-    entry_group = np.repeat(np.arange(g), np.diff(sched.loss_offsets))
-    keep = weights[sched.loss_lin] != 0
-    lin, grp = sched.loss_lin[keep], entry_group[keep]
-    gpred = sched.pred_offsets[grp] + sched.loss_pred[keep]
-    used = np.unique(gpred)
-    used_group = np.searchsorted(sched.pred_offsets, used, side="right") - 1
-    pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
-    loss_pred = np.searchsorted(used, gpred) - pred_offsets[grp]
-    return _Terms(
-        pred_row=sched.pred_row[used],
-        pred_unique=sched.pred_unique[used],
-        pred_offsets=pred_offsets,
-        loss_lin=lin,
-        loss_pred=loss_pred,
-        loss_offsets=np.searchsorted(grp, np.arange(g + 1)),
-    )
 
 
 def _check_grad_pattern(pattern: tuple, expected: list) -> None:
@@ -644,7 +603,7 @@ class TreeRuntime:
         """(per sequence [len-1] log-probs, and entropies when ``with_entropy`` else None)."""
         device, dtype = self._placement
         cdt = compute_dtype(dtype)
-        terms = _all_predictions(sched)
+        terms = all_predictions(sched)
         # per unique token u: log p(u | its prefix), and the entropy of that distribution
         lp_unique = torch.full((forest.num_unique_tokens,), float("nan"), dtype=cdt, device=device)
         ent_unique = torch.full_like(lp_unique, float("nan")) if with_entropy else None
@@ -661,13 +620,13 @@ class TreeRuntime:
                 if p1 > p0:
                     unique = dev["pred_unique"][p0:p1]
                     lp, ent = token_logprobs(
-                        hidden[dev["pred_row"][p0:p1]], head, dev["labels"][p0:p1], self.logprob_chunk,
+                        hidden[dev["pred_hidden_row"][p0:p1]], head, dev["labels"][p0:p1], self.logprob_chunk,
                         temperature=temperature, with_entropy=with_entropy,
                     )
                     lp_unique[unique] = lp
                     if with_entropy:
                         ent_unique[unique] = ent
-        targets = upload(forest.lin_unique[self._prediction_lin(forest)], device)
+        targets = upload(forest.lin_unique[prediction_lin(forest)], device)
         sizes = (forest.sequence_lengths() - 1).tolist()
         lps = list(torch.split(lp_unique[targets], sizes))
         return lps, (list(torch.split(ent_unique[targets], sizes)) if with_entropy else None)
@@ -738,21 +697,15 @@ class TreeRuntime:
 
         return tqdm(sched.events, desc="dtree step", unit="event", leave=False)
 
-    @staticmethod
-    def _prediction_lin(forest: Forest) -> np.ndarray:
-        keep = np.ones(forest.num_linearized_tokens, dtype=bool)
-        keep[forest.seq_offsets[:-1]] = False
-        return np.flatnonzero(keep)
-
     def _to_device(
-        self, forest: Forest, sched: Schedule, terms: _Terms, weights: np.ndarray | None, field_names: Sequence[str]
+        self, forest: Forest, sched: Schedule, terms: LossTerms, weights: np.ndarray | None, field_names: Sequence[str]
     ) -> dict[str, torch.Tensor]:
         """Every per-step array the walk slices, moved to the device once."""
         ints = {
             "input_ids": forest.tokens[sched.row_unique],
             "positions": forest.positions[sched.row_unique],
             "row_unique": sched.row_unique,
-            "pred_row": terms.pred_row,
+            "pred_hidden_row": terms.pred_hidden_row,
             "pred_unique": terms.pred_unique,
             "labels": forest.tokens[terms.pred_unique],
             "loss_pred": terms.loss_pred,
@@ -796,7 +749,7 @@ class TreeRuntime:
         return hidden, attend
 
     def _group_loss(
-        self, g: int, hidden: torch.Tensor, terms: _Terms, dev: dict, per_token: _PerToken, term_log: list,
+        self, g: int, hidden: torch.Tensor, terms: LossTerms, dev: dict, per_token: _PerToken, term_log: list,
         head: OutputHead,
     ) -> torch.Tensor | None:
         e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
@@ -806,7 +759,7 @@ class TreeRuntime:
         weighted = weighted_terms(
             per_token.fn,
             hidden,
-            dev["pred_row"][p0:p1],
+            dev["pred_hidden_row"][p0:p1],
             dev["labels"][p0:p1],
             dev["loss_pred"][e0:e1],
             dev["weights"][e0:e1],
@@ -830,7 +783,7 @@ class TreeRuntime:
         self, forest: Forest, sched: Schedule, loss: TokenLoss, weights: np.ndarray, return_logprobs: bool = False
     ) -> StepOutput:
         t0 = time.perf_counter()
-        terms = _loss_terms(sched, weights)
+        terms = select_loss_terms(sched, weights)
         recorded: list[dict] = []  # per call with terms, the loss's per-token metrics (TokenLoss.recording)
         kept: list[tuple] = []  # per call with terms, (logp, entropy) when return_logprobs
         fn = loss.recording(recorded)
@@ -869,7 +822,7 @@ class TreeRuntime:
         out.seconds = time.perf_counter() - t0
         return out
 
-    def _loss_metrics(self, loss: TokenLoss, forest: Forest, terms: _Terms, term_log: list, recorded: list) -> dict:
+    def _loss_metrics(self, loss: TokenLoss, forest: Forest, terms: LossTerms, term_log: list, recorded: list) -> dict:
         """The loss's metrics: mask-weighted means over the step's loss terms. Each
         call's recorded values pair with its entry of ``term_log`` (both in call order)."""
         if not recorded:
@@ -881,7 +834,7 @@ class TreeRuntime:
         return metric_means(sums)
 
     def _kept_per_sequence(
-        self, forest: Forest, terms: _Terms, term_log: list, kept: list, with_entropy: bool
+        self, forest: Forest, terms: LossTerms, term_log: list, kept: list, with_entropy: bool
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Scatter each call's kept (logp, entropy) to its terms' linearized positions,
         then split per sequence into [len-1] prediction-aligned tensors (0 where no term)."""
@@ -894,7 +847,7 @@ class TreeRuntime:
             lp[where] = values
             if ent is not None:
                 ent[where] = entropies
-        pred = upload(self._prediction_lin(forest), self._device)
+        pred = upload(prediction_lin(forest), self._device)
         sizes = (forest.sequence_lengths() - 1).tolist()
         return (
             list(torch.split(lp[pred], sizes)),

@@ -159,8 +159,8 @@ class SequenceLoss:
                 "(TreeRuntime.forward_backward does)"
             )
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=logp.dtype, device=logp.device)
+        def dev(a: np.ndarray) -> torch.Tensor:  # a copy: the forest's arrays are read-only
+            return torch.tensor(a, dtype=logp.dtype, device=logp.device)
 
         seq = np.repeat(np.arange(forest.num_sequences), forest.sequence_lengths())
         return SequenceBatch(

@@ -197,7 +197,7 @@ def ancestors_mask(forest: dtree.Forest, row_unique: np.ndarray) -> np.ndarray:
         u = int(u)
         while u >= 0:
             allowed[i, pos[u]] = True
-            u = int(forest.pred_row[u])
+            u = int(forest.predecessor[u])
     return allowed
 
 
@@ -205,7 +205,7 @@ def ancestors_mask(forest: dtree.Forest, row_unique: np.ndarray) -> np.ndarray:
 def test_plans_are_consistent(batch, budget):
     """Every plan computes each prediction once, from the row of its predecessor, with
     positions = depths; every tree-mask row (whole trees, split groups, trees side by
-    side) has the ancestor-or-self mask of its tokens, found here by walking pred_row."""
+    side) has the ancestor-or-self mask of its tokens, found here by walking predecessor."""
     forest = dtree.Forest.from_sequences(batch[0])
     lengths = forest.sequence_lengths()
     model = make_model("llama")
@@ -220,7 +220,7 @@ def test_plans_are_consistent(batch, budget):
         )
         for b in batches:
             u = forest.lin_unique[b.term_lin]
-            assert np.array_equal(b.row_unique[b.term_row], forest.pred_row[u])
+            assert np.array_equal(b.row_unique[b.term_row], forest.predecessor[u])
             assert np.array_equal(forest.tokens[b.row_unique[b.term_target]], forest.lin_tokens[b.term_lin])
             assert np.array_equal(b.position_ids, forest.positions[b.row_unique])
             if budget is not None:

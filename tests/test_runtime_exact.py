@@ -38,7 +38,7 @@ def assert_exact(out, ref_loss, errs, tol=FP32_TOL):
     assert abs(out.loss - ref_loss) <= tol * max(1.0, abs(ref_loss)), (out.loss, ref_loss)
 
 
-# --- DESIGN.md section 1 edge cases, each on its own and all together
+# --- docs/design.md section 1 edge cases, each on its own and all together
 EDGE_CASES = {
     "duplicates": [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]],
     "prefix_of_another": [[5, 6, 7], [5, 6, 7, 8, 9, 10], [5, 6]],

@@ -10,7 +10,7 @@ backward per micro-batch. Each unique token is computed once, but activation mem
 grows with the row, and the mask costs build time and sparsity overhead.
 
 Loss terms: a linearized prediction ``s[t]`` reads the log-prob of its unique token,
-predicted by the row of that token's predecessor (``Forest.pred_row``); terms that share
+predicted by the row of that token's predecessor (``Forest.predecessor``); terms that share
 a unique token share one LM-head row, as in :class:`dtree.TreeRuntime`.
 
 Micro-batches (``max_tokens_per_batch``): whole trees are packed side by side into rows
@@ -166,7 +166,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
                 lin = _ranges(forest.seq_offsets[unit.sequences] + 1, forest.seq_offsets[unit.sequences + 1])
                 u = forest.lin_unique[lin]
                 term_lin.append(lin)
-                term_row.append(offset + np.searchsorted(sel, forest.pred_row[u]))
+                term_row.append(offset + np.searchsorted(sel, forest.predecessor[u]))
                 term_target.append(offset + np.searchsorted(sel, u))
                 rows.append(sel)
                 offset += len(sel)

@@ -129,7 +129,7 @@ def _step_forests(args, spec, on_gpu: bool, steps: int) -> tuple[list[StepForest
     flops = (spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())
 
     def wrap(seed: int, forest) -> StepForest:
-        return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions)),
+        return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions.copy())),
                           forest.flop_compression_ratio(*flops))
 
     if args.data:
