@@ -23,6 +23,10 @@
 #   i11-low21k       profile_memory on the 21k agentic tree: dtree:low, dtree ~1-1.5 min
 #   i11-fused        --fused (Liger layers): 64k (dtree, dtree:low, tree-mask whole+ckpt, 4 steps)
 #                    and case 1 (dtree, tree-mask split16k, linearized, 5 steps) ~2-2.5 min
+#   grpo-default     default grpo workload, 3 fresh forests: dtree, tree-mask whole+ckpt /
+#                    split16k, linearized (each best form that fits)         ~5 min
+#   i13-7b           qwen2.5-7b, one agentic tree of ~32k unique tokens, dtree eager and
+#                    with --fused (Liger layers): MFU                          ~3-4 min
 #   bench-case1      dtree bench, grpo case 1 (prompt 2048, G=8, answers 512) ~2-3 min
 #   bench-agentic64k dtree bench, one agentic tree of ~64k unique tokens       ~7-9 min
 #   bench-agentic    dtree bench, default agentic (4 trees, ~66k unique)       ~6-8 min
@@ -130,6 +134,20 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
       part i11-low21k 80
       part i11-fused $((secs - (SECONDS - started) - 10))
       ;;
+    grpo-default)
+      timeout "$secs" $BENCH $GRPO --steps 3 --configs dtree,tree-mask:whole+ckpt,tree-mask:split16k,linearized \
+        --max-config-seconds 75 --time-budget $((secs - 30)) --tag grpo-default --out "$dir" ;;
+    i13-7b)
+      local half=$((secs / 2)) model=qwen2.5-7b t7b=32768
+      [ "${SMOKE:-0}" = 1 ] && model=tiny t7b=400
+      timeout "$half" ${BENCH/qwen2.5-1.5b/$model} $AGENTIC64K --set target_unique_tokens=$t7b --steps 4 \
+        --configs dtree --time-budget $((half - 20)) --tag i13-7b-eager --out "$dir"
+      if python -c "import liger_kernel" 2>/dev/null && [ "${SMOKE:-0}" != 1 ]; then
+        timeout "$((secs - half))" ${BENCH/qwen2.5-1.5b/$model} $AGENTIC64K --set target_unique_tokens=$t7b --fused \
+          --steps 4 --configs dtree --time-budget $((secs - half - 20)) --tag i13-7b-fused --out "$dir"
+      else
+        echo "liger-kernel is not installed (or SMOKE): the --fused half is skipped"
+      fi ;;
     bench-case1)
       timeout "$secs" $BENCH $CASE1 --steps 6 --configs "$CONFIGS_FULL" --time-budget $((secs - 40)) \
         --tag case1 --out "$dir" ;;
@@ -169,7 +187,7 @@ limit() {
   case $1 in
     env) echo 60 ;; tests) echo 420 ;; tests-mem) echo 240 ;; bench-case1) echo 300 ;; memory) echo 300 ;;
     kernel) echo 240 ;; i11-agentic64k) echo 200 ;; i11-case1) echo 120 ;; i11-low21k) echo 100 ;; i11-fused) echo 180 ;;
-    issue11) echo 540 ;;
+    issue11) echo 540 ;; grpo-default) echo 300 ;; i13-7b) echo 240 ;;
     *) echo 570 ;;
   esac
 }
