@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_models import make_model
+from setups import assert_grads_equal, grads_of
 
 import dtree
 
@@ -15,18 +16,6 @@ import dtree
 @pytest.fixture
 def model():
     return make_model("llama", max_positions=64)
-
-
-def grads_of(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_grads_equal(model, before):
-    for n, p in model.named_parameters():
-        if before[n] is None:
-            assert p.grad is None, n
-        else:
-            assert torch.equal(p.grad, before[n]), n
 
 
 def test_path_longer_than_max_positions(model):

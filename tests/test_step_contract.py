@@ -11,6 +11,7 @@ import copy
 import pytest
 import torch
 from hf_models import VOCAB, make_model
+from setups import assert_grads_equal, grads_of
 
 import dtree
 from dtree.baselines import METHODS, make_method
@@ -28,18 +29,6 @@ SEQS = [[1, 2, 3, 4], [1, 2, 5, 6, 7], [9, 8]]
 @pytest.fixture
 def model():
     return make_model("llama", max_positions=64)
-
-
-def grads_of(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_grads_equal(model, before):
-    for n, p in model.named_parameters():
-        if before[n] is None:
-            assert p.grad is None, n
-        else:
-            assert torch.equal(p.grad, before[n]), n
 
 
 def with_existing_grads(name, kw, model):
