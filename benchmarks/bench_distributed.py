@@ -47,7 +47,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import dtree  # noqa: E402
 from dtree.distributed import CostModel, DistributedTreeTrainer, forest_features  # noqa: E402
-from dtree.distributed.calibrate import default_forests, time_step  # noqa: E402
+from dtree.bench.calibrate import default_forests, time_step  # noqa: E402
 from dtree.presets import build_model, resolve_dtype  # noqa: E402
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
@@ -160,8 +160,8 @@ def main() -> None:
     rank, world, device = setup(args)
     dtype = resolve_dtype(args.dtype, device)
     model = build_model(args.model, device=device, dtype=dtype, seed=args.seed)
-    spec_trainer = DistributedTreeTrainer(model, mode=args.mode, group_tokens=args.group_tokens,
-                                          attention=args.attention)
+    config = dtree.RuntimeConfig(mode=args.mode, group_tokens=args.group_tokens, attention=args.attention)
+    spec_trainer = DistributedTreeTrainer(model, config=config)
     runtime = spec_trainer.runtime
     forest = agentic_batch(args, runtime.spec.vocab_size)
     loss = dtree.losses.ppo_clip(reduction="token_mean")

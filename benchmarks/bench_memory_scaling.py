@@ -42,7 +42,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from dtree.baselines import make_method  # noqa: E402
-from dtree.bench.configs import BenchConfig, parse_assignments, parse_configs  # noqa: E402
+from dtree.bench.configs import MethodConfig, parse_assignments, parse_configs  # noqa: E402
 from dtree.bench.measure import device_name, free_memory, is_out_of_memory, limit_memory  # noqa: E402
 from dtree.bench.report import environment  # noqa: E402
 from dtree.bench.runner import CPU_WORKLOADS  # noqa: E402
@@ -98,7 +98,7 @@ class Cell:
     step_times_s: list[float] = field(default_factory=list)
 
 
-def _work(config: BenchConfig, unique: int, linearized: int) -> int:
+def _work(config: MethodConfig, unique: int, linearized: int) -> int:
     return linearized if config.method == "linearized" else unique
 
 
@@ -121,7 +121,7 @@ def _step(runner, forest, loss, model, device) -> tuple[float, float | None, flo
 class Sweeper:
     """Runs the sweeps; keeps one runner per configuration (as a trainer keeps its own)."""
 
-    def __init__(self, model, configs: list[BenchConfig], device, caps: dict[str, float], steps_per_point: int,
+    def __init__(self, model, configs: list[MethodConfig], device, caps: dict[str, float], steps_per_point: int,
                  deadline: float, log=print) -> None:
         self.model, self.configs, self.device = model, configs, device
         self.caps, self.steps, self.deadline, self.log = caps, steps_per_point, deadline, log
@@ -131,12 +131,12 @@ class Sweeper:
         self.warmup_s: dict[str, float] = {}
         self.start = time.monotonic()
 
-    def _runner(self, config: BenchConfig):
+    def _runner(self, config: MethodConfig):
         if config.label not in self.runners:
             self.runners[config.label] = make_method(config.method, self.model, **config.options)
         return self.runners[config.label]
 
-    def _release(self, config: BenchConfig) -> None:
+    def _release(self, config: MethodConfig) -> None:
         release = getattr(self.runners.get(config.label), "release_memory", None)
         if release is not None:
             release()  # the KV stack must not count against the next configuration
@@ -188,7 +188,7 @@ class Sweeper:
             del forest
         return cells
 
-    def _measure(self, c: BenchConfig, cell: Cell, forest) -> None:
+    def _measure(self, c: MethodConfig, cell: Cell, forest) -> None:
         try:
             runner = self._runner(c)
             if c.label not in self.warm:

@@ -14,7 +14,9 @@ training: :mod:`dtree.distributed` (``dtree.distributed.DistributedTreeTrainer``
 """
 
 from . import distributed, losses
+from .config import RuntimeConfig
 from .losses import Normalization
+from .models import compile_layers
 from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
 from .tree import Forest, ForestStats
@@ -26,8 +28,10 @@ __all__ = [
     "ForestStats",
     "Normalization",
     "OutputHead",
+    "RuntimeConfig",
     "StepOutput",
     "TreeRuntime",
+    "compile_layers",
     "distributed",
     "losses",
     "__version__",

@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_stats)
 
     from .bench.runner import add_bench_parser
-    from .distributed.calibrate import add_calibrate_parser
+    from .bench.calibrate import add_calibrate_parser
 
     add_bench_parser(sub)
     add_calibrate_parser(sub)

@@ -87,7 +87,7 @@ def main() -> None:
     wrapped = wrap(model, args.sync, device, world)
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     trainer = DistributedTreeTrainer(wrapped, cost_model=cost_model, partition_method=args.method,
-                                     mode=args.mode, group_tokens=args.group_tokens)
+                                     config=dtree.RuntimeConfig(mode=args.mode, group_tokens=args.group_tokens))
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     vocab = trainer.runtime.spec.vocab_size
     if rank == 0:

@@ -69,3 +69,17 @@ def assert_logprobs_exact(model, rt_kw: dict, seqs=SEQS, tol: float = FP32_TOL) 
     with torch.no_grad():
         for s, lp in zip(seqs, got):
             torch.testing.assert_close(lp, path_logprobs(model, s), atol=tol, rtol=tol)
+
+
+def grads_of(model) -> dict:
+    """name -> a copy of ``param.grad`` (None where there is none)."""
+    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
+
+
+def assert_grads_equal(model, before: dict) -> None:
+    """``param.grad`` is exactly ``before`` (a failed step touched nothing)."""
+    for n, p in model.named_parameters():
+        if before[n] is None:
+            assert p.grad is None, n
+        else:
+            assert torch.equal(p.grad, before[n]), n

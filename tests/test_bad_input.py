@@ -1,38 +1,21 @@
 """Bad input gets a clear ValueError naming the sequence and position, before any
-kernel runs, and loses nothing: param.grad is exactly as before the call."""
+kernel runs, and loses nothing: param.grad is exactly as before the call. What every
+method shares (out-of-vocabulary tokens, missing loss fields, non-finite loss) is in
+tests/test_step_contract.py; this file holds what is the runtime's own."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from hf_models import VOCAB, make_model
+from hf_models import make_model
+from setups import assert_grads_equal, grads_of
 
 import dtree
-from dtree.losses import TokenLoss
 
 
 @pytest.fixture
 def model():
     return make_model("llama", max_positions=64)
-
-
-def grads_of(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
-def assert_grads_equal(model, before):
-    for n, p in model.named_parameters():
-        if before[n] is None:
-            assert p.grad is None, n
-        else:
-            assert torch.equal(p.grad, before[n]), n
-
-
-def test_token_outside_vocabulary(model):
-    forest = dtree.Forest.from_sequences([[1, 2, 3], [1, 2, VOCAB + 5, 4]])
-    with pytest.raises(ValueError, match=rf"token id {VOCAB + 5} at sequence 1, position 2 is outside the vocabulary"):
-        dtree.TreeRuntime(model).forward_backward(forest, dtree.losses.nll())
-    assert all(p.grad is None for p in model.parameters())
 
 
 def test_path_longer_than_max_positions(model):
@@ -51,29 +34,6 @@ def test_tree_larger_than_stack_capacity(model):
         dtree.TreeRuntime(model, stack_capacity=32, group_tokens=64).forward_backward(forest, dtree.losses.nll())
     out = dtree.TreeRuntime(model, stack_capacity=32, group_tokens=0).forward_backward(forest, dtree.losses.nll())
     assert out.stack_tokens <= 32
-
-
-def test_missing_loss_fields(model):
-    forest = dtree.Forest.from_sequences([[1, 2, 3]], advantages=[[0, 1, 1]])
-    with pytest.raises(ValueError, match=r"needs per-token fields \['old_logprobs'\]"):
-        dtree.TreeRuntime(model).forward_backward(forest, dtree.losses.ppo_clip())
-
-
-@pytest.mark.parametrize("mode", ["retain", "recompute"])
-def test_non_finite_loss_restores_grads(model, mode):
-    seqs = [[1, 2, 3, 4], [1, 2, 5, 6, 7], [9, 8]]
-    flag = [[0, 0, 0, 0], [0, 0, 0, 1, 0], [0, 0]]  # sequence 1, position 3 goes bad
-
-    def per_token(logp, f):
-        return torch.where(f["flag"] > 0, torch.log(-logp.abs() - 1), -logp)
-
-    loss = TokenLoss(per_token, reduction="sum", required_fields=("flag",), name="explodes")
-    rt = dtree.TreeRuntime(model, mode=mode)
-    rt.forward_backward(dtree.Forest.from_sequences(seqs[:1]), dtree.losses.nll())  # existing grads to keep
-    before = grads_of(model)
-    with pytest.raises(ValueError, match=r"loss is not finite \(nan\) at sequence 1, position 3"):
-        rt.forward_backward(dtree.Forest.from_sequences(seqs, flag=flag), loss)
-    assert_grads_equal(model, before)
 
 
 def test_non_finite_two_pass_loss(model):

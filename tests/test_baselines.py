@@ -140,18 +140,6 @@ def test_random_forests(batch, data):
     assert_all_exact(ref, results)
 
 
-def test_gradients_accumulate_into_existing_grad():
-    forest = dtree.Forest.from_sequences(EDGE_CASES["prefix_of_another"])
-    for cls in (LinearizedTrainer, TreeMaskTrainer):
-        model = make_model("llama")
-        trainer = cls(model, max_tokens_per_batch=4)
-        trainer.forward_backward(forest, dtree.losses.nll())
-        once = {n: p.grad.clone() for n, p in model.named_parameters()}
-        trainer.forward_backward(forest, dtree.losses.nll())
-        for n, p in model.named_parameters():
-            torch.testing.assert_close(p.grad, 2 * once[n])
-
-
 # ----------------------------------------------------------------------------- micro-batch plans
 def test_pack_in_order():
     assert pack_in_order(np.array([4, 3, 5, 2]), 7) == [(0, 2), (2, 4)]

@@ -122,7 +122,7 @@ def _scenarios(rank: int, world: int) -> dict:
     res: dict = {}
 
     def trainer_for(model, **kw):
-        return DistributedTreeTrainer(model, group_tokens=0, **kw)
+        return DistributedTreeTrainer(model, config=dtree.RuntimeConfig(group_tokens=0), **kw)
 
     # exactness for every reduction (plain all-reduce sync)
     for red in dtree.losses.REDUCTIONS:
@@ -212,7 +212,8 @@ def _scenarios(rank: int, world: int) -> dict:
         # DDP: walk under no_sync, one all-reduce at the end
         model = make_model("qwen2", tied=True)
         ddp = torch.nn.parallel.DistributedDataParallel(model)
-        tr = DistributedTreeTrainer(ddp, group_tokens=5, chunk_size=3)  # packed calls, chunked nodes
+        # packed calls, chunked nodes
+        tr = DistributedTreeTrainer(ddp, config=dtree.RuntimeConfig(group_tokens=5, chunk_size=3))
         out = tr.step(forest_of("mixed"), dtree.losses.ppo_clip(reduction="token_mean"))
         res["ddp"] = dict(grads=_grads(model), loss=out.loss, sync=tr.sync.name)
 
@@ -236,7 +237,7 @@ def _fsdp_scenario(make_model, world: int) -> dict:
         fully_shard(model, mesh=mesh)
     except Exception as e:  # pragma: no cover - depends on the torch build
         return dict(skipped=f"fully_shard on CPU/gloo failed: {type(e).__name__}: {e}")
-    tr = DistributedTreeTrainer(model, mode="recompute", group_tokens=7)
+    tr = DistributedTreeTrainer(model, config=dtree.RuntimeConfig(mode="recompute", group_tokens=7))
     seqs, fields = batch("mixed")
     den = [[1.0] * len(s) for s in seqs]
     den[0][3] = 0.0
@@ -556,7 +557,8 @@ def test_single_process_trainer_matches_runtime():
 def _single_process_trainer(make_model, DistributedStepError, DistributedTreeTrainer):
     model = make_model("llama")
     ref = copy.deepcopy(model)
-    out = DistributedTreeTrainer(model, group_tokens=0).step(forest_of("mixed"), dtree.losses.nll("token_mean"))
+    trainer = DistributedTreeTrainer(model, config=dtree.RuntimeConfig(group_tokens=0))
+    out = trainer.step(forest_of("mixed"), dtree.losses.nll("token_mean"))
     want = dtree.TreeRuntime(ref, group_tokens=0).forward_backward(forest_of("mixed"), dtree.losses.nll("token_mean"))
     assert abs(out.loss - want.loss) < 1e-6 and out.partition.world_size == 1
     assert_grads_match(_grads(model), ref, tol=1e-6)
@@ -566,7 +568,8 @@ def _single_process_trainer(make_model, DistributedStepError, DistributedTreeTra
     before = _grads(model)
     want_error = r"rank 0 of 1: ValueError: loss is not finite .* sequence 4, position 1"
     with pytest.raises(DistributedStepError, match=want_error):
-        DistributedTreeTrainer(model, group_tokens=0).step(dtree.Forest.from_sequences(seqs, den=den), div_loss())
+        trainer = DistributedTreeTrainer(model, config=dtree.RuntimeConfig(group_tokens=0))
+        trainer.step(dtree.Forest.from_sequences(seqs, den=den), div_loss())
     assert _same(before, _grads(model))
 
 
@@ -723,7 +726,7 @@ def test_calibrate_recovers_known_coefficients(tmp_path):
     recovers its coefficients (the shapes make all four identifiable) and saves them."""
     from hf_models import make_model
 
-    from dtree.distributed.calibrate import calibrate
+    from dtree.bench.calibrate import calibrate
 
     truth = CostModel({"fixed": 2e-3, "nodes": 5e-5, "tokens": 4e-6, "attention": 3e-9})
     timed = []
@@ -733,7 +736,8 @@ def test_calibrate_recovers_known_coefficients(tmp_path):
         return truth.cost(forest)
 
     path = tmp_path / "cm.json"
-    cm, report = calibrate(make_model("llama"), dict(group_tokens=256), repeats=2, out_path=str(path), warmup=0,
+    config = dtree.RuntimeConfig(group_tokens=256)
+    cm, report = calibrate(make_model("llama"), config, repeats=2, out_path=str(path), warmup=0,
                            budget_tokens=512, log=None, timer=timer)
     assert len(timed) == 8 and {(r, w) for _, r, w in timed} == {(2, 0)}  # 4 shapes x 2 sizes
     for name, value in truth.coefficients.items():
@@ -741,7 +745,9 @@ def test_calibrate_recovers_known_coefficients(tmp_path):
     assert report.r2 > 0.999999 and report.max_abs_rel_error < 1e-6 and report.num_samples == 8
     loaded = CostModel.load(str(path))
     assert loaded.coefficients == cm.coefficients
-    assert loaded.meta["runtime"] == {"group_tokens": 256} and loaded.meta["repeats"] == 2
+    # every runtime option the coefficients hold for, defaults included
+    assert loaded.meta["runtime"] == config.as_dict() and loaded.meta["runtime"]["group_tokens"] == 256
+    assert loaded.meta["repeats"] == 2
 
 
 def test_calibrate_times_real_steps_and_the_cli_writes_a_loadable_model(tmp_path, capsys):
@@ -749,16 +755,16 @@ def test_calibrate_times_real_steps_and_the_cli_writes_a_loadable_model(tmp_path
     records the runtime settings it was measured with, and predicts a positive cost."""
     from hf_models import make_model
 
+    from dtree.bench.calibrate import calibrate, synthetic_forest
     from dtree.cli import main
-    from dtree.distributed.calibrate import calibrate, synthetic_forest
 
     forests = [synthetic_forest(kind, 256, seed=1, vocab_size=97) for kind in ("wide", "long", "deep", "grpo")]
     wide, long = forests[0], forests[1]  # the shapes stress different terms
     assert wide.num_nodes / wide.num_unique_tokens > long.num_nodes / long.num_unique_tokens
     lines = []
     with one_thread():
-        cm, report = calibrate(make_model("llama"), dict(group_tokens=256), forests, repeats=1, warmup=0,
-                               log=lines.append)
+        cm, report = calibrate(make_model("llama"), dtree.RuntimeConfig(group_tokens=256), forests, repeats=1,
+                               warmup=0, log=lines.append)
     assert report.num_samples == 4 and any("R^2" in line for line in lines)
     assert all(v >= 0 and math.isfinite(v) for v in cm.coefficients.values()) and cm.cost(wide) > 0
 
@@ -768,7 +774,8 @@ def test_calibrate_times_real_steps_and_the_cli_writes_a_loadable_model(tmp_path
                    "--budget-tokens", "64", "--group-tokens", "0", "--mode", "recompute", "--out", str(path)])
     assert rc == 0 and f"saved {path}" in capsys.readouterr().out
     loaded = CostModel.load(str(path))
-    assert loaded.meta["runtime"] == {"mode": "recompute", "group_tokens": 0, "chunk_size": 2048, "attention": "auto"}
+    want = dtree.RuntimeConfig(mode="recompute", group_tokens=0, chunk_size=2048, attention="auto")
+    assert loaded.meta["runtime"] == want.as_dict()
     assert loaded.meta["device"] == "cpu" and loaded.meta["repeats"] == 1
     assert all(v >= 0 and math.isfinite(v) for v in loaded.coefficients.values())
     assert loaded.cost(synthetic_forest("wide", 64, vocab_size=97)) > 0

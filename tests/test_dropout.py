@@ -40,17 +40,14 @@ def nano_with_dropout(p: float = 0.2):
 MODELS = {"lora": (lora_with_dropout, SEQS), "residual": (nano_with_dropout, NANO_SEQS)}
 
 
-def step(model, seqs, seed: int, mode: str, group_tokens, loss=None, monkeypatch=None):
+def step(model, seqs, seed: int, mode: str, group_tokens, loss=None):
     """A step of a fresh copy of ``model`` under ``torch.manual_seed(seed)``. ``auto``
     gets a tiny retain budget, so it mixes retained and recomputed groups."""
     tree_model = copy.deepcopy(model)
-    with contextlib.ExitStack() as stack:
-        if mode == "auto":
-            mp = stack.enter_context(pytest.MonkeyPatch.context())
-            mp.setattr(dtree.TreeRuntime, "_retain_budget", lambda self, sched: 6)
-        torch.manual_seed(seed)
-        rt = dtree.TreeRuntime(tree_model, mode=mode, group_tokens=group_tokens, chunk_size=3)
-        out = rt.forward_backward(dtree.Forest.from_sequences(seqs), loss or dtree.losses.nll())
+    budget = 6 if mode == "auto" else None
+    torch.manual_seed(seed)
+    rt = dtree.TreeRuntime(tree_model, mode=mode, group_tokens=group_tokens, chunk_size=3, retain_budget_tokens=budget)
+    out = rt.forward_backward(dtree.Forest.from_sequences(seqs), loss or dtree.losses.nll())
     return out, tree_model
 
 

@@ -56,7 +56,7 @@ def test_nothing_trainable_is_an_error():
     rt = dtree.TreeRuntime(model)
     with pytest.raises(ValueError, match="no parameter of the model requires grad"):
         rt.forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
-    assert rt._stack is None  # refused before anything was allocated
+    assert rt.stack is None  # refused before anything was allocated
     rt.logprobs(dtree.Forest.from_sequences(SEQS))  # inference needs no trainable parameter
 
 

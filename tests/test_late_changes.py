@@ -43,11 +43,11 @@ def test_dtype_move_after_wrapping(mode, group_tokens):
     # a fixed stack size: the stack is reallocated for the new dtype alone
     rt = dtree.TreeRuntime(model, mode=mode, group_tokens=group_tokens, chunk_size=3, stack_capacity=64)
     step(rt, [[1, 2, 3, 4], [1, 2, 5]])
-    assert rt._stack.dtype == torch.float32
+    assert rt.stack.dtype == torch.float32
     model.to(torch.float64).zero_grad(set_to_none=True)
     ref_model, ref_loss = float64_reference()
     out = step(rt)
-    assert rt._stack.dtype == torch.float64 and rt.dtype == torch.float64
+    assert rt.stack.dtype == torch.float64 and rt.dtype == torch.float64
     assert_exact(model, ref_model, out, ref_loss, tol=1e-6)
 
 
@@ -61,7 +61,7 @@ def test_bf16_move_on_cpu():
     step(rt)
     model.to(torch.bfloat16).zero_grad(set_to_none=True)
     out = step(rt)
-    assert rt._stack.dtype == torch.bfloat16
+    assert rt.stack.dtype == torch.bfloat16
     assert abs(out.loss - ref_loss) < 2e-2 * abs(ref_loss)
     assert all(p.grad is not None and p.grad.dtype == torch.bfloat16 for p in model.parameters())
 
@@ -127,7 +127,7 @@ def test_cuda_move_after_wrapping(mode):
     model.cuda().zero_grad(set_to_none=True)
     ref_model, ref_loss = reference(model)
     out = step(rt)
-    assert rt._stack.device.type == "cuda" and rt.attention == "triton"
+    assert rt.stack.device.type == "cuda" and rt.attention == "triton"
     assert_exact(model, ref_model, out, ref_loss, tol=1e-4)  # fp32 kernels, another summation order
 
 
@@ -144,7 +144,7 @@ def test_bf16_move_after_wrapping_on_cuda():
     model.to(torch.bfloat16).zero_grad(set_to_none=True)
     bf16_ref, _ = reference(model)
     step(rt)
-    assert rt._stack.dtype == torch.bfloat16
+    assert rt.stack.dtype == torch.bfloat16
     want = dict(fp32_ref.named_parameters())
     hf16 = dict(bf16_ref.named_parameters())
     for name, p in model.named_parameters():

@@ -14,7 +14,10 @@ from setups import SEQS
 
 import dtree
 from dtree import memory_policy as mp
-from dtree.models import ModelSpec
+from dtree.config import RuntimeConfig
+from dtree.models import ModelSpec, adapt
+from dtree.ops.logprobs import as_output_head
+from dtree.step_plan import plan_memory
 
 GIB = 2.0**30
 QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
@@ -155,24 +158,26 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     """The runtime's side of a CUDA step without a GPU: what the allocator can hand out,
     the gradients still to allocate, the stack held, the fused head, HF checkpointing."""
     model = make_model("qwen2")
-    rt = dtree.TreeRuntime(model, chunk_size=3)
+    cuda = (torch.device("cuda", 0), torch.bfloat16)
+    forest = dtree.Forest.from_sequences(SEQS)
     seen = {}
 
     def fake_available(device):
         seen["device"] = device
         return 5 * GIB, 1 * GIB
 
+    def plan_on_cuda(config):
+        adapted = adapt(model)
+        head = as_output_head(adapted.dtree_output_layer())
+        return plan_memory(model, adapted.dtree_spec(), head, config, cuda, None, forest)
+
     monkeypatch.setattr(mp, "available_bytes", fake_available)
-    rt._placement = (torch.device("cuda", 0), torch.bfloat16)
-    forest = dtree.Forest.from_sequences(SEQS)
-    plan_ = rt._plan_memory(forest)
+    plan_ = plan_on_cuda(RuntimeConfig(chunk_size=3))
     assert seen["device"] == torch.device("cuda", 0)
     assert plan_.budget_bytes == pytest.approx((1 - mp.MARGIN_FRAGMENTED) * 5 * GIB)
     assert plan_.parts["gradients"] == mp.missing_grad_bytes(model.parameters()) > 0
     assert plan_.predicted_peak_bytes <= plan_.budget_bytes and plan_.reason.startswith("fastest")
-    capped = dtree.TreeRuntime(model, chunk_size=3, memory=1.5)
-    capped._placement = rt._placement
-    assert capped._plan_memory(forest).budget_bytes == pytest.approx(0.5 * GIB)
+    assert plan_on_cuda(RuntimeConfig(chunk_size=3, memory=1.5)).budget_bytes == pytest.approx(0.5 * GIB)
     model.gradient_checkpointing_enable()
     model.train()
-    assert rt._plan_memory(forest).checkpoint_layers is True  # HF checkpoints: planned as checkpointed
+    assert plan_on_cuda(RuntimeConfig(chunk_size=3)).checkpoint_layers is True  # HF checkpoints: planned as checkpointed

@@ -21,10 +21,13 @@ import dtree
 FP32_TOL = 1e-5
 
 
-def run_both(model, seqs, fields=None, kind="nll", reduction="token_mean", rt_kw=None, loss_kw=None):
-    """(dtree output, reference loss, per-param errors, dtree model, reference model)."""
+def run_both(model, seqs, fields=None, kind="nll", reduction="token_mean", rt_kw=None, loss_kw=None, compile=False):
+    """(dtree output, reference loss, per-param errors); ``compile``: dtree's copy of the
+    model gets ``dtree.compile_layers`` first."""
     loss_kw = loss_kw or {}
     tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    if compile:
+        dtree.compile_layers(tree_model)
     forest = dtree.Forest.from_sequences(seqs, **(fields or {}))
     loss = dtree.losses.nll(reduction=reduction) if kind == "nll" else dtree.losses.ppo_clip(reduction=reduction, **loss_kw)
     out = dtree.TreeRuntime(tree_model, **(rt_kw or {})).forward_backward(forest, loss)
@@ -246,17 +249,18 @@ def test_subtrees_in_one_call(mode, attention):
 def test_compiled_layers_are_exact():
     """torch.compile'd decoder layers (attention left eager between compiled graphs)."""
     out, ref, errs = run_both(
-        make_model("qwen2", tied=True), EDGE_CASES["branch_point_many_children"], rt_kw=dict(compile=True, chunk_size=3)
+        make_model("qwen2", tied=True), EDGE_CASES["branch_point_many_children"], rt_kw=dict(chunk_size=3),
+        compile=True,
     )
     assert_exact(out, ref, errs)
 
 
-def test_auto_mode_retains_within_budget_and_recomputes_the_rest(monkeypatch):
+def test_auto_mode_retains_within_budget_and_recomputes_the_rest():
     """auto mode with a tiny retain budget: outer groups retained, deeper ones
     recomputed, leaf groups run once; gradients unchanged."""
-    monkeypatch.setattr(dtree.TreeRuntime, "_retain_budget", lambda self, sched: 6)
     seqs = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 10, 11], [1, 2, 3, 12, 13, 14, 15], [1, 2, 16]]
-    out, ref, errs = run_both(make_model("llama"), seqs, rt_kw=dict(mode="auto", chunk_size=2, group_tokens=0))
+    rt_kw = dict(mode="auto", chunk_size=2, group_tokens=0, retain_budget_tokens=6)
+    out, ref, errs = run_both(make_model("llama"), seqs, rt_kw=rt_kw)
     assert_exact(out, ref, errs)
     assert 0 < out.metrics["recomputed_tokens"] < out.num_unique_tokens
     assert out.peak_graph_tokens <= 6 + 2  # budget + one chunk being recomputed

@@ -58,10 +58,10 @@ class _Holder:
 def peak_saved(model, seqs, **rt_kw) -> int:
     rt = dtree.TreeRuntime(model, **rt_kw)
     forest = dtree.Forest.from_sequences(seqs)
-    rt.plan(forest)
-    # allocate the stack first, so it can be excluded
-    rt._get_stack(rt.plan(forest).stack_tokens, with_grad=True)
-    stack = rt._stack
+    # a first step allocates the stack (reused by the second), so it can be excluded
+    rt.forward_backward(forest, dtree.losses.nll("sum"))
+    model.zero_grad(set_to_none=True)
+    stack = rt.stack
     tracker = SavedBytes(list(model.parameters()) + [stack.k, stack.v, stack.grad_k, stack.grad_v])
     with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
         rt.forward_backward(forest, dtree.losses.nll("sum"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ..config import RuntimeConfig
 from ..runtime import TreeRuntime
 from .linearized import LinearizedTrainer
 from .tree_mask import TreeMaskTrainer
@@ -24,10 +25,11 @@ METHODS = ("dtree", "linearized", "tree-mask")
 
 
 def make_method(name: str, model: torch.nn.Module, **kw):
-    """The trainer a benchmark runs under ``name``: ``"dtree"`` (:class:`TreeRuntime`),
-    ``"linearized"`` or ``"tree-mask"``; ``kw`` goes to its constructor."""
+    """The trainer a benchmark runs under ``name``: ``"dtree"`` (:class:`TreeRuntime`;
+    ``kw`` are the fields of its :class:`~dtree.config.RuntimeConfig`), ``"linearized"``
+    or ``"tree-mask"`` (``kw`` goes to the constructor)."""
     if name == "dtree":
-        return TreeRuntime(model, **kw)
+        return TreeRuntime(model, config=RuntimeConfig(**kw))
     if name == "linearized":
         return LinearizedTrainer(model, **kw)
     if name == "tree-mask":

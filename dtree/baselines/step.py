@@ -4,15 +4,15 @@ A baseline plans a step as a list of :class:`MicroBatch` (one model call each: a
 row of tokens, its attention layout, and the loss terms it computes). The step is then
 the same for both::
 
-    loss.check_fields(forest); w = loss.weights(forest, normalization)
+    w = token_loss_weights(forest, loss, normalization)      (dtree.step, as the runtime)
     for each micro-batch:
-        hidden = model.dtree_hidden_states(ids, positions, attend)              [T, H]
-        logp, H = token_logprobs(hidden[pred_rows], head, labels, temperature=T)  [P]
-        (loss.per_token(logp[term_pred], fields (+ entropy H)) * w).sum().backward()
-        loss.metrics(logp[term_pred], fields), summed with the terms' loss mask
-    one device sync for the loss value; if it is not finite, param.grad is restored
-    and a ValueError names the first bad (sequence, position); the loss's metrics
-    (mask-weighted means over the loss tokens) go into ``StepOutput.metrics``
+        hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
+        logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
+        (loss.per_token(logp[loss_pred], fields (+ entropy H)) * w).sum().backward()
+    around it, :func:`dtree.step.run_token_step`: one device sync for the loss value;
+    if it is not finite, param.grad is restored and a ValueError names the first bad
+    (sequence, position); the loss's metrics (mask-weighted means over the loss
+    tokens) go into ``StepOutput.metrics``
 
 Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
@@ -37,15 +37,14 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..checks import model_placement, raise_non_finite, refuse_paths_beyond_window, validate_forest
-from ..grad_guard import GradStash
-from ..losses import Normalization, TokenLoss, add_metric_sums, masked_metric_sums, metric_means, weighted_terms
+from ..checkpointing import checkpointed_layers, decoder_layers
+from ..checks import model_placement, refuse_paths_beyond_window, validate_forest
+from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
 from ..ops.logprobs import as_output_head, compute_dtype
-from ..runtime import StepOutput
+from ..step import StepOutput, StepRun, run_token_step, token_loss_weights
 from ..transfer import upload
 from ..tree import Forest
-from ..checkpointing import checkpointed_layers, decoder_layers
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 
@@ -115,17 +114,17 @@ class _Call:
     """A micro-batch after dropping zero-weight terms and sharing predictions."""
 
     batch: MicroBatch
-    pred_rows: np.ndarray  # [P] rows of the call that go through the LM head
+    pred_hidden_row: np.ndarray  # [P] rows of the call whose hidden states go through the LM head
     labels: np.ndarray  # [P] token ids they predict
-    term_pred: np.ndarray  # [E'] prediction of each kept term
+    loss_pred: np.ndarray  # [E'] prediction each kept term reads
     term_lin: np.ndarray  # [E'] linearized index of each kept term
 
 
 def _select_terms(batch: MicroBatch, weights: np.ndarray, forest: Forest) -> _Call:
     keep = weights[batch.term_lin] != 0
     lin, row, target = batch.term_lin[keep], batch.term_row[keep], batch.term_target[keep]
-    _, first, term_pred = np.unique(target, return_index=True, return_inverse=True)
-    return _Call(batch, row[first], forest.lin_tokens[lin[first]], term_pred.reshape(-1), lin)
+    _, first, loss_pred = np.unique(target, return_index=True, return_inverse=True)
+    return _Call(batch, row[first], forest.lin_tokens[lin[first]], loss_pred.reshape(-1), lin)
 
 
 class MicroBatchTrainer:
@@ -189,77 +188,57 @@ class MicroBatchTrainer:
         Same contract as :meth:`dtree.TreeRuntime.forward_backward` for a
         :class:`~dtree.losses.TokenLoss` (the runtime's two-pass path for other
         callables has no baseline counterpart); ``normalization`` gives global counts
-        when the batch is split over ranks.
+        when the batch is split over ranks. The step is :func:`dtree.step.run_token_step`.
         """
         if not isinstance(loss, TokenLoss):
             raise TypeError(f"the baselines take a dtree.losses.TokenLoss, got {type(loss).__name__}")
         t0 = time.perf_counter()
         self._check_forest(forest)
-        loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
-        weights = loss.weights(forest, normalization)
+        weights = token_loss_weights(forest, loss, normalization)
         batches = self.plan(forest)
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
-        with GradStash(self.module.parameters()):  # a failed step leaves param.grad as it was
-            total, term_log, metric_sums = self._run(calls, forest, weights, loss)
-            loss_value = float(total)  # the step's one device sync
-            if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
-                lin = np.concatenate([c.term_lin for c in calls])
-                raise_non_finite(forest, lin, term_log)
-        return StepOutput(
-            loss=loss_value,
-            num_sequences=forest.num_sequences,
-            num_unique_tokens=forest.num_unique_tokens,
-            num_linearized_tokens=forest.num_linearized_tokens,
-            num_loss_terms=sum(len(c.term_lin) for c in calls),
-            num_model_calls=len(calls),
-            stack_tokens=0,
-            peak_graph_tokens=max((c.batch.num_tokens for c in calls), default=0),
-            seconds=time.perf_counter() - t0,
-            metrics={**self._metrics(forest, batches), **metric_means(metric_sums)},
-        )
+        lin = np.concatenate([c.term_lin for c in calls]) if calls else np.zeros(0, dtype=np.int64)
+
+        def run(per_token, recorded) -> StepRun:
+            total, term_log = self._run(calls, forest, weights, loss, per_token)
+            return StepRun(
+                total, term_log, num_model_calls=len(calls),
+                peak_graph_tokens=max((c.batch.num_tokens for c in calls), default=0),
+                metrics=self._metrics(forest, batches),
+            )
+
+        return run_token_step(self.module.parameters(), forest, loss, lin, run, self.device, self.dtype, started=t0)
 
     def _upload(
-        self,
-        calls: list[_Call],
-        forest: Forest,
-        weights: np.ndarray,
-        metric_mask: np.ndarray,
-        field_names: Sequence[str],
+        self, calls: list[_Call], forest: Forest, weights: np.ndarray, field_names: Sequence[str]
     ) -> list[dict]:
         """Every call's arrays in one host-to-device copy per dtype (as the runtime does);
         returns per call a dict of device views."""
-        keys = ("input_ids", "position_ids", "pred_rows", "labels", "term_pred")
+        keys = ("input_ids", "position_ids", "pred_hidden_row", "labels", "loss_pred")
         ints = [
-            (forest.tokens[c.batch.row_unique], c.batch.position_ids, c.pred_rows, c.labels, c.term_pred) for c in calls
+            (forest.tokens[c.batch.row_unique], c.batch.position_ids, c.pred_hidden_row, c.labels, c.loss_pred)
+            for c in calls
         ]
         flat = np.concatenate([a for arrays in ints for a in arrays]).astype(np.int64)
         views = iter(torch.split(upload(flat, self.device), [len(a) for arrays in ints for a in arrays]))
         lin = np.concatenate([c.term_lin for c in calls])
-        floats = np.stack([weights[lin], metric_mask[lin]] + [forest.fields[n][lin] for n in field_names])
+        floats = np.stack([weights[lin]] + [forest.fields[n][lin] for n in field_names])
         floats = upload(floats, self.device, compute_dtype(self.dtype))
         per_call = torch.split(floats, [len(c.term_lin) for c in calls], dim=1)
         return [
-            {
-                **{k: next(views) for k in keys},
-                "weights": f[0],
-                "metric_mask": f[1],
-                "fields": dict(zip(field_names, f[2:])),
-            }
+            {**{k: next(views) for k in keys}, "weights": f[0], "fields": dict(zip(field_names, f[1:]))}
             for f in per_call
         ]
 
-    def _run(self, calls: list[_Call], forest: Forest, weights: np.ndarray, loss: TokenLoss):
-        """Forward and backward of every call; (loss sum on the device, per-call terms,
-        the loss's metric sums)."""
+    def _run(self, calls: list[_Call], forest: Forest, weights: np.ndarray, loss: TokenLoss, per_token: PerTokenFn):
+        """Forward and backward of every call; (loss sum on the device, per call
+        (offset into the step's terms, [E_call] detached weighted terms))."""
         total = torch.zeros((), dtype=compute_dtype(self.dtype), device=self.device)
         term_log: list[tuple[int, torch.Tensor]] = []
-        sums: dict[str, torch.Tensor] = {}
         if not calls:
-            return total, term_log, sums
+            return total, term_log
         output_layer = as_output_head(self.model.dtree_output_layer())
-        recorded: list[dict] = []  # per call, the loss's per-token metrics (see TokenLoss.recording)
-        per_token = loss.recording(recorded)
-        uploaded = self._upload(calls, forest, weights, loss.metric_mask(forest), loss.required_fields)
+        uploaded = self._upload(calls, forest, weights, loss.required_fields)
         e0 = 0
         # the model's attention stays the adapter's through backward: HF gradient
         # checkpointing re-runs layers there
@@ -270,15 +249,13 @@ class MicroBatchTrainer:
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
                 terms = weighted_terms(
-                    per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
+                    per_token, hidden, dev["pred_hidden_row"], dev["labels"], dev["loss_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,
                     temperature=loss.temperature, with_entropy=loss.needs_entropy,
                 )
                 call_loss = terms.sum()
                 call_loss.backward()
-            if recorded:
-                sums = add_metric_sums(sums, masked_metric_sums(recorded.pop(), dev["metric_mask"]))
             term_log.append((e0, terms.detach()))
             e0 += len(call.term_lin)
             total = total + call_loss.detach()
-        return total, term_log, sums
+        return total, term_log

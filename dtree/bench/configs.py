@@ -20,11 +20,13 @@ baselines).
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, Iterable
 
+from ..config import RuntimeConfig
+
 __all__ = [
-    "BenchConfig",
+    "MethodConfig",
     "METHOD_DEFAULTS",
     "PRESETS",
     "parse_configs",
@@ -95,7 +97,7 @@ def parse_assignments(items: list[str] | None, what: str) -> dict[str, Any]:
 
 
 @dataclass
-class BenchConfig:
+class MethodConfig:
     """One row of a benchmark: ``label`` (as given), ``method`` and its constructor options."""
 
     label: str
@@ -143,7 +145,7 @@ def _part(method: str, part: str) -> dict[str, Any]:
     )
 
 
-def _parse_item(item: str, base: dict[str, dict[str, Any]]) -> BenchConfig:
+def _parse_item(item: str, base: dict[str, dict[str, Any]]) -> MethodConfig:
     method, _, rest = item.partition(":")
     method = method.strip()
     if method not in _METHODS:
@@ -152,17 +154,27 @@ def _parse_item(item: str, base: dict[str, dict[str, Any]]) -> BenchConfig:
     options = {**METHOD_DEFAULTS.get(method, {}), **base.get(method, {})}
     for part in filter(None, (p.strip() for p in rest.split("+"))):
         options.update(_part(method, part))
-    return BenchConfig(item.strip(), method, options)
+    if method == "dtree":  # checked now, not when the configuration's turn comes
+        _check_runtime_options(item, options)
+    return MethodConfig(item.strip(), method, options)
 
 
-def parse_configs(text: str | Iterable[str], base: dict[str, dict[str, Any]] | None = None) -> list[BenchConfig]:
+def _check_runtime_options(item: str, options: dict[str, Any]) -> None:
+    names = [f.name for f in fields(RuntimeConfig)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+        raise ValueError(f"{item!r}: dtree has no option {unknown}; its options are {names} (dtree.RuntimeConfig)")
+    RuntimeConfig(**options)
+
+
+def parse_configs(text: str | Iterable[str], base: dict[str, dict[str, Any]] | None = None) -> list[MethodConfig]:
     """Configurations from ``"dtree,tree-mask:whole+ckpt,gpu,..."`` (or a list of items).
 
     ``base``: per-method options applied under every configuration of that method
     (``dtree bench --opt``). Duplicate labels are dropped, first one kept.
     """
     items = [t.strip() for t in (text.split(",") if isinstance(text, str) else text)]
-    out: list[BenchConfig] = []
+    out: list[MethodConfig] = []
     for item in filter(None, items):
         expanded = PRESETS.get(item, (item,))
         for sub in expanded:

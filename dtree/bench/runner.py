@@ -13,12 +13,13 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..presets import DTYPES, MODEL_PRESETS, build_model
-from .configs import PRESETS, BenchConfig, parse_assignments, parse_configs
+from .configs import PRESETS, MethodConfig, parse_assignments, parse_configs
 from .measure import (
     MethodResult,
     StepForest,
@@ -31,7 +32,7 @@ from .measure import (
 )
 from .report import environment, finish_report, format_table, write_reports
 
-__all__ = ["add_bench_parser", "run_bench", "CPU_WORKLOADS"]
+__all__ = ["BenchConfig", "add_bench_parser", "run", "run_bench", "CPU_WORKLOADS"]
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser(
@@ -100,7 +101,7 @@ def _method_options(opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return per
 
 
-def select_configs(args: argparse.Namespace, on_gpu: bool) -> list[BenchConfig]:
+def select_configs(args: argparse.Namespace, on_gpu: bool) -> list[MethodConfig]:
     """``--configs``, else ``--methods`` at their defaults, else the device's preset."""
     base = _method_options(parse_assignments(args.opt, "--opt"))
     text = args.configs or args.methods or ("gpu" if on_gpu else "basic")
@@ -121,7 +122,7 @@ CPU_WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def _step_forests(args, spec, on_gpu: bool, steps: int) -> tuple[list[StepForest], dict]:
+def _step_forests(cfg: "BenchConfig", spec) -> tuple[list[StepForest], dict]:
     """The forests of the run (one, or one per step) and the workload's description."""
     from ..tree import Forest
     from ..workloads import make_workload, workload_parameters
@@ -132,18 +133,19 @@ def _step_forests(args, spec, on_gpu: bool, steps: int) -> tuple[list[StepForest
         return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions.copy())),
                           forest.flop_compression_ratio(*flops))
 
-    if args.data:
-        return [wrap(args.seed, Forest.from_jsonl(args.data))], {"name": os.path.basename(args.data), "params": None}
-    name = args.workload or "grpo"
-    small = not on_gpu and args.model in (None, "tiny")
-    overrides = {**(CPU_WORKLOADS.get(name, {}) if small else {}), **parse_assignments(args.overrides, "--set")}
+    if cfg.data:
+        return [wrap(cfg.seed, Forest.from_jsonl(cfg.data))], {"name": os.path.basename(cfg.data), "params": None}
+    name = cfg.workload
+    small = not cfg.on_gpu and cfg.model_name == "tiny"
+    overrides = {**(CPU_WORKLOADS.get(name, {}) if small else {}), **cfg.overrides}
     params = {**workload_parameters(name), **overrides}
     forests = []
-    for i in range(steps):
+    for i in range(cfg.steps):
         t0 = time.perf_counter()
-        forests.append(wrap(args.seed + i, make_workload(name, seed=args.seed + i, vocab_size=spec.vocab_size, **overrides)))
+        seed = cfg.seed + i
+        forests.append(wrap(seed, make_workload(name, seed=seed, vocab_size=spec.vocab_size, **overrides)))
         st = forests[-1].forest.stats()
-        print(f"  forest {i + 1}/{steps} (seed {args.seed + i}): {st.num_trees} trees, {st.unique_tokens:,} unique / "
+        print(f"  forest {i + 1}/{cfg.steps} (seed {seed}): {st.num_trees} trees, {st.unique_tokens:,} unique / "
               f"{st.linearized_tokens:,} linearized tokens, {st.compression_ratio:.2f}x "
               f"(FLOP-weighted {forests[-1].flop_ratio:.2f}x), built in {time.perf_counter() - t0:.1f} s", flush=True)
     desc = {
@@ -186,104 +188,192 @@ def _progress(start: float):
     return line
 
 
+@dataclass(frozen=True)
+class BenchConfig:
+    """One ``dtree bench`` run, resolved from the command line (:meth:`from_args`):
+    the device's defaults filled in, the configurations parsed, the counts checked."""
+
+    device: torch.device
+    dtype: torch.dtype
+    model_name: str
+    configs: list[MethodConfig]
+    workload: str = "grpo"
+    data: str | None = None  # a JSONL batch instead of a workload (implies same_forest)
+    overrides: dict[str, Any] = field(default_factory=dict)  # workload parameters
+    loss: str = "auto"
+    compile: bool = False
+    fused: bool = False
+    expandable_segments: bool = True
+    memory_limit_gib: float | None = None
+    steps: int = 1
+    same_forest: bool = False
+    warmup: int = 2
+    repeats: int = 3
+    time_budget: float | None = None
+    max_config_seconds: float | None = None
+    seed: int = 0
+    out: str = "benchmarks/results"
+    tag: str = ""
+    write_reports: bool = True
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
+            raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device.type == "cuda"
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "BenchConfig":
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        on_gpu = device.type == "cuda"
+        same_forest = args.same_forest or bool(args.data)
+        return cls(
+            device=device,
+            dtype=DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")],
+            model_name=args.model or ("qwen2.5-1.5b" if on_gpu else "tiny"),
+            configs=select_configs(args, on_gpu),
+            workload=args.workload or "grpo",
+            data=args.data,
+            overrides=parse_assignments(args.overrides, "--set"),
+            loss=args.loss,
+            compile=args.compile,
+            fused=args.fused,
+            expandable_segments=not args.no_expandable_segments,
+            memory_limit_gib=args.memory_limit_gib,
+            steps=1 if same_forest else (args.steps or (6 if on_gpu else 4)),
+            same_forest=same_forest,
+            warmup=args.warmup,
+            repeats=args.repeats,
+            time_budget=args.time_budget,
+            max_config_seconds=args.max_config_seconds,
+            seed=args.seed,
+            out=args.out,
+            tag=args.tag,
+            write_reports=not args.no_report,
+        )
+
+
 def run_bench(args: argparse.Namespace) -> int:
-    from ..baselines import make_method
-    from ..models import adapt
+    """``dtree bench``: :func:`run` on the command line's :class:`BenchConfig`."""
+    return run(BenchConfig.from_args(args))
 
+
+def run(cfg: BenchConfig) -> int:
+    """Every configuration of ``cfg`` on one model and the same forests; returns the
+    exit code (0 when at least one configuration ran)."""
     start = time.monotonic()
-    deadline = start + args.time_budget if args.time_budget is not None else None
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    on_gpu = device.type == "cuda"
-    dtype = DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")]
-    model_name = args.model or ("qwen2.5-1.5b" if on_gpu else "tiny")
-    configs = select_configs(args, on_gpu)
-    same_forest = args.same_forest or bool(args.data)
-    steps = 1 if same_forest else (args.steps or (6 if on_gpu else 4))
-    if steps < 1 or args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
+    allocator = _prepare_device(cfg)
+    protocol = (f"one forest, {cfg.warmup} warm-up + {cfg.repeats} timed steps" if cfg.same_forest
+                else f"{cfg.steps} steps, a fresh forest each")
+    print(f"dtree bench: {cfg.model_name} ({cfg.dtype}) on {device_name(cfg.device)}; {protocol}; "
+          f"configurations: {', '.join(c.label for c in cfg.configs)}", flush=True)
+    model, spec = _bench_model(cfg)
+    forests, workload = _step_forests(cfg, spec)
+    loss, loss_desc = _loss(cfg.loss, forests[0].forest)
+    report = _report_header(cfg, model, spec, workload, forests, loss_desc, allocator)
+    results: list[MethodResult] = []
+    for method_cfg in cfg.configs:
+        res = _measure_config(cfg, method_cfg, model, forests, loss, start)
+        results.append(res)
+        report["results"] = [r.as_dict() for r in results]
+        finish_report(report)
+        if cfg.write_reports:
+            write_reports(report, cfg.out, chart=False)
+    print()
+    print(format_table(report))
+    for line in report.get("summary_lines", []):
+        print(line)
+    if cfg.write_reports:
+        paths = write_reports(report, cfg.out)
+        print("reports: " + ", ".join(paths.values()))
+    print(f"total {time.monotonic() - start:.1f} s", flush=True)
+    return 0 if any(r.status == "ok" for r in results) else 1
 
+
+def _prepare_device(cfg: BenchConfig) -> str | None:
+    """The allocator setting and the memory cap, before anything is allocated."""
     allocator = None
-    if on_gpu and not args.no_expandable_segments:
+    if cfg.on_gpu and cfg.expandable_segments:
         allocator = use_expandable_segments()
-    if args.memory_limit_gib:
-        limit_memory(device, args.memory_limit_gib)
-    print(f"dtree bench: {model_name} ({dtype}) on {device_name(device)}; "
-          + ("one forest, " + f"{args.warmup} warm-up + {args.repeats} timed steps" if same_forest
-             else f"{steps} steps, a fresh forest each")
-          + f"; configurations: {', '.join(c.label for c in configs)}", flush=True)
-    model = build_model(model_name, dtype=dtype, device=device, seed=args.seed)
+    if cfg.memory_limit_gib:
+        limit_memory(cfg.device, cfg.memory_limit_gib)
+    return allocator
+
+
+def _bench_model(cfg: BenchConfig):
+    """The one model every configuration trains, with Liger's kernels and compiled
+    layers when asked (explicit calls, applied once for every method alike)."""
+    from ..models import adapt, compile_layers
+
+    model = build_model(cfg.model_name, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     spec = adapt(model).dtree_spec()
-    fused = None
-    if args.fused:
+    if cfg.fused:
         from ..models.fused import apply_fused_kernels
 
-        fused = apply_fused_kernels(model)
-        print(f"fused kernels (Liger): {fused}", flush=True)
-    if args.compile:
-        from ..models import compile_layers
-
+        print(f"fused kernels (Liger): {apply_fused_kernels(model)}", flush=True)
+    if cfg.compile:
         compile_layers(model)
-    forests, workload = _step_forests(args, spec, on_gpu, steps)
-    loss, loss_desc = _loss(args.loss, forests[0].forest)
-    peak = peak_tflops(device, dtype)
+    return model, spec
 
-    report = {
-        "env": environment(device),
+
+def _report_header(cfg: BenchConfig, model, spec, workload: dict, forests: list[StepForest], loss_desc: str,
+                   allocator: str | None) -> dict:
+    """The report's description of the run (its results are filled in as they come)."""
+    return {
+        "env": environment(cfg.device),
         "model": {
-            "name": model_name, "dtype": str(dtype).replace("torch.", ""),
+            "name": cfg.model_name, "dtype": str(cfg.dtype).replace("torch.", ""),
             "params": sum(p.numel() for p in model.parameters()),
             "layers": spec.num_layers, "hidden": spec.hidden_size, "heads": spec.num_heads,
             "kv_heads": spec.num_kv_heads, "head_dim": spec.head_dim, "vocab": spec.vocab_size,
             "intermediate": spec.intermediate_size,
         },
-        "workload": {**workload, "seed": args.seed, "forests": _forest_summary(forests)},
-        "protocol": "same-forest" if same_forest else "fresh-forests",
-        "steps": steps,
-        "warmup": args.warmup if same_forest else None,
-        "repeats": args.repeats if same_forest else None,
+        "workload": {**workload, "seed": cfg.seed, "forests": _forest_summary(forests)},
+        "protocol": "same-forest" if cfg.same_forest else "fresh-forests",
+        "steps": cfg.steps,
+        "warmup": cfg.warmup if cfg.same_forest else None,
+        "repeats": cfg.repeats if cfg.same_forest else None,
         "loss": loss_desc,
-        "compiled_layers": bool(args.compile),
-        "fused_kernels": bool(args.fused),
+        "compiled_layers": cfg.compile,
+        "fused_kernels": cfg.fused,
         "allocator": allocator,
-        "memory_limit_gib": args.memory_limit_gib,
-        "time_budget_s": args.time_budget,
-        "max_config_seconds": args.max_config_seconds,
-        "configs": [{"label": c.label, "method": c.method, "options": c.options} for c in configs],
-        "tag": args.tag,
+        "memory_limit_gib": cfg.memory_limit_gib,
+        "time_budget_s": cfg.time_budget,
+        "max_config_seconds": cfg.max_config_seconds,
+        "configs": [{"label": c.label, "method": c.method, "options": c.options} for c in cfg.configs],
+        "tag": cfg.tag,
         "results": [],
     }
-    results: list[MethodResult] = []
-    for cfg in configs:
-        make = lambda cfg=cfg: make_method(cfg.method, model, **cfg.options)  # noqa: E731
-        print(f"{cfg.label}: {cfg.method} {cfg.options or ''}", flush=True)
-        if same_forest:
-            if deadline is not None and time.monotonic() > deadline:
-                res = MethodResult(cfg.method, "skipped", config=cfg.label, options=cfg.options,
-                                   note="time budget spent before it started")
-            else:
-                sf = forests[0]
-                res = measure_method(cfg.method, make, sf.forest, loss, model, device=device, warmup=args.warmup,
-                                     repeats=args.repeats, unique_flops=sf.unique_flops, peak=peak,
-                                     config=cfg.label, options=cfg.options)
-                res.ideal_speedup = sf.flop_ratio
-        else:
-            res = measure_steps(cfg.label, cfg.method, make, forests, loss, model, device=device, peak=peak,
-                                options=cfg.options, on_step=_progress(start), deadline=deadline,
-                                max_seconds=args.max_config_seconds)
-        if res.status != "ok" or res.note:
-            print(f"  {cfg.label}: {res.status}" + (f" ({res.error})" if res.error else "")
-                  + (f"; {res.note}" if res.note else ""), flush=True)
-        results.append(res)
-        report["results"] = [r.as_dict() for r in results]
-        finish_report(report)
-        if not args.no_report:
-            write_reports(report, args.out, chart=False)
-    print()
-    print(format_table(report))
-    for line in report.get("summary_lines", []):
-        print(line)
-    if not args.no_report:
-        paths = write_reports(report, args.out)
-        print("reports: " + ", ".join(paths.values()))
-    print(f"total {time.monotonic() - start:.1f} s", flush=True)
-    return 0 if any(r.status == "ok" for r in results) else 1
+
+
+def _measure_config(cfg: BenchConfig, method_cfg: MethodConfig, model, forests: list[StepForest], loss,
+                    start: float) -> MethodResult:
+    """One configuration's steps (skipped once the run's time budget is spent)."""
+    from ..baselines import make_method
+
+    def make():
+        return make_method(method_cfg.method, model, **method_cfg.options)
+
+    deadline = start + cfg.time_budget if cfg.time_budget is not None else None
+    peak = peak_tflops(cfg.device, cfg.dtype)
+    label, options = method_cfg.label, method_cfg.options
+    print(f"{label}: {method_cfg.method} {options or ''}", flush=True)
+    if not cfg.same_forest:
+        res = measure_steps(label, method_cfg.method, make, forests, loss, model, device=cfg.device, peak=peak,
+                            options=options, on_step=_progress(start), deadline=deadline,
+                            max_seconds=cfg.max_config_seconds)
+    elif deadline is not None and time.monotonic() > deadline:
+        res = MethodResult(method_cfg.method, "skipped", config=label, options=options,
+                           note="time budget spent before it started")
+    else:
+        sf = forests[0]
+        res = measure_method(method_cfg.method, make, sf.forest, loss, model, device=cfg.device, warmup=cfg.warmup,
+                             repeats=cfg.repeats, unique_flops=sf.unique_flops, peak=peak, config=label,
+                             options=options)
+        res.ideal_speedup = sf.flop_ratio
+    if res.status != "ok" or res.note:
+        print(f"  {label}: {res.status}" + (f" ({res.error})" if res.error else "")
+              + (f"; {res.note}" if res.note else ""), flush=True)
+    return res

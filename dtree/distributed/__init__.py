@@ -8,7 +8,7 @@ or, all in one, :class:`DistributedTreeTrainer` (plain modules, DDP or FSDP2).
 See the modules for details: :mod:`.features` and :mod:`.cost_model` (what a rank's
 step costs), :mod:`.partition` and :mod:`.balance` (who gets which sequences),
 :mod:`.sync` and :mod:`.trainer` (one gradient sync per step, failures on every rank),
-:mod:`.calibrate` (fit the cost model on this machine).
+:mod:`dtree.bench.calibrate` (``dtree calibrate``: fit the cost model on this machine).
 """
 
 from .balance import karmarkar_karp, lpt

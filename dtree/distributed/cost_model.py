@@ -12,7 +12,7 @@ specific, so they are either
   nothing was measured, or
 * **fitted** by non-negative least squares to measured step times
   (:meth:`CostModel.fit`; ``dtree calibrate`` measures and fits, see
-  :mod:`dtree.distributed.calibrate`).
+  :mod:`dtree.bench.calibrate`).
 
 Only the ratios of the coefficients matter to the balancer; the absolute scale
 (seconds) makes reports readable.

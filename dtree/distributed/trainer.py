@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from ..losses import Normalization, SequenceLoss, TokenLoss, local_normalization
+from ..config import RuntimeConfig
 from ..runtime import StepOutput, TreeRuntime
 from ..tree import Forest
 from .cost_model import CostModel
@@ -236,7 +237,8 @@ class DistributedTreeTrainer:
             if ranks disagree (they would if their batches differed).
         fsdp_probe: forward used by the FSDP2 sync pass (see :class:`FSDPSync`).
         bucket_bytes: all-reduce bucket size for plain and DDP models.
-        **runtime_kwargs: :class:`TreeRuntime` options (``mode``, ``group_tokens``, ...).
+        config: the :class:`~dtree.config.RuntimeConfig` of the local runtime (``mode``,
+            ``group_tokens``, ...); default ``RuntimeConfig()``.
 
     Every rank must call :meth:`step` with the same global forest (or
     :meth:`forward_backward` with its own share) the same number of times.
@@ -254,14 +256,14 @@ class DistributedTreeTrainer:
         check_assignment: bool = True,
         fsdp_probe: Callable | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        **runtime_kwargs,
+        config: RuntimeConfig | None = None,
     ) -> None:
         self.group = process_group
         self.rank, self.world_size = _world(process_group)
         self.sync = make_grad_sync(model, process_group, bucket_bytes=bucket_bytes, probe=fsdp_probe)
         module = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self.model = model
-        self.runtime = TreeRuntime(module, **runtime_kwargs)
+        self.runtime = TreeRuntime(module, config=config or RuntimeConfig())
         # recompute mode runs every forward twice: 4 passes of FLOPs instead of 3
         passes = 4.0 if self.runtime.mode == "recompute" else 3.0
         self.cost_model = cost_model or CostModel.from_spec(self.runtime.spec, passes=passes)

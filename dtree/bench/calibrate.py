@@ -8,8 +8,10 @@ prefix: attention-bound; GRPO-like groups), so the four features vary
 independently and every coefficient is identifiable, then fits
 :class:`~dtree.distributed.cost_model.CostModel` and prints how well it explains
 the measurements. The coefficients belong to the model shape, dtype, device and
-runtime settings (``mode``, ``group_tokens``, ...) they were measured with; the
-saved JSON records them.
+:class:`~dtree.config.RuntimeConfig` (``mode``, ``group_tokens``, ...) they were
+measured with; the saved JSON records them. It lives with the benchmark: it reuses
+:mod:`dtree.workloads` and times real steps; its output feeds
+:class:`dtree.distributed.CostModel`.
 
 Forests: the built-in synthetic shapes (:func:`synthetic_forest`), any
 :class:`~dtree.tree.Forest` you pass, or workload names of :mod:`dtree.workloads`
@@ -26,11 +28,12 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from ..config import ATTENTIONS, RuntimeConfig
+from ..distributed.cost_model import CostModel, FitReport
+from ..distributed.features import forest_features
 from ..losses import nll
 from ..runtime import TreeRuntime
 from ..tree import Forest
-from .cost_model import CostModel, FitReport
-from .features import forest_features
 
 __all__ = ["calibrate", "synthetic_forest", "SYNTHETIC_KINDS", "add_calibrate_parser", "time_step"]
 
@@ -137,7 +140,7 @@ def _named_forests(workloads, budget_tokens: int, seed: int, vocab_size: int, ti
 
 def calibrate(
     model: torch.nn.Module,
-    runtime_kwargs: dict | None = None,
+    config: RuntimeConfig | None = None,
     workloads: Sequence[Forest | str] | None = None,
     repeats: int = 3,
     out_path: str | None = None,
@@ -153,9 +156,9 @@ def calibrate(
 
     Args:
         model: a transformers causal LM or TreeModule, on the device to calibrate.
-        runtime_kwargs: :class:`TreeRuntime` options to calibrate (``mode``,
-            ``group_tokens``, ``chunk_size``, ``attention``): the fitted coefficients
-            are only valid for these.
+        config: the :class:`~dtree.config.RuntimeConfig` to calibrate (``mode``,
+            ``group_tokens``, ``chunk_size``, ``attention``, ...): the fitted
+            coefficients are only valid for these. Default ``RuntimeConfig()``.
         workloads: forests, ``dtree.workloads`` names, and/or ``"synthetic"``; default
             the synthetic shapes (:func:`default_forests`).
         repeats: timed runs per forest (the median is used), after ``warmup`` runs.
@@ -171,8 +174,8 @@ def calibrate(
         (fitted model, fit report).
     """
     log = log or (lambda _: None)
-    runtime_kwargs = dict(runtime_kwargs or {})
-    rt = TreeRuntime(model, **runtime_kwargs)
+    config = config or RuntimeConfig()
+    rt = TreeRuntime(model, config=config)
     if budget_tokens is None:
         budget_tokens = 8192 if rt.device.type == "cuda" else 512
     forests = _named_forests(workloads, budget_tokens, seed, rt.spec.vocab_size, tiny)
@@ -187,7 +190,7 @@ def calibrate(
     meta = {
         "model": rt.spec.name, "num_layers": rt.spec.num_layers, "hidden_size": rt.spec.hidden_size,
         "dtype": str(rt.dtype).replace("torch.", ""), "device": _device_name(rt.device), "torch": torch.__version__,
-        "runtime": runtime_kwargs, "attention": rt.attention, "repeats": repeats,
+        "runtime": config.as_dict(), "attention": rt.attention, "repeats": repeats,
     }
     cost_model, report = CostModel.fit(rows, times, meta=meta)
     log(_fit_table(forests, rows, times, cost_model))
@@ -224,11 +227,11 @@ def _run(args: argparse.Namespace) -> int:
     from ..presets import model_from_args
 
     model = model_from_args(args)
-    runtime_kwargs = dict(mode=args.mode, group_tokens=args.group_tokens, chunk_size=args.chunk_size,
-                          attention=args.attention)
+    config = RuntimeConfig(mode=args.mode, group_tokens=args.group_tokens, chunk_size=args.chunk_size,
+                           attention=args.attention)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()] if args.workloads else None
-    print(f"calibrating {args.model} ({args.dtype}) on {args.device} with {runtime_kwargs}")
-    calibrate(model, runtime_kwargs, workloads, args.repeats, args.out, warmup=args.warmup,
+    print(f"calibrating {args.model} ({args.dtype}) on {args.device} with {config}")
+    calibrate(model, config, workloads, args.repeats, args.out, warmup=args.warmup,
               budget_tokens=args.budget_tokens, seed=args.seed, tiny=args.tiny)
     return 0
 
@@ -247,7 +250,7 @@ def add_calibrate_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--mode", default="retain", choices=["retain", "recompute"])
     g.add_argument("--group-tokens", type=int, default=8192)
     g.add_argument("--chunk-size", type=int, default=2048)
-    g.add_argument("--attention", default="auto")
+    g.add_argument("--attention", default="auto", choices=ATTENTIONS)
     g = p.add_argument_group("measurement")
     g.add_argument("--workloads", default=None,
                    help="comma-separated: synthetic, grpo, agentic, search (default: synthetic)")

@@ -1,0 +1,100 @@
+"""RuntimeConfig: every option of :class:`dtree.TreeRuntime`, typed and checked in one place.
+
+``TreeRuntime(model, config=RuntimeConfig(mode="retain"))`` and the keyword form
+``TreeRuntime(model, mode="retain")`` are the same: the keywords build the config. The
+distributed trainer, ``dtree calibrate`` and ``dtree bench`` pass one around instead of
+free keyword dicts, so a misspelt option fails where it is written.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from dataclasses import dataclass
+from typing import Any, Literal, get_args
+
+from . import memory_policy
+from .ops.stack_attention import BACKENDS
+
+__all__ = ["RuntimeConfig", "Mode", "Attention", "MODES", "ATTENTIONS"]
+
+Mode = Literal["auto", "retain", "recompute"]
+Attention = Literal["auto", "triton", "sdpa", "reference"]
+MODES: tuple[str, ...] = get_args(Mode)
+ATTENTIONS: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    """The options of :class:`dtree.TreeRuntime` (see its docstring for what each does).
+
+    Attributes:
+        mode: ``"auto"``, ``"retain"`` or ``"recompute"``.
+        chunk_size: longest segment in tokens (>= 1).
+        group_tokens: token budget of one packed model call (>= 0; 0: one segment per
+            call); None: the memory policy's choice.
+        attention: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
+        logprob_chunk: rows per LM-head chunk (>= 1); None: the memory policy's choice.
+        stack_capacity: fixed KV-stack size in tokens (>= 1); None sizes it per step.
+        progress: a progress bar over each step's model calls.
+        checkpoint_layers: per-layer checkpointing; None: the memory policy decides.
+        memory: ``"auto"``, ``"low"`` or a positive cap in GiB.
+        retain_budget_tokens: tokens of groups with children whose graphs retain/auto
+            mode may keep alive at once (>= 0); None: the memory policy's budget. A
+            small value forces auto mode to recompute (tests use it to cover both).
+    """
+
+    mode: Mode = "auto"
+    chunk_size: int = 2048
+    group_tokens: int | None = None
+    attention: Attention = "auto"
+    logprob_chunk: int | None = None
+    stack_capacity: int | None = None
+    progress: bool = False
+    checkpoint_layers: bool | None = None
+    memory: str | float = "auto"
+    retain_budget_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be 'auto' or one of {tuple(BACKENDS)}, got {self.attention!r}")
+        _check_count("chunk_size", self.chunk_size, minimum=1, optional=False)
+        _check_count("group_tokens", self.group_tokens, minimum=0)
+        _check_count("logprob_chunk", self.logprob_chunk, minimum=1)
+        _check_count("stack_capacity", self.stack_capacity, minimum=1)
+        _check_count("retain_budget_tokens", self.retain_budget_tokens, minimum=0)
+        if not (self.memory in memory_policy.SETTINGS or (
+            isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool) and self.memory > 0
+        )):
+            raise ValueError(
+                f"memory must be one of {memory_policy.SETTINGS} or a positive number (a cap in GiB), "
+                f"got {self.memory!r}"
+            )
+        if self.checkpoint_layers not in (None, True, False):
+            raise ValueError(
+                f"checkpoint_layers must be None (decided per step), True or False, got {self.checkpoint_layers!r}"
+            )
+        if not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+
+    def replace(self, **changes: Any) -> "RuntimeConfig":
+        """A copy with ``changes`` applied (and checked)."""
+        return dataclasses.replace(self, **changes)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The options as a plain dict (for reports)."""
+        return dataclasses.asdict(self)
+
+
+def _check_count(name: str, value: Any, *, minimum: int, optional: bool = True) -> None:
+    if value is None and optional:
+        return
+    if not _is_int(value) or value < minimum:
+        hint = " or None" if optional else ""
+        raise ValueError(f"{name} must be an integer >= {minimum}{hint}, got {value!r}")

@@ -1,0 +1,196 @@
+"""The skeleton of one training step, shared by :class:`dtree.TreeRuntime` and the baselines.
+
+Every method trains a :class:`~dtree.losses.TokenLoss` the same way; only the model
+calls in the middle differ::
+
+    weights = token_loss_weights(forest, loss, normalization)   validate the fields, [N] weights
+    (the method selects its terms: those with a non-zero weight)
+    run_token_step(...):
+        GradStash                  param.grad moved aside: a failed step loses nothing
+        run(per_token)             the method's forward/backward over its calls
+        float(total)               the step's one device sync
+        non-finite -> restore param.grad, ValueError naming (sequence, position)
+        StepOutput                 counters, the method's metrics, the loss's metrics
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Mapping
+
+import numpy as np
+import torch
+
+from .checks import raise_non_finite
+from .grad_guard import GradStash
+from .losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums, metric_means
+from .schedule import prediction_lin
+from .ops.logprobs import compute_dtype
+from .transfer import upload
+from .tree import Forest
+
+__all__ = [
+    "KeptLogprobs", "StepOutput", "StepRun", "loss_metrics", "per_sequence", "run_token_step", "token_loss_weights",
+]
+
+
+@dataclass
+class StepOutput:
+    """What ``forward_backward`` returns (:class:`dtree.TreeRuntime` and the baselines).
+
+    ``loss`` is the loss value (the same number linearized training reports). The
+    rest are counters of the step: model calls, stack slots used, and the most tree
+    tokens whose autograd graph was alive at once (the activation-memory driver).
+    """
+
+    loss: float
+    num_sequences: int
+    num_unique_tokens: int
+    num_linearized_tokens: int
+    num_loss_terms: int
+    num_model_calls: int
+    stack_tokens: int
+    peak_graph_tokens: int
+    seconds: float
+    # the method's own counters (dtree: the mode, attention backend, groups, memory plan;
+    # baselines: micro-batches, recomputed tokens), then the loss's metrics (TRL's names:
+    # clip_ratio/low_mean, kl, entropy, ...) as mask-weighted means over the loss tokens
+    metrics: dict = field(default_factory=dict)
+    # with forward_backward(..., return_logprobs=True): per sequence, the [len-1] log-probs
+    # the loss saw, and the entropies when the loss computed them (needs_entropy), detached.
+    # One pass: 0 at predictions without a loss term; two passes: every prediction.
+    logprobs: list | None = None
+    entropy: list | None = None
+
+
+@dataclass
+class StepRun:
+    """What a method's forward/backward over its calls left besides the gradients.
+
+    Attributes:
+        total: 0-d device sum of the weighted loss terms (not synced yet).
+        term_log: per call with terms, (offset into the step's ``loss_lin``, [E_call]
+            detached weighted terms), in call order.
+        num_model_calls, peak_graph_tokens, stack_tokens: the step's counters.
+        metrics: the method's own entries of ``StepOutput.metrics``.
+    """
+
+    total: torch.Tensor
+    term_log: list[tuple[int, torch.Tensor]]
+    num_model_calls: int
+    peak_graph_tokens: int
+    stack_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
+
+
+def token_loss_weights(forest: Forest, loss: TokenLoss, normalization: Normalization | None) -> np.ndarray:
+    """Check that ``forest`` has the fields ``loss`` needs, then its [N] per-term
+    weights (reduction, loss mask and ``normalization`` folded in)."""
+    if not isinstance(loss, TokenLoss):
+        raise TypeError(f"expected a dtree.losses.TokenLoss, got {type(loss).__name__}")
+    loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
+    return loss.weights(forest, normalization)
+
+
+def run_token_step(
+    parameters: Iterable[torch.nn.Parameter],
+    forest: Forest,
+    loss: TokenLoss,
+    loss_lin: np.ndarray,
+    run: Callable[[PerTokenFn, list], StepRun],
+    device: torch.device,
+    dtype: torch.dtype,
+    started: float | None = None,
+) -> StepOutput:
+    """One step of ``loss`` over ``forest``: ``run(per_token, recorded)`` does the
+    method's forward/backward, calling ``per_token`` once per call with terms (it
+    appends the loss's per-token metrics to ``recorded``); the step's terms are
+    ``loss_lin`` ([E] linearized index of each, in ``term_log`` order). On a non-finite
+    loss ``param.grad`` is restored and a ValueError names the first bad term."""
+    started = time.perf_counter() if started is None else started
+    recorded: list[dict] = []  # per call with terms, the loss's per-token metrics
+    with GradStash(parameters):  # a failed step leaves param.grad as it was
+        result = run(loss.recording(recorded), recorded)
+        loss_value = float(result.total)  # the step's one device sync
+        if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
+            raise_non_finite(forest, loss_lin, result.term_log)
+    metrics = loss_metrics(loss, forest, loss_lin, result.term_log, recorded, device, dtype)
+    return StepOutput(
+        loss=loss_value,
+        num_sequences=forest.num_sequences,
+        num_unique_tokens=forest.num_unique_tokens,
+        num_linearized_tokens=forest.num_linearized_tokens,
+        num_loss_terms=len(loss_lin),
+        num_model_calls=result.num_model_calls,
+        stack_tokens=result.stack_tokens,
+        peak_graph_tokens=result.peak_graph_tokens,
+        seconds=time.perf_counter() - started,
+        metrics={**result.metrics, **metrics},
+    )
+
+
+def loss_metrics(
+    loss: TokenLoss,
+    forest: Forest,
+    loss_lin: np.ndarray,
+    term_log: list[tuple[int, torch.Tensor]],
+    recorded: list[dict],
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, float]:
+    """The loss's metrics: mask-weighted means over the step's loss terms. Each call's
+    recorded values pair with its entry of ``term_log`` (both in call order)."""
+    if not recorded:
+        return {}
+    mask = upload(loss.metric_mask(forest)[loss_lin], device, compute_dtype(dtype))
+    sums: dict = {}
+    for (e0, weighted), values in zip(term_log, recorded):
+        sums = add_metric_sums(sums, masked_metric_sums(values, mask[e0 : e0 + weighted.shape[0]]))
+    return metric_means(sums)
+
+
+def per_sequence(forest: Forest, values: torch.Tensor, index: np.ndarray, device: torch.device) -> list[torch.Tensor]:
+    """``values[index]`` split per sequence: ``index`` [N - S] maps every prediction, in
+    linearized order, to its entry of ``values``; one [len-1] tensor per sequence."""
+    return list(torch.split(values[upload(index, device)], (forest.sequence_lengths() - 1).tolist()))
+
+
+class KeptLogprobs:
+    """``forward_backward(..., return_logprobs=True)``: the log-probs (and entropies) the
+    loss saw, kept from its per-token calls at no extra compute.
+
+    :meth:`wrap` the step's per-token function; set ``term_log`` to the step's (see
+    :class:`StepRun`); then :meth:`per_sequence`."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per call with terms, in call order
+        self.term_log: list[tuple[int, torch.Tensor]] = []
+
+    def wrap(self, per_token: PerTokenFn) -> PerTokenFn:
+        """``per_token``, also keeping each call's detached (logp, entropy or None)."""
+
+        def kept(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+            ent = fields.get("entropy")
+            self.kept.append((logp.detach(), None if ent is None else ent.detach()))
+            return per_token(logp, fields)
+
+        return kept
+
+    def per_sequence(
+        self, forest: Forest, loss_lin: np.ndarray, device: torch.device, dtype: torch.dtype, with_entropy: bool
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Scatter each call's values to its terms' linearized positions (``loss_lin``
+        [E]), then split per sequence into [len-1] prediction-aligned tensors (0 where
+        no term); the entropies too when ``with_entropy``, else None."""
+        lp = torch.zeros(forest.num_linearized_tokens, dtype=compute_dtype(dtype), device=device)
+        ent = torch.zeros_like(lp) if with_entropy else None
+        lin = upload(loss_lin, device)
+        for (e0, weighted), (values, entropies) in zip(self.term_log, self.kept):  # both in call order
+            where = lin[e0 : e0 + weighted.shape[0]]
+            lp[where] = values
+            if ent is not None:
+                ent[where] = entropies
+        pred = prediction_lin(forest)
+        ents = per_sequence(forest, ent, pred, device) if ent is not None else None
+        return per_sequence(forest, lp, pred, device), ents
