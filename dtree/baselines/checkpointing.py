@@ -14,7 +14,9 @@ input is kept (one ``[T, hidden]`` tensor per layer); its internals are recomput
 backward. The recompute re-enters the attention implementation the forward used: the
 models' configs are switched to the adapter's attention function only during the
 model call, so a plain recompute in backward would silently run the model's default
-attention (full, unmasked) instead.
+attention (full, unmasked) instead. It also runs in a copy of the forward's
+``contextvars`` context, where the adapter's active model call (the attention callback,
+:mod:`dtree.models.guard`) lives.
 
 The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
 for the duration of the block (the wrapper calls the layer itself, so a
@@ -24,6 +26,7 @@ for the duration of the block (the wrapper calls the layer itself, so a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Iterator
 
 import torch
@@ -95,11 +98,15 @@ class CheckpointedLayer(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         saved = [(config, config._attn_implementation) for config in self._configs]
+        context = contextvars.copy_context()  # the active dtree model call, for the recompute
         layer = self.layer
 
-        def run(*a, **kw):
+        def call(*a, **kw):
             with _attention_implementations(saved):
                 return layer(*a, **kw)
+
+        def run(*a, **kw):
+            return context.run(call, *a, **kw)
 
         if not torch.is_grad_enabled():
             return layer(*args, **kwargs)
