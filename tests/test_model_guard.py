@@ -1,0 +1,206 @@
+"""The model-side guard (dtree/models/guard.py, probe.py, families.py): nothing a
+transformers model does outside dtree's view may make dtree silently wrong.
+
+Each check is provoked on a model that is otherwise exact (a tiny Llama), by the
+change it must catch: an attention layer that bypasses the attention interface (on
+every call path: one childless call, one segment per call, log-probs), K/V shapes
+other than the config's, logits post-processed in ``forward``, tokens mixed outside
+attention. Refusals are ValueErrors that name the model class and leave ``param.grad``
+untouched. Then: the family adapters leave the model's own forward unchanged outside
+dtree, the attention callback reaches layers that drop ``**kwargs`` and checkpointed
+recomputes (a context variable, not a keyword), and the probe runs once per placement.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+from family_configs import small_config
+from hf_models import make_model
+from reference import grad_errors, linearized_step
+from test_families import forest_sequences
+from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+import dtree
+from dtree.baselines import LinearizedTrainer
+from dtree.models import probe
+
+SEQS = forest_sequences()
+FOREST = dtree.Forest.from_sequences(SEQS)
+
+
+def _bypass_interface(attention: torch.nn.Module) -> None:
+    """Make one LlamaAttention compute its attention inline (HF's eager function called
+    directly, with no mask: what a model that bypasses the interface does under dtree)."""
+    original = attention.forward
+
+    def forward(hidden_states, position_embeddings, attention_mask=None, **kwargs):
+        import transformers.models.llama.modeling_llama as llama
+
+        interface = llama.ALL_ATTENTION_FUNCTIONS  # shadow its lookup for this call only
+        interface.get_interface = lambda name, default: eager_attention_forward
+        try:
+            return original(hidden_states, position_embeddings, attention_mask, **kwargs)
+        finally:
+            del interface.get_interface
+
+    attention.forward = forward
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda rt: rt.forward_backward(FOREST, dtree.losses.nll()),
+        lambda rt: rt.logprobs(FOREST),
+    ],
+    ids=["forward_backward", "logprobs"],
+)
+@pytest.mark.parametrize("group_tokens", [None, 0], ids=["one_call", "per_segment"])
+def test_attention_that_bypasses_dtree_is_refused_on_every_call(call, group_tokens):
+    """After a first exact step (the probe has run), layer 1 stops using the interface:
+    every later model call (the whole forest in one childless call, or one segment per
+    call, training or log-probs) raises, naming the attention class."""
+    model = make_model("llama")
+    rt = dtree.TreeRuntime(model, group_tokens=group_tokens)
+    rt.forward_backward(FOREST, dtree.losses.nll())
+    model.zero_grad(set_to_none=True)
+    _bypass_interface(model.model.layers[1].self_attn)
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: decoder layer 1 ran without dtree's attention.*"
+                                         r"attention of LlamaAttention does not use transformers' attention interface"):
+        call(rt)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_kv_shapes_other_than_the_config_are_refused():
+    model = make_model("llama")
+    model.config.num_key_value_heads = 3  # the layers were built with 2
+    with pytest.raises(ValueError, match=r"LlamaForCausalLM: the attention of layer 0 \(LlamaAttention\) gives K of "
+                                         r"\(2, 12\).*for K \(3, 12\)"):
+        dtree.TreeRuntime(model).forward_backward(FOREST, dtree.losses.nll())
+    assert all(p.grad is None for p in model.parameters())
+
+
+class DoubledLogits(LlamaForCausalLM):
+    """A causal LM whose forward post-processes the head's logits (as Granite does)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_logits_post_processed_in_forward_are_refused():
+    torch.manual_seed(0)
+    model = DoubledLogits(make_model("llama").config)
+    with pytest.raises(ValueError, match=r"DoubledLogits post-processes its logits.*logit_scale=1"):
+        dtree.TreeRuntime(model).forward_backward(FOREST, dtree.losses.nll())
+    with pytest.raises(ValueError, match="DoubledLogits post-processes its logits"):
+        LinearizedTrainer(model).forward_backward(FOREST, dtree.losses.nll())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_known_logit_transforms_come_from_the_config():
+    """Granite's logits_scaling, Cohere's logit_scale and Gemma2's final soft-capping
+    become the head's transform (their exactness: tests/test_families.py)."""
+    cases = {
+        "granite": (dict(logits_scaling=4.0), 0.25, None),
+        "cohere": (dict(logit_scale=0.5), 0.5, None),
+        "gemma2": (dict(final_logit_softcapping=3.0), 1.0, 3.0),
+    }
+    for name, (config, scale, softcap) in cases.items():
+        model = AutoModelForCausalLM.from_config(small_config(name, **config))
+        head = dtree.TreeRuntime(model)._head()
+        assert (head.logit_scale, head.final_softcap) == (scale, softcap), name
+
+
+def test_tokens_mixed_outside_attention_are_refused():
+    """A layer that mixes each token with the previous one outside attention (a causal
+    convolution, as in hybrid models) leaks one packed sequence into the next."""
+    model = make_model("llama")
+
+    def shift_mix(module, args, output):
+        return output + 0.5 * torch.roll(output, 1, dims=1)
+
+    model.model.layers[0].mlp.register_forward_hook(shift_mix)
+    with pytest.raises(ValueError, match="LlamaForCausalLM: .* packed after another one .* mixes tokens outside"):
+        dtree.TreeRuntime(model).logprobs(FOREST)
+
+
+def test_adapters_leave_the_model_unchanged_outside_dtree():
+    """Bloom's adapter is installed on its class; outside a dtree call (in this thread
+    and in another) the model computes exactly as before."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config("bloom")).eval()
+    twin = copy.deepcopy(model)
+    ids = torch.tensor([SEQS[0]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    dtree.TreeRuntime(model).forward_backward(FOREST, dtree.losses.nll())
+    assert type(model.transformer.h[0].self_attention).forward.__dtree_adapter__ is not None
+    results = {}
+
+    def own_forward():
+        with torch.no_grad():
+            results["thread"] = twin(input_ids=ids).logits
+
+    thread = threading.Thread(target=own_forward)
+    thread.start()
+    thread.join()
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, before)
+    assert torch.equal(results["thread"], before)
+
+
+@pytest.mark.parametrize("family", ["stablelm", "gptj"])
+def test_callback_reaches_kwarg_dropping_layers_and_checkpointed_recomputes(family):
+    """StableLM's decoder layers drop **kwargs (the callback is a context variable); the
+    checkpointed baseline recomputes layers in backward, outside the model call (the
+    context is captured); GPT-J runs through its adapter there too."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config(family)).eval()
+    ref = copy.deepcopy(model)
+    ref_loss, _ = linearized_step(ref, SEQS)
+    for method in (lambda m: dtree.TreeRuntime(m), lambda m: LinearizedTrainer(m, checkpoint=True)):
+        trained = copy.deepcopy(model)
+        out = method(trained).forward_backward(FOREST, dtree.losses.nll())
+        errors = grad_errors(trained, ref)
+        assert max(errors.values()) < 1e-5, (family, max(errors, key=errors.get))
+        assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_probe_runs_once_per_placement(monkeypatch):
+    calls = []
+    real = probe.check_model
+    monkeypatch.setattr(probe, "check_model", lambda adapter, head: calls.append(head) or real(adapter, head))
+    model = make_model("qwen2")
+    rt = dtree.TreeRuntime(model)
+    rt.forward_backward(FOREST, dtree.losses.nll())
+    rt.logprobs(FOREST)
+    assert len(calls) == 1
+    model.to(torch.float64)
+    rt.logprobs(FOREST)
+    assert len(calls) == 2
+
+
+def test_state_space_model_refused_at_construction():
+    model = AutoModelForCausalLM.from_config(small_config("mamba"))
+    with pytest.raises(ValueError, match="MambaForCausalLM has no attention"):
+        dtree.TreeRuntime(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["gptj", "bloom"])
+def test_adapters_inside_compiled_layers(family):
+    """compile=True compiles the decoder layers around an adapter (its attention call
+    breaks the graph, as the registered function does): still exact."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config(family)).eval()
+    ref = copy.deepcopy(model)
+    linearized_step(ref, SEQS)
+    dtree.TreeRuntime(model, compile=True).forward_backward(FOREST, dtree.losses.nll())
+    errors = grad_errors(model, ref)
+    assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
