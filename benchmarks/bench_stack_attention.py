@@ -37,8 +37,7 @@ Gemma2's) and ``sinks`` on the ``grpo`` layout, against the same call without th
 
 Prints everything and, with ``--out DIR``, writes ``DIR/stack_attention_<gpu>.md``
 (with GPU, CUDA, torch and Triton versions and the configs). About 1-2 minutes on an
-H100 with the default fixed configs (``--autotune`` times every candidate first, as
-``DTREE_TRITON_AUTOTUNE=1``).
+H100 with the fixed configs.
 
 ``--smoke`` runs the option cases at tiny sizes in fp32 on the CPU, the kernels under
 the Triton interpreter (no GPU needed; the times mean nothing): a check that the
@@ -77,7 +76,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--layouts", default="grpo,grpo_long,chain,many_small", help="comma-separated subset ('' for none)")
     p.add_argument("--option-cases", default="window,softcap,sinks", help="comma-separated subset ('' for none)")
-    p.add_argument("--autotune", action="store_true", help="time every config candidate (DTREE_TRITON_AUTOTUNE=1)")
     p.add_argument("--smoke", action="store_true", help="tiny option cases on the CPU under the Triton interpreter")
     p.add_argument("--out", default=None, help="directory for the Markdown report")
     return p.parse_args()
@@ -373,11 +371,8 @@ def environment(device: str = "cuda") -> dict:
 
 
 def tuned_configs(sat) -> list[str]:
-    """The configs that ran: the autotuner's picks, or the fixed candidates that fit."""
+    """The configs that ran: the first fixed candidate of each kernel that fit."""
     lines = []
-    for name, tuner in getattr(sat, "_TUNED", {}).items():
-        for key, config in tuner.cache.items():
-            lines.append(f"{name} {key}: {config}")
     for key, i in getattr(sat, "_FITTING", {}).items():
         kernel, table, dtype = key[:3]
         inner, warps, stages = sat._fixed_candidates(kernel, table, dtype)[i]
@@ -391,7 +386,7 @@ def table(header: list[str], lines: list[list[str]]) -> list[str]:
 
 def report(rows: list[dict], option_rows: list[dict], args, env: dict, sat, seconds: float) -> str:
     impls = ["triton", "flash", "dtree sdpa"]
-    mode = "autotuned" if args.autotune else "fixed configs"
+    mode = "fixed configs"
     out = [
         "# Stack attention kernel benchmark",
         "",
@@ -454,8 +449,6 @@ def main() -> None:
         args.layouts, args.heads, args.kv_heads, args.head_dim, args.dtype = "", 4, 2, 16, "fp32"
     elif not torch.cuda.is_available():
         sys.exit("bench_stack_attention needs a CUDA GPU (or --smoke)")
-    if args.autotune:
-        os.environ["DTREE_TRITON_AUTOTUNE"] = "1"
     from dtree.ops import stack_attention_triton as sat
 
     device = "cpu" if args.smoke else "cuda"

@@ -12,6 +12,17 @@
 #
 #   env              versions, GPU                                            ~10 s
 #   tests            pytest -m gpu (fixed Triton configs)                     ~3-5 min
+#   tests-mem        the GPU tests of the memory/fused-kernel work only, and its
+#                    checkpointing/policy CPU tests on this transformers       ~2-3 min
+#   issue11          everything issue 11 needs, in one command:               ~7-8.5 min
+#                      i11-agentic64k, i11-case1, i11-low21k, i11-fused (below, each on its own too)
+#   i11-agentic64k   64k agentic tree, 5 fresh forests: dtree, dtree:low,
+#                    tree-mask whole+ckpt, tree-mask split16k                 ~2.5-3 min
+#   i11-case1        grpo case 1, 5 steps: dtree, dtree:low, tree-mask whole+ckpt /
+#                    split16k, linearized plain / ckpt (the ideal-speedup ratio) ~1.5 min
+#   i11-low21k       profile_memory on the 21k agentic tree: dtree:low, dtree ~1-1.5 min
+#   i11-fused        --fused (Liger layers): 64k (dtree, dtree:low, tree-mask whole+ckpt, 4 steps)
+#                    and case 1 (dtree, tree-mask split16k, linearized, 5 steps) ~2-2.5 min
 #   bench-case1      dtree bench, grpo case 1 (prompt 2048, G=8, answers 512) ~2-3 min
 #   bench-agentic64k dtree bench, one agentic tree of ~64k unique tokens       ~7-9 min
 #   bench-agentic    dtree bench, default agentic (4 trees, ~66k unique)       ~6-8 min
@@ -43,6 +54,7 @@ CASE1="--workload grpo --set num_prompts=1 --set prompt_len=2048 --set group_siz
 AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"
 AGENTIC="--workload agentic"
 GRPO="--workload grpo"
+AGENTIC21K="--set num_trees=1 --set target_unique_tokens=21000"
 WARMUP="" MEMORY="" MEMSCALE=""
 # SMOKE=1: the same parts on CPU with the tiny model and small shapes (checks the plumbing)
 if [ "${SMOKE:-0}" = 1 ]; then
@@ -54,6 +66,7 @@ if [ "${SMOKE:-0}" = 1 ]; then
   GRPO="--workload grpo --set num_prompts=2 --set prompt_len=32,64 --set group_size=2,4 --set answer_len=8,16"
   WARMUP="--model tiny --device cpu --configs dtree,tree-mask --steps 2 $SMALL_TREE --set target_unique_tokens=300"
   MEMORY="--model tiny --device cpu --configs dtree:recompute,dtree $SMALL_TREE --set target_unique_tokens=300"
+  AGENTIC21K="--model tiny --device cpu $SMALL_TREE --set target_unique_tokens=300"
   MEMSCALE="--model tiny --device cpu --branches 2,3 --prompt-len 32 --answer-len 8 --tree-sizes 200,300 \
     --set-tree system_prompt_len=64 --set-tree turn_len=4,24"
 fi
@@ -74,8 +87,48 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
     tests)
       local to=""
       python -c "import pytest_timeout" 2>/dev/null && to="--timeout 240"
-      DTREE_TRITON_AUTOTUNE=0 timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests \
+      timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests \
         2>&1 | tee "$dir/pytest.txt"
+      ;;
+    tests-mem)
+      local to=""
+      python -c "import pytest_timeout" 2>/dev/null && to="--timeout 200"
+      timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests/test_runtime_gpu.py \
+        tests/test_logprobs_triton.py tests/test_checkpointing.py tests/test_late_changes.py tests/test_fused.py \
+        tests/test_baselines.py 2>&1 | tee "$dir/pytest.txt"
+      # the CPU tests of HF/dtree layer checkpointing and the policy, on this machine's transformers
+      timeout 120 python -m pytest -q -p no:cacheprovider -rfE tests/test_checkpoint_layers.py \
+        tests/test_memory_policy.py tests/test_kernel_specialization.py 2>&1 | tail -n 15 | tee -a "$dir/pytest.txt"
+      ;;
+    i11-agentic64k)
+      timeout "$secs" $BENCH $AGENTIC64K --steps 5 --configs dtree,dtree:low,tree-mask:whole+ckpt,tree-mask:split16k \
+        --max-config-seconds 60 --time-budget $((secs - 30)) --tag i11-64k --out "$dir" ;;
+    i11-case1)
+      timeout "$secs" $BENCH $CASE1 --steps 5 \
+        --configs dtree,dtree:low,tree-mask:whole+ckpt,tree-mask:split16k,linearized,linearized:ckpt \
+        --time-budget $((secs - 20)) --tag i11-case1 --out "$dir" ;;
+    i11-low21k)
+      timeout "$secs" python benchmarks/profile_memory.py ${AGENTIC21K} --configs dtree:low,dtree \
+        --time-budget $((secs - 40)) --out "$dir" ;;
+    i11-fused)
+      if [ "${SMOKE:-0}" = 1 ]; then
+        echo "SMOKE: --fused needs a GPU (Liger's kernels are Triton); skipped"
+      elif ! python -c "import liger_kernel" 2>/dev/null; then
+        echo "liger-kernel is not installed: pip install liger-kernel (or 'dtree[fused]'); skipping --fused"; false
+      else
+        local half=$((secs / 2))
+        timeout "$((half + 20))" $BENCH $AGENTIC64K --fused --steps 4 --configs dtree,dtree:low,tree-mask:whole+ckpt \
+          --max-config-seconds 45 --time-budget $((half - 10)) --tag i11-64k-fused --out "$dir"
+        timeout "$((secs - half - 25))" $BENCH $CASE1 --fused --steps 5 --configs dtree,tree-mask:split16k,linearized \
+          --time-budget $((secs - half - 45)) --tag i11-case1-fused --out "$dir"
+      fi ;;
+    issue11)
+      # the four i11 parts in one device command (<= 9 minutes), each time-bounded
+      local started=$SECONDS
+      part i11-agentic64k 180
+      part i11-case1 105
+      part i11-low21k 80
+      part i11-fused $((secs - (SECONDS - started) - 10))
       ;;
     bench-case1)
       timeout "$secs" $BENCH $CASE1 --steps 6 --configs "$CONFIGS_FULL" --time-budget $((secs - 40)) \
@@ -114,7 +167,9 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
 # default limits leave a margin under the device tool's 10 minutes per command
 limit() {
   case $1 in
-    env) echo 60 ;; tests) echo 420 ;; bench-case1) echo 300 ;; memory) echo 300 ;; kernel) echo 240 ;;
+    env) echo 60 ;; tests) echo 420 ;; tests-mem) echo 240 ;; bench-case1) echo 300 ;; memory) echo 300 ;;
+    kernel) echo 240 ;; i11-agentic64k) echo 200 ;; i11-case1) echo 120 ;; i11-low21k) echo 100 ;; i11-fused) echo 180 ;;
+    issue11) echo 540 ;;
     *) echo 570 ;;
   esac
 }

@@ -1,8 +1,8 @@
 """What makes up dtree's peak memory on one step (issue 11 item 4: profile the fixed
 costs before building a low-memory setting).
 
-For each configuration (default: dtree in recompute mode, with smaller calls and LM-head
-chunks), on one agentic tree of ~21k unique tokens (the issue's DTA comparison case):
+For each configuration (default: dtree's low-memory setting, its default, recompute
+mode), on one agentic tree of ~21k unique tokens (the issue's DTA comparison case):
 a warm-up step, then one step under ``torch.cuda.memory._record_memory_history``
 (Python stacks), then one untraced step for the time. The allocator trace is replayed
 to the moment of the peak, and the blocks alive then are attributed:
@@ -19,8 +19,10 @@ to the moment of the peak, and the blocks alive then are attributed:
 
 Printed and written (``memory_profile_<gpu>_<model>.md/.json``): per configuration the
 peak, the breakdown, and the top allocation sites alive at the peak; next to the
-measurement, what the shapes predict (weights + grads, stack bytes, one LM-head
-chunk). On CPU there is no allocator trace: only the predicted sizes and step times.
+measurement, what dtree's memory policy predicted for the step by part
+(:mod:`dtree.memory_policy`; weights and the stack held from the previous step added).
+On CPU there is no allocator trace: only the step times. The process runs with
+``expandable_segments`` like ``dtree bench`` (``--no-expandable-segments`` to compare).
 
     python benchmarks/profile_memory.py --out benchmarks/results          # H100: ~2 min
     python benchmarks/profile_memory.py --model tiny --set target_unique_tokens=800 --set system_prompt_len=64
@@ -41,15 +43,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from dtree.baselines import make_method  # noqa: E402
 from dtree.bench.configs import parse_assignments, parse_configs  # noqa: E402
-from dtree.bench.measure import device_name, free_memory  # noqa: E402
+from dtree.bench.measure import device_name, free_memory, use_expandable_segments  # noqa: E402
 from dtree.bench.report import environment  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
-DEFAULT_CONFIGS = ("dtree:recompute,dtree:recompute+group_tokens=4096,dtree:recompute+group_tokens=2048,"
-                   "dtree:recompute+group_tokens=2048+logprob_chunk=1024,dtree")
+DEFAULT_CONFIGS = "dtree:low,dtree,dtree:recompute"
 DEFAULT_SET = ["num_trees=1", "target_unique_tokens=21000"]
 
 # Attribution rules, in order: the first whose path fragment appears in an allocation's
@@ -58,6 +59,7 @@ FRAME_RULES = (
     ("dtree/ops/logprobs", "LM head (logits chunks, their gradient, weight-grad accumulator)"),
     ("dtree/kv_stack", "KV stack"),
     ("dtree/ops/stack_attention", "stack attention (kernel outputs, workspace)"),
+    ("torch/utils/checkpoint", "checkpointed layers re-run in backward"),
     ("torch/autograd/", "backward temporaries (activation gradients)"),
     ("dtree/losses", "loss terms"),
     ("transformers/", "decoder-layer activations (forward)"),
@@ -191,20 +193,17 @@ def breakdown(peak: dict, start_allocated: int, weights: int, grads: dict[int, i
 
 
 def predicted(spec, runner, dtype: torch.dtype, params: int, out) -> dict[str, float]:
-    """What the shapes say, in bytes: weights and grads, the stack, one LM-head chunk."""
+    """What dtree's memory policy predicted for the step, by part, in bytes (weights and
+    the KV stack already held added); empty for the baselines."""
+    plan = getattr(runner, "memory_plan", None)
+    if plan is None or not plan.parts:
+        return {}
     itemsize = torch.empty((), dtype=dtype).element_size()
-    chunk = getattr(runner, "logprob_chunk", 4096)
-    rows = min(chunk, out.num_unique_tokens)
-    stack_bytes = sum(t.nbytes for t in _stack_tensors(runner).values())
-    return {
-        "weights": params * itemsize,
-        "gradients": params * itemsize,
-        "KV stack": stack_bytes,
-        # backward of one chunk: bf16 logits, their float32 copy, float32 softmax-gradient,
-        # its bf16 cast; plus the float32 [vocab, hidden] weight-gradient accumulator
-        "LM head (one chunk)": rows * spec.vocab_size * (itemsize + 4 + 4 + itemsize) + spec.vocab_size * spec.hidden_size * 4,
-        "decoder activations of the largest call (estimate)": out.peak_graph_tokens * spec.activation_bytes_per_token(itemsize),
-    }
+    parts = {"weights": params * itemsize, **plan.parts}
+    if not parts.get("kv_stack"):  # reused from the warm-up step: held, not added
+        parts["kv_stack (held)"] = sum(t.nbytes for t in _stack_tensors(runner).values())
+    parts["total"] = sum(parts.values())
+    return parts
 
 
 def _start_recording() -> None:
@@ -285,7 +284,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"# Memory profile of one step: {report['model']} on {env['device']}",
         "",
-        f"- torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, transformers {env['transformers']}",
+        f"- torch {env['torch']}, CUDA {env['cuda']}, triton {env['triton']}, transformers {env['transformers']}; "
+        f"CUDA allocator: {report.get('allocator') or 'default settings'}",
         f"- workload `agentic` {json.dumps(wl['set'])}: {wl['unique_tokens']:,} unique / {wl['linearized_tokens']:,} linearized "
         f"tokens, longest path {wl['max_path_length']:,}; weights {report['weights_gib']:.2f} GiB (+ the same in "
         "gradients)",
@@ -312,7 +312,10 @@ def markdown(report: dict) -> str:
             lines += [f"| {k} | {v:.2f} |" for k, v in r["breakdown_gib"].items() if abs(v) >= 0.005]
             lines += ["", "| top allocation sites alive at the peak | category | GiB | blocks |", "|---|---|---|---|"]
             lines += [f"| `{s['site']}` | {s['category']} | {s['gib']:.2f} | {s['blocks']} |" for s in r["top_sites"]]
-        lines += ["", "Predicted from the shapes: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in r["predicted_gib"].items())]
+        if r.get("predicted_gib"):
+            plan = r["metrics"].get("memory_plan") or {}
+            lines += ["", f"Predicted by the memory policy (`{json.dumps(plan, default=str)}`): "
+                      + ", ".join(f"{k} {v:.2f} GiB" for k, v in r["predicted_gib"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -327,10 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top", type=int, default=12, help="allocation sites listed per configuration")
     p.add_argument("--time-budget", type=float, default=480.0, help="no configuration starts after this many seconds")
     p.add_argument("--out", default=None)
+    p.add_argument("--no-expandable-segments", action="store_true", help="keep the CUDA allocator's default segments")
     args = p.parse_args(argv)
 
     start = time.monotonic()
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    allocator = None
+    if device.type == "cuda" and not args.no_expandable_segments:
+        allocator = use_expandable_segments()
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model_name = args.model or ("qwen2.5-1.5b" if device.type == "cuda" else "tiny")
     configs = parse_configs(args.configs)
@@ -357,7 +364,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {config.label}: " + (r.get("error") or f"{r['step_s']:.3f} s, peak "
               + (f"{r['untraced_peak_gib']:.2f} GiB" if "untraced_peak_gib" in r else "not measured")), flush=True)
     report = {
-        "env": environment(device), "model": model_name,
+        "env": environment(device), "model": model_name, "allocator": allocator,
         "weights_gib": params * torch.empty((), dtype=dtype).element_size() / 2**30,
         "workload": {"set": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}, "seed": args.seed, "unique_tokens": st.unique_tokens,
                      "linearized_tokens": st.linearized_tokens, "max_path_length": st.max_path_length},

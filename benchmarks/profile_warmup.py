@@ -280,6 +280,9 @@ def parent(args) -> int:
     start = time.monotonic()
     for k, (config, label) in enumerate(plan):
         env = dict(os.environ, TRITON_PRINT_AUTOTUNING="1", PYTHONUNBUFFERED="1")
+        if "expandable_segments" not in env.get("PYTORCH_CUDA_ALLOC_CONF", ""):  # as dtree bench runs
+            env["PYTORCH_CUDA_ALLOC_CONF"] = ",".join(filter(None, [env.get("PYTORCH_CUDA_ALLOC_CONF"),
+                                                                    "expandable_segments:True"]))
         if args.triton_cache == "shared":
             env.update(shared)
         elif args.triton_cache == "cold":
@@ -323,7 +326,7 @@ def parent(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="dtree,dtree:recompute,tree-mask:split16k", help="dtree bench --configs grammar")
+    p.add_argument("--configs", default="dtree,dtree:low,tree-mask:split16k", help="dtree bench --configs grammar")
     p.add_argument("--model", default=None, help="default: qwen2.5-1.5b on GPU, tiny on CPU")
     p.add_argument("--device", default=None)
     p.add_argument("--workload", default="agentic")

@@ -9,10 +9,11 @@ equal those of training every root-to-leaf sequence on its own.
     optimizer.step()
 
 Padded batches in and out: ``dtree.Forest.from_padded`` / ``from_prompt_completion``
-and :mod:`dtree.integrations` (``to_padded``, ``to_padded_completion``).
+and :mod:`dtree.integrations` (``to_padded``, ``to_padded_completion``). Data-parallel
+training: :mod:`dtree.distributed` (``dtree.distributed.DistributedTreeTrainer``).
 """
 
-from . import losses
+from . import distributed, losses
 from .losses import Normalization
 from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
@@ -20,4 +21,14 @@ from .tree import Forest, ForestStats
 
 __version__ = "0.1.0"
 
-__all__ = ["Forest", "ForestStats", "Normalization", "OutputHead", "StepOutput", "TreeRuntime", "losses", "__version__"]
+__all__ = [
+    "Forest",
+    "ForestStats",
+    "Normalization",
+    "OutputHead",
+    "StepOutput",
+    "TreeRuntime",
+    "distributed",
+    "losses",
+    "__version__",
+]

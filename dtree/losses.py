@@ -242,12 +242,14 @@ class TokenLoss:
         if self.temperature != 1.0 and not supports_temperature:
             raise ValueError(
                 f"loss {self.name!r} has temperature={self.temperature}, but this trainer computes log-probs at "
-                "temperature 1 only; use temperature=1.0 or a runtime that supports the sampling temperature"
+                "temperature 1 only; use temperature=1.0, or dtree.TreeRuntime (or its baselines), which support "
+                "the sampling temperature"
             )
         if self.needs_entropy and not supports_entropy:
             raise ValueError(
                 f"loss {self.name!r} reads the entropy (entropy_coef or an entropy metric), which this trainer does "
-                "not compute yet; use entropy_coef=0 or a runtime that supports it"
+                "not compute; use entropy_coef=0 and log_entropy=False, or dtree.TreeRuntime (or its baselines), "
+                "which compute it"
             )
         missing = [f for f in self.required_fields if f not in forest.fields]
         if missing:
@@ -337,18 +339,6 @@ def nll(reduction: str = "token_mean", scale: float = 1.0, *, temperature: float
     return TokenLoss(per_token, reduction=reduction, scale=scale, name="nll", temperature=temperature)
 
 
-def logprob_grad_surrogate() -> TokenLoss:
-    """``l = logp * g`` with ``g`` the field ``_logprob_grad``: its gradient w.r.t. each
-    log-prob is ``g``. The second pass of the two-pass path runs this loss."""
-
-    def per_token(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return logp * fields["_logprob_grad"]
-
-    return TokenLoss(
-        per_token, reduction="sum", required_fields=("_logprob_grad",), name="logprob_grad", use_loss_mask=False
-    )
-
-
 def weighted_terms(
     per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
     hidden: torch.Tensor,
@@ -359,6 +349,9 @@ def weighted_terms(
     fields: Mapping[str, torch.Tensor],
     output_layer: OutputHead | tuple[torch.Tensor, torch.Tensor | None],
     logprob_chunk: int,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
 ) -> torch.Tensor:
     """Weighted loss terms of one model call, the same in dtree and its baselines.
 
@@ -369,11 +362,19 @@ def weighted_terms(
             token share its prediction).
         weights, fields: [E] the terms' weights (reduction and mask folded in) and fields.
         output_layer: the LM head (an :class:`~dtree.ops.logprobs.OutputHead`, or (weight [V, H], bias [V] or None)).
+        temperature: log-probs (and entropies) of ``softmax(logits / temperature)``.
+        with_entropy: pass ``fields["entropy"]`` [E], the differentiable entropy of each
+            term's predictive distribution, computed in the same chunked LM-head pass.
 
     Returns:
         [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
     """
-    logp = token_logprobs(hidden[pred_rows], output_layer, labels, logprob_chunk)[0][term_pred]
+    logp, ent = token_logprobs(
+        hidden[pred_rows], output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy
+    )
+    logp = logp[term_pred]
+    if with_entropy:
+        fields = {**fields, "entropy": ent[term_pred]}
     per = per_token(logp, fields)
     if per.shape != logp.shape:
         raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")

@@ -170,7 +170,7 @@ def ppo_clip(
         kl_bias_correction: multiply the KL by ``r`` (TRL ``use_bias_correction_kl``, on
             by default in TRL 1.x).
         entropy_coef: ``- entropy_coef * entropy`` per token, under this loss's
-            reduction (verl ``entropy_coeff``). Needs a runtime that passes the entropy.
+            reduction (verl ``entropy_coeff``); TreeRuntime and the baselines pass the entropy.
         log_entropy: report the mean entropy as a metric (also needs the entropy).
         temperature: the sampling temperature (see :class:`TokenLoss`).
         log_ratio_clip: clamp ``logp - old_logprobs`` to ``[-c, c]`` before ``exp``

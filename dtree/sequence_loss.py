@@ -43,6 +43,8 @@ class SequenceBatch:
         mask: [N] the loss mask (``loss_mask``, 0 at each sequence's first token).
         seq: [N] int64 sequence of each token.
         num_sequences: ``S``.
+        entropy: [N] the entropy of each token's predictive distribution (0 at each
+            sequence's first token; no gradient), when the loss ``needs_entropy``.
     """
 
     logp: torch.Tensor
@@ -50,6 +52,7 @@ class SequenceBatch:
     mask: torch.Tensor
     seq: torch.Tensor
     num_sequences: int
+    entropy: torch.Tensor | None = None
 
     def seq_sum(self, x: torch.Tensor) -> torch.Tensor:
         """[N] -> [S] sum over each sequence's tokens (differentiable)."""
@@ -107,11 +110,14 @@ class SequenceLoss:
         reduction, scale, use_loss_mask, count_empty_sequences: as for ``TokenLoss``.
         required_fields: fields ``per_token`` reads; checked before any compute.
         name: shown in errors.
-        temperature: the sampling temperature the log-probs must be computed at.
+        temperature: the sampling temperature the log-probs must be computed at (the
+            runtime's two-pass path computes them there).
         metrics: ``fn(batch) -> {name: 0-d tensor}`` (no grad), see :meth:`metric_values`.
-        normalization: the counts the reduction divides by (default: the forest's own).
-            The runtime's two-pass path takes no ``normalization=`` argument, so set it
-            here (:meth:`with_normalization`) for gradient accumulation.
+        needs_entropy: ``metrics`` read ``batch.entropy`` (the runtime computes it in the
+            log-prob pass; it carries no gradient, so no loss term may use it).
+        normalization: the counts the reduction divides by (default: the forest's own);
+            set it here (:meth:`with_normalization`) or pass
+            ``forward_backward(..., normalization=...)``, for gradient accumulation.
     """
 
     per_token: Callable[[SequenceBatch], torch.Tensor]
@@ -124,6 +130,7 @@ class SequenceLoss:
     metrics: Callable[[SequenceBatch], dict[str, torch.Tensor]] | None = None
     count_empty_sequences: bool = False
     normalization: Normalization | None = None
+    needs_entropy: bool = False
 
     def __post_init__(self) -> None:
         _check_reduction(self.reduction, self.scale)
@@ -140,13 +147,20 @@ class SequenceLoss:
         if missing:
             raise ValueError(f"loss {self.name!r} needs per-token fields {missing}; add them with Forest.with_fields")
 
-    def batch(self, logprobs: Sequence[torch.Tensor], forest: Forest) -> SequenceBatch:
+    def batch(
+        self, logprobs: Sequence[torch.Tensor], forest: Forest, entropy: Sequence[torch.Tensor] | None = None
+    ) -> SequenceBatch:
         """The :class:`SequenceBatch` of ``logprobs`` (one [len-1] or [len] tensor per
-        sequence, differentiable) over ``forest``."""
+        sequence, differentiable) over ``forest``, with ``entropy`` (same layout) when given."""
         logp = _linearize(logprobs, forest)
+        if self.needs_entropy and entropy is None:
+            raise ValueError(
+                f"loss {self.name!r} reads the entropy: pass entropy=rt.entropy(forest, temperature=...) "
+                "(TreeRuntime.forward_backward does)"
+            )
 
-        def dev(a: np.ndarray) -> torch.Tensor:
-            return torch.as_tensor(a, dtype=logp.dtype, device=logp.device)
+        def dev(a: np.ndarray) -> torch.Tensor:  # a copy: the forest's arrays are read-only
+            return torch.tensor(a, dtype=logp.dtype, device=logp.device)
 
         seq = np.repeat(np.arange(forest.num_sequences), forest.sequence_lengths())
         return SequenceBatch(
@@ -155,18 +169,27 @@ class SequenceLoss:
             mask=dev(prediction_mask(forest, self.use_loss_mask)),
             seq=torch.as_tensor(seq, device=logp.device),
             num_sequences=forest.num_sequences,
+            entropy=None if entropy is None else _linearize([e.detach() for e in entropy], forest),
         )
 
-    def __call__(self, logprobs: Sequence[torch.Tensor], forest: Forest, *, temperature: float = 1.0) -> torch.Tensor:
+    def __call__(
+        self,
+        logprobs: Sequence[torch.Tensor],
+        forest: Forest,
+        *,
+        temperature: float = 1.0,
+        entropy: Sequence[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """0-d loss. ``temperature``: what the caller computed ``logprobs`` at (the
-        runtime's two-pass path computes them at 1 today); it must equal the loss's."""
+        runtime's two-pass path computes them at the loss's temperature); it must equal
+        the loss's. ``entropy``: per sequence, as ``logprobs`` (read by metrics only)."""
         if temperature != self.temperature:
             raise ValueError(
                 f"loss {self.name!r} needs log-probs at temperature {self.temperature}, but they were computed at "
                 f"temperature {temperature}"
             )
         self.check_fields(forest)
-        b = self.batch(logprobs, forest)
+        b = self.batch(logprobs, forest, entropy)
         terms = self.per_token(b)
         if terms.shape != b.logp.shape:
             raise ValueError(f"per-token loss returned shape {tuple(terms.shape)}, expected {tuple(b.logp.shape)}")
@@ -186,11 +209,13 @@ class SequenceLoss:
         return (torch.where(w != 0, terms, torch.zeros_like(terms)) * w).sum()
 
     @torch.no_grad()
-    def metric_values(self, logprobs: Sequence[torch.Tensor], forest: Forest) -> dict[str, float]:
+    def metric_values(
+        self, logprobs: Sequence[torch.Tensor], forest: Forest, entropy: Sequence[torch.Tensor] | None = None
+    ) -> dict[str, float]:
         """The loss's metrics on this batch (what a runtime reports in ``StepOutput.metrics``)."""
         if self.metrics is None:
             return {}
-        values = self.metrics(self.batch([lp.detach() for lp in logprobs], forest))
+        values = self.metrics(self.batch([lp.detach() for lp in logprobs], forest, entropy))
         return {k: float(v) for k, v in values.items()}
 
 
@@ -209,6 +234,7 @@ def gspo(
     scale: float = 1.0,
     count_empty_sequences: bool = False,
     normalization: Normalization | None = None,
+    log_entropy: bool = False,
 ) -> SequenceLoss:
     """GSPO: PPO's clip on the sequence-level importance ratio.
 
@@ -227,11 +253,12 @@ def gspo(
     always aggregates it with ``seq-mean-token-mean``). The GSPO paper uses
     ``epsilon_low=3e-4``, ``epsilon_high=4e-4``.
 
-    Metrics (no entropy: the two-pass path computes log-probs only), as TRL logs them
-    at sequence level: ``clip_ratio/low_mean``, ``clip_ratio/high_mean``,
-    ``clip_ratio/region_mean``, ``ratio/mean`` per sequence, averaged over all
-    sequences (one without a loss token has ratio 1); ``kl`` (mask-weighted token mean),
-    with ``kl_coef``.
+    Metrics, as TRL logs them at sequence level: ``clip_ratio/low_mean``,
+    ``clip_ratio/high_mean``, ``clip_ratio/region_mean``, ``ratio/mean`` per sequence,
+    averaged over all sequences (one without a loss token has ratio 1); ``kl``
+    (mask-weighted token mean), with ``kl_coef``; ``entropy`` (mask-weighted token mean),
+    with ``log_entropy`` (the runtime then computes the entropy in its log-prob pass; an
+    entropy bonus is not available on the two-pass path).
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
@@ -280,6 +307,8 @@ def gspo(
         }
         if kl_coef:
             out["kl"] = b.token_average(kl(b, b.expand(s)))
+        if log_entropy:
+            out["entropy"] = b.token_average(b.entropy)
         return out
 
     return SequenceLoss(
@@ -292,4 +321,5 @@ def gspo(
         metrics=metrics,
         count_empty_sequences=count_empty_sequences,
         normalization=normalization,
+        needs_entropy=log_entropy,
     )

@@ -18,7 +18,8 @@ __all__ = ["upload"]
 def upload(array: np.ndarray, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``array`` as a tensor on ``device`` (optionally cast to ``dtype`` there)."""
     device = torch.device(device)
-    host = torch.from_numpy(np.ascontiguousarray(array))
+    # A read-only array (a Forest's) is copied: on CPU the tensor would alias it.
+    host = torch.from_numpy(np.ascontiguousarray(array) if array.flags.writeable else array.copy())
     if device.type == "cuda":
         host = host.pin_memory()
         out = host.to(device, non_blocking=True)

@@ -14,20 +14,19 @@ log-prob from the unique token, and autograd sums the gradient back.
 
 Nodes are numbered in depth-first preorder, so the nodes (and the unique tokens)
 of any subtree form one contiguous range. Children are ordered by subtree size,
-largest last (DESIGN.md section 2).
+largest last (docs/design.md section 2). :mod:`dtree.trie` builds the tree layout.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["Forest", "ForestStats"]
+from .trie import TrieLayout, build_trie
 
-# Fields every loss in dtree.losses knows about. Users may add any other name.
-KNOWN_FIELDS = ("loss_mask", "advantages", "old_logprobs", "ref_logprobs")
+__all__ = ["FieldMap", "Forest", "ForestStats"]
 
 
 @dataclass(frozen=True)
@@ -143,11 +142,36 @@ def _field_arrays(name: str, values: Any, lengths: Sequence[int], prediction_ali
     return [_as_field_array(name, v, i, n, prediction_aligned) for i, (v, n) in enumerate(zip(values, lengths))]
 
 
-class Forest:
-    """A batch of token sequences merged into prefix trees.
+class FieldMap(Mapping[str, np.ndarray]):
+    """A forest's fields: a read-only ``name -> [N] float64`` mapping (picklable, unlike
+    ``types.MappingProxyType``). Arrays are read-only too; ``Forest.with_fields``
+    makes a forest with other fields."""
 
-    Build one with :meth:`from_sequences` or :meth:`from_jsonl`. All arrays are numpy
-    (host side); the runtime moves what it needs to the device.
+    def __init__(self, fields: Mapping[str, np.ndarray]) -> None:
+        self._fields = dict(fields)
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        return self._fields[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def __repr__(self) -> str:
+        return f"FieldMap({sorted(self._fields)})"
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class Forest(TrieLayout):
+    """A batch of token sequences merged into prefix trees; immutable once built.
+
+    Build one with :meth:`from_sequences` (or :meth:`from_padded`,
+    :meth:`from_prompt_completion`, :meth:`from_jsonl`); the constructor takes the
+    finished arrays. All arrays are numpy (host side) and read-only; no attribute can
+    be assigned; :meth:`with_fields` and :meth:`subset` return new forests. The runtime
+    moves what it needs to the device.
 
     Linearized layout (``S`` sequences, ``N`` linearized tokens):
         seq_offsets:  [S+1] int64, sequence ``s`` is ``lin_tokens[seq_offsets[s]:seq_offsets[s+1]]``
@@ -156,10 +180,12 @@ class Forest:
         fields:       name -> [N] float64, per-token values; the value at position ``t``
                       belongs to the prediction of ``s[t]`` from ``s[:t]`` (``t = 0`` is unused)
 
-    Tree layout (``U`` unique tokens, ``M`` nodes, ``T`` trees), depth-first order:
+    Tree layout (``U`` unique tokens, ``M`` nodes, ``T`` trees), depth-first order
+    (built by :func:`dtree.trie.build_trie`):
         tokens:       [U] int64 token ids
         positions:    [U] int64 depth of each token (its position in every path through it)
-        pred_row:     [U] int64 unique index of the token before it on its path, -1 at a root
+        predecessor:  [U] int64 unique index of the token before it on its path, -1 at a root
+                      (the token whose hidden state predicts it)
         node_start:   [M] int64 first unique token of each node; node_length: [M]
         node_parent:  [M] int64, -1 for roots; node_depth: [M] number of ancestors
         node_subtree_end: [M] int64, node ``i``'s subtree is nodes ``[i, node_subtree_end[i])``
@@ -167,22 +193,22 @@ class Forest:
         tree_roots:   [T] root node of each tree
     """
 
-    def __init__(self) -> None:  # use the constructors below
-        self.seq_offsets: np.ndarray
-        self.lin_tokens: np.ndarray
-        self.lin_unique: np.ndarray
-        self.fields: dict[str, np.ndarray] = {}
-        self.tokens: np.ndarray
-        self.positions: np.ndarray
-        self.pred_row: np.ndarray
-        self.node_start: np.ndarray
-        self.node_length: np.ndarray
-        self.node_parent: np.ndarray
-        self.node_depth: np.ndarray
-        self.node_subtree_end: np.ndarray
-        self.child_offsets: np.ndarray
-        self.child_index: np.ndarray
-        self.tree_roots: np.ndarray
+    seq_offsets: np.ndarray  # the tree layout's arrays are TrieLayout's fields
+    lin_tokens: np.ndarray
+    fields: Mapping[str, np.ndarray]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "fields", FieldMap(self.fields))
+        self._lock()
+
+    def __setstate__(self, state: dict) -> None:  # unpickled arrays come back writable
+        self.__dict__.update(state)
+        self._lock()
+
+    def _lock(self) -> None:
+        for value in (*self.__dict__.values(), *self.fields.values()):
+            if isinstance(value, np.ndarray):
+                value.flags.writeable = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -219,9 +245,14 @@ class Forest:
             raise ValueError("sequences is empty: a forest needs at least one sequence")
         lengths = [len(s) for s in seqs]
         field_arrays = {name: _field_arrays(name, v, lengths) for name, v in fields.items() if v is not None}
-        forest = cls()
-        forest._build(seqs, field_arrays)
-        return forest
+        seq_offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=seq_offsets[1:])
+        return cls(
+            seq_offsets=seq_offsets,
+            lin_tokens=np.concatenate(seqs),
+            fields={name: np.concatenate(arrs) for name, arrs in field_arrays.items()},
+            **vars(build_trie(seqs)),
+        )
 
     @classmethod
     def from_padded(cls, input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> "Forest":
@@ -255,175 +286,13 @@ class Forest:
         unambiguous. ``None`` removes a field. This forest is left unchanged.
         """
         lengths = self.sequence_lengths().tolist()
-        out = Forest()
-        out.__dict__.update(self.__dict__)
-        out.fields = dict(self.fields)
+        new_fields = dict(self.fields)
         for name, values in fields.items():
             if values is None:
-                out.fields.pop(name, None)
+                new_fields.pop(name, None)
             else:
-                out.fields[name] = np.concatenate(_field_arrays(name, values, lengths, prediction_aligned=True))
-        return out
-
-    def _build(self, seqs: list[np.ndarray], field_arrays: dict[str, list[np.ndarray]]) -> None:
-        lengths = np.array([len(s) for s in seqs], dtype=np.int64)
-        self.seq_offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=self.seq_offsets[1:])
-        self.lin_tokens = np.concatenate(seqs)
-        self.fields = {name: np.concatenate(arrs) for name, arrs in field_arrays.items()}
-
-        # 1. Compressed trie from the lexicographically sorted sequences: consecutive
-        #    sorted sequences share exactly their longest common prefix, so one pass
-        #    with a stack of the current path builds every node (no per-token dicts).
-        order = sorted(range(len(seqs)), key=lambda i: seqs[i].tolist())
-        rep: list[int] = []  # a sequence that contains the node's tokens
-        d0: list[int] = []  # node covers depths [d0, d1)
-        d1: list[int] = []
-        parent: list[int] = []
-        children: list[list[int]] = []
-        path: list[int] = []
-        prev: np.ndarray | None = None
-        for s in order:
-            cur = seqs[s]
-            if prev is None:
-                lcp = 0
-            else:
-                m = min(len(prev), len(cur))
-                neq = np.flatnonzero(prev[:m] != cur[:m])
-                lcp = int(neq[0]) if neq.size else m
-            while path and d0[path[-1]] >= lcp:
-                path.pop()
-            if path and d1[path[-1]] > lcp:  # the new sequence leaves the top node midway: split it
-                top = path[-1]
-                low = len(rep)
-                rep.append(rep[top])
-                d0.append(lcp)
-                d1.append(d1[top])
-                parent.append(top)
-                children.append(children[top])
-                for c in children[low]:
-                    parent[c] = low
-                children[top] = [low]
-                d1[top] = lcp
-            if len(cur) > lcp:
-                node = len(rep)
-                rep.append(s)
-                d0.append(lcp)
-                d1.append(len(cur))
-                parent.append(path[-1] if path else -1)
-                children.append([])
-                if path:
-                    children[path[-1]].append(node)
-                path.append(node)
-            prev = cur
-
-        # A sequence that ends inside a path (a prefix of another) leaves a node with a
-        # single child; merge such chains so every inner node is a real branch point.
-        merged = [False] * len(rep)
-        for node in range(len(rep)):
-            if merged[node]:
-                continue
-            while len(children[node]) == 1:
-                only = children[node][0]
-                d1[node], rep[node], children[node] = d1[only], rep[only], children[only]
-                for c in children[node]:
-                    parent[c] = node
-                merged[only] = True
-
-        num_nodes = len(rep)
-        d0_a = np.array(d0, dtype=np.int64)
-        d1_a = np.array(d1, dtype=np.int64)
-        length_a = d1_a - d0_a
-
-        # 2. Subtree token counts. A split can re-parent older nodes under newer ones,
-        #    so creation order is not a post-order; start depth is (a child starts
-        #    where its parent ends).
-        subtree_tokens = length_a.copy()
-        parent_a = np.array(parent, dtype=np.int64)
-        for node in sorted(range(num_nodes), key=lambda n: -d0[n]):
-            if not merged[node] and parent[node] >= 0:
-                subtree_tokens[parent[node]] += subtree_tokens[node]
-
-        # 3. Depth-first preorder with children sorted by subtree size (largest last),
-        #    ties broken by first token so the layout is deterministic.
-        def first_token(n: int) -> int:
-            return int(seqs[rep[n]][d0[n]])
-
-        roots = [n for n in range(num_nodes) if parent[n] < 0]
-        first_seen: dict[int, int] = {}
-        for i, s in enumerate(seqs):
-            first_seen.setdefault(int(s[0]), i)
-        roots.sort(key=lambda n: first_seen[first_token(n)])  # trees in order of first appearance
-        new_id = np.full(num_nodes, -1, dtype=np.int64)
-        preorder: list[int] = []
-        todo = list(reversed(roots))
-        while todo:
-            n = todo.pop()
-            new_id[n] = len(preorder)
-            preorder.append(n)
-            kids = sorted(children[n], key=lambda c: (int(subtree_tokens[c]), first_token(c)))
-            children[n] = kids
-            todo.extend(reversed(kids))
-
-        pre = np.array(preorder, dtype=np.int64)
-        num_nodes = len(pre)  # merged nodes are gone from here on
-        self.node_length = length_a[pre]
-        self.node_start = np.zeros(num_nodes, dtype=np.int64)
-        np.cumsum(self.node_length[:-1], out=self.node_start[1:])
-        self.node_parent = np.where(parent_a[pre] >= 0, new_id[np.maximum(parent_a[pre], 0)], -1)
-        node_d0 = d0_a[pre]
-        self.node_depth = np.zeros(num_nodes, dtype=np.int64)
-        for i in range(num_nodes):  # parents precede children in preorder
-            p = self.node_parent[i]
-            self.node_depth[i] = 0 if p < 0 else self.node_depth[p] + 1
-        kid_lists = [[int(new_id[c]) for c in children[old]] for old in preorder]
-        self.child_offsets = np.zeros(num_nodes + 1, dtype=np.int64)
-        np.cumsum([len(k) for k in kid_lists], out=self.child_offsets[1:])
-        self.child_index = np.array([c for k in kid_lists for c in k], dtype=np.int64)
-        self.tree_roots = np.array([new_id[r] for r in roots], dtype=np.int64)
-        sizes = np.ones(num_nodes, dtype=np.int64)
-        for i in range(num_nodes - 1, -1, -1):
-            if self.node_parent[i] >= 0:
-                sizes[self.node_parent[i]] += sizes[i]
-        self.node_subtree_end = np.arange(num_nodes, dtype=np.int64) + sizes
-
-        # 4. Unique tokens in preorder, their depths and their predecessors.
-        total = int(self.node_length.sum())
-        self.tokens = np.empty(total, dtype=np.int64)
-        self.positions = np.empty(total, dtype=np.int64)
-        for i, old in enumerate(preorder):
-            a, b = self.node_start[i], self.node_start[i] + self.node_length[i]
-            self.tokens[a:b] = seqs[rep[old]][d0[old] : d1[old]]
-            self.positions[a:b] = np.arange(node_d0[i], node_d0[i] + self.node_length[i])
-        self.pred_row = np.arange(total, dtype=np.int64) - 1
-        parent_last = np.where(
-            self.node_parent >= 0,
-            self.node_start[np.maximum(self.node_parent, 0)] + self.node_length[np.maximum(self.node_parent, 0)] - 1,
-            -1,
-        )
-        self.pred_row[self.node_start] = parent_last
-
-        # 5. Map every linearized token to its unique token by walking each sequence
-        #    down the trie, one node (not one token) at a time.
-        child_by_token: list[dict[int, int]] = [dict() for _ in range(num_nodes)]
-        for n in range(num_nodes):
-            for c in self.child_index[self.child_offsets[n] : self.child_offsets[n + 1]]:
-                child_by_token[n][int(self.tokens[self.node_start[c]])] = int(c)
-        root_by_token = {int(self.tokens[self.node_start[r]]): int(r) for r in self.tree_roots}
-        self.lin_unique = np.empty(len(self.lin_tokens), dtype=np.int64)
-        for s, seq in enumerate(seqs):
-            off = self.seq_offsets[s]
-            node = root_by_token[int(seq[0])]
-            depth = 0
-            while True:
-                nd0 = self.positions[self.node_start[node]]
-                end = min(len(seq), nd0 + self.node_length[node])
-                self.lin_unique[off + depth : off + end] = self.node_start[node] + np.arange(depth - nd0, end - nd0)
-                depth = int(end)
-                if depth >= len(seq):
-                    break
-                node = child_by_token[node][int(seq[depth])]
-        assert np.array_equal(self.tokens[self.lin_unique], self.lin_tokens), "trie construction is inconsistent"
+                new_fields[name] = np.concatenate(_field_arrays(name, values, lengths, prediction_aligned=True))
+        return replace(self, fields=new_fields)
 
     # ------------------------------------------------------------------ accessors
     @property

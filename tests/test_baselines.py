@@ -197,7 +197,7 @@ def ancestors_mask(forest: dtree.Forest, row_unique: np.ndarray) -> np.ndarray:
         u = int(u)
         while u >= 0:
             allowed[i, pos[u]] = True
-            u = int(forest.pred_row[u])
+            u = int(forest.predecessor[u])
     return allowed
 
 
@@ -205,7 +205,7 @@ def ancestors_mask(forest: dtree.Forest, row_unique: np.ndarray) -> np.ndarray:
 def test_plans_are_consistent(batch, budget):
     """Every plan computes each prediction once, from the row of its predecessor, with
     positions = depths; every tree-mask row (whole trees, split groups, trees side by
-    side) has the ancestor-or-self mask of its tokens, found here by walking pred_row."""
+    side) has the ancestor-or-self mask of its tokens, found here by walking predecessor."""
     forest = dtree.Forest.from_sequences(batch[0])
     lengths = forest.sequence_lengths()
     model = make_model("llama")
@@ -220,7 +220,7 @@ def test_plans_are_consistent(batch, budget):
         )
         for b in batches:
             u = forest.lin_unique[b.term_lin]
-            assert np.array_equal(b.row_unique[b.term_row], forest.pred_row[u])
+            assert np.array_equal(b.row_unique[b.term_row], forest.predecessor[u])
             assert np.array_equal(forest.tokens[b.row_unique[b.term_target]], forest.lin_tokens[b.term_lin])
             assert np.array_equal(b.position_ids, forest.positions[b.row_unique])
             if budget is not None:
@@ -267,6 +267,8 @@ def test_bad_arguments():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="attention='flash' needs"):
             LinearizedTrainer(model, attention="flash")
+        with pytest.raises(ValueError, match="attention='flash-attn' needs the flash-attn package"):
+            LinearizedTrainer(model, attention="flash-attn")
         with pytest.raises(ValueError, match="attention='flex' trains on CUDA only"):
             TreeMaskTrainer(model, attention="flex")
     for trainer in (LinearizedTrainer(model), TreeMaskTrainer(model)):
@@ -550,11 +552,11 @@ def test_linearized_flash_bf16_matches_sdpa():
     model = cuda_model("llama", torch.bfloat16, head_dim=64)
     forest = dtree.Forest.from_sequences(ALL_EDGE_SEQS)
     outs = {}
-    for attention in ("auto", "sdpa"):  # auto picks flash for a bf16 model on CUDA
+    for attention in ("auto", "sdpa"):  # auto picks flash-attn (if installed) or flash for a bf16 model on CUDA
         m = copy.deepcopy(model)
         trainer = LinearizedTrainer(m, attention=attention, max_tokens_per_batch=20)
         outs[attention] = (trainer.forward_backward(forest, dtree.losses.nll()), m)
-    assert outs["auto"][0].metrics["attention"] == "flash"
+    assert outs["auto"][0].metrics["attention"] in ("flash", "flash-attn")
     errs = grad_errors(outs["auto"][1], outs["sdpa"][1])
     assert max(errs.values()) < 5e-2, errs
     assert abs(outs["auto"][0].loss - outs["sdpa"][0].loss) < 1e-2 * abs(outs["sdpa"][0].loss)

@@ -32,12 +32,15 @@ def test_parse_configs():
         "linearized:ckpt+split4k": ("linearized", {"checkpoint": True, "max_tokens_per_batch": 4096}),
         "dtree:recompute": ("dtree", {"mode": "recompute"}),
     }
+    assert parse_configs("dtree:low")[0].options == {"memory": "low"}
+    assert "dtree:low" in PRESETS["gpu"] and PRESETS["gpu"][0] == "dtree"
     assert parse_configs("tree-mask")[0].options == {"max_tokens_per_batch": 32768}  # the method's defaults
     assert [c.label for c in parse_configs("gpu,dtree")] == list(PRESETS["gpu"])  # presets expand, duplicates drop
     assert parse_configs("dtree:group_tokens=4096", {"dtree": {"mode": "recompute"}})[0].options == {
         "mode": "recompute", "group_tokens": 4096,
     }
     for bad, match in [("dtree:ckpt", "recompute"), ("linearized:whole", "tree-mask"), ("tree-mask:recompute", "ckpt"),
+                       ("tree-mask:low", "ckpt"),
                        ("foo", "unknown method"), ("tree-mask:splitx", "token count"), ("dtree:bogus", "unknown")]:
         with pytest.raises(ValueError, match=match):
             parse_configs(bad)
@@ -100,3 +103,29 @@ def test_out_of_memory_and_time_budget(tmp_path):
     assert report["_rc"] == 1
     assert [r["status"] for r in report["results"]] == ["skipped", "skipped"]
     assert "time budget" in report["results"][0]["note"]
+
+
+def test_expandable_segments_for_the_bench_process(monkeypatch):
+    """On a GPU the bench runs its process with expandable segments (every method alike),
+    set before CUDA initializes; an existing allocator config is kept and extended."""
+    import torch
+
+    from dtree.bench.measure import use_expandable_segments
+    from dtree.memory_policy import expandable_segments
+
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")
+    assert use_expandable_segments() == "max_split_size_mb:512,expandable_segments:True"
+    assert expandable_segments()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:False")
+    assert use_expandable_segments() == "expandable_segments:False"  # the user's choice stands
+    assert not expandable_segments()
+
+
+def test_report_shows_allocated_and_reserved_peaks(tmp_path):
+    report = _run(tmp_path, "--steps", "3", "--configs", "dtree,dtree:low")
+    assert report["_rc"] == 0
+    md = next(tmp_path.glob("*.md")).read_text()
+    assert "peak alloc (GiB)" in md and "peak reserved (GiB)" in md and "CUDA allocator" in md
+    low = next(r for r in report["results"] if r["config"] == "dtree:low")
+    assert low["metrics"]["memory_plan"]["checkpoint_layers"] is True

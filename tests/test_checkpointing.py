@@ -1,4 +1,5 @@
-"""Checkpointed baselines (``checkpoint=True``, dtree/baselines/checkpointing.py): the
+"""Checkpointed baselines (``checkpoint=True``, dtree/checkpointing.py; and under HF's
+gradient checkpointing): the
 same loss and every parameter gradient as HF run per path (tests/reference.py) and as
 the unchecked baselines, and less activation memory held for backward."""
 
@@ -16,7 +17,7 @@ from test_runtime_memory import SavedBytes
 
 import dtree
 from dtree.baselines import LinearizedTrainer, TreeMaskTrainer, make_method
-from dtree.baselines.checkpointing import CheckpointedLayer, checkpointed_layers, decoder_layers
+from dtree.checkpointing import CheckpointedLayer, checkpointed_layers, decoder_layers
 
 CHECKPOINTED = {
     "tree-mask/ckpt": ("tree-mask", dict(checkpoint=True)),
@@ -172,6 +173,7 @@ def test_checkpointed_tree_mask_holds_less_on_cuda():
 
     config = make_config("llama")
     config.head_dim, config.num_hidden_layers = 64, 8
+    config.vocab_size = 4096  # the prompt's ids run to 2047
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16)
     prompt = list(range(1, 2048))
@@ -189,3 +191,18 @@ def test_checkpointed_tree_mask_holds_less_on_cuda():
         peaks[ckpt] = torch.cuda.max_memory_allocated() - base
         model.zero_grad(set_to_none=True)
     assert peaks[True] < 0.6 * peaks[False], peaks
+
+
+@pytest.mark.parametrize("method", ["tree-mask", "linearized"])
+def test_baselines_under_hf_gradient_checkpointing(method):
+    """HF's own checkpointing re-runs the layers in backward through the adapter's
+    attention (the baselines hold its scope over backward too): exact per path."""
+    model = make_model("llama")
+    ref_model = copy.deepcopy(model)
+    ref_loss, _ = linearized_step(ref_model, ALL_EDGE_SEQS)
+    m = copy.deepcopy(model)
+    m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    m.train()
+    out = make_method(method, m).forward_backward(dtree.Forest.from_sequences(ALL_EDGE_SEQS), dtree.losses.nll())
+    assert max(grad_errors(m, ref_model).values()) < 1e-5
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)

@@ -23,3 +23,11 @@ def test_stats_bad_file(tmp_path, capsys):
 def test_module_entry_point():
     r = subprocess.run([sys.executable, "-m", "dtree", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "stats" in r.stdout
+
+
+def test_import_dtree_reaches_distributed():
+    """A fresh ``import dtree`` makes ``dtree.distributed`` reachable, as the README uses it."""
+    code = "import dtree; print(dtree.distributed.DistributedTreeTrainer.__name__, dtree.distributed.plan_partition.__name__)"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["DistributedTreeTrainer", "plan_partition"]

@@ -76,6 +76,28 @@ def forest_of(kind: str) -> dtree.Forest:
     return dtree.Forest.from_sequences(seqs, **fields)
 
 
+def weighted_forest(kind: str) -> dtree.Forest:
+    """``forest_of(kind)`` with no loss token in sequences 1 and 4, so that every rule
+    for counting sequences gives a different weight."""
+    f = forest_of(kind)
+    mask = [np.array(f.field("loss_mask", s)) for s in range(f.num_sequences)]
+    for s in (1, 4):
+        mask[s][:] = 0.0
+    return f.with_fields(loss_mask=mask)
+
+
+def weight_losses() -> dict[str, TokenLoss]:
+    """One loss per reduction and counting rule, for the per-token weight checks."""
+    def neg(lp, f):
+        return -lp
+
+    out = {red: TokenLoss(neg, reduction=red, scale=0.5) for red in dtree.losses.REDUCTIONS}
+    for red in ("sequence_mean", "seq_mean_token_sum"):
+        out[f"{red}+empty"] = TokenLoss(neg, reduction=red, count_empty_sequences=True)
+    out["token_mean-unmasked"] = TokenLoss(neg, reduction="token_mean", use_loss_mask=False)
+    return out
+
+
 def div_loss(reduction: str = "sum") -> TokenLoss:
     """-logp / den: a zero ``den`` makes that term infinite (a non-finite loss)."""
     return TokenLoss(lambda lp, f: -lp / f["den"], reduction=reduction, required_fields=("den",), name="div")
@@ -108,6 +130,19 @@ def _scenarios(rank: int, world: int) -> dict:
         out = trainer_for(model).step(forest_of("mixed"), dtree.losses.ppo_clip(reduction=red))
         res[f"mixed/{red}"] = dict(grads=_grads(model), loss=out.loss, report=out.partition.as_dict(),
                                    local=out.local is not None, norm=out.normalization)
+
+    # the weight of every (sequence, token) term on its rank, under the all-reduced counts
+    from dtree.distributed.trainer import global_normalization
+
+    res["weights"] = {}
+    for kind, threshold in (("mixed", None), ("one_tree", 1e-12)):  # whole trees; one tree cut into sequences
+        plan = plan_partition(weighted_forest(kind), world, split_threshold=threshold)
+        mine = plan.forest(rank)
+        for name, loss in weight_losses().items():
+            norm = global_normalization(mine, None, loss.use_loss_mask)
+            res["weights"][f"{kind}|{name}"] = (
+                plan.sequence_ids[rank].tolist(), None if mine is None else loss.weights(mine, norm)
+            )
 
     # a two-pass SequenceLoss (GSPO) divides by the global counts too
     model = make_model("qwen2", tied=True)
@@ -357,6 +392,34 @@ def test_summed_gradients_are_exact(ranks, reduction):
     # the global counts are the single-process ones
     norm = dtree.losses.local_normalization(forest_of("mixed"))
     assert ranks[0][f"mixed/{reduction}"]["norm"] == norm or reduction == "sum"
+
+
+@pytest.mark.distributed
+def test_global_normalization_gives_every_term_its_single_process_weight(ranks):
+    """Token by token, not through a sum: each rank's weights under the all-reduced
+    counts equal the single-process weights of the same (sequence, token), and every
+    sequence is weighted on exactly one rank."""
+    losses = weight_losses()
+    assert len(ranks[0]["weights"]) == 2 * len(losses)
+    for key in ranks[0]["weights"]:
+        kind, name = key.split("|")
+        forest = weighted_forest(kind)
+        want = losses[name].weights(forest)
+        assert np.count_nonzero(want) > 0
+        owned = []
+        for r, res in enumerate(ranks):
+            ids, got = res["weights"][key]
+            if got is None:
+                assert ids == [], (key, r)
+                continue
+            lengths = forest.sequence_lengths()[ids]
+            assert len(got) == lengths.sum()
+            for s, piece in zip(ids, np.split(got, np.cumsum(lengths)[:-1])):
+                np.testing.assert_allclose(piece, want[forest.seq_offsets[s] : forest.seq_offsets[s + 1]],
+                                           rtol=1e-14, atol=0, err_msg=f"{key}, rank {r}, sequence {s}")
+            owned += ids
+        assert sorted(owned) == list(range(forest.num_sequences)), key
+    assert len(ranks[0]["weights"]["one_tree|sum"][0]) < forest_of("one_tree").num_sequences  # the tree was cut
 
 
 @pytest.mark.distributed
@@ -655,25 +718,57 @@ def test_partition_balances_better_than_whole_trees():
     assert split.max_cost < whole.max_cost and split.split_trees == [0]
 
 
-def test_calibrate_fits_and_saves(tmp_path):
-    import argparse
-
+def test_calibrate_recovers_known_coefficients(tmp_path):
+    """calibrate() on the built-in synthetic shapes, timed by a known cost model: the fit
+    recovers its coefficients (the shapes make all four identifiable) and saves them."""
     from hf_models import make_model
 
-    from dtree.distributed.calibrate import add_calibrate_parser, calibrate, synthetic_forest
+    from dtree.distributed.calibrate import calibrate
+
+    truth = CostModel({"fixed": 2e-3, "nodes": 5e-5, "tokens": 4e-6, "attention": 3e-9})
+    timed = []
+
+    def timer(runtime, forest, repeats, warmup):
+        timed.append((forest.num_unique_tokens, repeats, warmup))
+        return truth.cost(forest)
+
+    path = tmp_path / "cm.json"
+    cm, report = calibrate(make_model("llama"), dict(group_tokens=256), repeats=2, out_path=str(path), warmup=0,
+                           budget_tokens=512, log=None, timer=timer)
+    assert len(timed) == 8 and {(r, w) for _, r, w in timed} == {(2, 0)}  # 4 shapes x 2 sizes
+    for name, value in truth.coefficients.items():
+        assert math.isclose(cm.coefficients[name], value, rel_tol=1e-6), (name, cm.coefficients)
+    assert report.r2 > 0.999999 and report.max_abs_rel_error < 1e-6 and report.num_samples == 8
+    loaded = CostModel.load(str(path))
+    assert loaded.coefficients == cm.coefficients
+    assert loaded.meta["runtime"] == {"group_tokens": 256} and loaded.meta["repeats"] == 2
+
+
+def test_calibrate_times_real_steps_and_the_cli_writes_a_loadable_model(tmp_path, capsys):
+    """The default timer runs real steps; ``dtree calibrate`` writes a cost model that loads,
+    records the runtime settings it was measured with, and predicts a positive cost."""
+    from hf_models import make_model
+
+    from dtree.cli import main
+    from dtree.distributed.calibrate import calibrate, synthetic_forest
 
     forests = [synthetic_forest(kind, 256, seed=1, vocab_size=97) for kind in ("wide", "long", "deep", "grpo")]
     wide, long = forests[0], forests[1]  # the shapes stress different terms
     assert wide.num_nodes / wide.num_unique_tokens > long.num_nodes / long.num_unique_tokens
     lines = []
     with one_thread():
-        cm, report = calibrate(make_model("llama"), dict(group_tokens=256), forests, repeats=1,
-                               out_path=str(tmp_path / "cm.json"), warmup=0, log=lines.append)
+        cm, report = calibrate(make_model("llama"), dict(group_tokens=256), forests, repeats=1, warmup=0,
+                               log=lines.append)
     assert report.num_samples == 4 and any("R^2" in line for line in lines)
-    loaded = CostModel.load(str(tmp_path / "cm.json"))
-    assert loaded.coefficients == cm.coefficients and loaded.meta["runtime"] == {"group_tokens": 256}
-    # the subcommand wiring the CLI uses
-    parser = argparse.ArgumentParser(prog="dtree")
-    add_calibrate_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["calibrate", "--model", "tiny", "--repeats", "2", "--group-tokens", "0"])
-    assert callable(args.func) and args.repeats == 2 and args.group_tokens == 0 and args.out == "cost_model.json"
+    assert all(v >= 0 and math.isfinite(v) for v in cm.coefficients.values()) and cm.cost(wide) > 0
+
+    path = tmp_path / "cli.json"
+    with one_thread():
+        rc = main(["calibrate", "--model", "tiny", "--device", "cpu", "--repeats", "1", "--warmup", "0",
+                   "--budget-tokens", "64", "--group-tokens", "0", "--mode", "recompute", "--out", str(path)])
+    assert rc == 0 and f"saved {path}" in capsys.readouterr().out
+    loaded = CostModel.load(str(path))
+    assert loaded.meta["runtime"] == {"mode": "recompute", "group_tokens": 0, "chunk_size": 2048, "attention": "auto"}
+    assert loaded.meta["device"] == "cpu" and loaded.meta["repeats"] == 1
+    assert all(v >= 0 and math.isfinite(v) for v in loaded.coefficients.values())
+    assert loaded.cost(synthetic_forest("wide", 64, vocab_size=97)) > 0

@@ -34,7 +34,7 @@ def test_session_parts_bundle_their_reports(tmp_path):
 
 @pytest.mark.slow
 def test_every_part_in_smoke_mode(tmp_path):
-    parts = ["bench-case1", "bench-agentic64k", "bench-agentic", "bench-grpo", "warmup", "memory", "memscale"]
+    parts = ["bench-case1", "bench-agentic64k", "bench-agentic", "bench-grpo", "warmup", "memory", "memscale", "issue11"]
     r = _run(tmp_path, *parts, timeout=1500)
     assert r.returncode == 0, r.stdout[-3000:]
     summary = (tmp_path / "summary.md").read_text()

@@ -87,30 +87,29 @@ def test_meta_model_materialized_after_wrapping(mode):
 
 
 def test_gradient_checkpointing_toggled_after_wrapping():
+    """HF gradient checkpointing switched on after a step, then off: each step exact
+    (HF's re-run layers attend through dtree's stack; tests/test_checkpoint_layers.py
+    covers every mode and budget)."""
     model = make_model("qwen2")
     rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8)
     step(rt)
-    before = grads(model)
-    checkpointing(model, True)
-    with pytest.raises(ValueError, match=r"gradient_checkpointing_disable\(\).*mode='recompute'"):
-        step(rt)
-    for n, p in model.named_parameters():  # nothing lost or added
-        assert torch.equal(p.grad, before[n]), n
-    rt.logprobs(dtree.Forest.from_sequences(SEQS))  # no backward: checkpointing is harmless there
-    checkpointing(model, False)
-    model.zero_grad(set_to_none=True)
-    ref_model, ref_loss = reference(model)
-    out = step(rt)
-    assert_exact(model, ref_model, out, ref_loss)
+    for on in (True, False):
+        checkpointing(model, on)
+        model.train().zero_grad(set_to_none=True)
+        ref_model, ref_loss = reference(model)
+        assert_exact(model, ref_model, step(rt), ref_loss)
+    rt.logprobs(dtree.Forest.from_sequences(SEQS))
 
 
 def test_gradient_checkpointing_on_at_construction_then_off():
     model = make_model("llama")
     checkpointing(model, True)
+    model.train()
     rt = dtree.TreeRuntime(model, chunk_size=3)
-    with pytest.raises(ValueError, match="gradient checkpointing"):
-        step(rt)
+    ref_model, ref_loss = reference(model)
+    assert_exact(model, ref_model, step(rt), ref_loss)
     checkpointing(model, False)
+    model.zero_grad(set_to_none=True)
     ref_model, ref_loss = reference(model)
     assert_exact(model, ref_model, step(rt), ref_loss)
 

@@ -169,3 +169,25 @@ def test_output_head_validation():
         as_output_head([w])
     with pytest.raises(ValueError, match="expected"):
         token_logprobs(torch.randn(2, H), OutputHead(module=torch.nn.Flatten(0)), torch.zeros(2, dtype=torch.long))
+
+
+def test_fused_kernel_is_chosen_for_16bit_weight_heads_on_cuda():
+    """``impl="auto"``: the fused Triton op for a weight head in float16/bfloat16 on CUDA
+    (decided on the host: no GPU needed), the chunked torch op everywhere else."""
+    pytest.importorskip("triton")
+    from dtree.ops.logprobs import fused_head_kernel
+
+    weight = torch.zeros(7, 3)
+    fused, module = OutputHead(weight=weight), OutputHead(module=torch.nn.Linear(3, 7))
+    assert fused_head_kernel(fused, torch.bfloat16, "cuda") and fused_head_kernel(fused, torch.float16, "cuda:1")
+    assert not fused_head_kernel(fused, torch.float32, "cuda")
+    assert not fused_head_kernel(fused, torch.bfloat16, "cpu")
+    assert not fused_head_kernel(module, torch.bfloat16, "cuda")
+
+
+def test_impl_is_checked():
+    h, y = torch.randn(4, 3), torch.tensor([0, 1, 2, 3])
+    with pytest.raises(ValueError, match="impl must be one of"):
+        token_logprobs(h, OutputHead(weight=torch.randn(5, 3)), y, impl="fast")
+    with pytest.raises(ValueError, match="impl='triton' needs a fused head"):
+        token_logprobs(h, OutputHead(module=torch.nn.Linear(3, 5)), y, impl="triton")

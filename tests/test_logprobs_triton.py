@@ -197,6 +197,51 @@ def _case_weight_frozen_and_no_grad():
     torch.testing.assert_close(logp2, logp.detach())
 
 
+def _case_token_logprobs_runs_the_fused_op(with_entropy: bool):
+    """``dtree.ops.logprobs.token_logprobs(impl="triton")``, the path the runtime takes for a
+    fused 16-bit head on CUDA, against the chunked torch op (``impl="torch"``) with the
+    head's transforms (logit_scale, final_softcap) and a temperature: outputs and every
+    gradient (hidden, weight, bias), float32."""
+    from dtree.ops.logprobs import OutputHead, token_logprobs
+
+    hidden, weight, bias, labels = make_problem(45, 24, 500, seed=3)
+    head = OutputHead(weight=weight, bias=bias, logit_scale=1.3, final_softcap=4.0)
+    results = []
+    for impl in ("triton", "torch"):
+        logp, ent = token_logprobs(hidden, head, labels, 16, temperature=0.7, with_entropy=with_entropy, impl=impl)
+        total = logp.sum() + (ent.sum() if with_entropy else 0)
+        results.append([logp, ent, *torch.autograd.grad(total, (hidden, weight, bias))])
+    assert_close_rel(results[0], results[1], what="fused vs torch")
+
+
+def _case_runtime_with_the_fused_head(mode: str, group_tokens):
+    """The runtime with the fused head switched on (as on CUDA in 16-bit): every gradient
+    against HF per path, float32."""
+    from hf_models import make_model
+    from setups import assert_exact, reference, run_dtree
+
+    from dtree.ops import logprobs as ops_logprobs
+
+    calls = []
+    original = lt.token_logprobs_triton
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("chunk_size"))
+        return original(*args, **kwargs)
+
+    predicate = ops_logprobs.fused_head_kernel
+    ops_logprobs.fused_head_kernel = lambda head, dtype, device: head.fused
+    lt.token_logprobs_triton = spy
+    try:
+        model = make_model("qwen2", tied=True)
+        ref_model, ref_loss = reference(model)
+        out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, logprob_chunk=5)
+    finally:
+        ops_logprobs.fused_head_kernel, lt.token_logprobs_triton = predicate, original
+    assert calls and set(calls) == {5}
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
 # --------------------------------------------------------------------------- worker tests
 @pytest.fixture(scope="module")
 def worker():
@@ -236,6 +281,16 @@ def test_labels_outside_vocab_give_nan(worker):
 @pytest.mark.parametrize("transform", ["plain", "all"])
 def test_fp16_flash_rule(worker, transform):
     worker.run("fp16_flash_rule", transform=transform)
+
+
+@pytest.mark.parametrize("with_entropy", [False, True])
+def test_token_logprobs_runs_the_fused_op(worker, with_entropy):
+    worker.run("token_logprobs_runs_the_fused_op", with_entropy=with_entropy)
+
+
+@pytest.mark.parametrize("mode,group_tokens", [("retain", None), ("recompute", 8), ("auto", 0)])
+def test_runtime_with_the_fused_head(worker, mode, group_tokens):
+    worker.run("runtime_with_the_fused_head", mode=mode, group_tokens=group_tokens)
 
 
 def test_frozen_weight_and_no_grad(worker):

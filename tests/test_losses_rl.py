@@ -305,9 +305,9 @@ def test_normalization_counts_and_missing_num_sequences():
 
 
 # ---------------------------------------------------------------------- metrics
-def reference_ppo_metrics(model, fields, eps_low, eps_high):
+def reference_ppo_metrics(model, fields, eps_low, eps_high, temperature=None):
     with torch.no_grad():
-        t = batch_tensors(model, SEQS, reference_fields(fields))
+        t = batch_tensors(model, SEQS, reference_fields(fields), temperature)
         r, adv, m = torch.exp(t["lp"] - t["old"]), t["adv"], t["mask"]
         low, high = ((r < 1 - eps_low) & (adv < 0)).float(), ((r > 1 + eps_high) & (adv > 0)).float()
         kl = torch.exp(t["ref"] - t["lp"]) - (t["ref"] - t["lp"]) - 1
@@ -315,13 +315,16 @@ def reference_ppo_metrics(model, fields, eps_low, eps_high):
         def mean(x):
             return float((x * m).sum() / m.sum())
 
-        return {
+        out = {
             "clip_ratio/low_mean": mean(low),
             "clip_ratio/high_mean": mean(high),
             "clip_ratio/region_mean": mean(torch.maximum(low, high)),
             "ratio/mean": mean(r),
             "kl": mean(kl),
         }
+        if t["entropy"] is not None:
+            out["entropy"] = mean(t["entropy"])
+        return out
 
 
 @pytest.mark.parametrize("budget", [16384, 5])
@@ -359,8 +362,8 @@ def test_cispo_and_sapo_metrics():
 
 # ---------------------------------------------------------------------- entropy and temperature
 def test_entropy_bonus_and_metric_at_the_loss_level():
-    """The runtime does not pass the entropy yet: the loss-level contract, and a clear
-    error (param.grad intact) from today's runtime and baselines."""
+    """The loss-level contract of the entropy bonus and metric (the runtime end to end:
+    test_runtime_entropy_bonus_and_temperature)."""
     g = torch.Generator().manual_seed(2)
     logp = (torch.rand(64, generator=g) * 3 - 6).requires_grad_(True)
     ent = (torch.rand(64, generator=g) * 4).requires_grad_(True)
@@ -381,15 +384,13 @@ def test_entropy_bonus_and_metric_at_the_loss_level():
     "loss,match",
     [(ppo_clip(entropy_coef=0.01), "entropy"), (ppo_clip(log_entropy=True), "entropy"), (ppo_clip(temperature=0.7), "temperature=0.7")],
 )
-@pytest.mark.parametrize("method", ["dtree", "linearized"])
-def test_today_runtime_refuses_entropy_and_temperature(model, loss, match, method):
-    m = copy.deepcopy(model)
+def test_a_trainer_without_temperature_or_entropy_refuses_them(loss, match):
+    """A third-party trainer that calls check_fields without the support flags gets the
+    clear refusal instead of silently computing something else."""
     forest = dtree.Forest.from_sequences(SEQS, **make_fields())
-    trainer = dtree.TreeRuntime(m) if method == "dtree" else LinearizedTrainer(m)
     with pytest.raises(ValueError, match=match):
-        trainer.forward_backward(forest, loss)
-    assert all(p.grad is None for p in m.parameters())
-    loss.check_fields(forest, supports_temperature=True, supports_entropy=True)  # a runtime that has both
+        loss.check_fields(forest)
+    loss.check_fields(forest, supports_temperature=True, supports_entropy=True)  # dtree's runtime and baselines
 
 
 def test_temperature_is_carried_by_every_loss():
@@ -438,44 +439,182 @@ def test_reference_path_logprobs_are_what_the_runtime_sees(model):
             torch.testing.assert_close(got[s], path_logprobs(model, seq), rtol=1e-5, atol=1e-5)
 
 
-# ---------------------------------------------------------------------- pending runtime wiring
-# The runtime does not compute temperature-scaled log-probs, entropies or loss metrics
-# yet (another change owns dtree/runtime.py and dtree/ops/logprobs.py). These tests are
-# the end-to-end contract for that wiring: today they fail with the clear refusal
-# (xfail on exactly that exception); once wired they pass, and strict=True reports it.
-PENDING = "TreeRuntime does not pass temperature / entropy / metrics yet"
+# ---------------------------------------------------------------------- runtime: temperature, entropy, metrics
+# Every mode and group budget (0: node by node, 5: small packed calls, None: the default)
+# against HF per path at softmax(logits / T), with the entropy bonus's gradient.
+MODES = ["auto", "retain", "recompute"]
+BUDGETS = [0, 5, None]
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True, reason=PENDING)
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_runtime_entropy_bonus_and_temperature(model, temperature):
-    loss = ppo_clip(0.2, entropy_coef=0.05, temperature=temperature, **aggregation("grpo"))
-    run_case(model, loss, "ppo", "grpo", temperature=temperature, entropy_coef=0.05)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("group_tokens", BUDGETS)
+def test_runtime_entropy_bonus_and_temperature(model, mode, group_tokens):
+    loss = ppo_clip(0.2, entropy_coef=0.05, temperature=0.7, kl_coef=0.04, **aggregation("grpo"))
+    run_case(model, loss, "ppo", "grpo", rt_kw=dict(mode=mode, group_tokens=group_tokens),
+             temperature=0.7, entropy_coef=0.05, beta=0.04)
 
 
-@pytest.mark.xfail(raises=ValueError, strict=True, reason=PENDING)
+def test_runtime_entropy_bonus_at_temperature_one(model):
+    loss = ppo_clip(0.2, entropy_coef=0.05, **aggregation("bnpo"))
+    run_case(model, loss, "ppo", "bnpo", temperature=1.0, entropy_coef=0.05)
+
+
 def test_runtime_temperature_without_entropy(model):
     loss = cispo(1.2, temperature=0.6, **aggregation("dapo"))
+    assert not loss.needs_entropy
     run_case(model, loss, "cispo_trl", "dapo", temperature=0.6, eps_high=1.2)
 
 
-@pytest.mark.xfail(raises=KeyError, strict=True, reason=PENDING)
-def test_runtime_reports_metrics(model):
+@pytest.mark.parametrize("method", ["linearized", "tree-mask"])
+def test_baselines_entropy_bonus_and_temperature(model, method):
+    """The baselines (test references and benchmark rivals) compute the same loss."""
+    from dtree.baselines import TreeMaskTrainer
+
+    fields = make_fields()
+    loss = ppo_clip(0.2, entropy_coef=0.05, temperature=0.7, **aggregation("grpo"))
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    trainer = LinearizedTrainer(tree_model, max_tokens_per_batch=12) if method == "linearized" else TreeMaskTrainer(tree_model)
+    out = trainer.forward_backward(dtree.Forest.from_sequences(SEQS, **fields), loss)
+    ref = reference_step(ref_model, SEQS, reference_fields(fields), "ppo", "grpo", temperature=0.7, entropy_coef=0.05)
+    assert_exact(out, ref, grad_errors(tree_model, ref_model))
+
+
+@pytest.mark.parametrize("mode,group_tokens", [("retain", 0), ("recompute", 5), ("auto", None)])
+def test_runtime_reports_metrics(model, mode, group_tokens):
     fields = make_fields()
     forest = dtree.Forest.from_sequences(SEQS, **fields)
-    out = dtree.TreeRuntime(copy.deepcopy(model)).forward_backward(forest, ppo_clip(0.1, epsilon_high=0.15, kl_coef=0.05))
-    for name, value in reference_ppo_metrics(model, fields, 0.1, 0.15).items():
+    loss = ppo_clip(0.1, epsilon_high=0.15, kl_coef=0.05, log_entropy=True, temperature=0.8)
+    out = dtree.TreeRuntime(copy.deepcopy(model), mode=mode, group_tokens=group_tokens).forward_backward(forest, loss)
+    want = reference_ppo_metrics(model, fields, 0.1, 0.15, temperature=0.8)
+    assert set(want) <= set(out.metrics)
+    for name, value in want.items():
         assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    assert 0 < want["clip_ratio/low_mean"] and 0 < want["clip_ratio/high_mean"]
 
 
-@pytest.mark.xfail(raises=TypeError, strict=True, reason=PENDING)
-def test_runtime_logprobs_at_a_temperature(model):
+def test_runtime_metrics_equal_the_baselines(model):
+    forest = dtree.Forest.from_sequences(SEQS, **make_fields())
+    for loss in (cispo(1.1, ratio_min=0.9, log_entropy=True), sapo(kl_coef=0.1), ppo_clip(0.2, clip_ratio_c=1.5)):
+        tree = dtree.TreeRuntime(copy.deepcopy(model), group_tokens=5).forward_backward(forest, loss).metrics
+        lin = LinearizedTrainer(copy.deepcopy(model)).forward_backward(forest, loss).metrics
+        names = [k for k in lin if "/" in k or k in ("kl", "entropy", "cispo_clip_ratio")]
+        assert names and all(tree[k] == pytest.approx(lin[k], rel=1e-5, abs=1e-7) for k in names), (names, tree, lin)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_runtime_logprobs_at_a_temperature(model, temperature):
     from rl_reference import path_logprobs_entropy
 
     forest = dtree.Forest.from_sequences(SEQS)
-    got, ent = dtree.TreeRuntime(copy.deepcopy(model)).logprobs(forest, temperature=0.7, with_entropy=True)
+    rt = dtree.TreeRuntime(copy.deepcopy(model), group_tokens=5)
+    got, ent = rt.logprobs_and_entropy(forest, temperature=temperature)
+    alone_lp, alone_ent = rt.logprobs(forest, temperature=temperature), rt.entropy(forest, temperature=temperature)
     with torch.no_grad():
         for s, seq in enumerate(SEQS):
-            lp, h = path_logprobs_entropy(model, seq, 0.7)
-            torch.testing.assert_close(got[s][-len(lp):], lp, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(ent[s][-len(h):], h, rtol=1e-5, atol=1e-5)
+            lp, h = path_logprobs_entropy(model, seq, temperature)
+            assert got[s].shape == ent[s].shape == (len(seq) - 1,)
+            torch.testing.assert_close(got[s], lp, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent[s], h, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(alone_lp[s], got[s], rtol=0, atol=0)
+            torch.testing.assert_close(alone_ent[s], ent[s], rtol=0, atol=0)
+    for bad in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="temperature"):
+            rt.logprobs(forest, temperature=bad)
+
+
+def test_logprob_round_trip_at_a_temperature(model):
+    """old_logprobs from rt.logprobs at the sampling temperature: the ratio is 1, so the
+    clipped loss is the plain policy gradient (no clip metric fires)."""
+    fields = make_fields()
+    forest = dtree.Forest.from_sequences(SEQS, **fields)
+    rt = dtree.TreeRuntime(copy.deepcopy(model))
+    forest = forest.with_fields(old_logprobs=rt.logprobs(forest, temperature=0.7))
+    out = rt.forward_backward(forest, ppo_clip(0.2, temperature=0.7))
+    assert out.metrics["ratio/mean"] == pytest.approx(1.0, abs=1e-6)
+    assert out.metrics["clip_ratio/region_mean"] == 0.0
+
+
+@pytest.mark.parametrize("two_pass", [False, True])
+def test_return_logprobs(model, two_pass):
+    fields = make_fields()
+    forest = dtree.Forest.from_sequences(SEQS, **fields)
+    rt = dtree.TreeRuntime(copy.deepcopy(model), group_tokens=5)
+    lp, ent = rt.logprobs_and_entropy(forest, temperature=0.7)
+    loss = (gspo(0.2, temperature=0.7, log_entropy=True) if two_pass
+            else ppo_clip(0.2, temperature=0.7, log_entropy=True))
+    out = rt.forward_backward(forest, loss, return_logprobs=True)
+    assert rt.forward_backward(forest, loss).logprobs is None  # only when asked
+    for s in range(len(SEQS)):
+        m = torch.tensor(fields["loss_mask"][s][1:]) != 0
+        want_lp, want_ent = lp[s], ent[s]
+        if not two_pass:  # one pass: the loss terms only; two passes: every prediction
+            want_lp, want_ent = torch.where(m, lp[s], 0.0), torch.where(m, ent[s], 0.0)
+        torch.testing.assert_close(out.logprobs[s], want_lp, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(out.entropy[s], want_ent, rtol=1e-5, atol=1e-6)
+    without = rt.forward_backward(forest, ppo_clip(0.2, temperature=0.7), return_logprobs=True)
+    assert without.entropy is None and len(without.logprobs) == len(SEQS)
+
+
+# ---------------------------------------------------------------------- runtime: two-pass path
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("group_tokens", BUDGETS)
+def test_gspo_two_pass_at_a_temperature(model, mode, group_tokens):
+    loss = gspo(0.2, epsilon_high=0.28, kl_coef=0.05, kl_bias_correction=True, temperature=0.7,
+                count_empty_sequences=True)
+    run_case(model, loss, "gspo", "grpo", rt_kw=dict(mode=mode, group_tokens=group_tokens),
+             temperature=0.7, eps_low=0.2, eps_high=0.28, beta=0.05, bias_correction=True)
+
+
+def test_gspo_two_pass_reports_its_metrics(model):
+    fields = make_fields()
+    forest = dtree.Forest.from_sequences(SEQS, **fields)
+    loss = gspo(0.02, kl_coef=0.1, count_empty_sequences=True, temperature=0.7, log_entropy=True)
+    out = dtree.TreeRuntime(copy.deepcopy(model)).forward_backward(forest, loss)
+    lps, ents = dtree.TreeRuntime(copy.deepcopy(model)).logprobs_and_entropy(forest, temperature=0.7)
+    want = loss.metric_values(lps, forest, entropy=ents)
+    assert set(want) == {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "ratio/mean", "kl",
+                         "entropy"}
+    for name, value in want.items():
+        assert out.metrics[name] == pytest.approx(value, rel=1e-5, abs=1e-7), name
+    with torch.no_grad():
+        t = batch_tensors(model, SEQS, reference_fields(fields), temperature=0.7)
+    assert want["entropy"] == pytest.approx(float((t["entropy"] * t["mask"]).sum() / t["mask"].sum()), rel=1e-5)
+    with pytest.raises(ValueError, match="entropy"):
+        loss(lps, forest, temperature=0.7)  # the loss reads the entropy: the caller must pass it
+
+
+def test_two_pass_normalization_is_honoured_or_refused(model):
+    fields = make_fields()
+    forest = dtree.Forest.from_sequences(SEQS, **fields)
+    norm = Normalization(50.0, 10.0, 12.0)
+    loss = gspo(0.2, count_empty_sequences=True)
+    a_model, b_model = copy.deepcopy(model), copy.deepcopy(model)
+    a = dtree.TreeRuntime(a_model).forward_backward(forest, loss, normalization=norm)
+    b = dtree.TreeRuntime(b_model).forward_backward(forest, loss.with_normalization(norm))
+    assert a.loss == b.loss
+    assert max(grad_errors(a_model, b_model).values()) == 0.0
+    assert a.loss != pytest.approx(dtree.TreeRuntime(copy.deepcopy(model)).forward_backward(forest, loss).loss)
+    m = copy.deepcopy(model)
+    rt = dtree.TreeRuntime(m)
+    with pytest.raises(ValueError, match="pass one of them"):
+        rt.forward_backward(forest, loss.with_normalization(Normalization(1.0, 1.0, 1.0)), normalization=norm)
+    with pytest.raises(ValueError, match="plain two-pass callable"):
+        rt.forward_backward(forest, lambda lps, f: sum(lp.sum() for lp in lps), normalization=norm)
+    with pytest.raises(ValueError, match="ref_logprobs"):  # fields checked before any compute
+        rt.forward_backward(dtree.Forest.from_sequences(SEQS, advantages=ADVANTAGES, old_logprobs=fields["old_logprobs"]),
+                            gspo(kl_coef=0.1))
+    assert all(p.grad is None for p in m.parameters())
+
+
+def test_backward_from_logprob_grads_at_a_temperature(model):
+    """The second pass alone, seeded with d loss / d logp at T, equals HF per path."""
+    from rl_reference import path_logprobs_entropy
+
+    g = torch.Generator().manual_seed(5)
+    seeds = [torch.randn(len(s) - 1, generator=g) for s in SEQS]
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    forest = dtree.Forest.from_sequences(SEQS)
+    dtree.TreeRuntime(tree_model, group_tokens=5).backward_from_logprob_grads(forest, seeds, temperature=0.6)
+    sum((path_logprobs_entropy(ref_model, seq, 0.6)[0] * w).sum() for seq, w in zip(SEQS, seeds)).backward()
+    errs = grad_errors(tree_model, ref_model)
+    assert max(errs.values()) < FP32_TOL, errs

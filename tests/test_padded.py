@@ -44,7 +44,7 @@ def test_fields_align_with_input_ids_and_scalars_broadcast():
         cols = torch.nonzero(MASK[r]).flatten()
         assert forest.field("old_logprobs", r).tolist() == values[r, cols].tolist()
         assert forest.field("advantages", r).tolist() == [r + 1.0] * len(cols)
-    back = to_padded([torch.as_tensor(forest.field("old_logprobs", r)) for r in range(4)], MASK)
+    back = to_padded([torch.tensor(forest.field("old_logprobs", r)) for r in range(4)], MASK)
     torch.testing.assert_close(back, torch.where(MASK, values, torch.zeros(())).to(back.dtype))
 
 
@@ -88,7 +88,7 @@ def test_prompt_completion_layout_and_its_inverse():
     assert forest.field("advantages", 1).tolist() == [-1.0] * 4  # ... and the row's number for scalars
     assert dtree.losses.local_normalization(forest).num_sequences == 4
     # inverse: token-aligned [len] and prediction-aligned [len-1] values give the same [B, R]
-    token_aligned = [torch.as_tensor(forest.field("old_logprobs", r)) for r in range(4)]
+    token_aligned = [torch.tensor(forest.field("old_logprobs", r)) for r in range(4)]
     want = torch.where(completion_mask.bool(), old, torch.zeros(()))
     back = to_padded_completion(token_aligned, completion_mask)
     assert back.dtype == torch.float64  # the values' dtype

@@ -38,7 +38,7 @@ def assert_exact(out, ref_loss, errs, tol=FP32_TOL):
     assert abs(out.loss - ref_loss) <= tol * max(1.0, abs(ref_loss)), (out.loss, ref_loss)
 
 
-# --- DESIGN.md section 1 edge cases, each on its own and all together
+# --- docs/design.md section 1 edge cases, each on its own and all together
 EDGE_CASES = {
     "duplicates": [[5, 6, 7, 8], [5, 6, 7, 8], [5, 6, 7, 8]],
     "prefix_of_another": [[5, 6, 7], [5, 6, 7, 8, 9, 10], [5, 6]],
@@ -116,7 +116,10 @@ def test_random_forests_sweep(batch, data):
 def test_logprobs_match_reference():
     model = make_model("qwen3")
     seqs = [s for case in EDGE_CASES.values() for s in case]
-    got, ent = dtree.TreeRuntime(model, chunk_size=3, group_tokens=7).logprobs(dtree.Forest.from_sequences(seqs), with_entropy=True)
+    rt, forest = dtree.TreeRuntime(model, chunk_size=3, group_tokens=7), dtree.Forest.from_sequences(seqs)
+    got, ent = rt.logprobs_and_entropy(forest)
+    for a, b in zip(got + ent, rt.logprobs(forest) + rt.entropy(forest)):  # the one-output calls agree
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
     with torch.no_grad():
         for s, lp, e in zip(seqs, got, ent):
             want = path_logprobs(model, s)

@@ -32,3 +32,55 @@ def test_triton_runtime_matches_per_path_reference(mode, group_tokens):
     errs = grad_errors(tree_model, ref_model)
     assert max(errs.values()) < 1e-4, errs  # fp32 kernels (no tf32), different summation order
     assert abs(out.loss - ref_loss) < 1e-4 * abs(ref_loss)
+
+
+@pytest.mark.parametrize("checkpoint_layers", [False, True])
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+def test_checkpoint_layers_on_cuda_match_per_path(mode, checkpoint_layers):
+    """fp32 (no tf32) on the fused Triton attention: dtree's layer checkpointing re-runs
+    every layer in backward, re-pushing and seeding its K/V."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    model = make_model("qwen2", tied=True).cuda()
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    rt = dtree.TreeRuntime(tree_model, mode=mode, attention="triton", chunk_size=5, group_tokens=16,
+                           checkpoint_layers=checkpoint_layers)
+    out = rt.forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll("sum"))
+    assert out.metrics["memory_plan"]["checkpoint_layers"] is checkpoint_layers
+    ref_loss, _ = linearized_step(ref_model, seqs, None, "nll", "sum")
+    errs = grad_errors(tree_model, ref_model)
+    assert max(errs.values()) < 1e-4, errs
+    assert abs(out.loss - ref_loss) < 1e-4 * abs(ref_loss)
+
+
+@pytest.mark.parametrize("memory", ["auto", "low"])
+def test_bf16_runtime_with_the_fused_head_by_the_flash_rule(memory, monkeypatch):
+    """bf16 on CUDA: the LM head runs the fused Triton op (counted) and, with
+    ``memory="low"``, every layer is checkpointed. Every gradient's error against the
+    float32 model per path is at most 3x (the loss's 2x) that of the bf16 model per
+    path, plus a floor."""
+    from dtree.ops import logprobs_triton as lt
+
+    calls = []
+    original = lt.token_logprobs_triton
+    monkeypatch.setattr(lt, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.manual_seed(0)
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    seqs += [torch.randint(0, 97, (300,)).tolist()]
+    seqs += [seqs[-1][:150] + torch.randint(0, 97, (90,)).tolist()]
+    base = make_model("qwen2", tied=True).cuda()
+    exact, bf16_ref = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    exact_loss, _ = linearized_step(exact, seqs)
+    bf16_loss, _ = linearized_step(bf16_ref, seqs)
+    rt = dtree.TreeRuntime(model, chunk_size=64, memory=memory)
+    out = rt.forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll())
+    assert calls, "the fused LM-head op did not run"
+    assert out.metrics["memory_plan"]["checkpoint_layers"] is (memory == "low")
+    assert abs(out.loss - exact_loss) <= 2 * abs(bf16_loss - exact_loss) + 1e-3 * max(1.0, abs(exact_loss))
+    for (name, p), (_, e), (_, b) in zip(model.named_parameters(), exact.named_parameters(), bf16_ref.named_parameters()):
+        err = (p.grad.float() - e.grad).abs().max().item()
+        base_err = (b.grad.float() - e.grad).abs().max().item()
+        assert err <= 3 * base_err + 1e-3 * max(1e-3, e.grad.abs().max().item()), (
+            f"{memory} {name}: dtree {err:.3e}, bf16 per path {base_err:.3e}"
+        )

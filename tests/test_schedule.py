@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from strategies import sequence_batches
 
 from dtree import Forest
-from dtree.schedule import BACKWARD, FORWARD, build_schedule
+from dtree.schedule import BACKWARD, FORWARD, all_predictions, build_schedule, prediction_lin, select_loss_terms
 
 
 @given(sequence_batches(max_sequences=8, max_len=16, alphabet=4), st.sampled_from([1, 2, 5, 100]), st.sampled_from([0, 3, 8, 1000]))
@@ -41,10 +41,10 @@ def test_schedule_invariants(seqs, chunk, budget):
             for i, seg_ranges in enumerate(g.seg_prefix_ranges):
                 first = s.row_unique[r0 + g.seg_q_offsets[i]]
                 anc = []
-                y = f.pred_row[first]
+                y = f.predecessor[first]
                 while y >= 0:
                     anc.append(y)
-                    y = f.pred_row[y]
+                    y = f.predecessor[y]
                 want = slot_of[np.array(anc[::-1], dtype=np.int64)].tolist()
                 got = [x for lo, hi in seg_ranges for x in range(lo, hi)]
                 assert got == want
@@ -52,14 +52,15 @@ def test_schedule_invariants(seqs, chunk, budget):
             assert kind == BACKWARD and open_groups.pop() == gid
     assert not open_groups and len(seen) == s.num_groups
     # predictions: each predicted unique token once, from its predecessor's row
-    assert sorted(s.pred_unique.tolist()) == np.flatnonzero(f.pred_row >= 0).tolist()
+    t = s.terms
+    assert sorted(t.pred_unique.tolist()) == np.flatnonzero(f.predecessor >= 0).tolist()
     for gid in range(s.num_groups):
-        p0, p1 = s.pred_offsets[gid], s.pred_offsets[gid + 1]
+        p0, p1 = t.pred_offsets[gid], t.pred_offsets[gid + 1]
         r0 = s.row_offsets[gid]
-        assert np.array_equal(s.row_unique[r0 + s.pred_row[p0:p1]], f.pred_row[s.pred_unique[p0:p1]])
-        e0, e1 = s.loss_offsets[gid], s.loss_offsets[gid + 1]
-        assert np.array_equal(s.pred_unique[p0 + s.loss_pred[e0:e1]], f.lin_unique[s.loss_lin[e0:e1]])
-    assert s.loss_offsets[-1] == f.num_linearized_tokens - f.num_sequences
+        assert np.array_equal(s.row_unique[r0 + t.pred_hidden_row[p0:p1]], f.predecessor[t.pred_unique[p0:p1]])
+        e0, e1 = t.loss_offsets[gid], t.loss_offsets[gid + 1]
+        assert np.array_equal(t.pred_unique[p0 + t.loss_pred[e0:e1]], f.lin_unique[t.loss_lin[e0:e1]])
+    assert t.loss_offsets[-1] == f.num_linearized_tokens - f.num_sequences
 
 
 def test_dfs_stack_is_the_longest_path():
@@ -81,3 +82,53 @@ def test_siblings_and_trees_share_calls():
     s = build_schedule(f, chunk_size=64, group_tokens=33)
     assert [(g.num_segments, g.num_tokens) for g in s.groups] == [(1, 3), (5, 14), (8, 32)]
     assert [g.parent for g in s.groups] == [-1, -1, 0]
+
+
+def check_terms(f: Forest, s, t, kept_lin: np.ndarray) -> None:
+    """``t`` holds exactly the terms ``kept_lin``, each reading its unique token's
+    prediction from the predecessor's row, and only the predictions they read."""
+    assert sorted(t.loss_lin.tolist()) == sorted(kept_lin.tolist())
+    read = set()
+    for gid in range(s.num_groups):
+        p0, p1 = t.pred_offsets[gid], t.pred_offsets[gid + 1]
+        e0, e1 = t.loss_offsets[gid], t.loss_offsets[gid + 1]
+        assert np.all((t.loss_pred[e0:e1] >= 0) & (t.loss_pred[e0:e1] < p1 - p0))
+        assert np.array_equal(t.pred_unique[p0 + t.loss_pred[e0:e1]], f.lin_unique[t.loss_lin[e0:e1]])
+        r0 = s.row_offsets[gid]
+        assert np.array_equal(s.row_unique[r0 + t.pred_hidden_row[p0:p1]], f.predecessor[t.pred_unique[p0:p1]])
+        read.update((p0 + t.loss_pred[e0:e1]).tolist())
+    assert read == set(range(len(t.pred_unique)))  # no prediction that no term reads
+
+
+@given(
+    sequence_batches(max_sequences=8, max_len=12, alphabet=3),
+    st.sampled_from([1, 3, 100]),
+    st.sampled_from([0, 4, 1000]),
+    st.integers(0, 2**32 - 1),
+)
+def test_loss_term_selection(seqs, chunk, budget, seed):
+    f = Forest.from_sequences(seqs)
+    s = build_schedule(f, chunk_size=chunk, group_tokens=budget)
+    lin = prediction_lin(f)
+    want = [i for k in range(f.num_sequences) for i in range(f.seq_offsets[k] + 1, f.seq_offsets[k + 1])]
+    assert lin.tolist() == want
+    check_terms(f, s, s.terms, lin)
+    weights = np.random.default_rng(seed).choice([0.0, 0.0, 0.5, -1.0], size=f.num_linearized_tokens)
+    weights[f.seq_offsets[:-1]] = 0.0  # as TokenLoss.weights: a sequence's first token has no term
+    chosen = select_loss_terms(s, weights)
+    check_terms(f, s, chosen, np.flatnonzero(weights != 0))
+    everything = all_predictions(s)
+    assert everything.loss_lin.size == 0 and not np.any(everything.loss_offsets)
+    assert np.array_equal(everything.pred_unique, s.terms.pred_unique)
+    assert np.array_equal(everything.pred_hidden_row, s.terms.pred_hidden_row)
+    assert np.array_equal(everything.pred_offsets, s.terms.pred_offsets)
+
+
+def test_masked_tokens_never_reach_the_head():
+    f = Forest.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5], [1, 2, 6]])
+    s = build_schedule(f, chunk_size=8, group_tokens=0)
+    weights = np.zeros(f.num_linearized_tokens)
+    weights[[3, 7]] = 1.0  # the answers 4 and 5 of the first two sequences, predicted from token 3
+    t = select_loss_terms(s, weights)
+    assert sorted(f.tokens[t.pred_unique].tolist()) == [4, 5]
+    assert t.loss_lin.tolist() == [3, 7]

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dtree.kv_stack import KVStack
-from dtree.ops.stack_attention import SegmentLayout, stack_attention
+from dtree.ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
 from dtree.ops.stack_attention_naive import stack_attention_naive
 
 
@@ -128,7 +128,10 @@ def check_against_naive(
     if q_view:
         q_in = q.detach().transpose(0, 1).contiguous().transpose(0, 1).requires_grad_()
     scale = dk**-0.5
-    out = attn(q_in, k, v, stack, 0, layout, scale, **opts)
+    k_in, v_in = k, v
+    if layout.call_slots is not None:  # in-call ancestors' gradients come back through the stack, as in the runtime
+        k_in, v_in = seed_from_stack(k, v, stack, 0, *layout.call_slots)
+    out = attn(q_in, k_in, v_in, stack, 0, layout, scale, **opts)
     assert out.shape == (t, hq, dv) and out.dtype == dtype
     go = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     leaves = [q_in, k, v] + ([opts["sinks"]] if "sinks" in opts else [])
@@ -198,7 +201,7 @@ def test_value_heads_narrower_than_keys(name, option):
 @pytest.mark.parametrize("name", ["reference", "sdpa"])
 def test_in_call_ancestors(name, option):
     """Nested segments of one call read each other through the stack; their gradients
-    come back into the call's own dk/dv (``_InCallGrad``)."""
+    come back into the call's own dk/dv through ``seed_from_stack``."""
     layout, t = nested_layout(19)
     opts = OPTIONS[option](torch.Generator().manual_seed(4), 6)
     check_against_naive(backend(name), layout, t, 19, 6, 3, 20, options=opts, seed=5)
@@ -290,3 +293,28 @@ def test_bad_shapes_raise_clear_errors():
         stack_attention(q[:2], k[:2], v[:2], stack, 0, layout, 1.0)
     with pytest.raises(ValueError, match="unknown attention backend"):
         stack_attention(q, k, v, stack, 0, layout, 1.0, "flash9")
+
+
+def test_seed_from_stack_adds_the_slots_once():
+    """The identity's backward adds the stack's float32 slots [lo, hi) of its layer to
+    the incoming dk/dv (one rounding to the K/V dtype), after every consumer; nothing
+    without grad."""
+    stack = KVStack(2, 12, 2, 4, dtype=torch.bfloat16, device="cpu")
+    stack.grad_k.normal_()
+    stack.grad_v.normal_()
+    k = torch.randn(5, 2, 4, dtype=torch.bfloat16, requires_grad=True)
+    v = torch.randn(5, 2, 4, dtype=torch.bfloat16, requires_grad=True)
+    ks, vs = seed_from_stack(k, v, stack, 1, 3, 8)
+    assert torch.equal(ks, k) and torch.equal(vs, v)
+    gk = torch.randn(5, 2, 4, dtype=torch.bfloat16)
+    ((ks * gk).sum() + (ks * 2).sum() + vs.sum()).backward()  # two consumers of ks
+    incoming = gk + 2  # autograd sums the consumers' gradients first, in bf16
+    want_k = (stack.grad_k[1, 3:8] + incoming.float()).to(torch.bfloat16)
+    assert torch.equal(k.grad, want_k)
+    assert torch.equal(v.grad, (stack.grad_v[1, 3:8] + 1).to(torch.bfloat16))
+    with torch.no_grad():
+        assert seed_from_stack(k, v, stack, 1, 3, 8)[0] is k
+    frozen = k.detach()
+    assert seed_from_stack(frozen, v.detach(), stack, 1, 3, 8)[0] is frozen
+    with pytest.raises(ValueError, match="rows for the 4 slots"):
+        seed_from_stack(k, v, stack, 1, 3, 7)

@@ -136,7 +136,8 @@ def _case_value_heads_narrower(option):
 
 
 def _case_in_call_ancestors(option):
-    """Nested segments of one call through the dispatcher (``_InCallGrad``)."""
+    """Nested segments of one call through the dispatcher (in-call gradients folded back
+    by ``seed_from_stack``)."""
     layout, t = nested_layout(19)
     opts = OPTIONS[option](torch.Generator().manual_seed(4), 6)
     attn = functools.partial(stack_attention, backend="triton")
@@ -498,25 +499,3 @@ def test_gpu_options_flash_rule(option, dtype, d, dv):
     cases = [*gpu_layouts(np.random.default_rng(d + hq)), ("chain", chain, t, 1024)]
     for name, layout, t, used in cases:
         check_flash_rule(name, sat.stack_attention_triton, layout, t, used, hq, hkv, d, dtype, dv=dv, options=opts)
-
-
-@pytest.mark.gpu
-def test_gpu_autotuned_first_call_adds_prefix_gradients_once(monkeypatch):
-    """With DTREE_TRITON_AUTOTUNE=1, the first call times every candidate (restoring the
-    stack gradients after each); its results equal a second, cached call's (own
-    results bitwise; the prefix gradients up to the order of the atomic adds)."""
-    from dtree.ops import stack_attention_triton as sat
-
-    monkeypatch.setattr(sat, "_AUTOTUNE", True)
-    monkeypatch.setattr(sat, "_TUNED", {
-        "fwd": sat._autotuned(sat._fwd_kernel, "fwd"),
-        "dq": sat._autotuned(sat._dq_kernel, "dq"),
-        "dkdv": sat._autotuned(sat._dkdv_kernel, "dkdv", restore_value=["GK", "GV"]),
-    })
-    grpo, t = layout_of([257, 311, 129, 400, 1, 263, 300, 77], [[(0, 613)]] * 8, 613)
-    attn = sat.stack_attention_triton
-    runs = [check_flash_rule("grpo", attn, grpo, t, 613, 8, 2, 128, torch.bfloat16) for _ in range(2)]
-    for first, second in zip(runs[0][:4], runs[1][:4]):
-        assert torch.equal(first, second)
-    for first, second in zip(runs[0][4:], runs[1][4:]):
-        torch.testing.assert_close(first, second, atol=1e-5, rtol=1e-5)

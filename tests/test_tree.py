@@ -17,14 +17,14 @@ def check_invariants(f: Forest, seqs):
         u = f.lin_unique[f.seq_offsets[s] : f.seq_offsets[s + 1]]
         assert f.tokens[u].tolist() == list(seq)
         assert f.positions[u].tolist() == list(range(len(seq)))
-        assert f.pred_row[u[0]] == -1 and np.array_equal(f.pred_row[u[1:]], u[:-1])
+        assert f.predecessor[u[0]] == -1 and np.array_equal(f.predecessor[u[1:]], u[:-1])
     # each unique token is one distinct prefix: the trie is maximal
     prefixes = set()
     for x in range(f.num_unique_tokens):
         path, y = [], x
         while y >= 0:
             path.append(int(f.tokens[y]))
-            y = f.pred_row[y]
+            y = f.predecessor[y]
         assert tuple(path) not in prefixes
         prefixes.add(tuple(path))
     assert f.num_unique_tokens == len({tuple(s[: t + 1]) for s in seqs for t in range(len(s))})
@@ -118,3 +118,48 @@ def test_flop_compression_ratio():
     # dense only: token ratio; attention only: sum of (p+1) ratio
     assert f.flop_compression_ratio(1.0, 0.0) == pytest.approx(8 / 5)
     assert f.flop_compression_ratio(0.0, 1.0) == pytest.approx((10 + 10) / (1 + 2 + 3 + 4 + 4))
+
+
+def test_forest_is_immutable():
+    import dataclasses
+    import pickle
+
+    f = Forest.from_sequences([[1, 2, 3], [1, 2, 4], [5, 6]], advantages=[1.0, -1.0, 0.5])
+    arrays = {k: v for k, v in vars(f).items() if isinstance(v, np.ndarray)}
+    assert len(arrays) == 14
+    for name, arr in arrays.items():
+        with pytest.raises(ValueError, match="read-only"):
+            arr[...] = 0
+    with pytest.raises(ValueError, match="read-only"):
+        f.fields["advantages"][0] = 2.0
+    with pytest.raises(TypeError):
+        f.fields["advantages"] = np.zeros(f.num_linearized_tokens)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.tokens = np.zeros(3)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        f.fields = {}
+    # new forests share the trie; the original keeps its fields
+    g = f.with_fields(loss_mask=[[0, 1, 1], [0, 1, 1], [0, 1]], advantages=None)
+    assert g.tokens is f.tokens and sorted(g.fields) == ["loss_mask"] and sorted(f.fields) == ["advantages"]
+    assert not g.fields["loss_mask"].flags.writeable
+    # pickling (e.g. to another worker) keeps the layout and the protection
+    h = pickle.loads(pickle.dumps(g))
+    check_invariants(h, [[1, 2, 3], [1, 2, 4], [5, 6]])
+    assert np.array_equal(h.fields["loss_mask"], g.fields["loss_mask"])
+    assert not h.tokens.flags.writeable and not h.fields["loss_mask"].flags.writeable
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        h.lin_unique = None
+
+
+def test_read_only_arrays_upload_as_copies():
+    """The runtime's host-to-device copy of a forest array neither warns nor aliases it."""
+    import warnings
+
+    from dtree.transfer import upload
+
+    f = Forest.from_sequences([[1, 2, 3], [1, 2, 4]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t = upload(f.tokens, "cpu")
+    t[0] = 99
+    assert f.tokens[0] == 1 and t.tolist() == [99, 2, 3, 4]

@@ -108,12 +108,13 @@ def compare(model, dtree_loss, metric_names=(), **trl_kw):
     assert errs[worst] < FP32_TOL, f"gradient of {worst} off by {errs[worst]:.2e}"
     assert out.loss == pytest.approx(float(trl_loss.detach()), rel=1e-5, abs=1e-7)
     if metric_names:
-        if isinstance(dtree_loss, dtree.losses.SequenceLoss):
-            ours = dtree_loss.metric_values(dtree.TreeRuntime(copy.deepcopy(model)).logprobs(forest), forest)
-        else:
-            ours = LinearizedTrainer(copy.deepcopy(model)).forward_backward(forest, dtree_loss).metrics
-        for name in metric_names:
-            assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-7), name
+        # the runtime reports them (both paths), and so does the linearized baseline (one pass)
+        reports = [out.metrics]
+        if not isinstance(dtree_loss, dtree.losses.SequenceLoss):
+            reports.append(LinearizedTrainer(copy.deepcopy(model)).forward_backward(forest, dtree_loss).metrics)
+        for ours in reports:
+            for name in metric_names:
+                assert ours[name] == pytest.approx(trl_metrics[name], rel=1e-5, abs=1e-7), name
     return trl_metrics
 
 
@@ -124,8 +125,8 @@ CLIP_METRICS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/regio
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_token_level_loss_types(model, loss_type, beta):
     agg = aggregation(loss_type, max_completion_length=MAX_COMPLETION if loss_type == "dr_grpo" else None)
-    loss = ppo_clip(0.2, epsilon_high=0.28, kl_coef=beta, kl_bias_correction=True, **agg)
-    names = CLIP_METRICS + (("kl",) if beta else ())
+    loss = ppo_clip(0.2, epsilon_high=0.28, kl_coef=beta, kl_bias_correction=True, log_entropy=True, **agg)
+    names = CLIP_METRICS + ("entropy",) + (("kl",) if beta else ())
     got = compare(model, loss, names, loss_type=loss_type, beta=beta, epsilon_high=0.28)
     assert 0 < got["clip_ratio/region_mean"] < 1  # the batch exercises the clip
 
@@ -149,6 +150,6 @@ def test_sapo(model):
 @pytest.mark.parametrize("beta", [0.0, 0.04])
 def test_sequence_level_is_gspo(model, loss_type, beta):
     agg = aggregation(loss_type, max_completion_length=MAX_COMPLETION if loss_type == "dr_grpo" else None)
-    loss = gspo(0.2, epsilon_high=0.28, kl_coef=beta, kl_bias_correction=True, **agg)
-    names = CLIP_METRICS + (("kl",) if beta else ())
+    loss = gspo(0.2, epsilon_high=0.28, kl_coef=beta, kl_bias_correction=True, log_entropy=True, **agg)
+    names = CLIP_METRICS + ("entropy",) + (("kl",) if beta else ())
     compare(model, loss, names, loss_type=loss_type, beta=beta, epsilon_high=0.28, level="sequence")

@@ -168,3 +168,33 @@ def test_gpu_stack_backend_flash_rule():
 
     _flash_rule(grads(vf.stack_attention_flash_attn, torch.bfloat16), grads(stack_attention_reference, torch.float32),
                 grads(same_precision, torch.bfloat16), ["out", "dq", "dk", "dv", "stack dk", "stack dv"])
+
+
+def test_linearized_baseline_picks_flash_attn_when_installed(monkeypatch):
+    """``attention="auto"`` takes flash-attn's varlen kernel where it runs (decided by
+    :func:`flash_attn_available`), and the dispatcher routes ``"flash-attn"`` to it; here
+    a stand-in with its contract (the reference math) plays the kernel on the CPU."""
+    from hf_models import make_model
+
+    import dtree
+    from dtree.baselines import LinearizedTrainer
+    from dtree.baselines import linearized as lin
+    from dtree.ops.varlen_attention import varlen_attention
+
+    calls = []
+
+    def stand_in(q, k, v, layout, scale):
+        calls.append(layout.num_tokens)
+        return varlen_attention_reference(q, k, v, layout, scale)
+
+    monkeypatch.setattr(vf, "varlen_attention_flash_attn", stand_in)
+    monkeypatch.setattr(lin, "flash_attn_available", lambda device, dtype, head_dim: True)
+    layout = VarlenLayout([0, 4, 9])
+    q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
+    torch.testing.assert_close(varlen_attention(q, k, v, layout, 0.3, "flash-attn"),
+                               varlen_attention_reference(q, k, v, layout, 0.3))
+    model = make_model("llama")
+    trainer = LinearizedTrainer(model)
+    assert trainer.attention == "flash-attn"
+    out = trainer.forward_backward(dtree.Forest.from_sequences([[1, 2, 3], [1, 2, 4, 5]]), dtree.losses.nll())
+    assert out.metrics["attention"] == "flash-attn" and calls

@@ -1,4 +1,4 @@
-"""The baselines dtree is measured against (DESIGN.md section 3), with dtree's interface.
+"""The baselines dtree is measured against (docs/design.md section 8), with dtree's interface.
 
 - ``linearized`` (:class:`LinearizedTrainer`): every sequence on its own, packed varlen,
   as verl/OpenRLHF/TRL train today.

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from ..models import AttendFn
-from ..ops.varlen_attention import BACKENDS, VarlenLayout, flash_available, varlen_attention
+from ..ops.varlen_attention import BACKENDS, VarlenLayout, flash_attn_available, flash_available, varlen_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
@@ -30,14 +30,16 @@ class LinearizedTrainer(MicroBatchTrainer):
     Args:
         model: a transformers causal LM or a :class:`dtree.models.TreeModule`.
         max_tokens_per_batch: token budget of one micro-batch (one model call).
-        attention: ``"auto"`` (``flash`` on CUDA when it runs for this model's dtype and
-            head shapes, else ``sdpa``), ``"flash"``, ``"sdpa"`` or ``"reference"``
-            (see :mod:`dtree.ops.varlen_attention`).
+        attention: ``"auto"`` (on CUDA in 16 bits: ``flash-attn``, the flash-attn
+            package's ``flash_attn_varlen_func`` as verl and OpenRLHF run it, when it is
+            installed; else ``flash``, torch's ``varlen_attn``, when it runs for this
+            model's head shapes; else ``sdpa``), ``"flash-attn"``, ``"flash"``,
+            ``"sdpa"`` or ``"reference"`` (see :mod:`dtree.ops.varlen_attention`).
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); the same
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
         checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
-            see :mod:`dtree.baselines.checkpointing`): activation memory falls to one
+            see :mod:`dtree.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
     """
@@ -61,9 +63,16 @@ class LinearizedTrainer(MicroBatchTrainer):
         spec = self.spec
         shapes = (self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
         if attention == "auto":
+            if flash_attn_available(self.device, self.dtype, spec.head_dim):
+                return "flash-attn"
             return "flash" if flash_available(*shapes) else "sdpa"
         if attention not in BACKENDS:
             raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
+        if attention == "flash-attn" and not flash_attn_available(self.device, self.dtype, spec.head_dim):
+            raise ValueError(
+                f"attention='flash-attn' needs the flash-attn package (pip install flash-attn) and a CUDA model in "
+                f"float16/bfloat16; this one is {self.dtype} on {self.device}. Use attention='auto' or 'sdpa'"
+            )
         if attention == "flash" and not flash_available(*shapes):
             raise ValueError(
                 f"attention='flash' needs torch.nn.attention.varlen.varlen_attn (torch >= 2.10) on a CUDA GPU it "

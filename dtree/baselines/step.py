@@ -7,8 +7,8 @@ the same for both::
     loss.check_fields(forest); w = loss.weights(forest, normalization)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)              [T, H]
-        logp   = token_logprobs(hidden[pred_rows], head, labels)[0]             [P]
-        (loss.per_token(logp[term_pred], fields) * w).sum().backward()
+        logp, H = token_logprobs(hidden[pred_rows], head, labels, temperature=T)  [P]
+        (loss.per_token(logp[term_pred], fields (+ entropy H)) * w).sum().backward()
         loss.metrics(logp[term_pred], fields), summed with the terms' loss mask
     one device sync for the loss value; if it is not finite, param.grad is restored
     and a ValueError names the first bad (sequence, position); the loss's metrics
@@ -18,7 +18,7 @@ Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
 
 With ``checkpoint=True`` the model call runs under
-:func:`dtree.baselines.checkpointing.checkpointed_layers` (each decoder layer keeps only
+:func:`dtree.checkpointing.checkpointed_layers` (each decoder layer keeps only
 its input and is recomputed in backward), as mask-based trainers run in practice.
 
 The LM head goes through the same chunked :func:`dtree.ops.logprobs.token_logprobs` as
@@ -45,7 +45,7 @@ from ..ops.logprobs import as_output_head, compute_dtype
 from ..runtime import StepOutput
 from ..transfer import upload
 from ..tree import Forest
-from .checkpointing import checkpointed_layers, decoder_layers
+from ..checkpointing import checkpointed_layers, decoder_layers
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 
@@ -195,7 +195,7 @@ class MicroBatchTrainer:
             raise TypeError(f"the baselines take a dtree.losses.TokenLoss, got {type(loss).__name__}")
         t0 = time.perf_counter()
         self._check_forest(forest)
-        loss.check_fields(forest)
+        loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
         weights = loss.weights(forest, normalization)
         batches = self.plan(forest)
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
@@ -261,14 +261,18 @@ class MicroBatchTrainer:
         per_token = loss.recording(recorded)
         uploaded = self._upload(calls, forest, weights, loss.metric_mask(forest), loss.required_fields)
         e0 = 0
+        # the model's attention stays the adapter's through backward: HF gradient
+        # checkpointing re-runs layers there
+        scope = getattr(self.model, "dtree_scope", None)
         for call, dev in zip(calls, uploaded):
-            with torch.enable_grad():
+            with torch.enable_grad(), scope() if scope is not None else contextlib.nullcontext():
                 attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
                 terms = weighted_terms(
                     per_token, hidden, dev["pred_rows"], dev["labels"], dev["term_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,
+                    temperature=loss.temperature, with_entropy=loss.needs_entropy,
                 )
                 call_loss = terms.sum()
                 call_loss.backward()

@@ -10,7 +10,7 @@ backward per micro-batch. Each unique token is computed once, but activation mem
 grows with the row, and the mask costs build time and sparsity overhead.
 
 Loss terms: a linearized prediction ``s[t]`` reads the log-prob of its unique token,
-predicted by the row of that token's predecessor (``Forest.pred_row``); terms that share
+predicted by the row of that token's predecessor (``Forest.predecessor``); terms that share
 a unique token share one LM-head row, as in :class:`dtree.TreeRuntime`.
 
 Micro-batches (``max_tokens_per_batch``): whole trees are packed side by side into rows
@@ -105,7 +105,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
         checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
-            see :mod:`dtree.baselines.checkpointing`): activation memory falls to one
+            see :mod:`dtree.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
     """
@@ -166,7 +166,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
                 lin = _ranges(forest.seq_offsets[unit.sequences] + 1, forest.seq_offsets[unit.sequences + 1])
                 u = forest.lin_unique[lin]
                 term_lin.append(lin)
-                term_row.append(offset + np.searchsorted(sel, forest.pred_row[u]))
+                term_row.append(offset + np.searchsorted(sel, forest.predecessor[u]))
                 term_target.append(offset + np.searchsorted(sel, u))
                 rows.append(sel)
                 offset += len(sel)

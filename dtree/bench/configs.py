@@ -3,12 +3,13 @@
 Grammar (``dtree bench --configs``)::
 
     CONFIGS := ITEM[,ITEM...]          ITEM := PRESET | METHOD[:PART[+PART...]]
-    PART    := whole | splitN | ckpt | plain | default | recompute | KEY=VALUE
+    PART    := whole | splitN | ckpt | plain | default | recompute | low | KEY=VALUE
 
 ``splitN`` takes ``k`` for 1024 (``split16k`` = ``max_tokens_per_batch=16384``);
 ``whole`` is ``max_tokens_per_batch=None`` (tree-mask: the whole forest in one row);
 ``ckpt`` is ``checkpoint=True`` (the baselines' own per-layer checkpointing);
-``plain`` and ``default`` add nothing; ``recompute`` is dtree's ``mode=recompute``.
+``plain`` and ``default`` add nothing; ``recompute`` is dtree's ``mode=recompute``;
+``low`` is dtree's ``memory="low"`` (layer checkpointing, 8k calls, 1k-row LM-head chunks).
 ``KEY=VALUE`` is any constructor option of the method (``dtree:group_tokens=4096``).
 
 A bare ``METHOD`` runs with :data:`METHOD_DEFAULTS`. Presets (:data:`PRESETS`) expand to
@@ -38,11 +39,12 @@ __all__ = [
 METHOD_DEFAULTS: dict[str, dict[str, Any]] = {"tree-mask": {"max_tokens_per_batch": 32768}}
 
 PRESETS: dict[str, tuple[str, ...]] = {
-    # dtree's default against the strongest form of each baseline (issue 11): tree-mask
-    # whole and checkpointed (as AReaL runs it), split into 16k micro-batches, both;
-    # linearized with and without checkpointing
+    # dtree's default and its low-memory setting against the strongest form of each
+    # baseline (issue 11): tree-mask whole and checkpointed (as AReaL runs it), split into
+    # 16k micro-batches, both; linearized with and without checkpointing
     "gpu": (
         "dtree",
+        "dtree:low",
         "tree-mask:whole+ckpt",
         "tree-mask:split16k",
         "tree-mask:split16k+ckpt",
@@ -51,8 +53,14 @@ PRESETS: dict[str, tuple[str, ...]] = {
     ),
     # one configuration per method, each at its defaults
     "basic": ("dtree", "linearized", "tree-mask"),
-    # dtree's own knobs
-    "dtree-modes": ("dtree", "dtree:recompute", "dtree:recompute+group_tokens=4096"),
+    # dtree's own knobs: the memory policy's default against its alternatives
+    "dtree-modes": (
+        "dtree",
+        "dtree:low",
+        "dtree:checkpoint_layers=false+group_tokens=16384",
+        "dtree:checkpoint_layers=true+group_tokens=32768",
+        "dtree:recompute",
+    ),
 }
 
 _METHODS = ("dtree", "linearized", "tree-mask")
@@ -122,12 +130,16 @@ def _part(method: str, part: str) -> dict[str, Any]:
         if baseline:
             raise ValueError(f"'recompute' is a dtree mode; the baselines' counterpart is 'ckpt' ({method})")
         return {"mode": "recompute"}
+    if part == "low":
+        if baseline:
+            raise ValueError(f"'low' is dtree's low-memory setting (memory='low'); the baselines' counterpart is 'ckpt' ({method})")
+        return {"memory": "low"}
     if "=" in part:
         key, value = part.split("=", 1)
         return {key.strip(): parse_value(value.strip())}
     raise ValueError(
         f"unknown configuration part {part!r} of {method}: use whole, splitN (e.g. split16k), ckpt, plain, "
-        "default, recompute or KEY=VALUE"
+        "default, recompute, low or KEY=VALUE"
     )
 
 

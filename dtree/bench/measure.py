@@ -37,6 +37,7 @@ __all__ = [
     "free_memory",
     "steady_ratio",
     "is_out_of_memory",
+    "use_expandable_segments",
 ]
 
 # Dense bf16/fp16 tensor-core peaks (vendor datasheets, TFLOP/s); MFU uses these.
@@ -72,6 +73,23 @@ def limit_memory(device: torch.device, gib: float) -> None:
     if gib * 2**30 > total:
         raise ValueError(f"memory limit {gib} GiB exceeds the device's {total / 2**30:.1f} GiB")
     torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total, device)
+
+
+def use_expandable_segments() -> str:
+    """Run this process's CUDA caching allocator with ``expandable_segments:True`` (less
+    fragmentation: 10.7 GiB of 45.5 reserved were unused at a recompute step's peak on an
+    H100 without it). Read when CUDA initializes, so set in the environment before that;
+    after, through the allocator's runtime setting (new segments expand). Returns the
+    setting in effect, for the report. Applies to every configuration of the run alike."""
+    import os
+
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+    if "expandable_segments" not in conf:
+        conf = ",".join(filter(None, [conf, "expandable_segments:True"]))
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        if torch.cuda.is_initialized():
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    return conf
 
 
 def peak_tflops(device: torch.device, dtype: torch.dtype) -> float | None:

@@ -90,6 +90,7 @@ def finish_report(report: dict) -> None:
                 "best_config": r["config"],
                 "step_time_s": r["step_time_s"],
                 "peak_mem_gib": r.get("peak_mem_gib"),
+                "peak_reserved_gib": r.get("peak_reserved_gib"),
                 "dtree": reference["config"],
                 "dtree_speedup": _speedup(report, r, reference),
                 "dtree_memory_ratio": (reference["peak_mem_gib"] / r["peak_mem_gib"])
@@ -135,7 +136,8 @@ SAME_FOREST_COLUMNS = [
     ("tokens/s", "tokens_per_s", ",.0f"),
     ("eff. tokens/s", "effective_tokens_per_s", ",.0f"),
     ("MFU", "mfu", ".1%"),
-    ("peak mem (GiB)", "peak_mem_gib", ".2f"),
+    ("peak alloc (GiB)", "peak_mem_gib", ".2f"),
+    ("peak reserved (GiB)", "peak_reserved_gib", ".2f"),
     ("loss", "loss", ".6g"),
     ("speedup", "speedup_vs_linearized", ".2f"),
     ("ideal", "ideal_speedup", ".2f"),
@@ -149,7 +151,8 @@ FRESH_COLUMNS = [
     ("second (s)", "second_step_s", ".3f"),
     ("steady mean (s)", "step_time_s", ".3f"),
     ("slowest steady (s)", "steady_max_s", ".3f"),
-    ("peak mem (GiB)", "peak_mem_gib", ".2f"),
+    ("peak alloc (GiB)", "peak_mem_gib", ".2f"),
+    ("peak reserved (GiB)", "peak_reserved_gib", ".2f"),
     ("tokens/s", "tokens_per_s", ",.0f"),
     ("eff. tokens/s", "effective_tokens_per_s", ",.0f"),
     ("MFU", "mfu", ".1%"),
@@ -185,14 +188,15 @@ def format_table(report: dict, markdown: bool = False) -> str:
 def _best_table(report: dict) -> str:
     body = [
         [v["method"], f"`{v['best_config']}`", _fmt(v["step_time_s"], ".3f"), _fmt(v["peak_mem_gib"], ".2f"),
-         _fmt(v["dtree_speedup"], ".2f") + "x", _fmt(v["dtree_memory_ratio"], ".0%")]
+         _fmt(v.get("peak_reserved_gib"), ".2f"), _fmt(v["dtree_speedup"], ".2f") + "x",
+         _fmt(v["dtree_memory_ratio"], ".0%")]
         for v in report.get("vs_best", [])
     ]
     if not body:
         return ""
     ref = report["vs_best"][0]["dtree"]
-    header = ["method", "best configuration (fastest that fit)", "steady step (s)", "peak mem (GiB)",
-              f"`{ref}` speedup", f"`{ref}` memory"]
+    header = ["method", "best configuration (fastest that fit)", "steady step (s)", "peak alloc (GiB)",
+              "peak reserved (GiB)", f"`{ref}` speedup", f"`{ref}` memory (alloc)"]
     return _grid(header, body, markdown=True)
 
 
@@ -259,7 +263,11 @@ def _markdown(report: dict) -> str:
         f"head_dim {model['head_dim']}, vocab {model['vocab']}), {model['dtype']}, random weights",
         _workload_line(report),
         f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}"
+        + ("; Liger-Kernel fused norms/rotary/MLP activation (--fused), for every method" if report.get("fused_kernels")
+           else "")
         + (f"; {'; '.join(limits)}" if limits else ""),
+        f"- CUDA allocator: `PYTORCH_CUDA_ALLOC_CONF={report['allocator']}`, for every method"
+        if report.get("allocator") else "- CUDA allocator: default settings",
         f"- loss: {report['loss']}; step = forward + backward over the whole forest; {protocol}",
         "- configurations: " + "; ".join(f"`{c['label']}` = {c['method']} {c['options'] or '(defaults)'}"
                                          for c in report.get("configs", [])),
@@ -269,7 +277,8 @@ def _markdown(report: dict) -> str:
         "Speedup is over the best linearized configuration in the same run"
         + (" (over the steady steps both ran)" if fresh else "")
         + "; ideal = FLOP-weighted compression ratio; MFU counts the FLOPs of the unique tokens only; "
-        "peak memory is the most allocated in any step.",
+        "peak alloc is the most allocated in any step, peak reserved the most the caching allocator held "
+        "(allocated plus fragmentation).",
     ]
     best = _best_table(report)
     if best:
@@ -285,8 +294,6 @@ def _markdown(report: dict) -> str:
         extra = dict(r.get("metrics") or {})
         if r.get("allocator"):
             extra["allocator"] = r["allocator"]
-        if r.get("peak_reserved_gib") is not None:
-            extra["peak_reserved_gib"] = round(r["peak_reserved_gib"], 2)
         if extra:
             notes.append(f"- `{r['config']}` (last step): {json.dumps(extra, sort_keys=True)}")
     if notes:

@@ -27,6 +27,7 @@ from .measure import (
     measure_method,
     measure_steps,
     peak_tflops,
+    use_expandable_segments,
 )
 from .report import environment, finish_report, format_table, write_reports
 
@@ -63,6 +64,12 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model's decoder layers (applies to every method alike)")
+    p.add_argument("--fused", action="store_true",
+                   help="Liger-Kernel's fused norms, rotary and MLP activation in the model "
+                        "(dtree.models.fused.apply_fused_kernels, once, before any method: every method runs them)")
+    p.add_argument("--no-expandable-segments", action="store_true",
+                   help="keep the CUDA allocator's default segments (by default the bench process runs with "
+                        "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, for every method alike)")
     p.add_argument("--memory-limit-gib", type=float, default=None,
                    help="cap this process's GPU memory (e.g. 80 to emulate an 80 GB GPU on a larger one)")
     p.add_argument("--steps", type=int, default=None,
@@ -122,7 +129,7 @@ def _step_forests(args, spec, on_gpu: bool, steps: int) -> tuple[list[StepForest
     flops = (spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())
 
     def wrap(seed: int, forest) -> StepForest:
-        return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions)),
+        return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions.copy())),
                           forest.flop_compression_ratio(*flops))
 
     if args.data:
@@ -195,6 +202,9 @@ def run_bench(args: argparse.Namespace) -> int:
     if steps < 1 or args.repeats < 1 or args.warmup < 0:
         raise ValueError("--steps and --repeats must be >= 1, --warmup >= 0")
 
+    allocator = None
+    if on_gpu and not args.no_expandable_segments:
+        allocator = use_expandable_segments()
     if args.memory_limit_gib:
         limit_memory(device, args.memory_limit_gib)
     print(f"dtree bench: {model_name} ({dtype}) on {device_name(device)}; "
@@ -203,6 +213,12 @@ def run_bench(args: argparse.Namespace) -> int:
           + f"; configurations: {', '.join(c.label for c in configs)}", flush=True)
     model = build_model(model_name, dtype=dtype, device=device, seed=args.seed)
     spec = adapt(model).dtree_spec()
+    fused = None
+    if args.fused:
+        from ..models.fused import apply_fused_kernels
+
+        fused = apply_fused_kernels(model)
+        print(f"fused kernels (Liger): {fused}", flush=True)
     if args.compile:
         from ..models import compile_layers
 
@@ -227,6 +243,8 @@ def run_bench(args: argparse.Namespace) -> int:
         "repeats": args.repeats if same_forest else None,
         "loss": loss_desc,
         "compiled_layers": bool(args.compile),
+        "fused_kernels": bool(args.fused),
+        "allocator": allocator,
         "memory_limit_gib": args.memory_limit_gib,
         "time_budget_s": args.time_budget,
         "max_config_seconds": args.max_config_seconds,

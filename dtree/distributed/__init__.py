@@ -15,7 +15,7 @@ from .balance import karmarkar_karp, lpt
 from .cost_model import CostModel, FitReport
 from .features import FEATURES, CostFeatures, forest_features, sequence_features
 from .nnls import nnls
-from .partition import Partition, PartitionReport, partition, plan_partition
+from .partition import Partition, PartitionReport, plan_partition
 from .trainer import DistributedStepError, DistributedStepOutput, DistributedTreeTrainer, distributed_forward_backward
 
 __all__ = [
@@ -33,7 +33,6 @@ __all__ = [
     "karmarkar_karp",
     "lpt",
     "nnls",
-    "partition",
     "plan_partition",
     "sequence_features",
 ]

@@ -147,6 +147,7 @@ def calibrate(
     seed: int = 0,
     tiny: bool = False,
     log: Callable[[str], None] | None = print,
+    timer: Callable[[TreeRuntime, Forest, int, int], float] = time_step,
 ) -> tuple[CostModel, FitReport]:
     """Time ``model`` on forests of varied shapes, fit, print, and save the cost model.
 
@@ -163,6 +164,8 @@ def calibrate(
             CUDA, 512 on CPU).
         tiny: CPU-sized ``dtree.workloads`` shapes.
         log: printer for progress and the fit table (None: silent).
+        timer: ``timer(runtime, forest, repeats, warmup) -> seconds`` of one step;
+            :func:`time_step` (the median of timed ``forward_backward`` calls) by default.
 
     Returns:
         (fitted model, fit report).
@@ -177,7 +180,7 @@ def calibrate(
         raise ValueError("calibration needs at least 2 forests")
     rows, times = [], []
     for name, forest in forests:
-        seconds = time_step(rt, forest, repeats=repeats, warmup=warmup)
+        seconds = timer(rt, forest, repeats, warmup)
         rows.append(forest_features(forest))
         times.append(seconds)
         log(f"  {name:<16} {forest.num_nodes:>6} nodes {forest.num_unique_tokens:>8} tokens  {1e3 * seconds:9.2f} ms")

@@ -11,13 +11,12 @@ global counts (:class:`dtree.losses.Normalization`, summed over ranks), which
 
 **Trees are split at subtree boundaries when that shortens the step.** A piece of a
 tree is the subtrees below some node ``a`` plus the path from the root to ``a``; the
-path is recomputed on every rank that holds a piece below it. DESIGN.md section 4
-describes shipping the subtree with a context-only ancestor path whose loss weight
-is zero. Here no such path exists: the ancestor tokens are the first tokens of the
+path is recomputed on every rank that holds a piece below it. No context-only path
+with zeroed loss weights is needed: the ancestor tokens are the first tokens of the
 piece's own sequences, and their loss terms for *those* sequences belong to this
 rank (the same tokens' terms for other sequences are computed by the ranks owning
-those). The recomputed work is identical; no loss weight is ever zeroed, so the
-returned forests carry the user's fields untouched. Sequences that end inside a
+those; docs/design.md section 7). No loss weight is ever zeroed, so the returned
+forests carry the user's fields untouched. Sequences that end inside a
 split node ``a`` (a prefix of the others) join the first piece below ``a``, where
 they add no unique tokens.
 
@@ -57,7 +56,7 @@ from .balance import karmarkar_karp, lpt
 from .cost_model import CostModel
 from .features import CostFeatures, TreeIndex
 
-__all__ = ["partition", "plan_partition", "Partition", "PartitionReport", "Piece", "split_forest"]
+__all__ = ["plan_partition", "Partition", "PartitionReport", "Piece", "split_forest"]
 
 PARTITION_METHODS = ("auto", "lpt", "kk")
 _BALANCERS = {"lpt": lpt, "kk": karmarkar_karp}
@@ -379,18 +378,3 @@ def plan_partition(
         report.method = f"auto:{report.method}"
     return Partition(source=forest, sequence_ids=seq_ids, report=report)
 
-
-def partition(
-    forest: Forest,
-    world_size: int,
-    cost_model: CostModel | None = None,
-    *,
-    method: str = "auto",
-    split: bool = True,
-    split_threshold: float | None = None,
-) -> list[Forest | None]:
-    """One forest per rank (``None`` for a rank with no sequence); see :func:`plan_partition`
-    for the arguments and the report. Each rank needs only its own entry:
-    ``plan_partition(...).forest(rank)`` builds just that one."""
-    plan = plan_partition(forest, world_size, cost_model, method=method, split=split, split_threshold=split_threshold)
-    return plan.forests()

@@ -18,7 +18,7 @@ joins, and no rank applies a partial gradient.
 Exactness: :mod:`dtree.distributed.partition` gives every sequence to exactly one
 rank; with the global counts of step 1, every rank's loss terms carry the weights
 of the single-process loss, so the summed gradient (and the summed loss) equal the
-single-process ones up to floating-point rounding.
+single-process ones up to floating-point rounding (docs/design.md section 7).
 """
 
 from __future__ import annotations

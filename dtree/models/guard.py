@@ -13,7 +13,7 @@ layer, checks the K/V shapes, and :meth:`AttentionCalls.check_every_layer` raise
 The active call travels in a :class:`contextvars.ContextVar`, not in the model's
 keyword arguments: decoder layers that drop ``**kwargs`` (StableLM) would lose it.
 :func:`activate` sets it for the duration of one model call; ``contextvars.copy_context``
-carries it into a checkpointed layer's recompute (``dtree.baselines.checkpointing``).
+carries it into a checkpointed layer's recompute (``dtree.checkpointing``).
 """
 
 from __future__ import annotations

@@ -293,6 +293,12 @@ class HFTreeModel:
             for c, old in saved:
                 c._attn_implementation = old
 
+    def dtree_scope(self):
+        """Context for a whole training step: the model's attention is dtree's while it
+        lasts, so layers that HF gradient checkpointing re-runs inside backward (after
+        :meth:`dtree_hidden_states` returned) attend through the stack as well."""
+        return self._dtree_attention()
+
     def dtree_spec(self) -> ModelSpec:
         return self.spec
 
@@ -373,12 +379,6 @@ class HFTreeModel:
         for m in self.model.modules():
             if not m.training:
                 continue
-            if training and getattr(m, "gradient_checkpointing", False) is True:
-                raise ValueError(
-                    "HF gradient checkpointing is on: it re-runs attention inside backward, which breaks dtree's KV "
-                    "stack. Call model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer "
-                    "transformers) and use TreeRuntime(model, mode='recompute') for the same memory saving"
-                )
             p, where = getattr(m, "attention_dropout", 0.0), f"{type(m).__name__}.attention_dropout"
             adapted = families.attention_dropout(m)  # the probability dropout of an adapted family's attention
             if adapted is not None:

@@ -29,6 +29,11 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
         # optional: refuse a state the module cannot run in, before any compute
         def dtree_check(self, training: bool) -> None: ...
 
+        # optional: a context manager the runtime holds over a whole training step,
+        # backward included (the HF adapter keeps its attention switched to dtree's
+        # there, for layers that checkpointing re-runs in backward)
+        def dtree_scope(self): ...
+
 Called at every step, so the head may change after construction (adapters injected,
 dtype or device moves). Dropout in a custom module is replayed exactly like in a
 transformers model (see :mod:`dtree.rng`).

@@ -3,7 +3,8 @@
 - :mod:`dtree.ops.stack_attention`: attention of packed query segments over the KV stack
   (``reference``, ``sdpa``, and the fused ``triton`` backend), with softcapping, sinks,
   ALiBi and sliding windows; :mod:`dtree.ops.stack_attention_naive` is the dense
-  reference every backend is tested against.
+  reference every backend is tested against; :func:`seed_from_stack` folds the stack's
+  gradient slots of a call back into its own K/V gradients.
 - :mod:`dtree.ops.logprobs`: chunked log-probs and entropies through the LM head (:class:`OutputHead`).
 """
 
@@ -11,6 +12,7 @@ from .logprobs import OutputHead, as_output_head, token_logprobs, token_logprobs
 from .stack_attention import (
     AttentionOptions,
     SegmentLayout,
+    seed_from_stack,
     stack_attention,
     stack_attention_reference,
     stack_attention_sdpa,
@@ -22,6 +24,7 @@ __all__ = [
     "OutputHead",
     "SegmentLayout",
     "as_output_head",
+    "seed_from_stack",
     "stack_attention",
     "stack_attention_naive",
     "stack_attention_reference",

@@ -22,6 +22,13 @@ dropout) replay the forward's draws.
 Logits are computed in the model dtype (as an HF model's ``lm_head`` does) and
 normalized in float32 (float64 for float64 models).
 :func:`token_logprobs_reference` is the plain full-logits version, the tests' ground truth.
+
+Fast path: a fused head (``weight``) in float16/bfloat16 on CUDA runs the fused Triton
+op (:func:`dtree.ops.logprobs_triton.token_logprobs_triton`: cuBLAS matmuls, one pass
+of two Triton kernels over each chunk's logits; 2.07x the chunked torch op at
+N = 16,384, H = 1536, V = 151,936 on an H100, 3.24x with entropies, with a quarter of
+its memory). The chunked torch op stays the path for module heads, CPU, float32 and
+float64, and the reference the fused op is tested against (``impl="torch"``).
 """
 
 from __future__ import annotations
@@ -34,7 +41,16 @@ import torch.nn.functional as F
 
 from .. import rng
 
-__all__ = ["OutputHead", "as_output_head", "compute_dtype", "token_logprobs", "token_logprobs_reference"]
+__all__ = [
+    "OutputHead",
+    "as_output_head",
+    "compute_dtype",
+    "fused_head_kernel",
+    "token_logprobs",
+    "token_logprobs_reference",
+]
+
+IMPLS = ("auto", "torch", "triton")
 
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -293,6 +309,21 @@ class _ModuleHeadLogprobs(torch.autograd.Function):
         return (grad_h, None, None, None, None, None, *out)
 
 
+def fused_head_kernel(head: OutputHead, dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether :func:`token_logprobs` (``impl="auto"``) runs the fused Triton op for
+    ``head`` with hidden states of ``dtype`` on ``device``: a fused (``weight``) head,
+    float16 or bfloat16, CUDA, Triton importable."""
+    if not as_output_head(head).fused or dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if torch.device(device).type != "cuda":
+        return False
+    try:
+        from . import logprobs_triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def token_logprobs(
     hidden: torch.Tensor,
     head: OutputHead,
@@ -301,6 +332,7 @@ def token_logprobs(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    impl: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log p(labels[i] | hidden[i])`` (and the entropy of each row's distribution),
     in chunks of ``chunk_size`` rows.
@@ -312,6 +344,9 @@ def token_logprobs(
         temperature: logits are divided by it after the head's transform (the
             sampling temperature of the rollouts).
         with_entropy: also return the entropy of every row's distribution.
+        impl: ``"auto"`` (the fused Triton op where :func:`fused_head_kernel` says so,
+            else the chunked torch op), ``"torch"``, or ``"triton"`` (fused heads only;
+            CUDA, or CPU under ``TRITON_INTERPRET=1``).
 
     Returns:
         ``(logp [N], entropy [N] or None)``, float32 (float64 for float64 inputs), both
@@ -319,6 +354,17 @@ def token_logprobs(
     """
     head = as_output_head(head)
     transform = _Transform.of(head, temperature)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "triton" and not head.fused:
+        raise ValueError("impl='triton' needs a fused head (OutputHead(weight=...)); a module head runs impl='torch'")
+    if impl == "triton" or (impl == "auto" and fused_head_kernel(head, hidden.dtype, hidden.device)):
+        from .logprobs_triton import token_logprobs_triton
+
+        return token_logprobs_triton(
+            hidden, head.weight, labels, head.bias, logit_scale=head.logit_scale, softcap=head.final_softcap,
+            temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, impl="triton",
+        )
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=compute_dtype(hidden.dtype))
         return empty, (empty.clone() if with_entropy else None)

@@ -97,15 +97,20 @@ def _tanh(x):
 
 @triton.jit
 def _transformed(x, scale, softcap, temperature, HAS_SOFTCAP: tl.constexpr):
-    """(z, dz/dx) of the logit transform, float32."""
+    """(z, dz/dx) of the logit transform, float32, both shaped like ``x``: the compiler
+    needs one return type from both branches (a scalar dz/dx in the plain branch did
+    not compile on a GPU: "Inconsistent return types"; the interpreter accepted it)."""
     u = x * scale
     if HAS_SOFTCAP:
         th = _tanh(u / softcap)
         return softcap * th / temperature, scale * (1.0 - th * th) / temperature
-    return u / temperature, scale / temperature
+    return u / temperature, tl.zeros_like(u) + scale / temperature
 
 
-@triton.jit
+# Arguments that change between calls are not specialized on (an int equal to 1 or
+# divisible by 16, a pointer aligned to 16 bytes would each compile a new variant):
+# the runtime passes label slices at any offset, and N is the chunk's row count.
+@triton.jit(do_not_specialize=["LABELS"])
 def _row_stats_kernel(
     LOGITS, LABELS, LOGP, NORM, ENTROPY,
     stride_row, V,
@@ -156,7 +161,7 @@ def _row_stats_kernel(
     tl.store(LOGP + row, tl.where(valid, (zl - m) - log_sum, float("nan")))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["LABELS", "NORM", "ENTROPY", "G", "GE", "N"])
 def _dlogits_kernel(
     LOGITS, LABELS, NORM, ENTROPY, G, GE,
     stride_row, N, V,

@@ -20,7 +20,12 @@ q, k ``[T, H, Dk]``, v ``[T, Hkv, Dv]``, output ``[T, Hq, Dv]``.
 
 Gradients: ``dq``, the own ``dk, dv`` and ``dsinks`` flow back through autograd; the
 prefix ``dk, dv`` are *added into the stack's gradient buffers* (they belong to
-ancestor segments whose backward has not run yet; the runtime seeds it with them).
+ancestor segments whose backward has not run yet). That includes ancestors in the
+same call (``SegmentLayout.call_slots``), which the backends read through the stack
+like any prefix. :func:`seed_from_stack` folds the stack's gradient slots of a call
+back into its own ``dk, dv``: the runtime passes every call's ``k, v`` through it
+before the attention, so the descendants' and the in-call contributions enter the
+backward where K/V are consumed, whatever graph computed them.
 
 Backends, all with the signature of :func:`stack_attention`:
 
@@ -54,6 +59,7 @@ __all__ = [
     "AttentionOptions",
     "SegmentLayout",
     "check_stack_attention",
+    "seed_from_stack",
     "stack_attention",
     "stack_attention_reference",
     "stack_attention_sdpa",
@@ -74,7 +80,8 @@ class SegmentLayout:
         prefix_ranges: per segment, ancestor slot ranges ``((lo, hi), ...)``.
         call_slots: ``(lo, hi)``, the call's own stack slots, when some of its segments
             have ancestors in the same call (their slots are then inside prefix
-            ranges); None otherwise.
+            ranges, so the backward adds gradients into them: pass the call's
+            ``k, v`` through :func:`seed_from_stack` to get them back); None otherwise.
     """
 
     q_offsets: np.ndarray
@@ -444,30 +451,50 @@ def stack_attention_sdpa(
     return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa, options)
 
 
-class _InCallGrad(torch.autograd.Function):
-    """Identity on the call's own (k, v) whose backward adds what the call's segments
-    sent each other through the stack.
+class _StackGradSeed(torch.autograd.Function):
+    """Identity on a call's own (k, v) whose backward adds the stack's gradient slots
+    ``[lo, hi)`` of ``layer`` (float32) to the incoming dk, dv.
 
-    A segment whose ancestor runs in the same call reads that ancestor's K/V from the
-    stack like any prefix, so the backends add its dK/dV into the stack's gradient
-    slots of this very call. Those belong in this call's own dK/dV: this backward runs
-    after every attention backward that consumed (k, v) at this layer (autograd waits
-    for all of an output's consumers), and adds the slots in. The runtime clears the
-    call's slots before the call's backward, so they hold only these contributions.
-    """
+    Autograd runs a node's backward only once every consumer of its outputs has sent
+    its gradient, so this runs after the attention backward of the same call at this
+    layer: the slots then hold what the call's descendants added (their backward ran
+    earlier, depth first) plus what the call's own segments sent their in-call
+    ancestors. The sum is formed in float32 and rounded once."""
 
     @staticmethod
     def forward(ctx, k, v, stack: KVStack, layer: int, lo: int, hi: int):
         ctx.stack, ctx.layer, ctx.lo, ctx.hi = stack, layer, lo, hi
+        ctx.dtypes = (k.dtype, v.dtype)
         return k.view_as(k), v.view_as(v)
 
     @staticmethod
     def backward(ctx, gk, gv):
         sk = ctx.stack.grad_k[ctx.layer, ctx.lo : ctx.hi]
         sv = ctx.stack.grad_v[ctx.layer, ctx.lo : ctx.hi]
-        gk = sk.to(gk.dtype) if gk is None else gk + sk.to(gk.dtype)
-        gv = sv.to(gv.dtype) if gv is None else gv + sv.to(gv.dtype)
+        gk = sk.to(ctx.dtypes[0]) if gk is None else (sk + gk).to(ctx.dtypes[0])
+        gv = sv.to(ctx.dtypes[1]) if gv is None else (sv + gv).to(ctx.dtypes[1])
         return gk, gv, None, None, None, None
+
+
+def seed_from_stack(
+    k: torch.Tensor, v: torch.Tensor, stack: KVStack, layer: int, lo: int, hi: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(k, v)`` unchanged, with a backward that adds ``stack.grad_k/grad_v[layer, lo:hi]``
+    to their gradients.
+
+    Args:
+        k: [T, Hkv, Dk], v: [T, Hkv, Dv] the call's own K/V, held in stack slots
+            ``[lo, hi)`` (``hi - lo == T``).
+
+    Pass them through this before :func:`stack_attention` and the gradient slots the
+    attention backward (of this call: in-call ancestors) and earlier backwards (of the
+    call's descendants) filled are added exactly once. Nothing is added where neither
+    requires grad (nothing trainable computes them)."""
+    if hi - lo != k.shape[0] or v.shape[0] != k.shape[0]:
+        raise ValueError(f"k and v have {k.shape[0]} and {v.shape[0]} rows for the {hi - lo} slots [{lo}, {hi})")
+    if not stack.has_grad or not torch.is_grad_enabled() or not (k.requires_grad or v.requires_grad):
+        return k, v
+    return _StackGradSeed.apply(k, v, stack, layer, lo, hi)
 
 
 def stack_attention(
@@ -486,11 +513,10 @@ def stack_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed segments over the stack, by backend name (see the
-    module docstring); arguments as :func:`stack_attention_reference`."""
+    module docstring); arguments as :func:`stack_attention_reference`. Gradients of
+    in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    if layout.call_slots is not None and stack.has_grad and torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
-        k, v = _InCallGrad.apply(k, v, stack, layer, *layout.call_slots)
     options = dict(softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window)
     if backend == "reference":
         return stack_attention_reference(q, k, v, stack, layer, layout, scale, **options)

@@ -79,11 +79,23 @@ its prefix.
 Tiles: the work tables depend on the q-block rows (forward/dq) and the kv-block
 slots (dK/dV), chosen on the host from the head dims and dtype only (:func:`_tiles`),
 so every forest of one model uses the same compiled kernels. The inner step,
-``num_warps`` and ``num_stages`` are fixed per (kernel, tile) by default: the configs
-the autotuner picked on an H200 (bf16, head dim 128). ``DTREE_TRITON_AUTOTUNE=1`` times
-every candidate on the first call of each key (head dims, GQA group, tile, option
-flags, dtypes) instead; ``T`` and ``window`` are not specialized on, so no call length
-or window value compiles anew.
+``num_warps`` and ``num_stages`` are fixed per (kernel, tile): the configs the
+autotuner picked on an H200 (bf16, head dim 128), the first that fits the GPU's
+shared memory (``benchmarks/kernel_registers.py`` checks them for spills).
+
+*One compile per kernel variant per process.* Triton compiles a kernel again for
+every new *specialization* of its non-constexpr arguments: an integer equal to 1 or
+divisible by 16, a pointer aligned to 16 bytes. Arguments that change from call to
+call are therefore ``do_not_specialize``: the call length ``T`` and ``window`` (any
+int), and the int32 work and row tables, which are slices of one upload at offsets
+that follow the call's segment and range counts (``range_lo`` starts at
+``4 * (3 S + 2)`` bytes, ``seg_end`` at ``4 T``): an H100 recompiled ``_fwd_kernel``
+and ``_dq_kernel`` in the second step of a fresh process when a new forest moved
+``range_lo`` off a 16-byte boundary. The tables are read a scalar or one int32 row
+tile at a time, so alignment hints buy nothing there. Strides stay specialized: for
+head dims that are multiples of 16 they are divisible by 16 at every ``T``, and they
+let the tile loads vectorize. ``tests/test_stack_attention_triton.py`` checks that two
+different calls give every kernel the same specialization.
 
 Runs on CUDA (compute capability >= 8.0) or, for tests, on CPU tensors under the
 Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
@@ -332,7 +344,7 @@ def _fwd_inner(
     return acc, l_i, m_i
 
 
-@triton.jit(do_not_specialize=["T", "window"])
+@triton.jit(do_not_specialize=["T", "window", "QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START"])
 def _fwd_kernel(
     Q, K, V, SK, SV, O, LSE, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START, SINK_LOGITS, ALIBI_SLOPES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
@@ -446,7 +458,7 @@ def _dkdv_tile(
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["T", "window"])
+@triton.jit(do_not_specialize=["T", "window", "ITEMS", "SEG_START", "SEG_END"])
 def _dkdv_kernel(
     Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
@@ -585,7 +597,7 @@ def _dq_inner(
     return dq
 
 
-@triton.jit(do_not_specialize=["T", "window"])
+@triton.jit(do_not_specialize=["T", "window", "QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START"])
 def _dq_kernel(
     Q, K, V, SK, SV, DO, LSE, DELTA, DQ, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START, ALIBI_SLOPES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
@@ -639,8 +651,8 @@ def _dq_kernel(
 # --------------------------------------------------------------------------- tuning
 # Candidates as (inner tile, num_warps, num_stages), per kernel and per work-table tile
 # (chosen on the host by _tiles). The inner tile is BLOCK_N (keys per step) for the
-# forward and dq, BLOCK_M (rows per step) for dK/dV. Without autotuning, the first
-# candidate that fits the GPU's shared memory runs (fp32: the smallest first).
+# forward and dq, BLOCK_M (rows per step) for dK/dV. The first candidate that fits the
+# GPU's shared memory runs (fp32: the smallest first).
 #
 # 128-row/key tables (16-bit, head dims up to 128): first come the configs the
 # autotuner picked on an H200 (bf16, 32/8 heads of 128, every layout of
@@ -655,8 +667,8 @@ def _dq_kernel(
 # dK/dV kernel with every option on).
 # Dropped for spilling at 128: 4 warps on 128-row tiles (forward and dq 136-352 bytes,
 # dK/dV over 1 KB), 64-row inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3
-# stages. A 64-row tile on 8 warps may replicate part of the score tile across warp
-# groups: few such candidates, the tuner decides.
+# stages. (A timed autotuning path, DTREE_TRITON_AUTOTUNE=1, was removed: its first
+# call compiled and timed every candidate and gave different results from the second.)
 _CANDIDATES = {
     ("fwd", 128): [(128, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2)],
     ("fwd", 64): [(64, 8, 2), (64, 4, 3), (32, 8, 2), (32, 4, 2)],
@@ -674,35 +686,7 @@ _FLAGS = {
 }
 
 
-def _autotuned(fn, kernel: str, restore_value=None):
-    """``fn`` under ``triton.autotune`` over the candidates of its table tile. The key
-    (head dims, GQA group, table tile, option flags; Triton adds the argument dtypes)
-    never contains ``T``, so a call of a new length reuses the tuned config."""
-    candidates = sorted({c for (name, _), cs in _CANDIDATES.items() if name == kernel for c in cs})
-    configs = [triton.Config({_INNER_NAME[kernel]: inner}, num_warps=w, num_stages=s) for inner, w, s in candidates]
-
-    def for_table(configs, named_args, **kwargs):
-        mine = _CANDIDATES[(kernel, kwargs[_TABLE_NAME[kernel]])]
-        return [c for c in configs if (c.kwargs[_INNER_NAME[kernel]], c.num_warps, c.num_stages) in mine]
-
-    return triton.autotune(
-        configs=configs,
-        key=["HEAD_DIM", "V_DIM", "GROUP", _TABLE_NAME[kernel], *_FLAGS[kernel]],
-        prune_configs_by={"early_config_prune": for_table},
-        # each candidate's timing runs would add the prefix gradients once more
-        restore_value=restore_value,
-    )(fn)
-
-
 _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
-# DTREE_TRITON_AUTOTUNE=1 times every candidate on the first call of each key; by
-# default the first candidate that fits runs (no timing runs, one compile per key).
-_AUTOTUNE = os.environ.get("DTREE_TRITON_AUTOTUNE", "0").lower() in ("1", "true", "on", "yes")
-_TUNED = {} if _INTERPRET or not _AUTOTUNE else {
-    "fwd": _autotuned(_fwd_kernel, "fwd"),
-    "dq": _autotuned(_dq_kernel, "dq"),
-    "dkdv": _autotuned(_dkdv_kernel, "dkdv", restore_value=["GK", "GV"]),
-}
 # (kernel, table tile, dtype, device, head dims, group, flags) -> index of the first
 # candidate that launched, so the fall-through below runs once per key
 _FITTING: dict = {}
@@ -717,15 +701,12 @@ def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple
 
 def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict) -> None:
     """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
-    its small tiles; autotuned with DTREE_TRITON_AUTOTUNE=1; else the first fixed
-    candidate that fits the device (a launch that runs out of shared memory raises
-    before the kernel starts, so trying the next one adds nothing twice)."""
+    its small tiles, else the first fixed candidate that fits the device (a launch that
+    runs out of shared memory raises before the kernel starts, so trying the next one
+    adds nothing twice)."""
     name = _INNER_NAME[kernel]
     if _INTERPRET:
         _KERNELS[kernel][grid](*args, **meta, **{name: _INTERPRETER_TILES["inner"]})
-        return
-    if _AUTOTUNE and _TUNED:
-        _TUNED[kernel][grid](*args, **meta)
         return
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"],
            *(meta[f] for f in _FLAGS[kernel]))

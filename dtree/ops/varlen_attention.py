@@ -13,6 +13,9 @@ Backends, all with the signature of :func:`varlen_attention`:
   one kernel for the whole pack. CUDA, float16/bfloat16. Its signature changed between
   torch releases (2.10/2.11: ``is_causal=True``, no ``scale``/``enable_gqa``; 2.12+:
   ``window_size=(-1, 0)`` for causal, ``scale``, ``enable_gqa``); both are supported.
+* ``flash-attn``: the flash-attn package's ``flash_attn_varlen_func``
+  (:mod:`dtree.ops.varlen_attention_flash`), as verl and OpenRLHF call it, when it is
+  installed. CUDA, float16/bfloat16.
 
 The per-sequence math is the one of :mod:`dtree.ops.stack_attention` with no prefix
 (``attend_math`` / ``attend_sdpa``), so the baselines and dtree share it.
@@ -32,6 +35,7 @@ from .stack_attention import attend_math, attend_sdpa, check_packed_qkv
 __all__ = [
     "BACKENDS",
     "VarlenLayout",
+    "flash_attn_available",
     "flash_available",
     "varlen_attention",
     "varlen_attention_flash",
@@ -39,7 +43,7 @@ __all__ = [
     "varlen_attention_sdpa",
 ]
 
-BACKENDS = ("reference", "sdpa", "flash")
+BACKENDS = ("reference", "sdpa", "flash", "flash-attn")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -196,6 +200,16 @@ def flash_available(device: torch.device, dtype: torch.dtype, num_heads: int, nu
     return _PROBED[key]
 
 
+def flash_attn_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the ``flash-attn`` backend runs here: the flash-attn package importable,
+    CUDA, float16/bfloat16, head dims up to 256."""
+    if torch.device(device).type != "cuda" or dtype not in FLASH_DTYPES or head_dim > 256:
+        return False
+    from .varlen_attention_flash import flash_attn_impl
+
+    return flash_attn_impl() is not None
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float, backend: str = "sdpa"
 ) -> torch.Tensor:
@@ -206,4 +220,8 @@ def varlen_attention(
         return varlen_attention_sdpa(q, k, v, layout, scale)
     if backend == "flash":
         return varlen_attention_flash(q, k, v, layout, scale)
+    if backend == "flash-attn":
+        from .varlen_attention_flash import varlen_attention_flash_attn
+
+        return varlen_attention_flash_attn(q, k, v, layout, scale)
     raise ValueError(f"unknown varlen attention backend {backend!r}; choose one of {BACKENDS}")

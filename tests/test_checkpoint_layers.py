@@ -1,0 +1,180 @@
+"""Layer checkpointing inside dtree's runtime: its own (``checkpoint_layers=True``) and
+HF's gradient checkpointing (reentrant and not), which work because K/V seeds enter
+inside the attention backward (``seed_from_stack``) of whatever graph computes the K/V.
+
+Against HF run on each path (tests/reference.py), every parameter gradient, in every
+mode and group budget (node by node; a few segments per call, with in-call ancestors;
+one call); with frozen parts, PEFT LoRA, a custom TreeModule; dropout replayed (the
+same gradients with and without checkpointing under one seed); and the memory autograd
+keeps (saved-tensor hooks): the layers' inputs, not their internals."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import make_model
+from nanogpt import NanoGPT
+from reference import grad_errors
+from setups import GROUP_TOKENS, MODES, SEQS, assert_exact, reference, run_dtree
+from test_frozen import SETUPS as FROZEN
+from test_runtime_memory import SavedBytes
+
+import dtree
+
+
+def hf_checkpointing(model, reentrant: bool):
+    """HF gradient checkpointing on (``activation_checkpointing_enable`` in newer transformers)."""
+    kwargs = {"use_reentrant": reentrant}
+    if hasattr(model, "activation_checkpointing_enable"):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    return model.train()
+
+
+@pytest.mark.parametrize("group_tokens", GROUP_TOKENS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_checkpoint_layers_matches_per_path(arch, mode, group_tokens):
+    model = make_model(arch, tied=arch == "qwen2")
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, checkpoint_layers=True)
+    assert out.metrics["memory_plan"]["checkpoint_layers"] is True
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+@pytest.mark.parametrize("group_tokens", GROUP_TOKENS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_hf_gradient_checkpointing_matches_per_path(reentrant, mode, group_tokens):
+    model = make_model("qwen2")
+    ref_model, ref_loss = reference(model)
+    ckpt_model = hf_checkpointing(copy.deepcopy(model), reentrant)
+    out, tree_model = run_dtree(ckpt_model, copy_model=False, mode=mode, group_tokens=group_tokens)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+    # the model still runs as a plain HF model afterwards (its attention is switched back)
+    assert ckpt_model.config._attn_implementation != "dtree"
+
+
+def test_hf_checkpointing_needs_the_step_scope(monkeypatch):
+    """What the adapter's ``dtree_scope`` prevents: HF re-runs the layer in backward with
+    the model's own attention (no stack), and checkpointing sees other tensors."""
+    import contextlib
+
+    from dtree.models.hf import HFTreeModel
+
+    monkeypatch.setattr(HFTreeModel, "dtree_scope", lambda self: contextlib.nullcontext())
+    model = hf_checkpointing(make_model("qwen2"), reentrant=False)
+    with pytest.raises(Exception):
+        run_dtree(model, mode="retain", group_tokens=8)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("kind", ["embed_and_layer0", "embed_and_layer0_tied", "head_only"])
+def test_checkpoint_layers_with_frozen_parts(kind, mode):
+    """Frozen layer 0: its checkpointed re-run has no graph to seed; nothing is lost."""
+    model = FROZEN[kind]()
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, mode=mode, group_tokens=8, checkpoint_layers=True)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+@pytest.mark.parametrize("hf", [False, True], ids=["dtree_checkpoint", "hf_checkpointing"])
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_layers_with_peft_lora(mode, hf):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=["q_proj", "v_proj", "lm_head"])
+    model = peft.get_peft_model(make_model("qwen2"), config)
+    ref_model, ref_loss = reference(model)
+    tree_model = copy.deepcopy(model)
+    if hf:
+        hf_checkpointing(tree_model, reentrant=False)
+    out, tree_model = run_dtree(tree_model, copy_model=False, mode=mode, group_tokens=8, checkpoint_layers=not hf)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+def test_checkpoint_layers_on_a_custom_tree_module():
+    """tests/nanogpt.py keeps its blocks in a ModuleList; its own causal forward per
+    path is the reference."""
+    torch.manual_seed(0)
+    model = NanoGPT()
+    seqs = [[s % 61 for s in seq] for seq in SEQS]
+    ref = copy.deepcopy(model)
+    n = sum(len(s) - 1 for s in seqs)
+    for s in seqs:
+        x = torch.tensor(s)
+        (-torch.log_softmax(ref(x)[:-1], -1).gather(-1, x[1:, None]).sum() / n).backward()
+    for mode in MODES:
+        out, tree_model = run_dtree(model, seqs, mode=mode, group_tokens=8, checkpoint_layers=True)
+        errs = grad_errors(tree_model, ref)
+        assert max(errs.values()) < 1e-5, (mode, errs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_dropout_is_replayed_under_checkpoint_layers(mode):
+    """LoRA dropout in train mode: a checkpointed layer's re-run draws the forward's
+    masks (torch.utils.checkpoint preserves the RNG state inside dtree's per-group
+    seeds), so the gradients are those of the unchecked step under the same seed."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.3, init_lora_weights=False,
+                             target_modules=["q_proj", "v_proj", "o_proj"])
+    model = peft.get_peft_model(make_model("qwen2"), config).train()
+    grads = {}
+    for ckpt in (False, True):
+        torch.manual_seed(11)
+        out, tree_model = run_dtree(model, mode=mode, group_tokens=8, checkpoint_layers=ckpt)
+        grads[ckpt] = tree_model
+    assert max(grad_errors(grads[True], grads[False]).values()) < 1e-5
+
+
+def test_checkpoint_layers_keeps_the_layer_inputs_only():
+    """Saved-tensor hooks count what autograd keeps outside the checkpoints (the final
+    norm's float32 tensors, the LM head's rows: a few [T, hidden] tensors whatever the
+    depth); the checkpoints keep one [T, hidden] input per layer, added here. For this
+    2-layer model that is a quarter of the unchecked step's (each layer keeps ~13
+    [T, hidden]-sized tensors unchecked)."""
+    torch.manual_seed(0)
+    model = make_model("llama")
+    seqs = [torch.randint(0, 97, (160,)).tolist()]
+    seqs += [seqs[0][:100] + torch.randint(0, 97, (60,)).tolist() for _ in range(3)]
+    forest = dtree.Forest.from_sequences(seqs)
+
+    def saved_peak(checkpoint: bool) -> int:
+        rt = dtree.TreeRuntime(model, mode="retain", group_tokens=4096, checkpoint_layers=checkpoint)
+        rt._get_stack(rt.plan(forest).stack_tokens, with_grad=True)
+        stack = rt._stack
+        tracker = SavedBytes(list(model.parameters()) + [stack.k, stack.v, stack.grad_k, stack.grad_v])
+        with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
+            out = rt.forward_backward(forest, dtree.losses.nll("sum"))
+        model.zero_grad(set_to_none=True)
+        assert out.num_model_calls == 1
+        return tracker.peak
+
+    plain, ckpt = saved_peak(False), saved_peak(True)
+    config = model.config
+    row = forest.num_unique_tokens * config.hidden_size * 4  # one float32 [T, hidden]
+    layer_inputs = config.num_hidden_layers * row
+    assert ckpt <= 6 * row, (ckpt, row)
+    assert ckpt + layer_inputs < 0.25 * plain, (ckpt, layer_inputs, plain)
+
+
+def test_checkpoint_layers_needs_a_layer_list():
+    class Flat(NanoGPT):
+        def __init__(self):
+            super().__init__()
+            self.stages = self.blocks
+            del self.blocks
+
+        def dtree_spec(self):
+            self.blocks = list(self.stages)  # a plain list: not found as the layer list
+            return super().dtree_spec()
+
+    with pytest.raises(ValueError, match="ModuleList attribute named"):
+        dtree.TreeRuntime(Flat(), checkpoint_layers=True)
+    with pytest.raises(ValueError, match="checkpoint_layers must be None"):
+        dtree.TreeRuntime(NanoGPT(), checkpoint_layers="yes")
+    dtree.TreeRuntime(Flat())  # the policy leaves such a model unchecked

@@ -1,0 +1,128 @@
+"""One compile per kernel variant per process: two calls of different shapes give every
+Triton kernel the same specialization key.
+
+Triton compiles a kernel again for each new specialization of its non-constexpr
+arguments (an int equal to 1 or divisible by 16, a pointer aligned to 16 bytes). The
+kernels mark the arguments that change between calls ``do_not_specialize``; here the
+launches of two realistic calls are recorded on CPU tensors (nothing runs), and the
+key Triton's own binder would compute for an sm_90 target (``native_specialize_impl``
+under the kernel's parameter flags) is compared. Needs no GPU; skipped when the session
+runs the Triton interpreter (its kernels are not JIT functions)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from dtree.kv_stack import KVStack  # noqa: E402
+from dtree.ops import logprobs_triton as lt  # noqa: E402
+from dtree.ops import stack_attention_triton as sat  # noqa: E402
+from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout  # noqa: E402
+
+pytestmark = pytest.mark.skipif(sat._INTERPRET, reason="the session runs the Triton interpreter")
+
+
+def _binder(kernel):
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import make_backend
+    from triton.runtime.jit import create_function_from_signature
+
+    try:
+        backend = make_backend(GPUTarget("cuda", 90, 32))
+    except Exception as e:  # a Triton build without the NVIDIA backend
+        pytest.skip(f"no CUDA backend in this Triton: {e}")
+    return create_function_from_signature(kernel.signature, kernel.params, backend)
+
+
+class _Recorder:
+    """Stands in for a JIT kernel: ``kernel[grid](*args, **kwargs)`` records the call."""
+
+    def __init__(self, kernel, calls: list):
+        self.kernel, self.calls = (kernel.kernel if isinstance(kernel, _Recorder) else kernel), calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((self.kernel, args, kwargs))
+
+        return launch
+
+
+def _keys(calls) -> dict[str, list]:
+    """Per kernel name, the specialization keys of its recorded launches."""
+    keys: dict[str, list] = {}
+    for kernel, args, kwargs in calls:
+        _, spec, _ = _binder(kernel)(*args, **kwargs)
+        keys.setdefault(kernel.fn.__name__, []).append(spec)
+    return keys
+
+
+def _stack_attention_calls(monkeypatch, layout: SegmentLayout, used: int, options: AttentionOptions) -> list:
+    calls: list = []
+    for name in ("fwd", "dq", "dkdv"):
+        monkeypatch.setitem(sat._KERNELS, name, _Recorder(sat._KERNELS[name], calls))
+    monkeypatch.setattr(sat, "_delta_kernel", _Recorder(sat._delta_kernel, calls))
+    t = int(layout.q_offsets[-1])
+    hq, hkv, d = 12, 2, 128
+    stack = KVStack(2, used + t, hkv, d, dtype=torch.bfloat16, device="cpu")
+    # q as the HF adapter passes it: a [T, H, D] view of [1, H, T, D]
+    q = torch.zeros(1, hq, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
+    k = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
+    v = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
+    out = sat._StackAttention.apply(q, k, v, None, stack, 1, layout, d**-0.5, options)
+    out.backward(torch.zeros_like(out))
+    return calls
+
+
+def _grpo(prompt: int, answers: list[int]) -> tuple[SegmentLayout, int]:
+    q_off = np.concatenate([[0], np.cumsum(answers)])
+    return SegmentLayout(q_off, prompt + q_off[:-1], [((0, prompt),)] * len(answers)), prompt
+
+
+def _agentic(seed: int) -> tuple[SegmentLayout, int]:
+    """Segments under several multi-range prefixes, some with in-call ancestors."""
+    rng = np.random.default_rng(seed)
+    used = int(rng.integers(3000, 5000))
+    lens = rng.integers(20, 700, int(rng.integers(3, 12)))
+    q_off = np.concatenate([[0], np.cumsum(lens)])
+    ranges = []
+    for i in range(len(lens)):
+        cut = int(rng.integers(100, used - 100))
+        r = ((0, cut), (cut + int(rng.integers(1, 50)), used))
+        if i and rng.random() < 0.5:  # reads the previous segment of the call
+            r = r + ((used + int(q_off[i - 1]), used + int(q_off[i])),)
+        ranges.append(r)
+    return SegmentLayout(q_off, used + q_off[:-1], ranges), used
+
+
+@pytest.mark.parametrize("options", [PLAIN, AttentionOptions(window=4096)], ids=["plain", "window"])
+def test_stack_attention_kernels_compile_once(monkeypatch, options):
+    layouts = [_grpo(2048, [512] * 8), _grpo(1999, [301, 77, 512, 9, 1000, 3, 40]), _agentic(0), _agentic(1)]
+    keys: dict[str, list] = {}
+    for layout, used in layouts:
+        for name, spec in _keys(_stack_attention_calls(monkeypatch, layout, used, options)).items():
+            keys.setdefault(name, []).extend(spec)
+    assert set(keys) == {"_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel"}
+    for name, specs in keys.items():
+        distinct = {repr(s) for s in specs}
+        assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
+
+
+def test_logprob_kernels_compile_once(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(lt, "_row_stats_kernel", _Recorder(lt._row_stats_kernel, calls))
+    monkeypatch.setattr(lt, "_dlogits_kernel", _Recorder(lt._dlogits_kernel, calls))
+    weight = torch.zeros(1000, 64, dtype=torch.bfloat16, requires_grad=True)
+    labels = torch.zeros(200, dtype=torch.int64)
+    tf = lt._Transform()
+    for start, rows in [(0, 64), (1, 37), (3, 48), (17, 100)]:  # label slices at any offset, as the runtime's
+        hidden = torch.zeros(rows, 64, dtype=torch.bfloat16, requires_grad=True)
+        logp, ent = lt._FusedLogprobs.apply(hidden, weight, None, labels[start : start + rows], tf, True, 32, True)
+        torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
+    keys = _keys(calls)
+    assert set(keys) == {"_row_stats_kernel", "_dlogits_kernel"}
+    for name, specs in keys.items():
+        distinct = {repr(s) for s in specs}
+        assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
