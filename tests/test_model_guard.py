@@ -9,6 +9,9 @@ attention. Refusals are ValueErrors that name the model class and leave ``param.
 untouched. Then: the family adapters leave the model's own forward unchanged outside
 dtree, the attention callback reaches layers that drop ``**kwargs`` and checkpointed
 recomputes (a context variable, not a keyword), and the probe runs once per placement.
+Under layer recomputes (``checkpoint_layers``, ``memory="low"``, HF gradient
+checkpointing), in the inference paths (log-probs, entropy) and in the baselines, the
+guard, the adapters and the head transform keep every family exact.
 """
 
 from __future__ import annotations
@@ -204,3 +207,100 @@ def test_adapters_inside_compiled_layers(family):
     dtree.TreeRuntime(model, compile=True).forward_backward(FOREST, dtree.losses.nll())
     errors = grad_errors(model, ref)
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
+
+
+# layer recomputes: dtree's own checkpointing (also what memory="low" picks) and HF's
+RECOMPUTES = {
+    "checkpoint_layers": (False, None, dict(checkpoint_layers=True)),
+    "memory_low": (False, None, dict(memory="low")),
+    "hf_non_reentrant": (True, False, {}),
+    "hf_reentrant": (True, True, {}),
+}
+
+
+def _recomputing(model: torch.nn.Module, setting: str) -> tuple[torch.nn.Module, dict]:
+    """``model`` in train mode with ``setting``'s layer recompute, and the runtime options."""
+    hf, reentrant, options = RECOMPUTES[setting]
+    if hf:
+        from test_checkpoint_layers import hf_checkpointing
+
+        hf_checkpointing(model, reentrant)
+    return model.train(), options
+
+
+@pytest.mark.parametrize("setting", RECOMPUTES)
+@pytest.mark.parametrize("family", ["llama", "gptj", "bloom"])
+def test_layer_recomputes_keep_the_guard_and_adapters_exact(family, setting):
+    """Checkpointed layers run again inside backward, after the model call's per-layer
+    check: the re-run neither counts against it (no false refusal) nor loses the call
+    (the context travels into HF's checkpoint function and dtree's), and the family
+    adapters dispatch in the re-run. Exact against HF per path, several calls per step."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config(family)) if family != "llama" else make_model("llama")
+    ref = copy.deepcopy(model).train()
+    ref_loss, _ = linearized_step(ref, SEQS)
+    model, options = _recomputing(model, setting)
+    out = dtree.TreeRuntime(model, group_tokens=8, **options).forward_backward(FOREST, dtree.losses.nll())
+    if not RECOMPUTES[setting][0]:
+        assert out.metrics["memory_plan"]["checkpoint_layers"] is True
+    errors = grad_errors(model, ref)
+    assert max(errors.values()) < 1e-5, (family, setting, max(errors, key=errors.get))
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+@pytest.mark.parametrize("setting", ["checkpoint_layers", "hf_non_reentrant"])
+def test_attention_that_bypasses_dtree_is_refused_under_layer_recomputes(setting):
+    model, options = _recomputing(make_model("llama"), setting)
+    _bypass_interface(model.model.layers[1].self_attn)
+    with pytest.raises(ValueError, match=r"decoder layer 1 ran without dtree's attention.*LlamaAttention"):
+        dtree.TreeRuntime(model, group_tokens=8, **options).forward_backward(FOREST, dtree.losses.nll())
+    assert all(p.grad is None for p in model.parameters())
+
+
+@pytest.mark.parametrize("family", ["gptj", "bloom", "granite"])
+def test_logprobs_and_entropy_of_adapted_and_transformed_families(family):
+    """The inference paths (rt.logprobs, rt.entropy, rt.logprobs_and_entropy) go through
+    the guard, the adapters and the head's logit transform too: equal to the model's own
+    forward on each sequence (Granite: logits_scaling)."""
+    torch.manual_seed(0)
+    overrides = dict(logits_scaling=4.0) if family == "granite" else {}
+    model = AutoModelForCausalLM.from_config(small_config(family, **overrides)).eval()
+    rt = dtree.TreeRuntime(model)
+    lps, ents = rt.logprobs_and_entropy(FOREST, temperature=0.7)
+    assert all(torch.equal(a, b) for a, b in zip(rt.logprobs(FOREST, temperature=0.7), lps))
+    assert all(torch.equal(a, b) for a, b in zip(rt.entropy(FOREST, temperature=0.7), ents))
+    with torch.no_grad():
+        for seq, lp, ent in zip(SEQS, lps, ents):
+            logits = model(input_ids=torch.tensor([seq])).logits[0, :-1].double() / 0.7
+            ref = torch.log_softmax(logits, -1)
+            torch.testing.assert_close(lp.double(), ref.gather(-1, torch.tensor(seq[1:])[:, None])[:, 0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(ent.double(), -(ref.exp() * ref).sum(-1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("method", ["linearized", "tree-mask"])
+def test_baselines_run_adapters_under_hf_checkpointing(method):
+    """The baselines call the model through the same adapter: GPT-J's attention adapter
+    and HF's checkpoint re-runs in backward, exact per path."""
+    from dtree.baselines import make_method
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(small_config("gptj"))
+    ref = copy.deepcopy(model).train()
+    ref_loss, _ = linearized_step(ref, SEQS)
+    model, _ = _recomputing(model, "hf_non_reentrant")
+    out = make_method(method, model).forward_backward(FOREST, dtree.losses.nll())
+    errors = grad_errors(model, ref)
+    assert max(errors.values()) < 1e-5, (method, max(errors, key=errors.get))
+    assert out.loss == pytest.approx(ref_loss, rel=1e-5)
+
+
+def test_probe_inside_the_step_scope_runs_the_models_own_attention():
+    """The probe compares with the model's own forward; inside ``dtree_scope`` (the
+    model's attention switched to dtree's for a whole step) it still runs the model's."""
+    from dtree.models.hf import HFTreeModel
+
+    adapter = HFTreeModel(make_model("qwen2"))
+    with adapter.dtree_scope():
+        adapter.dtree_output_layer()
+        assert adapter.model.config._attn_implementation == "dtree"
+    assert adapter.model.config._attn_implementation != "dtree"

@@ -19,8 +19,10 @@ checks the LM head's logit transform and the decoder against the model's own for
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import traceback
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
@@ -211,6 +213,39 @@ def _logit_transform(config) -> tuple[float, float | None]:
     return scale, (float(softcap) if softcap else None)
 
 
+def _in_call_context(checkpoint_func: Callable) -> Callable:
+    """HF's ``_gradient_checkpointing_func(function, *args)``, with ``function`` run in a
+    copy of the current ``contextvars`` context, in forward and in its re-run."""
+
+    @functools.wraps(checkpoint_func)
+    def run(function, *args, **kwargs):
+        return checkpoint_func(functools.partial(contextvars.copy_context().run, function), *args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _hf_checkpointing_in_call_context(model: torch.nn.Module) -> Iterator[None]:
+    """While one dtree model call runs, HF gradient checkpointing runs each layer in a
+    copy of the call's context. HF re-runs a checkpointed layer inside backward, after
+    :meth:`HFTreeModel.dtree_hidden_states` returned and reset the active call
+    (:func:`dtree.models.guard.activate`); the copy keeps it for the re-run, so the
+    re-run attends through the same group's ``attend`` (as the forward did) and family
+    adapters still dispatch. The re-run's attention calls come after the call's
+    per-layer check, so they are not counted against it."""
+    wrapped = []
+    for m in model.modules():
+        func = m.__dict__.get("_gradient_checkpointing_func")
+        if func is not None and getattr(m, "gradient_checkpointing", False) is True and m.training:
+            m._gradient_checkpointing_func = _in_call_context(func)
+            wrapped.append((m, func))
+    try:
+        yield
+    finally:
+        for m, func in wrapped:
+            m._gradient_checkpointing_func = func
+
+
 class HFTreeModel:
     """Adapter giving a transformers ``*ForCausalLM`` the :class:`TreeModule` methods."""
 
@@ -248,6 +283,7 @@ class HFTreeModel:
         self.adapted = families.install(model)
         self._layer_of_module: dict[int, int] | None = None
         self._probed: set = set()
+        self._own_attention: dict[int, str] = {}  # config id -> the model's attention implementation
         _register()
 
     @staticmethod
@@ -281,10 +317,15 @@ class HFTreeModel:
         fields.update(_RECEIVED_KV.get(fields["name"], lambda c: {})(config))
         return ModelSpec(**{**fields, **families.spec_overrides(model, config)})
 
+    def _configs(self) -> list:
+        return list({id(c): c for c in (self.model.config, self.config)}.values())
+
     @contextlib.contextmanager
     def _dtree_attention(self) -> Iterator[None]:
-        configs = {id(c): c for c in (self.model.config, self.config)}.values()
-        saved = [(c, c._attn_implementation) for c in configs]
+        saved = [(c, c._attn_implementation) for c in self._configs()]
+        for c, old in saved:
+            if old != ATTENTION_NAME:  # the outermost switch knows the model's own implementation
+                self._own_attention[id(c)] = old
         try:
             for c, _ in saved:
                 c._attn_implementation = ATTENTION_NAME
@@ -292,6 +333,20 @@ class HFTreeModel:
         finally:
             for c, old in saved:
                 c._attn_implementation = old
+
+    @contextlib.contextmanager
+    def own_attention(self) -> Iterator[None]:
+        """The model's own attention implementation while the block runs, also inside
+        :meth:`dtree_scope` (the probe runs the model's own forward)."""
+        saved = [(c, c._attn_implementation) for c in self._configs()]
+        try:
+            for c, impl in saved:
+                if impl == ATTENTION_NAME:
+                    c._attn_implementation = self._own_attention.get(id(c), "sdpa")
+            yield
+        finally:
+            for c, impl in saved:
+                c._attn_implementation = impl
 
     def dtree_scope(self):
         """Context for a whole training step: the model's attention is dtree's while it
@@ -321,7 +376,7 @@ class HFTreeModel:
         calls = AttentionCalls(attend, self.spec, self.name, self._layer_of)
         extra = families.call_kwargs(self.adapted, input_ids.device)
         try:
-            with self._dtree_attention(), activate(calls):
+            with self._dtree_attention(), activate(calls), _hf_checkpointing_in_call_context(self.model):
                 out = self.base(
                     input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **extra
                 )

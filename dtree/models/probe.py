@@ -18,6 +18,9 @@ catches it on a short probe, against the model's own ``forward`` with its own at
    recurrent or convolution layer, or a model that ignores ``position_ids``, leaks the
    first sequence into the second.
 
+The model's own forward runs with its own attention implementation even inside
+:meth:`HFTreeModel.dtree_scope` (:meth:`HFTreeModel.own_attention`).
+
 It runs without grad, in eval mode (dropout off; the modules' modes are restored), once
 per model placement and head (see :meth:`HFTreeModel.dtree_output_layer`). A mismatch
 raises a ``ValueError`` naming the model class and what differs. Tolerances are
@@ -94,7 +97,8 @@ def _own_forward(adapter: "HFTreeModel", ids: torch.Tensor) -> tuple[torch.Tenso
 
     handle = adapter.base.register_forward_hook(grab)
     try:
-        out = adapter.model(input_ids=ids[None], use_cache=False)
+        with adapter.own_attention():
+            out = adapter.model(input_ids=ids[None], use_cache=False)
     finally:
         handle.remove()
     return out.logits[0], (seen[-1][0] if seen else None)
