@@ -220,7 +220,7 @@ RECOMPUTES = {
 
 def _recomputing(model: torch.nn.Module, setting: str) -> tuple[torch.nn.Module, dict]:
     """``model`` in train mode with ``setting``'s layer recompute, and the runtime options."""
-    hf, reentrant, options = RECOMPUTES[setting]
+    hf, reentrant, options = RECOMPUTES.get(setting, (False, None, {}))  # "": none
     if hf:
         from test_checkpoint_layers import hf_checkpointing
 
@@ -304,3 +304,42 @@ def test_probe_inside_the_step_scope_runs_the_models_own_attention():
         adapter.dtree_output_layer()
         assert adapter.model.config._attn_implementation == "dtree"
     assert adapter.model.config._attn_implementation != "dtree"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["default", "memory_low", "hf_non_reentrant"])
+@pytest.mark.parametrize("family", ["granite", "gemma2", "bloom", "gptj"])
+def test_families_in_bf16_on_cuda_by_the_flash_rule(family, setting, monkeypatch):
+    """bf16 on CUDA, the default backends (fused Triton stack attention and LM head):
+    the probe passes at its 16-bit tolerance, the fused head applies the config's logit
+    transform (Granite's logits_scaling, Gemma 2's final soft-capping), the adapters
+    (Bloom's ALiBi, GPT-J) run in the Triton attention, with and without layer
+    recomputes. Every gradient's error against the float32 model per path is at most 3x
+    (the loss's 2x) that of the bf16 model per path, plus a floor."""
+    from dtree.ops import logprobs_triton as lt
+
+    calls = []
+    original = lt.token_logprobs_triton
+    monkeypatch.setattr(lt, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    overrides = dict(logits_scaling=4.0) if family == "granite" else {}
+    base = AutoModelForCausalLM.from_config(small_config(family, **overrides)).cuda()
+    gen = torch.Generator().manual_seed(0)
+    long = torch.randint(3, 97, (120,), generator=gen).tolist()
+    seqs = SEQS + [long, long[:60] + torch.randint(3, 97, (50,), generator=gen).tolist()]
+    exact, bf16_ref = copy.deepcopy(base).train(), copy.deepcopy(base).to(torch.bfloat16).train()
+    exact_loss, _ = linearized_step(exact, seqs)
+    bf16_loss, _ = linearized_step(bf16_ref, seqs)
+    model, options = _recomputing(copy.deepcopy(base).to(torch.bfloat16), setting if setting != "default" else "")
+    out = dtree.TreeRuntime(model, chunk_size=64, **options).forward_backward(
+        dtree.Forest.from_sequences(seqs), dtree.losses.nll()
+    )
+    assert calls, "the fused LM-head op did not run"
+    assert abs(out.loss - exact_loss) <= 2 * abs(bf16_loss - exact_loss) + 1e-3 * max(1.0, abs(exact_loss))
+    for (name, p), (_, e), (_, b) in zip(model.named_parameters(), exact.named_parameters(), bf16_ref.named_parameters()):
+        err = (p.grad.float() - e.grad).abs().max().item()
+        base_err = (b.grad.float() - e.grad).abs().max().item()
+        assert err <= 3 * base_err + 1e-3 * max(1e-3, e.grad.abs().max().item()), (
+            f"{family} {setting} {name}: dtree {err:.3e}, bf16 per path {base_err:.3e}"
+        )
