@@ -37,21 +37,27 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
 
 # Where decoder layers live: transformers causal LMs keep them at
-# ``<base_model>.layers``; custom TreeModules (e.g. tests/nanogpt.py) at one of these.
-_LAYER_LIST_NAMES = ("layers", "blocks", "h")
+# ``<base_model>.layers`` (OPT at ``<base_model>.decoder.layers``); custom TreeModules
+# (e.g. tests/nanogpt.py) at one of these.
+_LAYER_LIST_NAMES = ("layers", "blocks", "h", "decoder.layers")
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The ``ModuleList`` of ``model``'s decoder layers.
 
-    transformers models: ``getattr(model, model.base_model_prefix).layers``; other
+    transformers models: ``<base model>.layers`` (or ``.h``, ``.decoder.layers``), the
+    base model at ``model.base_model_prefix``, else ``model.model`` or
+    ``model.transformer`` (Llama4ForCausalLM names a prefix it does not use); other
     modules: a ``ModuleList`` attribute named ``layers``, ``blocks`` or ``h``.
     """
     prefix = getattr(model, "base_model_prefix", None)
-    owners = ([getattr(model, prefix)] if prefix and hasattr(model, prefix) else []) + [model]
+    owners = [getattr(model, name, None) for name in (prefix, "model", "transformer") if name]
+    owners = [o for o in owners if isinstance(o, torch.nn.Module)] + [model]
     for owner in owners:
-        for name in _LAYER_LIST_NAMES:
-            layers = getattr(owner, name, None)
+        for path in _LAYER_LIST_NAMES:
+            layers = owner
+            for name in path.split("."):
+                layers = getattr(layers, name, None)
             if isinstance(layers, torch.nn.ModuleList) and len(layers):
                 return layers
     raise ValueError(

@@ -22,7 +22,8 @@ with theirs. ``test_exact_families_do_not_shrink`` keeps the exact set from shri
 
 The default run trains each family once with the default runtime settings (and with
 ``group_tokens=0`` for the families the issue named); ``-m slow`` runs every exact
-family in three settings: default, ``group_tokens=0`` and ``mode="recompute"``.
+family in four settings: default, ``group_tokens=0``, ``mode="recompute"`` and
+``checkpoint_layers=True`` (every layer re-run in backward).
 """
 
 from __future__ import annotations
@@ -225,7 +226,11 @@ def test_named_family_one_segment_per_call(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("settings", [{}, {"group_tokens": 0}, {"mode": "recompute"}], ids=["default", "calls", "recompute"])
+@pytest.mark.parametrize(
+    "settings",
+    [{}, {"group_tokens": 0}, {"mode": "recompute"}, {"checkpoint_layers": True, "group_tokens": 8}],
+    ids=["default", "calls", "recompute", "checkpoint_layers"],
+)
 @pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if e == EXACT))
 def test_exact_family_sweep(name, settings):
     run_family(name, chunk_size=3, **settings)

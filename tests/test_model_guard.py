@@ -229,14 +229,16 @@ def _recomputing(model: torch.nn.Module, setting: str) -> tuple[torch.nn.Module,
 
 
 @pytest.mark.parametrize("setting", RECOMPUTES)
-@pytest.mark.parametrize("family", ["llama", "gptj", "bloom"])
+@pytest.mark.parametrize("family", ["llama", "gptj", "bloom", "opt"])
 def test_layer_recomputes_keep_the_guard_and_adapters_exact(family, setting):
     """Checkpointed layers run again inside backward, after the model call's per-layer
     check: the re-run neither counts against it (no false refusal) nor loses the call
     (the context travels into HF's checkpoint function and dtree's), and the family
-    adapters dispatch in the re-run. Exact against HF per path, several calls per step."""
+    adapters dispatch in the re-run. Exact against HF per path, several calls per step.
+    (OPT: dtree's checkpointing finds its layers at ``model.decoder.layers``.)"""
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(small_config(family)) if family != "llama" else make_model("llama")
+    overrides = dict(dropout=0.0) if family == "opt" else {}  # train mode: no draws, so the reference is exact
+    model = AutoModelForCausalLM.from_config(small_config(family, **overrides)) if family != "llama" else make_model("llama")
     ref = copy.deepcopy(model).train()
     ref_loss, _ = linearized_step(ref, SEQS)
     model, options = _recomputing(model, setting)
