@@ -16,6 +16,10 @@ still on the stack) and takes them through ``seed_from_stack``, whose backward a
 slots' gradients to the re-run K/V. ``preserve_rng_state`` (on by default) replays the
 forward's draws, so dropout under :mod:`dtree.rng`'s per-group seeds is the same.
 
+The re-run also runs in a copy of the forward's ``contextvars`` context, where the HF
+adapter's active model call lives (the attention callback and its per-layer guard,
+:mod:`dtree.models.guard`): without it the re-run would find no dtree call active.
+
 The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
 for the duration of the block (the wrapper calls the layer itself, so a
 ``torch.compile``-d layer stays compiled inside the checkpoint), and restored after.
@@ -24,6 +28,7 @@ for the duration of the block (the wrapper calls the layer itself, so a
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Iterator
 
 import torch
@@ -32,21 +37,27 @@ from torch.utils.checkpoint import checkpoint
 __all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
 
 # Where decoder layers live: transformers causal LMs keep them at
-# ``<base_model>.layers``; custom TreeModules (e.g. tests/nanogpt.py) at one of these.
-_LAYER_LIST_NAMES = ("layers", "blocks", "h")
+# ``<base_model>.layers`` (OPT at ``<base_model>.decoder.layers``); custom TreeModules
+# (e.g. tests/nanogpt.py) at one of these.
+_LAYER_LIST_NAMES = ("layers", "blocks", "h", "decoder.layers")
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     """The ``ModuleList`` of ``model``'s decoder layers.
 
-    transformers models: ``getattr(model, model.base_model_prefix).layers``; other
+    transformers models: ``<base model>.layers`` (or ``.h``, ``.decoder.layers``), the
+    base model at ``model.base_model_prefix``, else ``model.model`` or
+    ``model.transformer`` (Llama4ForCausalLM names a prefix it does not use); other
     modules: a ``ModuleList`` attribute named ``layers``, ``blocks`` or ``h``.
     """
     prefix = getattr(model, "base_model_prefix", None)
-    owners = ([getattr(model, prefix)] if prefix and hasattr(model, prefix) else []) + [model]
+    owners = [getattr(model, name, None) for name in (prefix, "model", "transformer") if name]
+    owners = [o for o in owners if isinstance(o, torch.nn.Module)] + [model]
     for owner in owners:
-        for name in _LAYER_LIST_NAMES:
-            layers = getattr(owner, name, None)
+        for path in _LAYER_LIST_NAMES:
+            layers = owner
+            for name in path.split("."):
+                layers = getattr(layers, name, None)
             if isinstance(layers, torch.nn.ModuleList) and len(layers):
                 return layers
     raise ValueError(
@@ -95,11 +106,15 @@ class CheckpointedLayer(torch.nn.Module):
 
     def forward(self, *args, **kwargs):
         saved = [(config, config._attn_implementation) for config in self._configs]
+        context = contextvars.copy_context()  # the active dtree model call, for the recompute
         layer = self.layer
 
-        def run(*a, **kw):
+        def call(*a, **kw):
             with _attention_implementations(saved):
                 return layer(*a, **kw)
+
+        def run(*a, **kw):
+            return context.run(call, *a, **kw)
 
         if not torch.is_grad_enabled():
             return layer(*args, **kwargs)

@@ -1,22 +1,34 @@
 """Hugging Face causal LMs through transformers' attention interface.
 
-No model-specific code: every decoder layer of a transformers 5 model calls
-``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)``.
+No model-specific code for most models: every decoder layer of a transformers 5 model
+calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)``.
 We register ``"dtree"`` there and switch a model's config to it only while the
 runtime runs it, so the same model object still works normally elsewhere. For a
 name that transformers has no mask function for, it builds no attention mask at
 all, so no O(T^2) mask is ever made. ``q`` and ``k`` arrive already rotated with the
 ``position_ids`` we pass (tree depths), and ``module.layer_idx`` names the layer.
+
+The few families whose attention bypasses the interface (Bloom, Falcon, GPT-J, ...)
+get a minimal adapter from :mod:`dtree.models.families`. Nothing is silently wrong:
+every model call checks that each decoder layer's attention went through dtree once,
+with the K/V shapes of the stack (:mod:`dtree.models.guard`), and a one-time probe
+checks the LM head's logit transform and the decoder against the model's own forward
+(:mod:`dtree.models.probe`). Otherwise a ``ValueError`` names the model and the reason.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import contextvars
+import functools
+import traceback
+from typing import Callable, Iterator
 
 import torch
 
 from ..ops.logprobs import OutputHead
+from . import families
+from .guard import AttentionCalls, activate, active_call, decoder_layers
 from .protocol import AttendFn, ModelSpec
 
 __all__ = ["HFTreeModel", "ATTENTION_NAME"]
@@ -26,10 +38,9 @@ ATTENTION_NAME = "dtree"
 # transformers' names of the per-layer attention options -> dtree's attend() options
 _OPTION_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sliding_window": "window"}
 # keyword arguments that reach the attention function and change nothing it computes
-# (model-call flags forwarded to every layer; our own callback)
+# (model-call flags forwarded to every layer)
 _HARMLESS_KWARGS = frozenset(
     {
-        "dtree_attend",
         "position_ids",
         "cache_position",
         "use_cache",
@@ -39,9 +50,11 @@ _HARMLESS_KWARGS = frozenset(
         "return_dict",
     }
 )
+# class-name fragments of token mixers other than attention, for error hints
+_MIXER_NAMES = ("mamba", "mixer", "conv", "recurrent", "rwkv", "lstm", "ssm", "deltanet", "lightning", "rglru", "linearattention")
 
 
-def _attention_options(kwargs: dict) -> dict:
+def _attention_options(kwargs: dict, model_name: str = "the model") -> dict:
     """dtree attend() options from the keyword arguments transformers passes the
     attention function. A non-None argument that is neither an option nor harmless
     could change the attention (a cache, a non-causal flag, a new model feature): it
@@ -57,7 +70,7 @@ def _attention_options(kwargs: dict) -> dict:
                 raise ValueError("dtree trains causal LMs; this attention layer asked for is_causal=False")
         elif name not in _HARMLESS_KWARGS:
             raise ValueError(
-                f"the model passed {name!r} to its attention function, which dtree does not implement; "
+                f"{model_name} passed {name!r} to its attention function, which dtree does not implement; "
                 "it could change the attention, so dtree refuses rather than ignore it"
             )
     return options
@@ -76,22 +89,30 @@ def _dtree_attention(
     """transformers attention function: [1, Hq, T, Dk] q, [1, Hkv, T, Dk] k, [1, Hkv, T, Dv] v
     -> ([1, T, Hq, Dv], None). ``softcap``, ``s_aux`` (sinks) and ``sliding_window``
     become the per-layer options of dtree's attention."""
-    attend: AttendFn | None = kwargs.get("dtree_attend")
-    if attend is None:
+    calls = active_call()
+    if calls is None:
         raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} only runs inside dtree.TreeRuntime; "
-            "set the model back to 'sdpa' or 'eager' to use it directly"
+            f"attention implementation {ATTENTION_NAME!r} only runs inside a dtree model call (TreeRuntime or a "
+            "baseline); set the model back to 'sdpa' or 'eager' to use it directly"
         )
     if dropout:
         raise ValueError("attention dropout is not supported by dtree's stack attention; set it to 0 or call model.eval()")
-    options = _attention_options(kwargs)
+    if attention_mask is not None:
+        # transformers builds no mask for dtree's implementation: this one is the model's own
+        # (a learned or input-dependent score bias, e.g. Doge's dynamic mask)
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
+        raise ValueError(
+            f"{calls.model_name}: {type(module).__name__} passes its own attention mask or score bias ({shape}) to the "
+            "attention function; dtree's attention masks the tree itself and cannot apply a model-made mask"
+        )
+    options = _attention_options(kwargs, calls.model_name)
     if query.shape[0] != 1:
         raise ValueError(f"dtree runs one packed row per call, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     q = query[0].transpose(0, 1)  # [T, Hq, D]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = attend(module.layer_idx, q, k, v, scale, **options)
+    out = calls(module, q, k, v, scale, **options)
     return out.unsqueeze(0), None
 
 
@@ -139,6 +160,92 @@ def _is_plain_linear(head: torch.nn.Module) -> bool:
     )
 
 
+# model_type -> ModelSpec fields for families whose attention function receives other K/V
+# shapes than their config's standard names say
+_RECEIVED_KV = {
+    "jetmoe": lambda c: {"num_kv_heads": c.num_attention_heads},  # K/V tiled to every query head (top-k experts)
+}
+
+
+def _raise_for_model_crash(error: Exception, name: str) -> None:
+    """Turn a TypeError/AttributeError/IndexError raised in a transformers model's own
+    code while dtree ran it into a ValueError that says so (typically the model reads
+    the attention mask that transformers builds for its own implementations and builds
+    none for dtree's). Errors from anywhere else propagate unchanged."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = frames[-1] if frames else None
+    if where is None or "/transformers/models/" not in where.filename.replace("\\", "/"):
+        return
+    raise ValueError(
+        f"{name} failed in its own code while dtree ran it ({where.filename.rsplit('/', 1)[-1]}:{where.lineno}: "
+        f"{type(error).__name__}: {error}): it likely reads the attention mask that transformers builds for its own "
+        "attention implementations (dtree's attention takes none), e.g. a sparse-attention indexer; dtree cannot run it"
+    ) from error
+
+
+def _largest(size) -> int:
+    """A config size that may be per layer (a list, Gemma 3n) as one int (the largest)."""
+    return int(max(size)) if isinstance(size, (list, tuple)) else int(size or 0)
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder stack of a ``*ForCausalLM`` (what returns the final hidden states):
+    ``model.<base_model_prefix>``, else ``model.model`` or ``model.transformer``
+    (Llama4ForCausalLM names a prefix it does not use)."""
+    for name in (getattr(model, "base_model_prefix", ""), "model", "transformer"):
+        base = getattr(model, name, None) if name else None
+        if isinstance(base, torch.nn.Module) and base is not model:
+            return base
+    raise TypeError(f"{type(model).__name__}: cannot find its base model (the decoder stack under the LM head)")
+
+
+def _logit_transform(config) -> tuple[float, float | None]:
+    """(logit_scale, final_softcap) of the model's logits, from the config names the
+    families use: Granite divides by ``logits_scaling``, Cohere multiplies by
+    ``logit_scale``, Gemma 2/3 soft-cap with ``final_logit_softcapping``. The probe
+    (:mod:`dtree.models.probe`) verifies the result against the model's forward."""
+    scale = 1.0
+    if getattr(config, "logits_scaling", None):
+        scale /= float(config.logits_scaling)
+    if getattr(config, "logit_scale", None) is not None:
+        scale *= float(config.logit_scale)
+    softcap = getattr(config, "final_logit_softcapping", None)
+    return scale, (float(softcap) if softcap else None)
+
+
+def _in_call_context(checkpoint_func: Callable) -> Callable:
+    """HF's ``_gradient_checkpointing_func(function, *args)``, with ``function`` run in a
+    copy of the current ``contextvars`` context, in forward and in its re-run."""
+
+    @functools.wraps(checkpoint_func)
+    def run(function, *args, **kwargs):
+        return checkpoint_func(functools.partial(contextvars.copy_context().run, function), *args, **kwargs)
+
+    return run
+
+
+@contextlib.contextmanager
+def _hf_checkpointing_in_call_context(model: torch.nn.Module) -> Iterator[None]:
+    """While one dtree model call runs, HF gradient checkpointing runs each layer in a
+    copy of the call's context. HF re-runs a checkpointed layer inside backward, after
+    :meth:`HFTreeModel.dtree_hidden_states` returned and reset the active call
+    (:func:`dtree.models.guard.activate`); the copy keeps it for the re-run, so the
+    re-run attends through the same group's ``attend`` (as the forward did) and family
+    adapters still dispatch. The re-run's attention calls come after the call's
+    per-layer check, so they are not counted against it."""
+    wrapped = []
+    for m in model.modules():
+        func = m.__dict__.get("_gradient_checkpointing_func")
+        if func is not None and getattr(m, "gradient_checkpointing", False) is True and m.training:
+            m._gradient_checkpointing_func = _in_call_context(func)
+            wrapped.append((m, func))
+    try:
+        yield
+    finally:
+        for m, func in wrapped:
+            m._gradient_checkpointing_func = func
+
+
 class HFTreeModel:
     """Adapter giving a transformers ``*ForCausalLM`` the :class:`TreeModule` methods."""
 
@@ -147,27 +254,54 @@ class HFTreeModel:
         if config is None or not hasattr(model, "get_output_embeddings"):
             raise TypeError("HFTreeModel needs a transformers causal LM (a model with .config and an output embedding)")
         config = config.get_text_config() if hasattr(config, "get_text_config") else config
-        if getattr(config, "final_logit_softcapping", None):
-            raise ValueError(f"{type(model).__name__} uses final_logit_softcapping, which dtree does not support yet")
-        if getattr(config, "logit_scale", None) not in (None, 1, 1.0):
-            raise ValueError(f"{type(model).__name__} scales its logits (logit_scale), which dtree does not support yet")
         if model.get_output_embeddings() is None:
             raise TypeError(
                 f"{type(model).__name__} has no LM head (get_output_embeddings() is None): dtree trains causal LMs; "
                 "load the model with AutoModelForCausalLM"
             )
         self.model = model
-        self.base = getattr(model, model.base_model_prefix)
+        self.name = type(model).__name__
+        self.base = _base_model(model)
         self.config = config
+        self.logit_scale, self.final_softcap = _logit_transform(config)
+        try:
+            heads = getattr(config, "num_attention_heads", None)
+            if not heads:
+                raise ValueError(
+                    f"{self.name} has no attention (its config has no num_attention_heads): a recurrent or state-space "
+                    "model carries state along the sequence instead of a KV cache, which dtree cannot split at tree "
+                    "branches"
+                )
+            self.spec = self._spec(model, config)
+        except Exception as error:  # heterogeneous configs refuse global reads of per-layer sizes
+            if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                raise
+            raise ValueError(
+                f"{self.name}: its layers have different attention shapes (per-layer config: {error}); dtree's KV "
+                "stack holds one K/V shape for all layers"
+            ) from error
+        self.adapted = families.install(model)
+        self._layer_of_module: dict[int, int] | None = None
+        self._probed: set = set()
+        self._own_attention: dict[int, str] = {}  # config id -> the model's attention implementation
+        _register()
+
+    @staticmethod
+    def _spec(model: torch.nn.Module, config) -> ModelSpec:
+        """Shapes from the config's standard names (with the corrections of
+        :data:`_RECEIVED_KV` and :func:`families.spec_overrides`); the K/V shapes are
+        checked against what each layer's attention receives at every call."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         kv_heads, v_head_dim = getattr(config, "num_key_value_heads", None) or heads, None
+        if getattr(config, "v_head_dim", None) and config.v_head_dim != head_dim:  # values narrower (MiMo)
+            v_head_dim = config.v_head_dim
         if getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None):
             # multi-head latent attention (DeepSeek-V2/V3, Kimi): the attention receives K and V
             # expanded from the latent to every query head, keys nope + rope wide, values narrower
             head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
             kv_heads, v_head_dim = heads, config.v_head_dim
-        self.spec = ModelSpec(
+        fields = dict(
             num_layers=config.num_hidden_layers,
             num_heads=heads,
             num_kv_heads=kv_heads,
@@ -175,17 +309,23 @@ class HFTreeModel:
             v_head_dim=v_head_dim,
             hidden_size=config.hidden_size,
             vocab_size=config.vocab_size,
-            intermediate_size=getattr(config, "intermediate_size", 0) or 0,
+            intermediate_size=_largest(getattr(config, "intermediate_size", 0)),
             max_positions=getattr(config, "max_position_embeddings", None),
             sliding_window=_effective_sliding_window(config),
             name=getattr(config, "model_type", type(model).__name__),
         )
-        _register()
+        fields.update(_RECEIVED_KV.get(fields["name"], lambda c: {})(config))
+        return ModelSpec(**{**fields, **families.spec_overrides(model, config)})
+
+    def _configs(self) -> list:
+        return list({id(c): c for c in (self.model.config, self.config)}.values())
 
     @contextlib.contextmanager
     def _dtree_attention(self) -> Iterator[None]:
-        configs = {id(c): c for c in (self.model.config, self.config)}.values()
-        saved = [(c, c._attn_implementation) for c in configs]
+        saved = [(c, c._attn_implementation) for c in self._configs()]
+        for c, old in saved:
+            if old != ATTENTION_NAME:  # the outermost switch knows the model's own implementation
+                self._own_attention[id(c)] = old
         try:
             for c, _ in saved:
                 c._attn_implementation = ATTENTION_NAME
@@ -193,6 +333,20 @@ class HFTreeModel:
         finally:
             for c, old in saved:
                 c._attn_implementation = old
+
+    @contextlib.contextmanager
+    def own_attention(self) -> Iterator[None]:
+        """The model's own attention implementation while the block runs, also inside
+        :meth:`dtree_scope` (the probe runs the model's own forward)."""
+        saved = [(c, c._attn_implementation) for c in self._configs()]
+        try:
+            for c, impl in saved:
+                if impl == ATTENTION_NAME:
+                    c._attn_implementation = self._own_attention.get(id(c), "sdpa")
+            yield
+        finally:
+            for c, impl in saved:
+                c._attn_implementation = impl
 
     def dtree_scope(self):
         """Context for a whole training step: the model's attention is dtree's while it
@@ -203,26 +357,73 @@ class HFTreeModel:
     def dtree_spec(self) -> ModelSpec:
         return self.spec
 
+    def decoder_layers(self) -> list[torch.nn.Module]:
+        """The model's decoder layers (read at every call: adapters may wrap them)."""
+        return decoder_layers(self.base, self.spec.num_layers)
+
+    def _layer_of(self, module: torch.nn.Module) -> int | None:
+        """Decoder layer index of an attention module without an integer ``layer_idx``."""
+        if self._layer_of_module is None or id(module) not in self._layer_of_module:
+            self._layer_of_module = {
+                id(m): i for i, layer in enumerate(self.decoder_layers()) for m in layer.modules()
+            }
+        return self._layer_of_module.get(id(module))
+
     def dtree_hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn) -> torch.Tensor:
-        """[T] ids and positions -> [T, hidden] final hidden states."""
-        with self._dtree_attention():
-            out = self.base(
-                input_ids=input_ids.unsqueeze(0),
-                position_ids=position_ids.unsqueeze(0),
-                use_cache=False,
-                dtree_attend=attend,
-            )
-        return out.last_hidden_state[0]
+        """[T] ids and positions -> [T, hidden] final hidden states. Raises a ValueError
+        (after the call) unless every decoder layer's attention went through ``attend``
+        exactly once."""
+        calls = AttentionCalls(attend, self.spec, self.name, self._layer_of)
+        extra = families.call_kwargs(self.adapted, input_ids.device)
+        try:
+            with self._dtree_attention(), activate(calls), _hf_checkpointing_in_call_context(self.model):
+                out = self.base(
+                    input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **extra
+                )
+        except (TypeError, AttributeError, IndexError) as error:
+            _raise_for_model_crash(error, self.name)
+            raise
+        calls.check_every_layer(self.decoder_layers())
+        hidden = getattr(out, "last_hidden_state", None)
+        return (hidden if hidden is not None else out[0])[0]
+
+    def head_transform(self) -> str:
+        """What dtree applies to the head's logits, for messages."""
+        parts = [f"logit_scale={self.logit_scale:g}"]
+        if self.final_softcap is not None:
+            parts.append(f"final_softcap={self.final_softcap:g}")
+        return ", ".join(parts)
+
+    def mixer_hint(self) -> str:
+        """' (suspects: ...)' naming modules that look like token mixers other than attention."""
+        names = sorted(
+            {type(m).__name__ for m in self.model.modules() if any(k in type(m).__name__.lower() for k in _MIXER_NAMES)}
+        )
+        return f" (suspects: {', '.join(names[:4])})" if names else ""
 
     def dtree_output_layer(self) -> OutputHead:
         """The LM head as it is now (adapters may have wrapped it since construction):
         the fused path for a plain ``nn.Linear`` (tied or not), else the module path,
         which calls the head itself (PEFT LoRA or ``modules_to_save`` wrappers,
-        quantized linears, hooked or patched modules, subclasses)."""
-        head = self.model.get_output_embeddings()
-        if _is_plain_linear(head):
-            return OutputHead(weight=head.weight, bias=head.bias)
-        return OutputHead(module=head)
+        quantized linears, hooked or patched modules, subclasses). With the config's
+        logit transform (:func:`_logit_transform`). The first time for a head,
+        device and dtype, the model is probed (:func:`dtree.models.probe.check_model`)."""
+        module = self.model.get_output_embeddings()
+        transform = dict(logit_scale=self.logit_scale, final_softcap=self.final_softcap)
+        if _is_plain_linear(module):
+            head = OutputHead(weight=module.weight, bias=module.bias, **transform)
+        else:
+            head = OutputHead(module=module, **transform)
+        families.check(self.model, self.name)
+        param = module.weight if isinstance(getattr(module, "weight", None), torch.Tensor) else None
+        param = param if param is not None else next(self.model.parameters())
+        key = (id(module), id(param), param.device, param.dtype)
+        if key not in self._probed:
+            from .probe import check_model
+
+            check_model(self, head)
+            self._probed.add(key)
+        return head
 
     def dtree_check(self, training: bool) -> None:
         """Raise a ValueError for a model state dtree cannot run, before any compute.
@@ -233,12 +434,15 @@ class HFTreeModel:
         for m in self.model.modules():
             if not m.training:
                 continue
-            p = getattr(m, "attention_dropout", 0.0)
+            p, where = getattr(m, "attention_dropout", 0.0), f"{type(m).__name__}.attention_dropout"
+            adapted = families.attention_dropout(m)  # the probability dropout of an adapted family's attention
+            if adapted is not None:
+                p, where = adapted, f"{type(m).__name__}'s attention dropout p"
             if isinstance(p, (int, float)) and p > 0:
                 raise ValueError(
-                    f"attention dropout ({type(m).__name__}.attention_dropout={p}) is not supported by dtree's stack "
-                    "attention: build the model with config.attention_dropout=0 (or set attention_dropout = 0 on every "
-                    "attention module), or call model.eval(). Dropout elsewhere (LoRA, residual) is replayed exactly"
+                    f"attention dropout ({where}={p}) is not supported by dtree's stack attention: build the model "
+                    "with config.attention_dropout=0 (or set attention_dropout = 0 on every attention module), or call "
+                    "model.eval(). Dropout elsewhere (LoRA, residual) is replayed exactly"
                 )
 
     def parameters(self):
@@ -255,9 +459,11 @@ class HFTreeModel:
         layers are compiled in place, so the model runs compiled everywhere; compiling
         twice is a no-op.
         """
-        layers = getattr(self.base, "layers", None)
-        if not isinstance(layers, torch.nn.ModuleList):
-            raise ValueError(f"{type(self.model).__name__} has no decoder layer list at .{self.model.base_model_prefix}.layers")
+        layers = self.decoder_layers()
+        if not layers:
+            raise ValueError(
+                f"{self.name} has no list of {self.spec.num_layers} decoder layers under .{self.model.base_model_prefix}"
+            )
         for layer in layers:
             if not getattr(layer, "_dtree_compiled", False):
                 layer.compile(**{"dynamic": True, **compile_kwargs})

@@ -1,0 +1,168 @@
+"""A one-time probe of a transformers model: does dtree compute what the model computes?
+
+dtree runs a model's decoder through :meth:`HFTreeModel.dtree_hidden_states` with its
+own attention, and its LM head through an :class:`~dtree.ops.logprobs.OutputHead`
+built from the config. Whatever the model does beyond that (a logit transform in its
+``*ForCausalLM.forward``, tokens mixed outside attention, positions taken from the row
+instead of ``position_ids``) would make dtree silently wrong. :func:`check_model`
+catches it on a short probe, against the model's own ``forward`` with its own attention:
+
+1. **alone**: the log-probs (and entropies) of the model's own logits equal those of
+   dtree's ``OutputHead`` applied to dtree's hidden states of the probe sequence
+   (attention by :func:`dtree.ops.stack_attention.attend_math`, the ops' reference
+   math). When they differ, the hidden states the model's base returned tell which
+   part is off: the head (Granite's ``logits_scaling``, Cohere's ``logit_scale``,
+   Gemma's final soft-capping are configured; anything else is refused) or the decoder;
+2. **packed**: dtree's hidden states of the probe sequence packed after another one in
+   one call, as the runtime packs segments, equal those of the probe alone: a
+   recurrent or convolution layer, or a model that ignores ``position_ids``, leaks the
+   first sequence into the second.
+
+The model's own forward runs with its own attention implementation even inside
+:meth:`HFTreeModel.dtree_scope` (:meth:`HFTreeModel.own_attention`).
+
+It runs without grad, in eval mode (dropout off; the modules' modes are restored), once
+per model placement and head (see :meth:`HFTreeModel.dtree_output_layer`). A mismatch
+raises a ``ValueError`` naming the model class and what differs. Tolerances are
+relative to the reference's size: 1e-4 in float32 (exact runs agree to about 1e-6),
+5e-2 in 16-bit dtypes, where the probe catches gross errors only and
+``tests/test_families.py`` checks every family in float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Iterator
+
+import numpy as np
+import torch
+
+from ..ops.logprobs import OutputHead, token_logprobs_reference
+from ..ops.stack_attention import AttentionOptions, attend_math
+
+if TYPE_CHECKING:
+    from .hf import HFTreeModel
+
+__all__ = ["check_model", "PROBE_LENGTHS"]
+
+PROBE_LENGTHS = (5, 7)  # the packed-before sequence, the probe sequence
+
+_TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
+_TOLERANCE_16BIT = 5e-2
+
+
+class SegmentAttention:
+    """``attend`` for the probe: plain per-segment causal attention (no stack), each
+    segment on its own, with the layer's options. q [T, Hq, Dk], k [T, Hkv, Dk],
+    v [T, Hkv, Dv] -> [T, Hq, Dv]."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+
+    def __call__(self, layer: int, q, k, v, scale: float, **options) -> torch.Tensor:
+        opts = AttentionOptions(**options)
+        parts = [
+            attend_math(q[a:b], k[a:b], v[a:b], scale, opts) for a, b in zip(self.offsets[:-1], self.offsets[1:])
+        ]
+        return torch.cat(parts)
+
+
+@contextlib.contextmanager
+def _eval_mode(model: torch.nn.Module) -> Iterator[None]:
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        model.eval()
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+def _probe_tokens(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two fixed token sequences of :data:`PROBE_LENGTHS`, ids in ``[0, min(vocab, 1000))``."""
+    gen = torch.Generator().manual_seed(1234)
+    first, probe = (torch.randint(0, min(vocab, 1000), (n,), generator=gen) for n in PROBE_LENGTHS)
+    return first.to(device), probe.to(device)
+
+
+def _own_forward(adapter: "HFTreeModel", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's own forward on one row: ([T, V] logits, [T, H] hidden states its
+    base model returned, i.e. what dtree's head is applied to; None when the forward
+    does not call the base model as a whole, e.g. OPT calls its decoder)."""
+    seen: list[torch.Tensor] = []
+
+    def grab(module, args, output):
+        hidden = getattr(output, "last_hidden_state", None)
+        seen.append(hidden if hidden is not None else output[0])
+
+    handle = adapter.base.register_forward_hook(grab)
+    try:
+        with adapter.own_attention():
+            out = adapter.model(input_ids=ids[None], use_cache=False)
+    finally:
+        handle.remove()
+    return out.logits[0], (seen[-1][0] if seen else None)
+
+
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    got, ref = got.double(), ref.double()
+    return float((got - ref).norm() / ref.norm().clamp_min(1e-12))
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    return _TOLERANCE.get(dtype, _TOLERANCE_16BIT)
+
+
+def _head_error(head: OutputHead, logits: torch.Tensor, hidden: torch.Tensor, ids) -> tuple[float, float]:
+    """(relative error, max abs difference) between the log-probs and entropies of the
+    model's logits and those of dtree's head on ``hidden``: three labels per row (the
+    next probe token, the model's most and least likely)."""
+    labels = torch.stack([torch.roll(ids, -1), logits.argmax(-1), logits.argmin(-1)], dim=1).reshape(-1)
+    lp, ent = token_logprobs_reference(hidden.repeat_interleave(3, dim=0), head, labels, with_entropy=True)
+    ref_all = torch.log_softmax(logits.to(lp.dtype), dim=-1)
+    ref_lp = ref_all.repeat_interleave(3, dim=0).gather(-1, labels[:, None]).squeeze(-1)
+    ref_ent = -(ref_all.exp() * ref_all).sum(-1).repeat_interleave(3)
+    err = max(_relative_error(lp, ref_lp), _relative_error(ent, ref_ent))
+    return err, float((lp - ref_lp).abs().max())
+
+
+def check_model(adapter: "HFTreeModel", head: OutputHead) -> None:
+    """Raise a ValueError if dtree's view of ``adapter``'s model differs from the model's
+    own forward on the probe (see the module docstring)."""
+    model = adapter.model
+    device = next(model.parameters()).device
+    first, ids = _probe_tokens(adapter.spec.vocab_size, device)
+    n0, n = len(first), len(ids)
+    with torch.no_grad(), _eval_mode(model):
+        logits, base_hidden = _own_forward(adapter, ids)
+        tol = _tolerance(logits.dtype)
+        positions = torch.arange(n, device=device)
+        alone = adapter.dtree_hidden_states(ids, positions, SegmentAttention([n]))
+        err, diff = _head_error(head, logits, alone, ids)
+        if err > tol:
+            if base_hidden is not None and _head_error(head, logits, base_hidden, ids)[0] > tol:
+                raise ValueError(
+                    f"{adapter.name} post-processes its logits (or the hidden states before its LM head) in forward: "
+                    f"its log-probs differ from its LM head's by up to {diff:.3g} (relative {err:.2e}); dtree cannot "
+                    f"reproduce it. dtree applies {adapter.head_transform()} from the config; another transform needs "
+                    "a custom TreeModule with its own OutputHead (logit_scale, final_softcap)"
+                )
+            raise ValueError(
+                f"{adapter.name}: dtree's log-probs of a probe sequence differ from the model's own forward by up to "
+                f"{diff:.3g} (relative {err:.2e}): its attention computes something dtree's attention options do not "
+                f"express, or another part of the model depends on how it is called{adapter.mixer_hint()}. dtree "
+                "cannot run it exactly"
+            )
+        packed = adapter.dtree_hidden_states(
+            torch.cat([first, ids]), torch.cat([torch.arange(n0, device=device), positions]),
+            SegmentAttention([n0, n]),
+        )[n0:]
+        err = _relative_error(packed, alone)
+        if err > tol:
+            raise ValueError(
+                f"{adapter.name}: dtree's forward of a probe sequence packed after another one differs from the same "
+                f"sequence alone (relative error {err:.2e}): something mixes tokens outside the attention function "
+                f"(a recurrent, state-space or convolution layer), or the model ignores position_ids"
+                f"{adapter.mixer_hint()}. dtree packs sequences and splits them at tree branches, so it cannot run "
+                "this model exactly"
+            )
