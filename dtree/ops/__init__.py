@@ -4,7 +4,10 @@
   (``reference``, ``sdpa``, and the fused ``triton`` backend), with softcapping, sinks,
   ALiBi and sliding windows; :mod:`dtree.ops.stack_attention_naive` is the dense
   reference every backend is tested against; :func:`seed_from_stack` folds the stack's
-  gradient slots of a call back into its own K/V gradients.
+  gradient slots of a call back into its own K/V gradients. Its parts:
+  :mod:`~dtree.ops.segment_layout` (where each segment reads K/V from),
+  :mod:`~dtree.ops.attention_options` (score options, host-side checks) and
+  :mod:`~dtree.ops.attention_math` (one segment's attention, float32 math and SDPA).
 - :mod:`dtree.ops.logprobs`: chunked log-probs and entropies through the LM head (:class:`OutputHead`).
 """
 

@@ -110,7 +110,8 @@ import torch
 
 from ..kv_stack import KVStack
 from ..transfer import upload
-from .stack_attention import AttentionOptions, SegmentLayout, check_stack_attention
+from .attention_options import AttentionOptions, check_stack_attention
+from .segment_layout import SegmentLayout
 
 try:
     import triton
@@ -758,77 +759,87 @@ def _by_cost(table: np.ndarray, cost: np.ndarray) -> np.ndarray:
 def _runs(layout: SegmentLayout) -> dict:
     """Host description of the call: runs of consecutive non-empty segments with the
     same prefix ranges, and per-row segment bounds."""
-    key = ("triton", "runs")
-    if key not in layout._index_cache:
-        q_off = np.asarray(layout.q_offsets, dtype=np.int64)
-        lens = np.diff(q_off)
-        first, last = [], []
-        for i in np.flatnonzero(lens):
-            if last and layout.prefix_ranges[i] == layout.prefix_ranges[last[-1]]:
-                last[-1] = i
-            else:
-                first.append(i)
-                last.append(i)
-        flat = [(int(lo), int(hi)) for r in layout.prefix_ranges for lo, hi in r]
-        bad = [(lo, hi) for lo, hi in flat if not 0 <= lo <= hi]
-        if bad:
-            raise ValueError(f"prefix ranges must satisfy 0 <= lo <= hi, got {bad[0]}")
-        first_a = np.asarray(first, dtype=np.int64)
-        last_a = np.asarray(last, dtype=np.int64)
-        range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
-        ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
-        seg_start = np.repeat(q_off[:-1], lens)
-        layout._index_cache[key] = {
-            "row_lo": q_off[first_a],
-            "row_hi": q_off[last_a + 1],
-            "range_begin": range_offsets[first_a],
-            "range_end": range_offsets[first_a + 1],
-            "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
-            "ranges": ranges,
-            "slots_end": max((hi for _, hi in flat), default=0),
-            "seg_start": seg_start,
-            "seg_end": np.repeat(q_off[1:], lens),
-            "row_depth": np.arange(int(q_off[-1]), dtype=np.int64) - seg_start,  # minus the run's prefix_len
-        }
-    return layout._index_cache[key]
+    return layout.cached(("triton", "runs"), lambda: _build_runs(layout))
+
+
+def _build_runs(layout: SegmentLayout) -> dict:
+    q_off = np.asarray(layout.q_offsets, dtype=np.int64)
+    lens = np.diff(q_off)
+    first, last = [], []
+    for i in np.flatnonzero(lens):
+        if last and layout.prefix_ranges[i] == layout.prefix_ranges[last[-1]]:
+            last[-1] = i
+        else:
+            first.append(i)
+            last.append(i)
+    flat = [(int(lo), int(hi)) for r in layout.prefix_ranges for lo, hi in r]
+    bad = [(lo, hi) for lo, hi in flat if not 0 <= lo <= hi]
+    if bad:
+        raise ValueError(f"prefix ranges must satisfy 0 <= lo <= hi, got {bad[0]}")
+    first_a = np.asarray(first, dtype=np.int64)
+    last_a = np.asarray(last, dtype=np.int64)
+    range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
+    ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
+    seg_start = np.repeat(q_off[:-1], lens)
+    return {
+        "row_lo": q_off[first_a],
+        "row_hi": q_off[last_a + 1],
+        "range_begin": range_offsets[first_a],
+        "range_end": range_offsets[first_a + 1],
+        "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
+        "ranges": ranges,
+        "slots_end": max((hi for _, hi in flat), default=0),
+        "seg_start": seg_start,
+        "seg_end": np.repeat(q_off[1:], lens),
+        "row_depth": np.arange(int(q_off[-1]), dtype=np.int64) - seg_start,  # minus the run's prefix_len
+    }
 
 
 def _row_tables(layout: SegmentLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``seg_start [T]`` and ``seg_end [T]`` of every row's segment."""
-    key = ("triton", "rows", device)
-    if key not in layout._index_cache:
+
+    def build():
         runs = _runs(layout)
         t = upload(np.stack([runs["seg_start"], runs["seg_end"]]).astype(np.int32), device)
-        layout._index_cache[key] = (t[0], t[1])
-    return layout._index_cache[key]
+        return t[0], t[1]
+
+    return layout.cached(("triton", "rows", device), build)
 
 
 def _q_blocks(layout: SegmentLayout, device: torch.device, block_m: int) -> torch.Tensor:
     """[NB, 5] int32 forward/dq work items: (r0, r1, range_begin, range_end, prefix_len)."""
-    key = ("triton", "q", device, block_m)
-    if key not in layout._index_cache:
+
+    def build():
         runs = _runs(layout)
         run, r0, r1 = _split(runs["row_lo"], runs["row_hi"], block_m)
         plen = runs["prefix_len"][run]
         table = np.stack([r0, r1, runs["range_begin"][run], runs["range_end"][run], plen], axis=1)
         cost = (r1 - r0) * (plen + r1 - runs["seg_start"][r0])
-        layout._index_cache[key] = upload(_by_cost(table, cost), device)
-    return layout._index_cache[key]
+        return upload(_by_cost(table, cost), device)
+
+    return layout.cached(("triton", "q", device, block_m), build)
 
 
 def _kv_items(
-    layout: SegmentLayout, device: torch.device, block_n: int, with_prefix: bool, window: int | None = None
+    layout: SegmentLayout,
+    device: torch.device,
+    block_n: int,
+    with_prefix: bool,
+    window: int | None = None,
+    prefix_item_rows: int | None = None,
 ) -> torch.Tensor:
     """[NI, 7] int32 dK/dV work items: (kind, c0, c1, q0, q1, kshift, plen).
 
     Own items: keys ``[c0, c1)`` of a run, queries ``[c0, seg_end[c1 - 1])``. Prefix
     items (only ``with_prefix``): stack slots ``[c0, c1)`` of one of the run's ranges
-    (at depths ``c + kshift``), and at most ``_PREFIX_ITEM_ROWS`` of the run's rows.
+    (at depths ``c + kshift``), and at most ``prefix_item_rows`` of the run's rows.
     With a window, the ranges are cut from the first slot the run's shallowest row
     sees (no item reads a slot that no row of its run sees), and only the items some
     of whose rows see some of their slots are kept."""
-    key = ("triton", "kv", device, block_n, with_prefix, _PREFIX_ITEM_ROWS, window)
-    if key not in layout._index_cache:
+    if prefix_item_rows is None:
+        prefix_item_rows = _PREFIX_ITEM_ROWS
+
+    def build():
         runs = _runs(layout)
         run, c0, c1 = _split(runs["row_lo"], runs["row_hi"], block_n)
         q1 = runs["seg_end"][c1 - 1] if len(c1) else c1
@@ -836,38 +847,48 @@ def _kv_items(
         tables = [np.stack([np.full_like(c0, _OWN), c0, c1, c0, q1, zeros, runs["prefix_len"][run]], axis=1)]
         costs = [(c1 - c0) * (q1 - c0)]
         if with_prefix:
-            flat = []  # (run, first slot to read, hi, kshift: depth of slot s is s + kshift)
-            for r, ranges in enumerate(runs["ranges"]):
-                depth, plen = 0, int(runs["prefix_len"][r])
-                for lo, hi in ranges:
-                    # with a window, a run's shallowest row (depth plen) sees the deepest slots
-                    first = lo if window is None else max(lo, lo - depth + plen - window + 1)
-                    if first < hi:
-                        flat.append((r, first, hi, depth - lo))
-                    depth += hi - lo
-            if flat:
-                f_run, f_lo, f_hi, f_shift = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
-                owner, s0, s1 = _split(f_lo, f_hi, block_n)
-                c_run, c_shift = f_run[owner], f_shift[owner]
-                split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], _PREFIX_ITEM_ROWS)
-                split_starts = qa
-                n_splits = np.bincount(split_run, minlength=len(runs["row_lo"]))
-                first_split = np.cumsum(n_splits) - n_splits
-                rep = n_splits[c_run]
-                chunk = np.repeat(np.arange(len(s0)), rep)
-                split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
-                s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
-                plen = runs["prefix_len"][split_run[split]]
-                if window is not None and len(qa):
-                    # the splits tile the rows in order, so reduceat gives each one's shallowest row
-                    split_min = np.minimum.reduceat(runs["row_depth"], split_starts)
-                    keep = plen + split_min[split] - (s1 - 1 + shift) < window
-                    s0, s1, shift, qa, qb, plen = (x[keep] for x in (s0, s1, shift, qa, qb, plen))
-                tables.append(np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb, shift, plen], axis=1))
-                costs.append((s1 - s0) * (qb - qa))
-        table = _by_cost(np.concatenate(tables), np.concatenate(costs))
-        layout._index_cache[key] = upload(table, device)
-    return layout._index_cache[key]
+            prefix = _prefix_items(runs, block_n, window, prefix_item_rows)
+            if prefix is not None:
+                tables.append(prefix)
+                costs.append((prefix[:, 2] - prefix[:, 1]) * (prefix[:, 4] - prefix[:, 3]))
+        return upload(_by_cost(np.concatenate(tables), np.concatenate(costs)), device)
+
+    return layout.cached(("triton", "kv", device, block_n, with_prefix, prefix_item_rows, window), build)
+
+
+def _prefix_items(runs: dict, block_n: int, window: int | None, prefix_item_rows: int) -> np.ndarray | None:
+    """[NP, 7] int64 prefix work items of :func:`_kv_items` (None when no run reads a
+    prefix slot): every run's prefix ranges cut into ``block_n`` slots, times its rows
+    cut into ``prefix_item_rows``."""
+    flat = []  # (run, first slot to read, hi, kshift: depth of slot s is s + kshift)
+    for r, ranges in enumerate(runs["ranges"]):
+        depth, plen = 0, int(runs["prefix_len"][r])
+        for lo, hi in ranges:
+            # with a window, a run's shallowest row (depth plen) sees the deepest slots
+            first = lo if window is None else max(lo, lo - depth + plen - window + 1)
+            if first < hi:
+                flat.append((r, first, hi, depth - lo))
+            depth += hi - lo
+    if not flat:
+        return None
+    f_run, f_lo, f_hi, f_shift = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
+    owner, s0, s1 = _split(f_lo, f_hi, block_n)
+    c_run, c_shift = f_run[owner], f_shift[owner]
+    split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], prefix_item_rows)
+    split_starts = qa
+    n_splits = np.bincount(split_run, minlength=len(runs["row_lo"]))
+    first_split = np.cumsum(n_splits) - n_splits
+    rep = n_splits[c_run]
+    chunk = np.repeat(np.arange(len(s0)), rep)
+    split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
+    s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
+    plen = runs["prefix_len"][split_run[split]]
+    if window is not None and len(qa):
+        # the splits tile the rows in order, so reduceat gives each one's shallowest row
+        split_min = np.minimum.reduceat(runs["row_depth"], split_starts)
+        keep = plen + split_min[split] - (s1 - 1 + shift) < window
+        s0, s1, shift, qa, qb, plen = (x[keep] for x in (s0, s1, shift, qa, qb, plen))
+    return np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb, shift, plen], axis=1)
 
 
 # --------------------------------------------------------------------------- autograd

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..transfer import upload
-from .stack_attention import check_packed_qkv
+from .attention_options import check_packed_qkv
 
 __all__ = ["BACKENDS", "TreeMaskLayout", "tree_mask_attention", "tree_mask_attention_flex", "tree_mask_attention_sdpa"]
 

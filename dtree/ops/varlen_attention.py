@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ..transfer import upload
-from .stack_attention import attend_math, attend_sdpa, check_packed_qkv
+from .attention_math import attend_math, attend_sdpa
+from .attention_options import check_packed_qkv
 
 __all__ = [
     "BACKENDS",

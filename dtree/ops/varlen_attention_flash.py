@@ -36,7 +36,8 @@ import torch
 
 from ..kv_stack import KVStack
 from ..transfer import upload
-from .stack_attention import SegmentLayout, check_packed_qkv
+from .attention_options import check_packed_qkv
+from .segment_layout import SegmentLayout
 from .varlen_attention import FLASH_DTYPES, VarlenLayout
 
 __all__ = ["flash_attn_impl", "stack_attention_flash_attn", "varlen_attention_flash_attn"]
@@ -146,11 +147,11 @@ def _plan(q_offsets: np.ndarray, prefix_ranges) -> tuple:
 def _tables(layout: SegmentLayout, device: torch.device) -> dict:
     """Device tables of :func:`_plan`, built once per layout and device (every layer of a
     call reuses them)."""
-    key = ("flash_attn", device)
-    if key not in layout._index_cache:
+
+    def build():
         q_off = np.asarray(layout.q_offsets, dtype=np.int64)
         slots, order, k_off = _plan(q_off, layout.prefix_ranges)
-        layout._index_cache[key] = {
+        return {
             "slots": upload(slots.astype(np.int64), device),
             "order": upload(order.astype(np.int64), device),
             "cu_q": upload(q_off.astype(np.int32), device),
@@ -158,7 +159,8 @@ def _tables(layout: SegmentLayout, device: torch.device) -> dict:
             "max_q": int(np.diff(q_off).max()),
             "max_k": int(np.diff(k_off).max()),
         }
-    return layout._index_cache[key]
+
+    return layout.cached(("flash_attn", device), build)
 
 
 def stack_attention_packed(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, varlen_fn):
