@@ -37,6 +37,9 @@ Backends, all with the signature of :func:`stack_attention`:
 * ``triton``: one fused kernel for all segments, reading the stack in place
   (:mod:`dtree.ops.stack_attention_triton`, CUDA only).
 
+They are registered in :mod:`dtree.ops.backends`, whose ``resolve_backend`` picks one
+for a device (``auto``: ``triton`` on CUDA where it runs, else ``sdpa``).
+
 Every backend is tested against :func:`dtree.ops.stack_attention_naive.stack_attention_naive`.
 With a window, the reference and sdpa backends gather only the in-window part of
 each segment's prefix.
@@ -51,20 +54,26 @@ import torch
 from ..kv_stack import KVStack
 from .attention_math import attend_math, attend_sdpa
 from .attention_options import PLAIN, AttentionOptions, check_packed_qkv, check_stack_attention
+from .backends import Target, backend_names, implementation
 from .segment_layout import SegmentLayout
 
 __all__ = [
+    "BACKENDS",
+    "PLAIN",
     "AttentionOptions",
     "SegmentLayout",
+    "attend_math",
+    "attend_sdpa",
+    "check_packed_qkv",
     "check_stack_attention",
     "seed_from_stack",
     "stack_attention",
     "stack_attention_reference",
     "stack_attention_sdpa",
-    "BACKENDS",
+    "triton_unavailable",
 ]
 
-BACKENDS = ("reference", "sdpa", "triton")
+BACKENDS = backend_names("stack_attention")
 
 
 def _gather_kv(k_seg, v_seg, stack: KVStack, layer: int, index):
@@ -266,15 +275,27 @@ def stack_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed segments over the stack, by backend name (see the
-    module docstring); arguments as :func:`stack_attention_reference`. Gradients of
+    module docstring and :mod:`dtree.ops.backends`; :func:`dtree.ops.backends.resolve_backend`
+    picks one for a device); arguments as :func:`stack_attention_reference`. Gradients of
     in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    options = dict(softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window)
-    if backend == "reference":
-        return stack_attention_reference(q, k, v, stack, layer, layout, scale, **options)
-    if backend == "sdpa":
-        return stack_attention_sdpa(q, k, v, stack, layer, layout, scale, **options)
-    from .stack_attention_triton import stack_attention_triton
+    attend = implementation("stack_attention", backend)
+    return attend(
+        q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window
+    )
 
-    return stack_attention_triton(q, k, v, stack, layer, layout, scale, **options)
+
+def triton_unavailable(target: Target) -> str | None:
+    """Why the ``triton`` backend cannot run on ``target`` (None: it runs): Triton
+    missing, not a CUDA device of compute capability >= 8.0 (and no interpreter), a
+    dtype or head dim the kernels do not take."""
+    try:
+        from . import stack_attention_triton as sat
+
+        sat.require_triton(target.device)
+    except (ImportError, RuntimeError) as e:
+        return f"cannot run here: {e}"
+    if target.dtype is not None and target.dtype not in sat.DTYPES:
+        return f"runs {sat.DTYPES}, this model is {target.dtype}; use attention='sdpa'"
+    if target.head_dim is not None and target.head_dim > sat.MAX_HEAD_DIM:
+        return f"supports head dims up to {sat.MAX_HEAD_DIM}, this model has {target.head_dim}; use attention='sdpa'"
+    return None

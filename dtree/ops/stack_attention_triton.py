@@ -122,7 +122,7 @@ except ImportError as e:  # the runtime's "auto" backend catches this and falls 
         "(or pip install 'dtree[triton]'); attention='sdpa' works without it"
     ) from e
 
-__all__ = ["require_triton", "stack_attention_triton"]
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "require_triton", "stack_attention_triton"]
 
 # Read once, like triton.jit does when it decorates the kernels below.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -151,8 +151,9 @@ def _patch_interpreter_for_numpy() -> None:
 if _INTERPRET:
     _patch_interpreter_for_numpy()
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_HEAD_DIM = 256
+# what the kernels run (the registry checks a model against these)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
 # Query rows per prefix dK/dV work item (see the module docstring).
@@ -1031,13 +1032,13 @@ class _StackAttention(torch.autograd.Function):
 def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: AttentionOptions) -> None:
     check_stack_attention(q, k, v, stack, layout, options)
     require_triton(q.device)
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"the 'triton' backend supports {_DTYPES}, got {q.dtype}; use attention='sdpa'")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"the 'triton' backend supports {DTYPES}, got {q.dtype}; use attention='sdpa'")
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
-    if max(k.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+    if max(k.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(
-            f"the 'triton' backend supports head dims up to {_MAX_HEAD_DIM}, got {k.shape[-1]} (keys) and "
+            f"the 'triton' backend supports head dims up to {MAX_HEAD_DIM}, got {k.shape[-1]} (keys) and "
             f"{v.shape[-1]} (values); use attention='sdpa'"
         )
     if not (q.device == k.device == v.device == stack.device):
