@@ -237,13 +237,10 @@ def run_case(case: Case, args, sat, dtype) -> dict:
     row["kernels_ms"] = kernel_ms(fwd_bwd(triton_fn, (q, k, v), go))
     if case.layout.num_segments > 1 or case.prefix_len:
         sweep = {}
-        default = sat._PREFIX_ITEM_ROWS
-        try:
-            for rows in PREFIX_ITEM_ROWS:
-                sat._PREFIX_ITEM_ROWS = rows
-                sweep[rows] = kernel_ms(fwd_bwd(triton_fn, (q, k, v), go)).get("_dkdv_kernel")
-        finally:
-            sat._PREFIX_ITEM_ROWS = default
+        for rows in PREFIX_ITEM_ROWS:
+            kernel = functools.partial(sat.stack_attention_triton, prefix_item_rows=rows)
+            tuned = functools.partial(stack_on_stack, kernel, stack, case.layout, scale)
+            sweep[rows] = kernel_ms(fwd_bwd(tuned, (q, k, v), go)).get("_dkdv_kernel")
         row["dkdv_ms_by_prefix_item_rows"] = sweep
     return row
 

@@ -27,13 +27,13 @@ ancestors stay on the stack until this call's backward has run.
 (work item, kv head), looping over the q heads of its GQA group and over the query
 rows that see its keys; a work item is either an own key block (dK/dV stored with
 plain stores; every own row belongs to exactly one item) or a prefix chunk of at most
-``BLOCK_N`` stack slots together with at most ``_PREFIX_ITEM_ROWS`` query rows of the
+``BLOCK_N`` stack slots together with at most ``prefix_item_rows`` query rows of the
 run (its dK/dV are added into the fp32 stack gradient with ``tl.atomic_add``);
 (3) a query-centric kernel for ``dq`` with the forward's iteration structure.
 
 *Atomics vs a segmented reduction* for the prefix dK/dV. A stack slot receives one
 ``tl.atomic_add`` per prefix work item covering it: ``ceil(run_rows /
-_PREFIX_ITEM_ROWS)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
+prefix_item_rows)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
 not 8), plus one per other run of the call with the same ancestor, plus the adds of
 other calls, which happen at other times. A segmented reduction would store each
 item's partial [BLOCK_N, D] tiles in a scratch buffer and sum them per slot in a
@@ -43,8 +43,8 @@ one more launch, and a write plus a re-read of every partial: at least the traff
 of the atomics, which read-modify-write the same tiles in L2. The fp32 atomic adds
 compile to 16-byte ``atom.global.relaxed.add.v4.f32`` (sm_90 PTX), and their volume
 is small against the work of an item (2 x BLOCK_N x D adds against about
-``_PREFIX_ITEM_ROWS`` x BLOCK_N x D x group x 8 flops), and only the few items
-counted above add to one slot. Items hold at most ``_PREFIX_ITEM_ROWS`` query rows so
+``prefix_item_rows`` x BLOCK_N x D x group x 8 flops), and only the few items
+counted above add to one slot. Items hold at most ``prefix_item_rows`` query rows so
 that a short prompt under many long answers still spreads over enough programs to
 fill the GPU (a 128-token prompt is only two 64-slot chunks). The price: prefix
 gradients are summed in an order that varies between runs (fp32, ~1e-7 relative);
@@ -52,7 +52,7 @@ own dK/dV and dq are deterministic.
 
 Measured (H200, bf16, 32 q / 8 kv heads of 128, ``benchmarks/bench_stack_attention.py``,
 report in ``benchmarks/results/stack_attention_nvidia_h200.md``): dK/dV kernel time
-for ``_PREFIX_ITEM_ROWS`` = 256 / 1024 (default) / 4096 / unbounded: grpo 0.980 /
+for ``prefix_item_rows`` = 256 / 1024 (default) / 4096 / unbounded: grpo 0.980 /
 0.965 / 1.143 / 1.145 ms, grpo_long 2.127 / 2.074 / 2.531 / 4.968 ms, many_small
 1.275 / 1.259 / 1.262 / 1.263 ms. Fewer rows per item (more atomic adds per slot)
 is never slower, so the atomics are not what limits the kernel and a segmented
@@ -104,6 +104,7 @@ Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -122,7 +123,7 @@ except ImportError as e:  # the runtime's "auto" backend catches this and falls 
         "(or pip install 'dtree[triton]'); attention='sdpa' works without it"
     ) from e
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "require_triton", "stack_attention_triton"]
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton", "stack_attention_triton"]
 
 # Read once, like triton.jit does when it decorates the kernels below.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -156,12 +157,28 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
-# Query rows per prefix dK/dV work item (see the module docstring).
-_PREFIX_ITEM_ROWS = 1024
+# Query rows per prefix dK/dV work item, the default of ``prefix_item_rows`` (see the
+# module docstring).
+PREFIX_ITEM_ROWS = 1024
 
-# Tiles under the interpreter: small, so that tests with ~60-row segments cross many
-# tile boundaries. q_block/kv_block size the work tables; inner is the loop step.
-_INTERPRETER_TILES = {"q_block": 16, "kv_block": 16, "inner": 16}
+
+@dataclass(frozen=True)
+class InterpreterTiles:
+    """Tiles under the Triton interpreter (powers of two >= 16): small, so that tests
+    with ~60-row segments cross many tile boundaries. ``q_block``/``kv_block`` size
+    the work tables; ``inner`` is the loop step. Compiled kernels ignore them."""
+
+    q_block: int = 16
+    kv_block: int = 16
+    inner: int = 16
+
+
+@dataclass(frozen=True)
+class _Tuning:
+    """The tuning knobs of one call, for the autograd function."""
+
+    prefix_item_rows: int = PREFIX_ITEM_ROWS
+    interpreter_tiles: InterpreterTiles = InterpreterTiles()
 
 # Work item kinds of the dK/dV kernel.
 _OWN, _PREFIX = 0, 1
@@ -701,14 +718,16 @@ def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple
     return candidates
 
 
-def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict) -> None:
+def _launch(
+    kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict, tiles: InterpreterTiles
+) -> None:
     """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
     its small tiles, else the first fixed candidate that fits the device (a launch that
     runs out of shared memory raises before the kernel starts, so trying the next one
     adds nothing twice)."""
     name = _INNER_NAME[kernel]
     if _INTERPRET:
-        _KERNELS[kernel][grid](*args, **meta, **{name: _INTERPRETER_TILES["inner"]})
+        _KERNELS[kernel][grid](*args, **meta, **{name: tiles.inner})
         return
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"],
            *(meta[f] for f in _FLAGS[kernel]))
@@ -727,7 +746,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
     )
 
 
-def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype, tiles: InterpreterTiles) -> tuple[int, int]:
     """(q-block rows of the forward/dq work items, kv-block keys of the dK/dV items).
 
     128 for 16-bit inputs; 64 for fp32 (shared memory) and for head dims above 128
@@ -735,7 +754,7 @@ def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int
     that followed the forest (it used to drop to 64 for short runs) compiled a second
     set of kernels whenever a later step's forest crossed the threshold."""
     if _INTERPRET:
-        return _INTERPRETER_TILES["q_block"], _INTERPRETER_TILES["kv_block"]
+        return tiles.q_block, tiles.kv_block
     if dtype == torch.float32 or max(head_dim, v_head_dim) > 128:
         return 64, 64
     return 128, 128
@@ -827,7 +846,7 @@ def _kv_items(
     block_n: int,
     with_prefix: bool,
     window: int | None = None,
-    prefix_item_rows: int | None = None,
+    prefix_item_rows: int = PREFIX_ITEM_ROWS,
 ) -> torch.Tensor:
     """[NI, 7] int32 dK/dV work items: (kind, c0, c1, q0, q1, kshift, plen).
 
@@ -837,8 +856,6 @@ def _kv_items(
     With a window, the ranges are cut from the first slot the run's shallowest row
     sees (no item reads a slot that no row of its run sees), and only the items some
     of whose rows see some of their slots are kept."""
-    if prefix_item_rows is None:
-        prefix_item_rows = _PREFIX_ITEM_ROWS
 
     def build():
         runs = _runs(layout)
@@ -939,11 +956,14 @@ class _Options:
 
 class _StackAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, options):
+    def forward(
+        ctx, q, k, v, sinks, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, options, tuning: _Tuning
+    ):
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         t, hq, _ = q.shape
         sk, sv = stack.k[layer], stack.v[layer]
-        block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype)
+        tiles = tuning.interpreter_tiles
+        block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype, tiles)
         tables = layout.device_tables(q.device)
         seg_start, _ = _row_tables(layout, q.device)
         q_blocks = _q_blocks(layout, q.device, block_m)
@@ -959,17 +979,18 @@ class _StackAttention(torch.autograd.Function):
             t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
         )
         _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")})
+                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")}, tiles)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
-        ctx.tiles = (block_m, block_n)
+        ctx.tuning, ctx.blocks = tuning, (block_m, block_n)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         stack, layer, layout, scale = ctx.stack, ctx.layer, ctx.layout, ctx.scale
-        block_m, block_n = ctx.tiles
+        block_m, block_n = ctx.blocks
+        tiles = ctx.tuning.interpreter_tiles
         do = _unit_last(grad_out)
         t, hq, _ = q.shape
         hkv = k.shape[1]
@@ -993,7 +1014,7 @@ class _StackAttention(torch.autograd.Function):
         seg_start, seg_end = _row_tables(layout, device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=device)
-        items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window)
+        items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window, ctx.tuning.prefix_item_rows)
         args = (
             q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -1003,7 +1024,7 @@ class _StackAttention(torch.autograd.Function):
             t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
         )
         _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args,
-                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")})
+                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")}, tiles)
 
         dq = None
         if ctx.needs_input_grad[0]:
@@ -1019,14 +1040,14 @@ class _StackAttention(torch.autograd.Function):
                 t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
             )
             _launch("dq", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")})
+                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")}, tiles)
 
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d out_r / d sink = -p_sink(r) * out_r, so dL/dsink = -sum_r p_sink(r) * delta_r
             p_sink = torch.exp2(opts.sinks2[:, None] - lse)
             dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: AttentionOptions) -> None:
@@ -1057,6 +1078,19 @@ def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: 
         raise ValueError(f"prefix ranges reach slot {slots_end}, past the stack capacity {stack.capacity}")
 
 
+def _check_tuning(tuning: _Tuning) -> None:
+    rows = tuning.prefix_item_rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"prefix_item_rows must be an int >= 1, got {rows!r}")
+    tiles = tuning.interpreter_tiles
+    if not isinstance(tiles, InterpreterTiles):
+        raise ValueError(f"interpreter_tiles must be an InterpreterTiles, got {type(tiles).__name__}")
+    for name in ("q_block", "kv_block", "inner"):
+        t = getattr(tiles, name)
+        if isinstance(t, bool) or not isinstance(t, int) or t < 16 or t & (t - 1):
+            raise ValueError(f"interpreter_tiles.{name} must be a power of two >= 16, got {t!r}")
+
+
 def stack_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1070,6 +1104,8 @@ def stack_attention_triton(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    prefix_item_rows: int = PREFIX_ITEM_ROWS,
+    interpreter_tiles: InterpreterTiles = InterpreterTiles(),
 ) -> torch.Tensor:
     """Fused attention of all packed segments over (stack prefix + own K/V).
 
@@ -1085,7 +1121,10 @@ def stack_attention_triton(
             and reused by every layer).
         scale: softmax scale.
         softcap, sinks [q_heads], alibi_slopes [q_heads], window: see
-            :class:`dtree.ops.stack_attention.AttentionOptions`.
+            :class:`dtree.ops.attention_options.AttentionOptions`.
+        prefix_item_rows: query rows per prefix dK/dV work item (see the module
+            docstring; tests and benchmarks vary it).
+        interpreter_tiles: the tiles under the Triton interpreter (tests vary them).
 
     Returns:
         [T, q_heads, Dv] in ``q.dtype``. Backward returns dq, dk, dv, dsinks and adds
@@ -1093,4 +1132,6 @@ def stack_attention_triton(
     """
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     _check(q, k, v, stack, layer, layout, options)
-    return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options)
+    tuning = _Tuning(prefix_item_rows, interpreter_tiles)
+    _check_tuning(tuning)
+    return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options, tuning)
