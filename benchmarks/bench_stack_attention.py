@@ -125,7 +125,7 @@ def stack_inputs(case: Case, hq: int, hkv: int, d: int, dtype: torch.dtype, devi
     q = torch.randn(case.tokens, hq, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(case.tokens, hkv, d, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(case.tokens, hkv, d, device=device, dtype=dtype, requires_grad=True)
-    stack.write(0, case.slots, k.detach(), v.detach())
+    stack.store_kv(0, case.slots, k.detach(), v.detach())
     return stack, q, k, v
 
 
