@@ -31,6 +31,7 @@ differs for ratios beyond ``e^20``).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
@@ -43,6 +44,8 @@ __all__ = [
     "VERL_LOSS_AGG_MODES",
     "aggregation",
     "cispo",
+    "clip_bounds",
+    "clipped_surrogate",
     "kl_penalty",
     "ppo_clip",
     "sapo",
@@ -180,51 +183,76 @@ def ppo_clip(
     if clip_eps_high is not None and epsilon_high is not None:
         raise ValueError("pass epsilon_high or clip_eps_high (its older name), not both")
     high_given = epsilon_high if epsilon_high is not None else clip_eps_high
-    low = clip_eps if epsilon_low is None else epsilon_low
-    high = clip_eps if high_given is None else high_given
-    if low < 0 or high < 0:
-        raise ValueError(f"clip bounds must be non-negative, got low={low}, high={high}")
+    low, high = clip_bounds(clip_eps, epsilon_low, high_given)
     _check_bound("delta", delta, 1.0)
     _check_bound("clip_ratio_c", clip_ratio_c, 1.0)
     reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
-
-    def capped(ratio: torch.Tensor) -> torch.Tensor:
-        return ratio if delta is None else torch.clamp(ratio, max=delta)
-
-    def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
-        adv = fields["advantages"]
-        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
-        loss = -torch.minimum(capped(ratio) * adv, torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv)
-        if clip_ratio_c is not None:
-            loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
-        return reg.add(loss, logp, ratio, fields)
-
-    def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
-        adv = fields["advantages"]
-        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
-        r = capped(ratio)  # TRL reports the clip fractions of the delta-capped ratio
-        is_low, is_high = (r < 1.0 - low) & (adv < 0), (r > 1.0 + high) & (adv > 0)
-        out = {
-            "clip_ratio/low_mean": is_low.float(),
-            "clip_ratio/high_mean": is_high.float(),
-            "clip_ratio/region_mean": (is_low | is_high).float(),
-        }
-        if clip_ratio_c is not None:  # verl's pg_clipfrac_lower: the dual clip is the active branch
-            surrogate_ratio = torch.maximum(r, torch.clamp(r, 1.0 - low, 1.0 + high))
-            out["clip_ratio/dual_mean"] = ((surrogate_ratio > clip_ratio_c) & (adv < 0)).float()
-        return {**out, **reg.metrics(logp, ratio, fields)}
-
+    surrogate = _PPOClip(low, high, delta, clip_ratio_c, log_ratio_clip, reg)
     return TokenLoss(
-        per_token,
+        surrogate.per_token,
         reduction=reduction,
         scale=scale,
         required_fields=("advantages", "old_logprobs") + reg.required,
         name="ppo_clip",
         temperature=temperature,
         needs_entropy=reg.needs_entropy,
-        metrics=metrics,
+        metrics=surrogate.metrics,
         count_empty_sequences=count_empty_sequences,
     )
+
+
+def clip_bounds(epsilon: float, epsilon_low: float | None, epsilon_high: float | None) -> tuple[float, float]:
+    """``(low, high)``: ``epsilon`` for each bound not given; both must be >= 0."""
+    low = epsilon if epsilon_low is None else epsilon_low
+    high = epsilon if epsilon_high is None else epsilon_high
+    if low < 0 or high < 0:
+        raise ValueError(f"clip bounds must be non-negative, got low={low}, high={high}")
+    return low, high
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, delta: float | None
+) -> torch.Tensor:
+    """``-min(min(r, delta)*A, clip(r, 1-low, 1+high)*A)`` elementwise (PPO's clipped
+    objective, negated; ``delta``: TRL's cap of ``r`` inside the min, or None)."""
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.minimum(capped * adv, torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv)
+
+
+@dataclass(frozen=True)
+class _PPOClip:
+    """The per-token terms and metrics of :func:`ppo_clip` (its checked options)."""
+
+    low: float
+    high: float
+    delta: float | None
+    clip_ratio_c: float | None
+    log_ratio_clip: float | None
+    reg: _Regularizers
+
+    def per_token(self, logp: torch.Tensor, fields: Fields) -> torch.Tensor:
+        adv = fields["advantages"]
+        ratio = _ratio(logp, fields["old_logprobs"], self.log_ratio_clip)
+        loss = clipped_surrogate(ratio, adv, self.low, self.high, self.delta)
+        if self.clip_ratio_c is not None:
+            loss = torch.where(adv < 0, torch.minimum(loss, -adv * self.clip_ratio_c), loss)
+        return self.reg.add(loss, logp, ratio, fields)
+
+    def metrics(self, logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
+        adv = fields["advantages"]
+        ratio = _ratio(logp, fields["old_logprobs"], self.log_ratio_clip)
+        r = ratio if self.delta is None else torch.clamp(ratio, max=self.delta)  # TRL reports the capped ratio's
+        low, high = self.low, self.high
+        is_low, is_high = (r < 1.0 - low) & (adv < 0), (r > 1.0 + high) & (adv > 0)
+        out = {
+            "clip_ratio/low_mean": is_low.float(),
+            "clip_ratio/high_mean": is_high.float(),
+            "clip_ratio/region_mean": (is_low | is_high).float(),
+        }
+        if self.clip_ratio_c is not None:  # verl's pg_clipfrac_lower: the dual clip is the active branch
+            surrogate_ratio = torch.maximum(r, torch.clamp(r, 1.0 - low, 1.0 + high))
+            out["clip_ratio/dual_mean"] = ((surrogate_ratio > self.clip_ratio_c) & (adv < 0)).float()
+        return {**out, **self.reg.metrics(logp, ratio, fields)}
 
 
 def cispo(
