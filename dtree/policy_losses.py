@@ -32,7 +32,7 @@ differs for ratios beyond ``e^20``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
@@ -131,6 +131,31 @@ class _Regularizers:
         return out
 
 
+def _policy_loss(
+    name: str,
+    per_token: Callable,
+    metrics: Callable,
+    reg: _Regularizers,
+    reduction: str,
+    scale: float,
+    temperature: float,
+    count_empty_sequences: bool,
+) -> TokenLoss:
+    """The :class:`TokenLoss` of a policy loss: it reads the advantages and the old
+    log-probs, plus what its regularizers need."""
+    return TokenLoss(
+        per_token,
+        reduction=reduction,
+        scale=scale,
+        required_fields=("advantages", "old_logprobs") + reg.required,
+        name=name,
+        temperature=temperature,
+        needs_entropy=reg.needs_entropy,
+        metrics=metrics,
+        count_empty_sequences=count_empty_sequences,
+    )
+
+
 def _check_bound(name: str, value: float | None, low: float) -> None:
     if value is not None and not value > low:
         raise ValueError(f"{name} must be > {low}, got {value}")
@@ -188,16 +213,8 @@ def ppo_clip(
     _check_bound("clip_ratio_c", clip_ratio_c, 1.0)
     reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
     surrogate = _PPOClip(low, high, delta, clip_ratio_c, log_ratio_clip, reg)
-    return TokenLoss(
-        surrogate.per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + reg.required,
-        name="ppo_clip",
-        temperature=temperature,
-        needs_entropy=reg.needs_entropy,
-        metrics=surrogate.metrics,
-        count_empty_sequences=count_empty_sequences,
+    return _policy_loss(
+        "ppo_clip", surrogate.per_token, surrogate.metrics, reg, reduction, scale, temperature, count_empty_sequences
     )
 
 
@@ -303,16 +320,8 @@ def cispo(
         }
         return {**out, **reg.metrics(logp, ratio, fields)}
 
-    return TokenLoss(
-        per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + reg.required,
-        name="cispo",
-        temperature=temperature,
-        needs_entropy=reg.needs_entropy,
-        metrics=metrics,
-        count_empty_sequences=count_empty_sequences,
+    return _policy_loss(
+        "cispo", per_token, metrics, reg, reduction, scale, temperature, count_empty_sequences
     )
 
 
@@ -352,16 +361,8 @@ def sapo(
     def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
         return reg.metrics(logp, _ratio(logp, fields["old_logprobs"], log_ratio_clip), fields)
 
-    return TokenLoss(
-        per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + reg.required,
-        name="sapo",
-        temperature=temperature,
-        needs_entropy=reg.needs_entropy,
-        metrics=metrics,
-        count_empty_sequences=count_empty_sequences,
+    return _policy_loss(
+        "sapo", per_token, metrics, reg, reduction, scale, temperature, count_empty_sequences
     )
 
 
