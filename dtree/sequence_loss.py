@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .losses import Normalization, _check_reduction, prediction_mask, reduction_weights
+from .token_loss import Normalization, _check_reduction, prediction_mask, reduction_weights
 from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from .tree import Forest
 
