@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .token_loss import Normalization, _check_reduction, prediction_mask, reduction_weights
+from .token_loss import Normalization, check_loss_settings, prediction_mask, reduction_weights
 from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from .tree import Forest
 
@@ -133,9 +133,7 @@ class SequenceLoss:
     needs_entropy: bool = False
 
     def __post_init__(self) -> None:
-        _check_reduction(self.reduction, self.scale)
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        check_loss_settings(self.reduction, self.scale, self.temperature)
 
     def with_normalization(self, normalization: Normalization | None) -> "SequenceLoss":
         """A copy that divides by ``normalization`` (e.g. ``Normalization.from_forests``

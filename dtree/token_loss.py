@@ -26,6 +26,7 @@ __all__ = [
     "Normalization",
     "TokenLoss",
     "add_metric_sums",
+    "check_loss_settings",
     "local_normalization",
     "masked_metric_sums",
     "metric_means",
@@ -137,7 +138,9 @@ def reduction_weights(
     return w * scale
 
 
-def _check_reduction(reduction: str, scale: float) -> None:
+def check_loss_settings(reduction: str, scale: float, temperature: float) -> None:
+    """The settings every loss checks when it is built: a known reduction (a trainer's
+    name gets a hint), a finite scale, a positive temperature."""
     if reduction not in REDUCTIONS:
         hint = ""
         if reduction in TRL_LOSS_TYPES or reduction in VERL_LOSS_AGG_MODES:
@@ -145,6 +148,8 @@ def _check_reduction(reduction: str, scale: float) -> None:
         raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}{hint}")
     if not np.isfinite(scale):
         raise ValueError(f"scale must be finite, got {scale}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
 @dataclass
@@ -184,9 +189,7 @@ class TokenLoss:
     count_empty_sequences: bool = False
 
     def __post_init__(self) -> None:
-        _check_reduction(self.reduction, self.scale)
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        check_loss_settings(self.reduction, self.scale, self.temperature)
 
     def check_fields(
         self, forest: Forest, *, supports_temperature: bool = False, supports_entropy: bool = False
