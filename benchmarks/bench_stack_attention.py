@@ -20,13 +20,13 @@ backward 2.5 times that (FlashAttention's convention), so the three are comparab
 
 Layouts (tokens of one call): ``grpo`` one 2048-token prompt shared by 8 answers of
 512; ``grpo_long`` a 256-token prompt under 8 answers of 2048 (few prefix slots, many
-rows: what ``_PREFIX_ITEM_ROWS`` is for); ``chain`` one 2048-token segment under a
+rows: what ``prefix_item_rows`` is for); ``chain`` one 2048-token segment under a
 6144-token prefix; ``many_small`` 256 segments of 32 tokens, 16 groups of 16 siblings,
 each under a shared 1024-token system prompt plus its group's 256-token context
 (two-range prefixes).
 
 Then, for the atomics-vs-segmented-reduction question in the kernel's docstring, the
-dK/dV kernel's own time (torch.profiler) for ``_PREFIX_ITEM_ROWS`` = 256, 1024 (the
+dK/dV kernel's own time (torch.profiler) for ``prefix_item_rows`` = 256, 1024 (the
 default), 4096 and unbounded, and the time of each kernel of one forward+backward.
 
 Then the attention options (``--option-cases``): ``window``, a 4096-row chain under a
@@ -419,7 +419,7 @@ def report(rows: list[dict], option_rows: list[dict], args, env: dict, sat, seco
     out += [
         "",
         (
-            "dK/dV kernel time (ms) by `_PREFIX_ITEM_ROWS`, the query rows per prefix work item (fewer rows: more "
+            "dK/dV kernel time (ms) by `prefix_item_rows`, the query rows per prefix work item (fewer rows: more "
             "programs and more atomic adds per stack slot; the default is 1024):"
         ),
         "",
