@@ -63,7 +63,9 @@ from .policy_losses import (
 from .sequence_loss import SequenceBatch, SequenceLoss, gspo
 from .token_loss import (
     REDUCTIONS,
+    MetricsFn,
     Normalization,
+    PerTokenFn,
     TokenLoss,
     add_metric_sums,
     local_normalization,
@@ -98,4 +100,6 @@ __all__ = [
     "local_normalization",
     "prediction_mask",
     "reduction_weights",
+    "PerTokenFn",
+    "MetricsFn",
 ]

@@ -301,9 +301,9 @@ def nll(reduction: str = "token_mean", scale: float = 1.0, *, temperature: float
 def weighted_terms(
     per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
     hidden: torch.Tensor,
-    pred_rows: torch.Tensor,
+    pred_hidden_row: torch.Tensor,
     labels: torch.Tensor,
-    term_pred: torch.Tensor,
+    loss_pred: torch.Tensor,
     weights: torch.Tensor,
     fields: Mapping[str, torch.Tensor],
     output_layer: OutputHead | tuple[torch.Tensor, torch.Tensor | None],
@@ -316,8 +316,9 @@ def weighted_terms(
 
     Args:
         hidden: [T, H] final hidden states of the call.
-        pred_rows, labels: [P] rows that go through the LM head and the token each predicts.
-        term_pred: [E] which prediction each loss term reads (terms that share a unique
+        pred_hidden_row, labels: [P] rows whose hidden states go through the LM head, and
+            the token each predicts (the names of :class:`dtree.schedule.LossTerms`).
+        loss_pred: [E] which prediction each loss term reads (terms that share a unique
             token share its prediction).
         weights, fields: [E] the terms' weights (reduction and mask folded in) and fields.
         output_layer: the LM head (an :class:`~dtree.ops.logprobs.OutputHead`, or (weight [V, H], bias [V] or None)).
@@ -329,11 +330,11 @@ def weighted_terms(
         [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
     """
     logp, ent = token_logprobs(
-        hidden[pred_rows], output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy
+        hidden[pred_hidden_row], output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy
     )
-    logp = logp[term_pred]
+    logp = logp[loss_pred]
     if with_entropy:
-        fields = {**fields, "entropy": ent[term_pred]}
+        fields = {**fields, "entropy": ent[loss_pred]}
     per = per_token(logp, fields)
     if per.shape != logp.shape:
         raise ValueError(f"per-token loss returned shape {tuple(per.shape)}, expected {tuple(logp.shape)}")
