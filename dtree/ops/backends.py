@@ -93,7 +93,8 @@ _OPS: dict[str, _Op] = {
                 "varlen_attention:flash_attn_unavailable",
             ),
         ],
-        {"cuda": ("flash-attn", "flash", "sdpa"), "other": ("sdpa",)},
+        # the checks reject CPU themselves; one order everywhere, as the baseline always chose
+        {"other": ("flash-attn", "flash", "sdpa")},
     ),
     "tree_mask_attention": _op(
         "tree-mask attention",
@@ -101,7 +102,7 @@ _OPS: dict[str, _Op] = {
             Backend("sdpa", "tree_mask_attention:tree_mask_attention_sdpa"),
             Backend("flex", "tree_mask_attention:tree_mask_attention_flex", "tree_mask_attention:flex_unavailable"),
         ],
-        {"cuda": ("flex", "sdpa"), "other": ("sdpa",)},
+        {"other": ("flex", "sdpa")},
     ),
 }
 
@@ -148,8 +149,9 @@ def resolve_backend(
 ) -> str:
     """The backend of ``op`` to run on ``device`` for ``name``.
 
-    ``"auto"``: the first of the device type's preferences that runs here (CUDA:
-    the fused kernel first; CPU and others: ``sdpa``). A backend name: that name, if it
+    ``"auto"``: the first of the op's preferences (per device type) that runs here:
+    the fused kernels first, ``sdpa`` last (stack attention takes Triton only on CUDA,
+    not under the interpreter on CPU). A backend name: that name, if it
     runs here. The dtype and shapes refine the checks where a backend depends on them
     (Triton's dtypes and head dims, the ``flash`` probe).
 
