@@ -79,15 +79,17 @@ def test_triton_rules_on_a_cuda_target(monkeypatch):
         resolve_backend("stack_attention", "triton", "cuda", torch.bfloat16, head_dim=512)
 
 
-def test_flash_preferences_on_a_cuda_target(monkeypatch):
-    """``auto`` for the varlen op on CUDA: flash-attn, then flash, then sdpa; flex for
-    the tree mask (availability stubbed: no GPU here)."""
+def test_flash_preferences(monkeypatch):
+    """``auto`` for the varlen op: flash-attn, then flash, then sdpa, on any device
+    (the checks reject CPU themselves; a stand-in reported available is taken, as the
+    baseline did); flex for the tree mask on CUDA (availability stubbed: no GPU here)."""
     from dtree.ops import varlen_attention as va
 
     shapes = dict(num_heads=4, num_kv_heads=2, head_dim=64)
     monkeypatch.setattr(va, "flash_attn_available", lambda device, dtype, head_dim: True)
     monkeypatch.setattr(va, "flash_available", lambda *a: True)
     assert resolve_backend("varlen_attention", "auto", "cuda", torch.bfloat16, **shapes) == "flash-attn"
+    assert resolve_backend("varlen_attention", "auto", "cpu", torch.bfloat16, **shapes) == "flash-attn"
     monkeypatch.setattr(va, "flash_attn_available", lambda device, dtype, head_dim: False)
     assert resolve_backend("varlen_attention", "auto", "cuda", torch.bfloat16, **shapes) == "flash"
     monkeypatch.setattr(va, "flash_available", lambda *a: False)
