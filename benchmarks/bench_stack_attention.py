@@ -20,13 +20,13 @@ backward 2.5 times that (FlashAttention's convention), so the three are comparab
 
 Layouts (tokens of one call): ``grpo`` one 2048-token prompt shared by 8 answers of
 512; ``grpo_long`` a 256-token prompt under 8 answers of 2048 (few prefix slots, many
-rows: what ``_PREFIX_ITEM_ROWS`` is for); ``chain`` one 2048-token segment under a
+rows: what ``prefix_item_rows`` is for); ``chain`` one 2048-token segment under a
 6144-token prefix; ``many_small`` 256 segments of 32 tokens, 16 groups of 16 siblings,
 each under a shared 1024-token system prompt plus its group's 256-token context
 (two-range prefixes).
 
 Then, for the atomics-vs-segmented-reduction question in the kernel's docstring, the
-dK/dV kernel's own time (torch.profiler) for ``_PREFIX_ITEM_ROWS`` = 256, 1024 (the
+dK/dV kernel's own time (torch.profiler) for ``prefix_item_rows`` = 256, 1024 (the
 default), 4096 and unbounded, and the time of each kernel of one forward+backward.
 
 Then the attention options (``--option-cases``): ``window``, a 4096-row chain under a
@@ -125,7 +125,7 @@ def stack_inputs(case: Case, hq: int, hkv: int, d: int, dtype: torch.dtype, devi
     q = torch.randn(case.tokens, hq, d, device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(case.tokens, hkv, d, device=device, dtype=dtype, requires_grad=True)
     v = torch.randn(case.tokens, hkv, d, device=device, dtype=dtype, requires_grad=True)
-    stack.write(0, case.slots, k.detach(), v.detach())
+    stack.store_kv(0, case.slots, k.detach(), v.detach())
     return stack, q, k, v
 
 
@@ -237,13 +237,10 @@ def run_case(case: Case, args, sat, dtype) -> dict:
     row["kernels_ms"] = kernel_ms(fwd_bwd(triton_fn, (q, k, v), go))
     if case.layout.num_segments > 1 or case.prefix_len:
         sweep = {}
-        default = sat._PREFIX_ITEM_ROWS
-        try:
-            for rows in PREFIX_ITEM_ROWS:
-                sat._PREFIX_ITEM_ROWS = rows
-                sweep[rows] = kernel_ms(fwd_bwd(triton_fn, (q, k, v), go)).get("_dkdv_kernel")
-        finally:
-            sat._PREFIX_ITEM_ROWS = default
+        for rows in PREFIX_ITEM_ROWS:
+            kernel = functools.partial(sat.stack_attention_triton, prefix_item_rows=rows)
+            tuned = functools.partial(stack_on_stack, kernel, stack, case.layout, scale)
+            sweep[rows] = kernel_ms(fwd_bwd(tuned, (q, k, v), go)).get("_dkdv_kernel")
         row["dkdv_ms_by_prefix_item_rows"] = sweep
     return row
 
@@ -422,7 +419,7 @@ def report(rows: list[dict], option_rows: list[dict], args, env: dict, sat, seco
     out += [
         "",
         (
-            "dK/dV kernel time (ms) by `_PREFIX_ITEM_ROWS`, the query rows per prefix work item (fewer rows: more "
+            "dK/dV kernel time (ms) by `prefix_item_rows`, the query rows per prefix work item (fewer rows: more "
             "programs and more atomic adds per stack slot; the default is 1024):"
         ),
         "",

@@ -15,11 +15,14 @@ float32 because a shared prefix receives one contribution per descendant segment
 runtime promises.
 
 Life of a slot range ``[lo, hi)`` (one group of the schedule):
-    push      the group's forward writes its K/V (``write``) and zeroes its gradients
-              (``zero_grad``);
+    push      the runtime clears the range's gradient slots (``zero_grad``, a separate
+              call: storing K/V never touches gradients), then every layer of the
+              group's forward stores its K/V there (``store_kv``); a leaf group whose
+              segments do not read each other does neither (nothing reads its slots);
     read      descendants attend to it; their backward adds dK/dV (``accumulate``);
-    pop       the group's backward seeds autograd with ``grad_k[:, lo:hi]`` and the
-              range is free for the next group (the next push zeroes it again).
+    pop       the group's backward adds ``grad_k/grad_v[:, lo:hi]`` into its K/V
+              gradients (:func:`dtree.ops.stack_attention.seed_from_stack`) and the
+              range is free for the next group.
 
 The three operations are plain torch ops on slices of the buffers (``copy_``,
 ``add_`` / ``index_add_``, ``zero_``), as gpt-fast's KV cache does, so they trace
@@ -35,7 +38,7 @@ __all__ = ["KVStack"]
 
 
 class KVStack:
-    """The KV stack's buffers and its push / accumulate / zero operations.
+    """The KV stack's buffers and its store / accumulate / zero operations.
 
     Args:
         num_layers, capacity, num_kv_heads, head_dim: the shape of ``k``.
@@ -104,11 +107,14 @@ class KVStack:
             total += self.grad_k.nbytes + self.grad_v.nbytes
         return total
 
-    def write(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Push values: ``k`` [T, kv_heads, head_dim] and ``v`` [T, kv_heads, v_head_dim]
-        (any strides, any float dtype) into slots ``[lo, lo + T)`` of ``layer``."""
+    def store_kv(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Copy ``k`` [T, kv_heads, head_dim] and ``v`` [T, kv_heads, v_head_dim] (any
+        strides, any float dtype) into the K/V slots ``[lo, lo + T)`` of ``layer``
+        (values only: the gradient slots are :meth:`zero_grad`'s)."""
         self.k[layer, lo : lo + k.shape[0]].copy_(k)
         self.v[layer, lo : lo + v.shape[0]].copy_(v)
+
+    write = store_kv  # the old name, which dtree/runtime.py still calls
 
     def zero_grad(self, lo: int, hi: int) -> None:
         """Clear the gradient slots ``[lo, hi)`` of every layer."""

@@ -312,9 +312,7 @@ def plan_step(
         hf_checkpointing: the model checkpoints its own layers (HF gradient
             checkpointing): planned as checkpointed, and dtree adds no checkpoint.
     """
-    if not (setting in SETTINGS or (isinstance(setting, (int, float)) and not isinstance(setting, bool) and setting > 0)):
-        raise ValueError(f"memory must be one of {SETTINGS} or a positive number of GiB, got {setting!r}")
-    label = setting if isinstance(setting, str) else f"{float(setting):g} GiB"
+    label = _setting_label(setting)
     if hf_checkpointing:
         checkpoint_layers = True
     if setting == "low":
@@ -333,40 +331,52 @@ def plan_step(
     budget = available * (1.0 - margin)
     if not isinstance(setting, str):
         budget = min(budget, setting * 2.0**30 - allocated)
-
-    def options(fixed, choices):
-        return (fixed,) if fixed is not None else choices
-
-    plans = []
-    for g in options(group_tokens, GROUP_TOKENS):
-        for ckpt in options(checkpoint_layers, (False, True)):
-            for chunk in options(logprob_chunk, LOGPROB_CHUNKS):
-                # group_tokens=0 (one segment per call) runs calls of at most a chunk_size;
-                # the caller passes the budget it plans with
-                peak, cost, parts = _candidate(
-                    spec, itemsize, shape, g if g > 0 else SMALL_CALL_TOKENS, ckpt, chunk, fused_head, stack_held,
-                    missing_grads,
-                )
-                plans.append((peak, cost, g, ckpt, chunk, parts))
-    fitting = [p for p in plans if p[0] <= budget]
-    if fitting:
-        fastest = min(fitting, key=lambda p: (p[1], p[0]))
-        leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
-        chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
-        peak, cost, g, ckpt, chunk, parts = chosen
-        reason = ("fastest predicted plan that fits" if chosen is fastest else
-                  f"within {SLACK:.0%} of the fastest predicted plan, with {1 - peak / fastest[0]:.0%} less memory")
-        if len(plans) > 1:
-            reason += f" ({len(fitting)} of {len(plans)} plans fit)"
-    else:
-        peak, cost, g, ckpt, chunk, parts = min(plans, key=lambda p: p[0])
-        reason = "no plan is predicted to fit: the leanest one"
+    plans = [
+        # group_tokens=0 (one segment per call) runs calls of at most a chunk_size;
+        # the caller passes the budget it plans with
+        (*_candidate(spec, itemsize, shape, g if g > 0 else SMALL_CALL_TOKENS, ckpt, chunk, fused_head, stack_held,
+                     missing_grads), g, ckpt, chunk)
+        for g in _options(group_tokens, GROUP_TOKENS)
+        for ckpt in _options(checkpoint_layers, (False, True))
+        for chunk in _options(logprob_chunk, LOGPROB_CHUNKS)
+    ]
+    (peak, cost, parts, g, ckpt, chunk), reason = _choose(plans, budget)
     per_token = layer_input_bytes(spec, itemsize) if ckpt else layer_activation_bytes(spec, itemsize)
     return MemoryPlan(
         group_tokens=g, checkpoint_layers=ckpt, logprob_chunk=chunk,
         retain_bytes=max(0.0, budget - peak), retained_bytes_per_token=per_token,
         predicted_peak_bytes=peak, predicted_cost=cost, budget_bytes=budget, setting=label, parts=parts, reason=reason,
     )
+
+
+def _setting_label(setting: str | float) -> str:
+    """``setting`` for reports (``"auto"``, ``"low"``, ``"12 GiB"``); a ValueError for
+    anything else."""
+    if not (setting in SETTINGS or (isinstance(setting, (int, float)) and not isinstance(setting, bool) and setting > 0)):
+        raise ValueError(f"memory must be one of {SETTINGS} or a positive number of GiB, got {setting!r}")
+    return setting if isinstance(setting, str) else f"{float(setting):g} GiB"
+
+
+def _options(fixed, choices) -> tuple:
+    """What the planner tries for one knob: the user's value, or every choice."""
+    return (fixed,) if fixed is not None else choices
+
+
+def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
+    """The plan to run among ``(peak, cost, parts, group_tokens, checkpoint, chunk)``
+    candidates, and why: the fastest that fits, or a leaner one within ``SLACK`` of its
+    cost that saves at least ``LEANER`` of its memory; the leanest when none fits."""
+    fitting = [p for p in plans if p[0] <= budget]
+    if not fitting:
+        return min(plans, key=lambda p: p[0]), "no plan is predicted to fit: the leanest one"
+    fastest = min(fitting, key=lambda p: (p[1], p[0]))
+    leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
+    chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
+    reason = ("fastest predicted plan that fits" if chosen is fastest else
+              f"within {SLACK:.0%} of the fastest predicted plan, with {1 - chosen[0] / fastest[0]:.0%} less memory")
+    if len(plans) > 1:
+        reason += f" ({len(fitting)} of {len(plans)} plans fit)"
+    return chosen, reason
 
 
 def retain_budget(

@@ -31,11 +31,13 @@ differs for ratios beyond ``e^20``).
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from dataclasses import dataclass
+from typing import Callable, Mapping
 
 import torch
 
-from .losses import TokenLoss
+from .aggregation import TRL_LOSS_TYPES, VERL_LOSS_AGG_MODES, aggregation
+from .token_loss import TokenLoss
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -43,6 +45,8 @@ __all__ = [
     "VERL_LOSS_AGG_MODES",
     "aggregation",
     "cispo",
+    "clip_bounds",
+    "clipped_surrogate",
     "kl_penalty",
     "ppo_clip",
     "sapo",
@@ -128,6 +132,31 @@ class _Regularizers:
         return out
 
 
+def _policy_loss(
+    name: str,
+    per_token: Callable,
+    metrics: Callable,
+    reg: _Regularizers,
+    reduction: str,
+    scale: float,
+    temperature: float,
+    count_empty_sequences: bool,
+) -> TokenLoss:
+    """The :class:`TokenLoss` of a policy loss: it reads the advantages and the old
+    log-probs, plus what its regularizers need."""
+    return TokenLoss(
+        per_token,
+        reduction=reduction,
+        scale=scale,
+        required_fields=("advantages", "old_logprobs") + reg.required,
+        name=name,
+        temperature=temperature,
+        needs_entropy=reg.needs_entropy,
+        metrics=metrics,
+        count_empty_sequences=count_empty_sequences,
+    )
+
+
 def _check_bound(name: str, value: float | None, low: float) -> None:
     if value is not None and not value > low:
         raise ValueError(f"{name} must be > {low}, got {value}")
@@ -180,51 +209,68 @@ def ppo_clip(
     if clip_eps_high is not None and epsilon_high is not None:
         raise ValueError("pass epsilon_high or clip_eps_high (its older name), not both")
     high_given = epsilon_high if epsilon_high is not None else clip_eps_high
-    low = clip_eps if epsilon_low is None else epsilon_low
-    high = clip_eps if high_given is None else high_given
-    if low < 0 or high < 0:
-        raise ValueError(f"clip bounds must be non-negative, got low={low}, high={high}")
+    low, high = clip_bounds(clip_eps, epsilon_low, high_given)
     _check_bound("delta", delta, 1.0)
     _check_bound("clip_ratio_c", clip_ratio_c, 1.0)
     reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
+    surrogate = _PPOClip(low, high, delta, clip_ratio_c, log_ratio_clip, reg)
+    return _policy_loss(
+        "ppo_clip", surrogate.per_token, surrogate.metrics, reg, reduction, scale, temperature, count_empty_sequences
+    )
 
-    def capped(ratio: torch.Tensor) -> torch.Tensor:
-        return ratio if delta is None else torch.clamp(ratio, max=delta)
 
-    def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
+def clip_bounds(epsilon: float, epsilon_low: float | None, epsilon_high: float | None) -> tuple[float, float]:
+    """``(low, high)``: ``epsilon`` for each bound not given; both must be >= 0."""
+    low = epsilon if epsilon_low is None else epsilon_low
+    high = epsilon if epsilon_high is None else epsilon_high
+    if low < 0 or high < 0:
+        raise ValueError(f"clip bounds must be non-negative, got low={low}, high={high}")
+    return low, high
+
+
+def clipped_surrogate(
+    ratio: torch.Tensor, adv: torch.Tensor, low: float, high: float, delta: float | None
+) -> torch.Tensor:
+    """``-min(min(r, delta)*A, clip(r, 1-low, 1+high)*A)`` elementwise (PPO's clipped
+    objective, negated; ``delta``: TRL's cap of ``r`` inside the min, or None)."""
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+    return -torch.minimum(capped * adv, torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv)
+
+
+@dataclass(frozen=True)
+class _PPOClip:
+    """The per-token terms and metrics of :func:`ppo_clip` (its checked options)."""
+
+    low: float
+    high: float
+    delta: float | None
+    clip_ratio_c: float | None
+    log_ratio_clip: float | None
+    reg: _Regularizers
+
+    def per_token(self, logp: torch.Tensor, fields: Fields) -> torch.Tensor:
         adv = fields["advantages"]
-        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
-        loss = -torch.minimum(capped(ratio) * adv, torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv)
-        if clip_ratio_c is not None:
-            loss = torch.where(adv < 0, torch.minimum(loss, -adv * clip_ratio_c), loss)
-        return reg.add(loss, logp, ratio, fields)
+        ratio = _ratio(logp, fields["old_logprobs"], self.log_ratio_clip)
+        loss = clipped_surrogate(ratio, adv, self.low, self.high, self.delta)
+        if self.clip_ratio_c is not None:
+            loss = torch.where(adv < 0, torch.minimum(loss, -adv * self.clip_ratio_c), loss)
+        return self.reg.add(loss, logp, ratio, fields)
 
-    def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
+    def metrics(self, logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
         adv = fields["advantages"]
-        ratio = _ratio(logp, fields["old_logprobs"], log_ratio_clip)
-        r = capped(ratio)  # TRL reports the clip fractions of the delta-capped ratio
+        ratio = _ratio(logp, fields["old_logprobs"], self.log_ratio_clip)
+        r = ratio if self.delta is None else torch.clamp(ratio, max=self.delta)  # TRL reports the capped ratio's
+        low, high = self.low, self.high
         is_low, is_high = (r < 1.0 - low) & (adv < 0), (r > 1.0 + high) & (adv > 0)
         out = {
             "clip_ratio/low_mean": is_low.float(),
             "clip_ratio/high_mean": is_high.float(),
             "clip_ratio/region_mean": (is_low | is_high).float(),
         }
-        if clip_ratio_c is not None:  # verl's pg_clipfrac_lower: the dual clip is the active branch
+        if self.clip_ratio_c is not None:  # verl's pg_clipfrac_lower: the dual clip is the active branch
             surrogate_ratio = torch.maximum(r, torch.clamp(r, 1.0 - low, 1.0 + high))
-            out["clip_ratio/dual_mean"] = ((surrogate_ratio > clip_ratio_c) & (adv < 0)).float()
-        return {**out, **reg.metrics(logp, ratio, fields)}
-
-    return TokenLoss(
-        per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + reg.required,
-        name="ppo_clip",
-        temperature=temperature,
-        needs_entropy=reg.needs_entropy,
-        metrics=metrics,
-        count_empty_sequences=count_empty_sequences,
-    )
+            out["clip_ratio/dual_mean"] = ((surrogate_ratio > self.clip_ratio_c) & (adv < 0)).float()
+        return {**out, **self.reg.metrics(logp, ratio, fields)}
 
 
 def cispo(
@@ -275,16 +321,8 @@ def cispo(
         }
         return {**out, **reg.metrics(logp, ratio, fields)}
 
-    return TokenLoss(
-        per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + reg.required,
-        name="cispo",
-        temperature=temperature,
-        needs_entropy=reg.needs_entropy,
-        metrics=metrics,
-        count_empty_sequences=count_empty_sequences,
+    return _policy_loss(
+        "cispo", per_token, metrics, reg, reduction, scale, temperature, count_empty_sequences
     )
 
 
@@ -324,71 +362,6 @@ def sapo(
     def metrics(logp: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
         return reg.metrics(logp, _ratio(logp, fields["old_logprobs"], log_ratio_clip), fields)
 
-    return TokenLoss(
-        per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + reg.required,
-        name="sapo",
-        temperature=temperature,
-        needs_entropy=reg.needs_entropy,
-        metrics=metrics,
-        count_empty_sequences=count_empty_sequences,
+    return _policy_loss(
+        "sapo", per_token, metrics, reg, reduction, scale, temperature, count_empty_sequences
     )
-
-
-# ---------------------------------------------------------------------- trainer names
-# TRL GRPOConfig.loss_type -> how its _compute_loss aggregates (trl 1.16,
-# grpo_trainer.py, GRPOTrainer._compute_loss). "local": each micro-batch's own counts,
-# the loss divided by gradient_accumulation_steps; "global": the counts of the whole
-# accumulated batch (Normalization.from_forests).
-TRL_LOSS_TYPES: dict[str, tuple[dict[str, Any], str]] = {
-    "grpo": (dict(reduction="sequence_mean", count_empty_sequences=True), "local"),
-    "sapo": (dict(reduction="sequence_mean", count_empty_sequences=True), "local"),
-    "bnpo": (dict(reduction="token_mean"), "local"),
-    "dr_grpo": (dict(reduction="seq_mean_token_sum", count_empty_sequences=True), "local"),
-    "luspo": (dict(reduction="seq_mean_token_sum", count_empty_sequences=True), "local"),
-    "dapo": (dict(reduction="token_mean"), "global"),
-    "cispo": (dict(reduction="token_mean"), "global"),
-    "vespo": (dict(reduction="token_mean"), "global"),
-}
-# verl actor.loss_agg_mode (verl/trainer/ppo/core_algos.py, agg_loss)
-VERL_LOSS_AGG_MODES: dict[str, dict[str, Any]] = {
-    "token-mean": dict(reduction="token_mean"),
-    "seq-mean-token-mean": dict(reduction="sequence_mean"),
-    "seq-mean-token-sum": dict(reduction="seq_mean_token_sum"),
-    "seq-mean-token-sum-norm": dict(reduction="sum"),
-}
-
-
-def aggregation(name: str, *, max_completion_length: int | None = None) -> dict[str, Any]:
-    """Loss keyword arguments (``reduction``, ``count_empty_sequences``, ``scale``) equal
-    to a trainer's named aggregation: a TRL ``loss_type`` or a verl ``loss_agg_mode``::
-
-        dtree.losses.ppo_clip(0.2, **dtree.losses.aggregation("dr_grpo", max_completion_length=1024))
-
-    ``dr_grpo`` (TRL) and ``seq-mean-token-sum-norm`` (verl ``loss_scale_factor``) divide
-    by a constant: pass it as ``max_completion_length``. Over several micro-batches,
-    TRL's ``grpo``/``sapo``/``bnpo``/``dr_grpo``/``luspo`` normalize each micro-batch by
-    its own counts and divide by ``gradient_accumulation_steps`` (multiply ``scale`` by
-    ``1/steps``); ``dapo``/``cispo``/``vespo`` use the counts of the whole step
-    (``Normalization.from_forests``). For equal-size micro-batches ``grpo`` and
-    ``dr_grpo`` give the same either way; ``bnpo`` does not. verl's legacy actor
-    normalizes per micro-batch (``scale=1/steps``); its new engine uses global counts.
-    """
-    if name in TRL_LOSS_TYPES:
-        kw = dict(TRL_LOSS_TYPES[name][0])
-        constant = name == "dr_grpo"
-    elif name in VERL_LOSS_AGG_MODES:
-        kw = dict(VERL_LOSS_AGG_MODES[name])
-        constant = name == "seq-mean-token-sum-norm"
-    else:
-        raise ValueError(
-            f"unknown aggregation {name!r}; TRL loss_type: {sorted(TRL_LOSS_TYPES)}, "
-            f"verl loss_agg_mode: {sorted(VERL_LOSS_AGG_MODES)}"
-        )
-    if constant:
-        if not max_completion_length or max_completion_length <= 0:
-            raise ValueError(f"aggregation {name!r} divides by a constant: pass max_completion_length=<tokens>")
-        kw["scale"] = 1.0 / max_completion_length
-    return kw

@@ -24,8 +24,8 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .losses import Normalization, _check_reduction, prediction_mask, reduction_weights
-from .policy_losses import KL_ESTIMATORS, kl_penalty
+from .token_loss import Normalization, check_loss_settings, prediction_mask, reduction_weights
+from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from .tree import Forest
 
 __all__ = ["SequenceBatch", "SequenceLoss", "gspo"]
@@ -133,9 +133,7 @@ class SequenceLoss:
     needs_entropy: bool = False
 
     def __post_init__(self) -> None:
-        _check_reduction(self.reduction, self.scale)
-        if not self.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        check_loss_settings(self.reduction, self.scale, self.temperature)
 
     def with_normalization(self, normalization: Normalization | None) -> "SequenceLoss":
         """A copy that divides by ``normalization`` (e.g. ``Normalization.from_forests``
@@ -262,37 +260,61 @@ def gspo(
     """
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
-    low = epsilon if epsilon_low is None else epsilon_low
-    high = epsilon if epsilon_high is None else epsilon_high
-    if low < 0 or high < 0:
-        raise ValueError(f"clip bounds must be non-negative, got low={low}, high={high}")
+    low, high = clip_bounds(epsilon, epsilon_low, epsilon_high)
     if delta is not None and not delta > 1.0:
         raise ValueError(f"delta must be > 1, got {delta}")
+    terms = _GSPOTerms(low, high, delta, kl_coef, kl_estimator, kl_bias_correction, log_ratio_max, log_entropy)
+    return SequenceLoss(
+        terms.per_token,
+        reduction=reduction,
+        scale=scale,
+        required_fields=("advantages", "old_logprobs") + (("ref_logprobs",) if kl_coef else ()),
+        name="gspo",
+        temperature=temperature,
+        metrics=terms.metrics,
+        count_empty_sequences=count_empty_sequences,
+        normalization=normalization,
+        needs_entropy=log_entropy,
+    )
 
-    def sequence_ratio(b: SequenceBatch) -> torch.Tensor:
-        log_s = b.seq_mean(b.logp - b.fields["old_logprobs"])  # [S]
-        if log_ratio_max is not None:
-            log_s = torch.clamp(log_s, max=log_ratio_max)
+
+@dataclass(frozen=True)
+class _GSPOTerms:
+    """The per-token terms and metrics of :func:`gspo` (its checked options)."""
+
+    low: float
+    high: float
+    delta: float | None
+    kl_coef: float
+    kl_estimator: str
+    kl_bias_correction: bool
+    log_ratio_max: float | None
+    log_entropy: bool
+
+    def sequence_ratio(self, b: SequenceBatch) -> torch.Tensor:
+        """[S] ``exp`` of each sequence's masked mean of ``logp - old``."""
+        log_s = b.seq_mean(b.logp - b.fields["old_logprobs"])
+        if self.log_ratio_max is not None:
+            log_s = torch.clamp(log_s, max=self.log_ratio_max)
         return torch.exp(log_s)
 
-    def kl(b: SequenceBatch, ratio: torch.Tensor) -> torch.Tensor:
-        value = kl_penalty(b.logp, b.fields["ref_logprobs"], kl_estimator)
-        return value * ratio if kl_bias_correction else value
+    def kl(self, b: SequenceBatch, ratio: torch.Tensor) -> torch.Tensor:
+        value = kl_penalty(b.logp, b.fields["ref_logprobs"], self.kl_estimator)
+        return value * ratio if self.kl_bias_correction else value
 
-    def per_token(b: SequenceBatch) -> torch.Tensor:
-        ratio = b.expand(sequence_ratio(b))  # [N]
-        capped = ratio if delta is None else torch.clamp(ratio, max=delta)
-        adv = b.fields["advantages"]
-        loss = -torch.minimum(capped * adv, torch.clamp(ratio, 1.0 - low, 1.0 + high) * adv)
-        if kl_coef:
-            loss = loss + kl_coef * kl(b, ratio)
+    def per_token(self, b: SequenceBatch) -> torch.Tensor:
+        ratio = b.expand(self.sequence_ratio(b))  # [N]
+        loss = clipped_surrogate(ratio, b.fields["advantages"], self.low, self.high, self.delta)
+        if self.kl_coef:
+            loss = loss + self.kl_coef * self.kl(b, ratio)
         return loss
 
-    def metrics(b: SequenceBatch) -> dict[str, torch.Tensor]:
-        s = sequence_ratio(b)
-        r = b.expand(s if delta is None else torch.clamp(s, max=delta))
+    def metrics(self, b: SequenceBatch) -> dict[str, torch.Tensor]:
+        s = self.sequence_ratio(b)
+        r = b.expand(s if self.delta is None else torch.clamp(s, max=self.delta))
         adv = b.fields["advantages"]
-        is_low, is_high = ((r < 1.0 - low) & (adv < 0)).to(r.dtype), ((r > 1.0 + high) & (adv > 0)).to(r.dtype)
+        is_low = ((r < 1.0 - self.low) & (adv < 0)).to(r.dtype)
+        is_high = ((r > 1.0 + self.high) & (adv > 0)).to(r.dtype)
 
         def per_sequence(x: torch.Tensor) -> torch.Tensor:
             # TRL averages sequence-level metrics over every row, a row without a loss
@@ -305,21 +327,8 @@ def gspo(
             "clip_ratio/region_mean": per_sequence(torch.maximum(is_low, is_high)),
             "ratio/mean": b.sequence_average(s, count_empty_sequences=True),
         }
-        if kl_coef:
-            out["kl"] = b.token_average(kl(b, b.expand(s)))
-        if log_entropy:
+        if self.kl_coef:
+            out["kl"] = b.token_average(self.kl(b, b.expand(s)))
+        if self.log_entropy:
             out["entropy"] = b.token_average(b.entropy)
         return out
-
-    return SequenceLoss(
-        per_token,
-        reduction=reduction,
-        scale=scale,
-        required_fields=("advantages", "old_logprobs") + (("ref_logprobs",) if kl_coef else ()),
-        name="gspo",
-        temperature=temperature,
-        metrics=metrics,
-        count_empty_sequences=count_empty_sequences,
-        normalization=normalization,
-        needs_entropy=log_entropy,
-    )

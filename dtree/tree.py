@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .padding import padded_rows, prompt_completion_rows
 from .trie import TrieLayout, build_trie
 
 __all__ = ["FieldMap", "Forest", "ForestStats"]
@@ -258,9 +259,8 @@ class Forest(TrieLayout):
     def from_padded(cls, input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> "Forest":
         """Sequences from a padded ``[B, L]`` batch (verl / OpenRLHF / AReaL layout); see
         :func:`dtree.integrations.padded.from_padded`."""
-        from .integrations.padded import from_padded
-
-        return from_padded(input_ids, attention_mask, loss_mask, **fields)
+        sequences, per_row = padded_rows(input_ids, attention_mask, loss_mask, **fields)
+        return cls.from_sequences(sequences, **per_row)
 
     @classmethod
     def from_prompt_completion(
@@ -268,9 +268,10 @@ class Forest(TrieLayout):
     ) -> "Forest":
         """Sequences from separate prompt and completion tensors (TRL's layout); see
         :func:`dtree.integrations.padded.from_prompt_completion`."""
-        from .integrations.padded import from_prompt_completion
-
-        return from_prompt_completion(prompt_ids, prompt_mask, completion_ids, completion_mask, **completion_fields)
+        sequences, per_row = prompt_completion_rows(
+            prompt_ids, prompt_mask, completion_ids, completion_mask, **completion_fields
+        )
+        return cls.from_sequences(sequences, **per_row)
 
     def with_fields(self, **fields: Any) -> "Forest":
         """A new forest that shares this one's trie, with fields added or replaced.

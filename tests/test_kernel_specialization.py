@@ -71,7 +71,7 @@ def _stack_attention_calls(monkeypatch, layout: SegmentLayout, used: int, option
     q = torch.zeros(1, hq, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
     k = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
     v = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
-    out = sat._StackAttention.apply(q, k, v, None, stack, 1, layout, d**-0.5, options)
+    out = sat._StackAttention.apply(q, k, v, None, stack, 1, layout, d**-0.5, options, sat._Tuning())
     out.backward(torch.zeros_like(out))
     return calls
 

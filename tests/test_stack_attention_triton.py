@@ -105,19 +105,24 @@ def _check_against_float64(layout, t, used, hq, hkv, d, dv=None, **kw):
     return check_against_naive(_interpreted().stack_attention_triton, layout, t, used, hq, hkv, d, dv, **kw)
 
 
-def _with_tiles(tiles, prefix_item_rows, fn):
+def _tuned(tiles, prefix_item_rows):
+    """The interpreted kernel with the interpreter tiles ``TILES[tiles]`` and
+    ``prefix_item_rows`` query rows per prefix work item."""
     sat = _interpreted()
-    saved = sat._INTERPRETER_TILES, sat._PREFIX_ITEM_ROWS
-    sat._INTERPRETER_TILES, sat._PREFIX_ITEM_ROWS = TILES[tiles], prefix_item_rows
-    try:
-        fn()
-    finally:
-        sat._INTERPRETER_TILES, sat._PREFIX_ITEM_ROWS = saved
+    return functools.partial(
+        sat.stack_attention_triton,
+        interpreter_tiles=sat.InterpreterTiles(**TILES[tiles]),
+        prefix_item_rows=prefix_item_rows,
+    )
+
+
+def _check_tuned(tiles, prefix_item_rows, layout, t, used, hq, hkv, d, **kw):
+    return check_against_naive(_tuned(tiles, prefix_item_rows), layout, t, used, hq, hkv, d, **kw)
 
 
 def _case_layout(name, tiles, prefix_item_rows):
     layout, t = layout_of(*LAYOUTS[name])
-    _with_tiles(tiles, prefix_item_rows, lambda: _check_against_float64(layout, t, LAYOUTS[name][2], 2, 1, 24))
+    _check_tuned(tiles, prefix_item_rows, layout, t, LAYOUTS[name][2], 2, 1, 24)
 
 
 def _case_options(option, name, tiles):
@@ -125,7 +130,7 @@ def _case_options(option, name, tiles):
     so that windows cut items and tiles at many places."""
     layout, t = layout_of(*LAYOUTS[name])
     opts = OPTIONS[option](torch.Generator().manual_seed(1), 4)
-    _with_tiles(tiles, 20, lambda: _check_against_float64(layout, t, LAYOUTS[name][2], 4, 2, 24, options=opts))
+    _check_tuned(tiles, 20, layout, t, LAYOUTS[name][2], 4, 2, 24, options=opts)
 
 
 def _case_value_heads_narrower(option):
@@ -149,11 +154,9 @@ def _case_long_window():
     ranges), window 48; the prefix slots below depth 97 hold NaN and must not be
     read, by the forward, dq or the dK/dV items."""
     layout, t = layout_of([48], [[(0, 100), (100, 144)]], 144)
-    _with_tiles("16/16", 16, lambda: _check_against_float64(layout, t, 144, 4, 2, 24, options={"window": 48}))
+    _check_tuned("16/16", 16, layout, t, 144, 4, 2, 24, options={"window": 48})
     sat = _interpreted()
-    tables = []
-    _with_tiles("16/16", 16, lambda: tables.append(sat._kv_items(layout, torch.device("cpu"), 16, True, 48).numpy()))
-    items = tables[0]
+    items = sat._kv_items(layout, torch.device("cpu"), 16, True, 48, prefix_item_rows=16).numpy()
     prefix = items[items[:, 0] == 1]
     assert prefix[:, 1].min() >= 144 - 48 + 1, "a dK/dV item reads stack slots no row sees"
     # one segment: an item's shallowest row is its first, at depth 144 + q0
@@ -190,13 +193,8 @@ def _case_work_tables():
     """Own items partition the rows; prefix items cover (segment rows x prefix slots)
     exactly once; q blocks partition the rows."""
     sat = _interpreted()
-    saved = sat._PREFIX_ITEM_ROWS
-    sat._PREFIX_ITEM_ROWS = 7
-    try:
-        layout, t = layout_of(*LAYOUTS["odd"])
-        items = sat._kv_items(layout, torch.device("cpu"), 16, True).numpy()
-    finally:
-        sat._PREFIX_ITEM_ROWS = saved
+    layout, t = layout_of(*LAYOUTS["odd"])
+    items = sat._kv_items(layout, torch.device("cpu"), 16, True, prefix_item_rows=7).numpy()
     own, pre = items[items[:, 0] == 0], items[items[:, 0] == 1]
     assert np.array_equal(np.sort(np.concatenate([np.arange(c0, c1) for _, c0, c1, *_ in own])), np.arange(t))
     seen = np.zeros((t, 40), dtype=int)
@@ -258,6 +256,10 @@ def _case_errors():
         sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, window=0)
     with pytest.raises(ValueError, match=r"sinks must have shape \[2\]"):
         sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, sinks=torch.zeros(3))
+    with pytest.raises(ValueError, match="prefix_item_rows must be an int >= 1"):
+        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, prefix_item_rows=0)
+    with pytest.raises(ValueError, match="interpreter_tiles.inner must be a power of two >= 16"):
+        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, interpreter_tiles=sat.InterpreterTiles(inner=24))
 
 
 def _worker_main():

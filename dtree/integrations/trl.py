@@ -20,6 +20,8 @@ become deeper trees):
   no grad): the policy, ``ref_model``, and a PEFT model with its adapter disabled (or
   switched to ``ref``), all read at the call.
 
+The mapping of TRL's loss settings to dtree losses is :mod:`dtree.integrations.trl_losses`.
+
 TRL keeps everything else: generation, rewards and advantages, the optimizer and
 scheduler, gradient accumulation, gradient clipping, logging (the same metric names:
 ``entropy``, ``kl``, ``clip_ratio/*``, ``cispo_clip_ratio``, ``policy_loss``,
@@ -48,29 +50,24 @@ shuffles are the ones ``GRPOTrainer`` would draw.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from typing import Any, Iterator
 
-import numpy as np
 import torch
 
 from .. import rng
-from ..losses import (
-    Normalization,
-    SequenceLoss,
-    TokenLoss,
-    aggregation,
-    cispo,
-    gspo,
-    local_normalization,
-    ppo_clip,
-    prediction_mask,
-    sapo,
-)
+from ..losses import TokenLoss
 from ..runtime import StepOutput, TreeRuntime
-from ..tree import Forest
 from .padded import from_padded, from_prompt_completion, to_padded, to_padded_completion
+from .trl_losses import (
+    CLIP_METRIC_TYPES,
+    GLOBAL_COUNTS,
+    SEQUENCE_LOSS_TYPES,
+    TOKEN_LOSS_TYPES,
+    grpo_trainer_loss,
+    on_policy,
+    with_entropy_bonus,
+)
 
 try:
     from trl import GRPOTrainer
@@ -92,10 +89,6 @@ MULTIMODAL_INPUTS = (
     "mm_token_type_ids",
     "image_position_ids",
 )
-_TOKEN_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo", "cispo", "sapo")
-_SEQUENCE_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
-_GLOBAL_COUNTS = ("dapo", "cispo")  # normalized by the generation batch's loss tokens
-_CLIP_METRIC_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 
 
 class TreeGRPOTrainer(GRPOTrainer):
@@ -140,12 +133,12 @@ class TreeGRPOTrainer(GRPOTrainer):
             loss_mask=mask, advantages=inputs["advantages"], old_logprobs=old, ref_logprobs=ref,
         )
         accumulation = self.current_gradient_accumulation_steps
-        loss, norm = self._dtree_loss(forest, inputs, accumulation)
+        loss, norm = grpo_trainer_loss(self, forest, inputs, accumulation)
         if old is None:  # TRL: old = this pass's log-probs, detached (ratio 1, the surrogate's gradient)
-            loss = _on_policy(loss)
+            loss = on_policy(loss)
         bonus = self._entropy_bonus_enabled
         if bonus:
-            loss, forest = _with_entropy_bonus(loss, forest, norm, self.entropy_coef, accumulation)
+            loss, forest = with_entropy_bonus(loss, forest, norm, self.entropy_coef, accumulation)
         runtime = self._runtime(module)
         with self._dtree_context(module):
             if isinstance(loss, TokenLoss):
@@ -156,37 +149,6 @@ class TreeGRPOTrainer(GRPOTrainer):
             _average_gradients_over_ranks(module)
         self._log_loss_metrics(inputs, mask, out, accumulation, bonus)
         return torch.tensor(out.loss, dtype=torch.float32, device=self.accelerator.device, requires_grad=True)
-
-    def _dtree_loss(
-        self, forest: Forest, inputs: dict, accumulation: int
-    ) -> tuple[TokenLoss | SequenceLoss, Normalization | None]:
-        """The dtree loss equal to ``GRPOTrainer._compute_loss``'s policy and KL terms for
-        this micro-batch, with the counts it divides by (None: the forest's own)."""
-        args, loss_type = self.args, self.loss_type
-        agg = aggregation(loss_type, max_completion_length=self.max_completion_length if loss_type == "dr_grpo" else None)
-        norm = None
-        if loss_type in _GLOBAL_COUNTS:
-            # TRL: num_items_in_batch spans the generation batch and all ranks; rescaled to
-            # one accumulation window of this rank
-            items = float(inputs["num_items_in_batch"].clamp(min=1.0))
-            local = local_normalization(forest)
-            norm = dataclasses.replace(
-                local, loss_tokens=items / self.accelerator.num_processes * accumulation / args.steps_per_generation
-            )
-        else:
-            agg["scale"] = agg.get("scale", 1.0) / accumulation
-        kl = dict(
-            kl_coef=self.beta, kl_bias_correction=bool(self.beta and args.use_bias_correction_kl),
-            temperature=self.temperature,
-        )
-        if self.importance_sampling_level == "sequence":
-            loss = gspo(self.epsilon_low, epsilon_high=self.epsilon_high, delta=args.delta, log_entropy=True, **kl, **agg)
-            return loss.with_normalization(norm), None
-        if loss_type == "cispo":
-            return cispo(ratio_max=self.epsilon_high, log_entropy=True, **kl, **agg), norm
-        if loss_type == "sapo":
-            return sapo(args.sapo_temperature_pos, args.sapo_temperature_neg, log_entropy=True, **kl, **agg), norm
-        return ppo_clip(self.epsilon_low, epsilon_high=self.epsilon_high, delta=args.delta, log_entropy=True, **kl, **agg), norm
 
     # ------------------------------------------------------------------ old and reference log-probs
     def _get_per_token_logps_and_entropies(
@@ -247,9 +209,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         if precision == "bf16" and _dtype(module) != torch.bfloat16:
             return "bf16 autocast over a model that is not in bfloat16"
         if training:
-            if self.loss_type not in _TOKEN_LOSS_TYPES:
+            if self.loss_type not in TOKEN_LOSS_TYPES:
                 return f"loss_type={self.loss_type!r}"
-            if self.importance_sampling_level == "sequence" and self.loss_type not in _SEQUENCE_LOSS_TYPES:
+            if self.importance_sampling_level == "sequence" and self.loss_type not in SEQUENCE_LOSS_TYPES:
                 return f"importance_sampling_level='sequence' with loss_type={self.loss_type!r}"
             if getattr(self, "top_entropy_quantile", 1.0) < 1.0:
                 return "the entropy-quantile mask (top_entropy_quantile < 1)"
@@ -350,7 +312,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         if bonus:
             entropy_loss = (entropies * mask).sum() / mask.sum().clamp(min=1.0) / accumulation
             policy = out.loss + self.entropy_coef * float(entropy_loss)
-            if self.loss_type not in _GLOBAL_COUNTS:
+            if self.loss_type not in GLOBAL_COUNTS:
                 policy *= accumulation  # TRL logs the micro-batch's loss before dividing by the accumulation
             policy_loss = torch.tensor(policy, device=mask.device)
             metrics["policy_loss"].append(self.accelerator.gather(policy_loss).nanmean().item())
@@ -367,7 +329,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         advantages = inputs["advantages"]
         if advantages.dim() == 1:
             advantages = advantages.unsqueeze(1)
-        if self.loss_type in _CLIP_METRIC_TYPES:
+        if self.loss_type in CLIP_METRIC_TYPES:
             if self.args.delta is not None:
                 coef_1 = torch.clamp(coef_1, max=self.args.delta)
             low = ((coef_1 < 1 - self.epsilon_low) & (advantages < 0)).float()
@@ -380,57 +342,6 @@ class TreeGRPOTrainer(GRPOTrainer):
         elif self.loss_type == "cispo":
             clipped = ((coef_1 > self.epsilon_high) & (advantages > 0)).float()
             metrics["cispo_clip_ratio"].append(global_masked_mean(clipped))
-
-
-# ---------------------------------------------------------------------- helpers
-def _on_policy(loss: TokenLoss | SequenceLoss) -> TokenLoss | SequenceLoss:
-    """``loss`` with ``old_logprobs`` = the current log-probs, detached: ratio 1, and the
-    surrogate's gradient (what GRPOTrainer does when the batch is used once)."""
-    required = tuple(f for f in loss.required_fields if f != "old_logprobs")
-    if isinstance(loss, SequenceLoss):
-        per_token, metrics = loss.per_token, loss.metrics
-
-        def with_old(b):
-            return dataclasses.replace(b, fields={**b.fields, "old_logprobs": b.logp.detach()})
-
-        return dataclasses.replace(
-            loss,
-            per_token=lambda b: per_token(with_old(b)),
-            metrics=None if metrics is None else (lambda b: metrics(with_old(b))),
-            required_fields=required,
-        )
-    per_token, metrics = loss.per_token, loss.metrics
-    return dataclasses.replace(
-        loss,
-        per_token=lambda logp, f: per_token(logp, {**f, "old_logprobs": logp.detach()}),
-        metrics=None if metrics is None else (lambda logp, f: metrics(logp, {**f, "old_logprobs": logp})),
-        required_fields=required,
-    )
-
-
-def _with_entropy_bonus(
-    loss: TokenLoss, forest: Forest, norm: Normalization | None, coef: float, accumulation: int
-) -> tuple[TokenLoss, Forest]:
-    """``loss - coef * H`` where ``H`` is TRL's bonus: the mask-weighted mean entropy of
-    the micro-batch divided by the accumulation steps, whatever the loss's reduction.
-
-    The loss's reduction weighs each term by ``w``; the bonus needs ``m / (sum(m) * GA)``,
-    so each term's entropy gets the field ``entropy_scale = m / (sum(m) * GA) / w``."""
-    w = loss.weights(forest, norm)
-    mask = prediction_mask(forest)
-    target = mask / max(mask.sum(), 1.0) / accumulation
-    scale = np.divide(target, w, out=np.zeros_like(w), where=w != 0)
-    bounds = forest.seq_offsets
-    forest = forest.with_fields(entropy_scale=[scale[bounds[s] : bounds[s + 1]] for s in range(forest.num_sequences)])
-    per_token = loss.per_token
-
-    def with_bonus(logp: torch.Tensor, fields) -> torch.Tensor:
-        return per_token(logp, fields) - coef * fields["entropy"] * fields["entropy_scale"]
-
-    bonus = dataclasses.replace(
-        loss, per_token=with_bonus, required_fields=loss.required_fields + ("entropy_scale",), needs_entropy=True
-    )
-    return bonus, forest
 
 
 def _average_gradients_over_ranks(module: torch.nn.Module) -> None:

@@ -4,10 +4,17 @@
   (``reference``, ``sdpa``, and the fused ``triton`` backend), with softcapping, sinks,
   ALiBi and sliding windows; :mod:`dtree.ops.stack_attention_naive` is the dense
   reference every backend is tested against; :func:`seed_from_stack` folds the stack's
-  gradient slots of a call back into its own K/V gradients.
+  gradient slots of a call back into its own K/V gradients. Its parts:
+  :mod:`~dtree.ops.segment_layout` (where each segment reads K/V from),
+  :mod:`~dtree.ops.attention_options` (score options, host-side checks) and
+  :mod:`~dtree.ops.attention_math` (one segment's attention, float32 math and SDPA).
 - :mod:`dtree.ops.logprobs`: chunked log-probs and entropies through the LM head (:class:`OutputHead`).
+- :mod:`dtree.ops.backends`: the registry of every attention op's backends (stack, varlen,
+  tree mask): name -> implementation, where each runs, and :func:`resolve_backend`
+  (``"auto"`` or a name -> a backend that runs on a device, or a ValueError).
 """
 
+from .backends import resolve_backend
 from .logprobs import OutputHead, as_output_head, token_logprobs, token_logprobs_reference
 from .stack_attention import (
     AttentionOptions,
@@ -24,6 +31,7 @@ __all__ = [
     "OutputHead",
     "SegmentLayout",
     "as_output_head",
+    "resolve_backend",
     "seed_from_stack",
     "stack_attention",
     "stack_attention_naive",

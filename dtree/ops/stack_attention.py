@@ -37,6 +37,9 @@ Backends, all with the signature of :func:`stack_attention`:
 * ``triton``: one fused kernel for all segments, reading the stack in place
   (:mod:`dtree.ops.stack_attention_triton`, CUDA only).
 
+They are registered in :mod:`dtree.ops.backends`, whose ``resolve_backend`` picks one
+for a device (``auto``: ``triton`` on CUDA where it runs, else ``sdpa``).
+
 Every backend is tested against :func:`dtree.ops.stack_attention_naive.stack_attention_naive`.
 With a window, the reference and sdpa backends gather only the in-window part of
 each segment's prefix.
@@ -44,172 +47,33 @@ each segment's prefix.
 
 from __future__ import annotations
 
-import math
-import numbers
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import numpy as np
 import torch
-import torch.nn.functional as F
 
 from ..kv_stack import KVStack
-from ..transfer import upload
+from .attention_math import attend_math, attend_sdpa
+from .attention_options import PLAIN, AttentionOptions, check_packed_qkv, check_stack_attention
+from .backends import Target, backend_names, implementation
+from .segment_layout import SegmentLayout
 
 __all__ = [
+    "BACKENDS",
+    "PLAIN",
     "AttentionOptions",
     "SegmentLayout",
+    "attend_math",
+    "attend_sdpa",
+    "check_packed_qkv",
     "check_stack_attention",
     "seed_from_stack",
     "stack_attention",
     "stack_attention_reference",
     "stack_attention_sdpa",
-    "BACKENDS",
+    "triton_unavailable",
 ]
 
-BACKENDS = ("reference", "sdpa", "triton")
-
-
-@dataclass
-class SegmentLayout:
-    """Where the query segments of one call read K/V from (host side, plus cached
-    device tables).
-
-    Attributes:
-        q_offsets: [S+1] row offsets of the segments in the call.
-        own_slot: [S] stack slot of each segment's first own token.
-        prefix_ranges: per segment, ancestor slot ranges ``((lo, hi), ...)``.
-        call_slots: ``(lo, hi)``, the call's own stack slots, when some of its segments
-            have ancestors in the same call (their slots are then inside prefix
-            ranges, so the backward adds gradients into them: pass the call's
-            ``k, v`` through :func:`seed_from_stack` to get them back); None otherwise.
-    """
-
-    q_offsets: np.ndarray
-    own_slot: np.ndarray
-    prefix_ranges: list[tuple[tuple[int, int], ...]]
-    call_slots: tuple[int, int] | None = None
-    _index_cache: dict = field(default_factory=dict, repr=False)
-
-    @property
-    def num_segments(self) -> int:
-        return len(self.own_slot)
-
-    def prefix_index(self, i: int, device: torch.device) -> slice | torch.Tensor | None:
-        """Stack slots of segment ``i``'s prefix: a slice when contiguous, else a
-        LongTensor; None when the segment has no ancestors."""
-        ranges = self.prefix_ranges[i]
-        if not ranges:
-            return None
-        if len(ranges) == 1:
-            return slice(ranges[0][0], ranges[0][1])
-        key = (i, device)
-        if key not in self._index_cache:
-            idx = np.concatenate([np.arange(lo, hi) for lo, hi in ranges])
-            self._index_cache[key] = upload(idx, device)
-        return self._index_cache[key]
-
-    def device_tables(self, device: torch.device) -> dict[str, torch.Tensor]:
-        """int32 tables for fused kernels: ``q_offsets [S+1]``, ``own_slot [S]``,
-        ``range_offsets [S+1]`` into ``range_lo/range_hi [R]``."""
-        key = ("tables", device)
-        if key not in self._index_cache:
-            counts = [len(r) for r in self.prefix_ranges]
-            offs = np.zeros(len(counts) + 1, dtype=np.int64)
-            np.cumsum(counts, out=offs[1:])
-            flat = [p for r in self.prefix_ranges for p in r] or [(0, 0)]
-            lo = np.array([p[0] for p in flat], dtype=np.int64)
-            hi = np.array([p[1] for p in flat], dtype=np.int64)
-            packed = np.concatenate([self.q_offsets, self.own_slot, offs, lo, hi]).astype(np.int32)
-            t = upload(packed, device)
-            s = self.num_segments
-            r = len(lo)
-            cuts = np.cumsum([s + 1, s, s + 1, r])
-            self._index_cache[key] = {
-                "q_offsets": t[: cuts[0]],
-                "own_slot": t[cuts[0] : cuts[1]],
-                "range_offsets": t[cuts[1] : cuts[2]],
-                "range_lo": t[cuts[2] : cuts[3]],
-                "range_hi": t[cuts[3] :],
-            }
-        return self._index_cache[key]
-
-
-@dataclass(frozen=True, eq=False)
-class AttentionOptions:
-    """The score options of one call (all None: plain causal attention).
-
-    Attributes:
-        softcap: scores ``s -> softcap * tanh(s / softcap)`` after ``scale``.
-        sinks: [Hq] a sink logit per query head in the softmax denominator only.
-        alibi_slopes: [Hq] adds ``-slope_h * (pos_q - pos_k)`` to the scores.
-        window: a query at depth ``i`` sees keys at depths ``i - window < j <= i``.
-    """
-
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-    alibi_slopes: torch.Tensor | None = None
-    window: int | None = None
-
-    @property
-    def plain(self) -> bool:
-        return self.softcap is None and self.sinks is None and self.alibi_slopes is None and self.window is None
-
-
-PLAIN = AttentionOptions()
-
-
-def _check_head_vector(name: str, x, q: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"{name} must be a tensor of shape [{q.shape[1]}] (one value per query head), got {type(x).__name__}")
-    if x.shape != (q.shape[1],):
-        raise ValueError(f"{name} must have shape [{q.shape[1]}] (one value per query head), got {tuple(x.shape)}")
-    if not x.is_floating_point():
-        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
-    if x.device != q.device:
-        raise ValueError(f"{name} is on {x.device} but q is on {q.device}; move it to {q.device}")
-
-
-def check_stack_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stack: KVStack, layout: "SegmentLayout", options: AttentionOptions
-) -> None:
-    """Host-side checks every backend runs before anything launches: the shapes of
-    q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] against each other, the stack and the
-    layout, and the option values. Raises ValueError naming the fix."""
-    if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
-        raise ValueError(
-            f"expected q [T, Hq, Dk], k [T, Hkv, Dk] and v [T, Hkv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if not (q.shape[0] == k.shape[0] == v.shape[0]) or q.shape[2] != k.shape[2] or k.shape[1] != v.shape[1]:
-        raise ValueError(
-            f"expected q [T, Hq, Dk], k [T, Hkv, Dk] and v [T, Hkv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
-            f"{tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if (stack.num_kv_heads, stack.head_dim, stack.v_head_dim) != (k.shape[1], k.shape[2], v.shape[2]):
-        raise ValueError(
-            f"the stack holds {stack.num_kv_heads} kv heads with key dim {stack.head_dim} and value dim "
-            f"{stack.v_head_dim}, the call has {k.shape[1]} with {k.shape[2]} and {v.shape[2]}; size the stack "
-            "(ModelSpec num_kv_heads / head_dim / v_head_dim) from what the attention receives"
-        )
-    t = q.shape[0]
-    if len(layout.q_offsets) < 2 or int(layout.q_offsets[0]) != 0 or int(layout.q_offsets[-1]) != t:
-        raise ValueError(f"layout.q_offsets must run from 0 to T={t}, got {list(layout.q_offsets)}")
-    cap = options.softcap
-    if cap is not None and (
-        isinstance(cap, bool) or not isinstance(cap, numbers.Real) or not math.isfinite(cap) or cap <= 0
-    ):
-        raise ValueError(f"softcap must be a finite number > 0 (or None for no capping), got {cap!r}")
-    if options.sinks is not None:
-        _check_head_vector("sinks", options.sinks, q)
-    if options.alibi_slopes is not None:
-        _check_head_vector("alibi_slopes", options.alibi_slopes, q)
-        if options.alibi_slopes.requires_grad:
-            raise ValueError("alibi_slopes must not require grad (ALiBi slopes are constants); pass slopes.detach()")
-    w = options.window
-    if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1):
-        raise ValueError(f"window must be an int >= 1 (or None for full attention), got {w!r}")
+BACKENDS = backend_names("stack_attention")
 
 
 def _gather_kv(k_seg, v_seg, stack: KVStack, layer: int, index):
@@ -229,108 +93,6 @@ def _in_window(index, window: int | None):
         lo = max(index.start, index.stop - (window - 1))
         return slice(lo, index.stop) if lo < index.stop else None
     return index[-(window - 1) :] if window > 1 else None
-
-
-def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int, layout_name: str) -> None:
-    """Shapes of a packed call: q [T, Hq, D], k and v [T, Hkv, D] with Hkv dividing Hq,
-    and T the ``num_tokens`` the layout (``layout_name``, for the message) covers."""
-    if q.ndim != 3 or k.shape != v.shape or k.ndim != 3 or q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-        raise ValueError(
-            f"expected q [T, Hq, D] and k, v [T, Hkv, D], got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
-        )
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of key/value heads ({k.shape[1]})")
-    if q.shape[0] != num_tokens:
-        raise ValueError(f"q has {q.shape[0]} rows but {layout_name} covers {num_tokens}")
-
-
-def _distance(tq: int, tk: int, device) -> torch.Tensor:
-    """[tq, tk] ``pos_q - pos_k`` for queries that are the last ``tq`` of ``tk`` keys."""
-    rows = torch.arange(tq, device=device)[:, None] + (tk - tq)
-    return rows - torch.arange(tk, device=device)[None, :]
-
-
-def attend_math(
-    q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float, options: AttentionOptions | None = None
-) -> torch.Tensor:
-    """Float32 (float64 for float64 inputs) attention of one segment.
-
-    q: [Tq, Hq, Dk]; kk: [Tk, Hkv, Dk], vv: [Tk, Hkv, Dv], the keys at consecutive
-    depths ending at the last query's (prefix first): row r sees keys ``0 .. Tk - Tq + r``
-    (and, with a window, only the last ``window`` of those). Returns [Tq, Hq, Dv].
-    """
-    opts = options or PLAIN
-    group = q.shape[1] // kk.shape[1]
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    tq, tk = q.shape[0], kk.shape[0]
-    qf = q.to(compute)
-    kf = kk.to(compute).repeat_interleave(group, dim=1)
-    vf = vv.to(compute).repeat_interleave(group, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", qf, kf) * scale
-    if opts.softcap is not None:
-        scores = opts.softcap * torch.tanh(scores / opts.softcap)
-    dist = _distance(tq, tk, q.device)
-    if opts.alibi_slopes is not None:
-        scores = scores - opts.alibi_slopes.to(compute)[:, None, None] * dist.to(compute)
-    hidden = dist < 0
-    if opts.window is not None:
-        hidden = hidden | (dist >= opts.window)
-    scores = scores.masked_fill(hidden, float("-inf"))
-    if opts.sinks is None:
-        probs = torch.softmax(scores, dim=-1)
-    else:
-        sink = opts.sinks.to(compute)[:, None, None].expand(-1, tq, 1)
-        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, vf).to(q.dtype)
-
-
-def _sdpa_mask(q: torch.Tensor, tq: int, tk: int, opts: AttentionOptions) -> torch.Tensor:
-    """[Hq or 1, tq, tk (+1 sink column)] mask for SDPA: bool (True = attend) for a
-    window alone, else additive in q's dtype (0 / -inf, ALiBi bias, the sink logits)."""
-    dist = _distance(tq, tk, q.device)
-    visible = dist >= 0
-    if opts.window is not None:
-        visible = visible & (dist < opts.window)
-    if opts.alibi_slopes is None and opts.sinks is None:
-        return visible[None]
-    bias = torch.zeros((1, tq, tk), dtype=q.dtype, device=q.device)
-    if opts.alibi_slopes is not None:
-        bias = -opts.alibi_slopes.to(q.dtype)[:, None, None] * dist.to(q.dtype)
-    bias = bias.masked_fill(~visible, float("-inf"))
-    if opts.sinks is not None:
-        sink = opts.sinks.to(q.dtype)[:, None, None].expand(-1, tq, 1)
-        bias = torch.cat([bias.expand(sink.shape[0], -1, -1), sink], dim=-1)
-    return bias
-
-
-def attend_sdpa(
-    q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float, options: AttentionOptions | None = None
-) -> torch.Tensor:
-    """Same contract as :func:`attend_math`, through ``scaled_dot_product_attention``
-    (FlashAttention-2 inside on CUDA for plain causal attention). A window, ALiBi and
-    sinks become a mask (a sink is one more key with zero K and V whose mask entry is
-    the sink logit, so its gradient flows through the mask); softcapping needs a
-    transform of the scores that SDPA cannot apply, so it runs :func:`attend_math`."""
-    from torch.nn.attention.bias import causal_lower_right
-
-    opts = options or PLAIN
-    if opts.softcap is not None:
-        return attend_math(q, kk, vv, scale, opts)
-    tq, tk = q.shape[0], kk.shape[0]
-    if opts.sinks is not None:
-        kk = torch.cat([kk, kk.new_zeros((1, *kk.shape[1:]))])
-        vv = torch.cat([vv, vv.new_zeros((1, *vv.shape[1:]))])
-    qs, ks, vs = (x.transpose(0, 1).unsqueeze(0) for x in (q, kk, vv))
-    if not opts.plain:
-        mask = _sdpa_mask(q, tq, tk, opts)
-        out = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=mask[None], scale=scale, enable_gqa=True)
-    elif tq == tk:
-        out = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=True)
-    else:
-        out = F.scaled_dot_product_attention(
-            qs, ks, vs, attn_mask=causal_lower_right(tq, tk), scale=scale, enable_gqa=True
-        )
-    return out[0].transpose(0, 1)
 
 
 class _SegmentAttention(torch.autograd.Function):
@@ -513,15 +275,27 @@ def stack_attention(
     window: int | None = None,
 ) -> torch.Tensor:
     """Attention of the packed segments over the stack, by backend name (see the
-    module docstring); arguments as :func:`stack_attention_reference`. Gradients of
+    module docstring and :mod:`dtree.ops.backends`; :func:`dtree.ops.backends.resolve_backend`
+    picks one for a device); arguments as :func:`stack_attention_reference`. Gradients of
     in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`)."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
-    options = dict(softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window)
-    if backend == "reference":
-        return stack_attention_reference(q, k, v, stack, layer, layout, scale, **options)
-    if backend == "sdpa":
-        return stack_attention_sdpa(q, k, v, stack, layer, layout, scale, **options)
-    from .stack_attention_triton import stack_attention_triton
+    attend = implementation("stack_attention", backend)
+    return attend(
+        q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window
+    )
 
-    return stack_attention_triton(q, k, v, stack, layer, layout, scale, **options)
+
+def triton_unavailable(target: Target) -> str | None:
+    """Why the ``triton`` backend cannot run on ``target`` (None: it runs): Triton
+    missing, not a CUDA device of compute capability >= 8.0 (and no interpreter), a
+    dtype or head dim the kernels do not take."""
+    try:
+        from . import stack_attention_triton as sat
+
+        sat.require_triton(target.device)
+    except (ImportError, RuntimeError) as e:
+        return f"cannot run here: {e}"
+    if target.dtype is not None and target.dtype not in sat.DTYPES:
+        return f"runs {sat.DTYPES}, this model is {target.dtype}; use attention='sdpa'"
+    if target.head_dim is not None and target.head_dim > sat.MAX_HEAD_DIM:
+        return f"supports head dims up to {sat.MAX_HEAD_DIM}, this model has {target.head_dim}; use attention='sdpa'"
+    return None

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from .stack_attention import SegmentLayout
+from .segment_layout import SegmentLayout
 
 __all__ = ["stack_attention_naive"]
 

@@ -27,13 +27,13 @@ ancestors stay on the stack until this call's backward has run.
 (work item, kv head), looping over the q heads of its GQA group and over the query
 rows that see its keys; a work item is either an own key block (dK/dV stored with
 plain stores; every own row belongs to exactly one item) or a prefix chunk of at most
-``BLOCK_N`` stack slots together with at most ``_PREFIX_ITEM_ROWS`` query rows of the
+``BLOCK_N`` stack slots together with at most ``prefix_item_rows`` query rows of the
 run (its dK/dV are added into the fp32 stack gradient with ``tl.atomic_add``);
 (3) a query-centric kernel for ``dq`` with the forward's iteration structure.
 
 *Atomics vs a segmented reduction* for the prefix dK/dV. A stack slot receives one
 ``tl.atomic_add`` per prefix work item covering it: ``ceil(run_rows /
-_PREFIX_ITEM_ROWS)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
+prefix_item_rows)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
 not 8), plus one per other run of the call with the same ancestor, plus the adds of
 other calls, which happen at other times. A segmented reduction would store each
 item's partial [BLOCK_N, D] tiles in a scratch buffer and sum them per slot in a
@@ -43,8 +43,8 @@ one more launch, and a write plus a re-read of every partial: at least the traff
 of the atomics, which read-modify-write the same tiles in L2. The fp32 atomic adds
 compile to 16-byte ``atom.global.relaxed.add.v4.f32`` (sm_90 PTX), and their volume
 is small against the work of an item (2 x BLOCK_N x D adds against about
-``_PREFIX_ITEM_ROWS`` x BLOCK_N x D x group x 8 flops), and only the few items
-counted above add to one slot. Items hold at most ``_PREFIX_ITEM_ROWS`` query rows so
+``prefix_item_rows`` x BLOCK_N x D x group x 8 flops), and only the few items
+counted above add to one slot. Items hold at most ``prefix_item_rows`` query rows so
 that a short prompt under many long answers still spreads over enough programs to
 fill the GPU (a 128-token prompt is only two 64-slot chunks). The price: prefix
 gradients are summed in an order that varies between runs (fp32, ~1e-7 relative);
@@ -52,7 +52,7 @@ own dK/dV and dq are deterministic.
 
 Measured (H200, bf16, 32 q / 8 kv heads of 128, ``benchmarks/bench_stack_attention.py``,
 report in ``benchmarks/results/stack_attention_nvidia_h200.md``): dK/dV kernel time
-for ``_PREFIX_ITEM_ROWS`` = 256 / 1024 (default) / 4096 / unbounded: grpo 0.980 /
+for ``prefix_item_rows`` = 256 / 1024 (default) / 4096 / unbounded: grpo 0.980 /
 0.965 / 1.143 / 1.145 ms, grpo_long 2.127 / 2.074 / 2.531 / 4.968 ms, many_small
 1.275 / 1.259 / 1.262 / 1.263 ms. Fewer rows per item (more atomic adds per slot)
 is never slower, so the atomics are not what limits the kernel and a segmented
@@ -104,13 +104,15 @@ Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from ..kv_stack import KVStack
 from ..transfer import upload
-from .stack_attention import AttentionOptions, SegmentLayout, check_stack_attention
+from .attention_options import AttentionOptions, check_stack_attention
+from .segment_layout import SegmentLayout
 
 try:
     import triton
@@ -121,7 +123,7 @@ except ImportError as e:  # the runtime's "auto" backend catches this and falls 
         "(or pip install 'dtree[triton]'); attention='sdpa' works without it"
     ) from e
 
-__all__ = ["require_triton", "stack_attention_triton"]
+__all__ = ["DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton", "stack_attention_triton"]
 
 # Read once, like triton.jit does when it decorates the kernels below.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -150,16 +152,33 @@ def _patch_interpreter_for_numpy() -> None:
 if _INTERPRET:
     _patch_interpreter_for_numpy()
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_HEAD_DIM = 256
+# what the kernels run (the registry checks a model against these)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+MAX_HEAD_DIM = 256
 _LOG2E = 1.4426950408889634
 
-# Query rows per prefix dK/dV work item (see the module docstring).
-_PREFIX_ITEM_ROWS = 1024
+# Query rows per prefix dK/dV work item, the default of ``prefix_item_rows`` (see the
+# module docstring).
+PREFIX_ITEM_ROWS = 1024
 
-# Tiles under the interpreter: small, so that tests with ~60-row segments cross many
-# tile boundaries. q_block/kv_block size the work tables; inner is the loop step.
-_INTERPRETER_TILES = {"q_block": 16, "kv_block": 16, "inner": 16}
+
+@dataclass(frozen=True)
+class InterpreterTiles:
+    """Tiles under the Triton interpreter (powers of two >= 16): small, so that tests
+    with ~60-row segments cross many tile boundaries. ``q_block``/``kv_block`` size
+    the work tables; ``inner`` is the loop step. Compiled kernels ignore them."""
+
+    q_block: int = 16
+    kv_block: int = 16
+    inner: int = 16
+
+
+@dataclass(frozen=True)
+class _Tuning:
+    """The tuning knobs of one call, for the autograd function."""
+
+    prefix_item_rows: int = PREFIX_ITEM_ROWS
+    interpreter_tiles: InterpreterTiles = InterpreterTiles()
 
 # Work item kinds of the dK/dV kernel.
 _OWN, _PREFIX = 0, 1
@@ -699,14 +718,16 @@ def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple
     return candidates
 
 
-def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict) -> None:
+def _launch(
+    kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict, tiles: InterpreterTiles
+) -> None:
     """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
     its small tiles, else the first fixed candidate that fits the device (a launch that
     runs out of shared memory raises before the kernel starts, so trying the next one
     adds nothing twice)."""
     name = _INNER_NAME[kernel]
     if _INTERPRET:
-        _KERNELS[kernel][grid](*args, **meta, **{name: _INTERPRETER_TILES["inner"]})
+        _KERNELS[kernel][grid](*args, **meta, **{name: tiles.inner})
         return
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"],
            *(meta[f] for f in _FLAGS[kernel]))
@@ -725,7 +746,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
     )
 
 
-def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int]:
+def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype, tiles: InterpreterTiles) -> tuple[int, int]:
     """(q-block rows of the forward/dq work items, kv-block keys of the dK/dV items).
 
     128 for 16-bit inputs; 64 for fp32 (shared memory) and for head dims above 128
@@ -733,7 +754,7 @@ def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype) -> tuple[int, int
     that followed the forest (it used to drop to 64 for short runs) compiled a second
     set of kernels whenever a later step's forest crossed the threshold."""
     if _INTERPRET:
-        return _INTERPRETER_TILES["q_block"], _INTERPRETER_TILES["kv_block"]
+        return tiles.q_block, tiles.kv_block
     if dtype == torch.float32 or max(head_dim, v_head_dim) > 128:
         return 64, 64
     return 128, 128
@@ -758,77 +779,85 @@ def _by_cost(table: np.ndarray, cost: np.ndarray) -> np.ndarray:
 def _runs(layout: SegmentLayout) -> dict:
     """Host description of the call: runs of consecutive non-empty segments with the
     same prefix ranges, and per-row segment bounds."""
-    key = ("triton", "runs")
-    if key not in layout._index_cache:
-        q_off = np.asarray(layout.q_offsets, dtype=np.int64)
-        lens = np.diff(q_off)
-        first, last = [], []
-        for i in np.flatnonzero(lens):
-            if last and layout.prefix_ranges[i] == layout.prefix_ranges[last[-1]]:
-                last[-1] = i
-            else:
-                first.append(i)
-                last.append(i)
-        flat = [(int(lo), int(hi)) for r in layout.prefix_ranges for lo, hi in r]
-        bad = [(lo, hi) for lo, hi in flat if not 0 <= lo <= hi]
-        if bad:
-            raise ValueError(f"prefix ranges must satisfy 0 <= lo <= hi, got {bad[0]}")
-        first_a = np.asarray(first, dtype=np.int64)
-        last_a = np.asarray(last, dtype=np.int64)
-        range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
-        ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
-        seg_start = np.repeat(q_off[:-1], lens)
-        layout._index_cache[key] = {
-            "row_lo": q_off[first_a],
-            "row_hi": q_off[last_a + 1],
-            "range_begin": range_offsets[first_a],
-            "range_end": range_offsets[first_a + 1],
-            "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
-            "ranges": ranges,
-            "slots_end": max((hi for _, hi in flat), default=0),
-            "seg_start": seg_start,
-            "seg_end": np.repeat(q_off[1:], lens),
-            "row_depth": np.arange(int(q_off[-1]), dtype=np.int64) - seg_start,  # minus the run's prefix_len
-        }
-    return layout._index_cache[key]
+    return layout.cached(("triton", "runs"), lambda: _build_runs(layout))
+
+
+def _build_runs(layout: SegmentLayout) -> dict:
+    q_off = np.asarray(layout.q_offsets, dtype=np.int64)
+    lens = np.diff(q_off)
+    first, last = [], []
+    for i in np.flatnonzero(lens):
+        if last and layout.prefix_ranges[i] == layout.prefix_ranges[last[-1]]:
+            last[-1] = i
+        else:
+            first.append(i)
+            last.append(i)
+    flat = [(int(lo), int(hi)) for r in layout.prefix_ranges for lo, hi in r]
+    bad = [(lo, hi) for lo, hi in flat if not 0 <= lo <= hi]
+    if bad:
+        raise ValueError(f"prefix ranges must satisfy 0 <= lo <= hi, got {bad[0]}")
+    first_a = np.asarray(first, dtype=np.int64)
+    last_a = np.asarray(last, dtype=np.int64)
+    range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
+    ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
+    seg_start = np.repeat(q_off[:-1], lens)
+    return {
+        "row_lo": q_off[first_a],
+        "row_hi": q_off[last_a + 1],
+        "range_begin": range_offsets[first_a],
+        "range_end": range_offsets[first_a + 1],
+        "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
+        "ranges": ranges,
+        "slots_end": max((hi for _, hi in flat), default=0),
+        "seg_start": seg_start,
+        "seg_end": np.repeat(q_off[1:], lens),
+        "row_depth": np.arange(int(q_off[-1]), dtype=np.int64) - seg_start,  # minus the run's prefix_len
+    }
 
 
 def _row_tables(layout: SegmentLayout, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """int32 ``seg_start [T]`` and ``seg_end [T]`` of every row's segment."""
-    key = ("triton", "rows", device)
-    if key not in layout._index_cache:
+
+    def build():
         runs = _runs(layout)
         t = upload(np.stack([runs["seg_start"], runs["seg_end"]]).astype(np.int32), device)
-        layout._index_cache[key] = (t[0], t[1])
-    return layout._index_cache[key]
+        return t[0], t[1]
+
+    return layout.cached(("triton", "rows", device), build)
 
 
 def _q_blocks(layout: SegmentLayout, device: torch.device, block_m: int) -> torch.Tensor:
     """[NB, 5] int32 forward/dq work items: (r0, r1, range_begin, range_end, prefix_len)."""
-    key = ("triton", "q", device, block_m)
-    if key not in layout._index_cache:
+
+    def build():
         runs = _runs(layout)
         run, r0, r1 = _split(runs["row_lo"], runs["row_hi"], block_m)
         plen = runs["prefix_len"][run]
         table = np.stack([r0, r1, runs["range_begin"][run], runs["range_end"][run], plen], axis=1)
         cost = (r1 - r0) * (plen + r1 - runs["seg_start"][r0])
-        layout._index_cache[key] = upload(_by_cost(table, cost), device)
-    return layout._index_cache[key]
+        return upload(_by_cost(table, cost), device)
+
+    return layout.cached(("triton", "q", device, block_m), build)
 
 
 def _kv_items(
-    layout: SegmentLayout, device: torch.device, block_n: int, with_prefix: bool, window: int | None = None
+    layout: SegmentLayout,
+    device: torch.device,
+    block_n: int,
+    with_prefix: bool,
+    window: int | None = None,
+    prefix_item_rows: int = PREFIX_ITEM_ROWS,
 ) -> torch.Tensor:
     """[NI, 7] int32 dK/dV work items: (kind, c0, c1, q0, q1, kshift, plen).
 
     Own items: keys ``[c0, c1)`` of a run, queries ``[c0, seg_end[c1 - 1])``. Prefix
     items (only ``with_prefix``): stack slots ``[c0, c1)`` of one of the run's ranges
-    (at depths ``c + kshift``), and at most ``_PREFIX_ITEM_ROWS`` of the run's rows.
+    (at depths ``c + kshift``), and at most ``prefix_item_rows`` of the run's rows.
     With a window, the ranges are cut from the first slot the run's shallowest row
     sees (no item reads a slot that no row of its run sees), and only the items some
     of whose rows see some of their slots are kept."""
-    key = ("triton", "kv", device, block_n, with_prefix, _PREFIX_ITEM_ROWS, window)
-    if key not in layout._index_cache:
+
+    def build():
         runs = _runs(layout)
         run, c0, c1 = _split(runs["row_lo"], runs["row_hi"], block_n)
         q1 = runs["seg_end"][c1 - 1] if len(c1) else c1
@@ -836,38 +865,48 @@ def _kv_items(
         tables = [np.stack([np.full_like(c0, _OWN), c0, c1, c0, q1, zeros, runs["prefix_len"][run]], axis=1)]
         costs = [(c1 - c0) * (q1 - c0)]
         if with_prefix:
-            flat = []  # (run, first slot to read, hi, kshift: depth of slot s is s + kshift)
-            for r, ranges in enumerate(runs["ranges"]):
-                depth, plen = 0, int(runs["prefix_len"][r])
-                for lo, hi in ranges:
-                    # with a window, a run's shallowest row (depth plen) sees the deepest slots
-                    first = lo if window is None else max(lo, lo - depth + plen - window + 1)
-                    if first < hi:
-                        flat.append((r, first, hi, depth - lo))
-                    depth += hi - lo
-            if flat:
-                f_run, f_lo, f_hi, f_shift = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
-                owner, s0, s1 = _split(f_lo, f_hi, block_n)
-                c_run, c_shift = f_run[owner], f_shift[owner]
-                split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], _PREFIX_ITEM_ROWS)
-                split_starts = qa
-                n_splits = np.bincount(split_run, minlength=len(runs["row_lo"]))
-                first_split = np.cumsum(n_splits) - n_splits
-                rep = n_splits[c_run]
-                chunk = np.repeat(np.arange(len(s0)), rep)
-                split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
-                s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
-                plen = runs["prefix_len"][split_run[split]]
-                if window is not None and len(qa):
-                    # the splits tile the rows in order, so reduceat gives each one's shallowest row
-                    split_min = np.minimum.reduceat(runs["row_depth"], split_starts)
-                    keep = plen + split_min[split] - (s1 - 1 + shift) < window
-                    s0, s1, shift, qa, qb, plen = (x[keep] for x in (s0, s1, shift, qa, qb, plen))
-                tables.append(np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb, shift, plen], axis=1))
-                costs.append((s1 - s0) * (qb - qa))
-        table = _by_cost(np.concatenate(tables), np.concatenate(costs))
-        layout._index_cache[key] = upload(table, device)
-    return layout._index_cache[key]
+            prefix = _prefix_items(runs, block_n, window, prefix_item_rows)
+            if prefix is not None:
+                tables.append(prefix)
+                costs.append((prefix[:, 2] - prefix[:, 1]) * (prefix[:, 4] - prefix[:, 3]))
+        return upload(_by_cost(np.concatenate(tables), np.concatenate(costs)), device)
+
+    return layout.cached(("triton", "kv", device, block_n, with_prefix, prefix_item_rows, window), build)
+
+
+def _prefix_items(runs: dict, block_n: int, window: int | None, prefix_item_rows: int) -> np.ndarray | None:
+    """[NP, 7] int64 prefix work items of :func:`_kv_items` (None when no run reads a
+    prefix slot): every run's prefix ranges cut into ``block_n`` slots, times its rows
+    cut into ``prefix_item_rows``."""
+    flat = []  # (run, first slot to read, hi, kshift: depth of slot s is s + kshift)
+    for r, ranges in enumerate(runs["ranges"]):
+        depth, plen = 0, int(runs["prefix_len"][r])
+        for lo, hi in ranges:
+            # with a window, a run's shallowest row (depth plen) sees the deepest slots
+            first = lo if window is None else max(lo, lo - depth + plen - window + 1)
+            if first < hi:
+                flat.append((r, first, hi, depth - lo))
+            depth += hi - lo
+    if not flat:
+        return None
+    f_run, f_lo, f_hi, f_shift = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
+    owner, s0, s1 = _split(f_lo, f_hi, block_n)
+    c_run, c_shift = f_run[owner], f_shift[owner]
+    split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], prefix_item_rows)
+    split_starts = qa
+    n_splits = np.bincount(split_run, minlength=len(runs["row_lo"]))
+    first_split = np.cumsum(n_splits) - n_splits
+    rep = n_splits[c_run]
+    chunk = np.repeat(np.arange(len(s0)), rep)
+    split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
+    s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
+    plen = runs["prefix_len"][split_run[split]]
+    if window is not None and len(qa):
+        # the splits tile the rows in order, so reduceat gives each one's shallowest row
+        split_min = np.minimum.reduceat(runs["row_depth"], split_starts)
+        keep = plen + split_min[split] - (s1 - 1 + shift) < window
+        s0, s1, shift, qa, qb, plen = (x[keep] for x in (s0, s1, shift, qa, qb, plen))
+    return np.stack([np.full_like(s0, _PREFIX), s0, s1, qa, qb, shift, plen], axis=1)
 
 
 # --------------------------------------------------------------------------- autograd
@@ -917,11 +956,14 @@ class _Options:
 
 class _StackAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, sinks, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, options):
+    def forward(
+        ctx, q, k, v, sinks, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, options, tuning: _Tuning
+    ):
         q, k, v = _unit_last(q), _unit_last(k), _unit_last(v)
         t, hq, _ = q.shape
         sk, sv = stack.k[layer], stack.v[layer]
-        block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype)
+        tiles = tuning.interpreter_tiles
+        block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype, tiles)
         tables = layout.device_tables(q.device)
         seg_start, _ = _row_tables(layout, q.device)
         q_blocks = _q_blocks(layout, q.device, block_m)
@@ -937,17 +979,18 @@ class _StackAttention(torch.autograd.Function):
             t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
         )
         _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")})
+                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")}, tiles)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
-        ctx.tiles = (block_m, block_n)
+        ctx.tuning, ctx.blocks = tuning, (block_m, block_n)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, sinks = ctx.saved_tensors
         stack, layer, layout, scale = ctx.stack, ctx.layer, ctx.layout, ctx.scale
-        block_m, block_n = ctx.tiles
+        block_m, block_n = ctx.blocks
+        tiles = ctx.tuning.interpreter_tiles
         do = _unit_last(grad_out)
         t, hq, _ = q.shape
         hkv = k.shape[1]
@@ -971,7 +1014,7 @@ class _StackAttention(torch.autograd.Function):
         seg_start, seg_end = _row_tables(layout, device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=device)
         dv = torch.empty(v.shape, dtype=v.dtype, device=device)
-        items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window)
+        items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window, ctx.tuning.prefix_item_rows)
         args = (
             q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
@@ -981,7 +1024,7 @@ class _StackAttention(torch.autograd.Function):
             t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
         )
         _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args,
-                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")})
+                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")}, tiles)
 
         dq = None
         if ctx.needs_input_grad[0]:
@@ -997,26 +1040,26 @@ class _StackAttention(torch.autograd.Function):
                 t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
             )
             _launch("dq", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")})
+                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")}, tiles)
 
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d out_r / d sink = -p_sink(r) * out_r, so dL/dsink = -sum_r p_sink(r) * delta_r
             p_sink = torch.exp2(opts.sinks2[:, None] - lse)
             dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
-        return dq, dk, dv, dsinks, None, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: AttentionOptions) -> None:
     check_stack_attention(q, k, v, stack, layout, options)
     require_triton(q.device)
-    if q.dtype not in _DTYPES:
-        raise TypeError(f"the 'triton' backend supports {_DTYPES}, got {q.dtype}; use attention='sdpa'")
+    if q.dtype not in DTYPES:
+        raise TypeError(f"the 'triton' backend supports {DTYPES}, got {q.dtype}; use attention='sdpa'")
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
-    if max(k.shape[-1], v.shape[-1]) > _MAX_HEAD_DIM:
+    if max(k.shape[-1], v.shape[-1]) > MAX_HEAD_DIM:
         raise ValueError(
-            f"the 'triton' backend supports head dims up to {_MAX_HEAD_DIM}, got {k.shape[-1]} (keys) and "
+            f"the 'triton' backend supports head dims up to {MAX_HEAD_DIM}, got {k.shape[-1]} (keys) and "
             f"{v.shape[-1]} (values); use attention='sdpa'"
         )
     if not (q.device == k.device == v.device == stack.device):
@@ -1035,6 +1078,19 @@ def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: 
         raise ValueError(f"prefix ranges reach slot {slots_end}, past the stack capacity {stack.capacity}")
 
 
+def _check_tuning(tuning: _Tuning) -> None:
+    rows = tuning.prefix_item_rows
+    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+        raise ValueError(f"prefix_item_rows must be an int >= 1, got {rows!r}")
+    tiles = tuning.interpreter_tiles
+    if not isinstance(tiles, InterpreterTiles):
+        raise ValueError(f"interpreter_tiles must be an InterpreterTiles, got {type(tiles).__name__}")
+    for name in ("q_block", "kv_block", "inner"):
+        t = getattr(tiles, name)
+        if isinstance(t, bool) or not isinstance(t, int) or t < 16 or t & (t - 1):
+            raise ValueError(f"interpreter_tiles.{name} must be a power of two >= 16, got {t!r}")
+
+
 def stack_attention_triton(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -1048,6 +1104,8 @@ def stack_attention_triton(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    prefix_item_rows: int = PREFIX_ITEM_ROWS,
+    interpreter_tiles: InterpreterTiles = InterpreterTiles(),
 ) -> torch.Tensor:
     """Fused attention of all packed segments over (stack prefix + own K/V).
 
@@ -1063,7 +1121,10 @@ def stack_attention_triton(
             and reused by every layer).
         scale: softmax scale.
         softcap, sinks [q_heads], alibi_slopes [q_heads], window: see
-            :class:`dtree.ops.stack_attention.AttentionOptions`.
+            :class:`dtree.ops.attention_options.AttentionOptions`.
+        prefix_item_rows: query rows per prefix dK/dV work item (see the module
+            docstring; tests and benchmarks vary it).
+        interpreter_tiles: the tiles under the Triton interpreter (tests vary them).
 
     Returns:
         [T, q_heads, Dv] in ``q.dtype``. Backward returns dq, dk, dv, dsinks and adds
@@ -1071,4 +1132,6 @@ def stack_attention_triton(
     """
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     _check(q, k, v, stack, layer, layout, options)
-    return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options)
+    tuning = _Tuning(prefix_item_rows, interpreter_tiles)
+    _check_tuning(tuning)
+    return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options, tuning)

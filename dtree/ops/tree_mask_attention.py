@@ -33,11 +33,19 @@ import torch
 import torch.nn.functional as F
 
 from ..transfer import upload
-from .stack_attention import check_packed_qkv
+from .attention_options import check_packed_qkv
+from .backends import Target, backend_names, implementation
 
-__all__ = ["BACKENDS", "TreeMaskLayout", "tree_mask_attention", "tree_mask_attention_flex", "tree_mask_attention_sdpa"]
+__all__ = [
+    "BACKENDS",
+    "TreeMaskLayout",
+    "flex_unavailable",
+    "tree_mask_attention",
+    "tree_mask_attention_flex",
+    "tree_mask_attention_sdpa",
+]
 
-BACKENDS = ("sdpa", "flex")
+BACKENDS = backend_names("tree_mask_attention")
 BLOCK_SIZE = 128  # FlexAttention's default tile
 
 
@@ -192,12 +200,15 @@ def tree_mask_attention_flex(
     return out[0].transpose(0, 1)
 
 
+def flex_unavailable(target: Target) -> str | None:
+    """Why the ``flex`` backend cannot train on ``target`` (None: it can)."""
+    if target.device.type == "cuda":
+        return None
+    return f"trains on CUDA only (no FlexAttention backward on {target.device}); use 'sdpa'"
+
+
 def tree_mask_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeMaskLayout, scale: float, backend: str = "sdpa"
 ) -> torch.Tensor:
-    """Dispatch to a backend by name (see module docstring)."""
-    if backend == "sdpa":
-        return tree_mask_attention_sdpa(q, k, v, layout, scale)
-    if backend == "flex":
-        return tree_mask_attention_flex(q, k, v, layout, scale)
-    raise ValueError(f"unknown tree-mask attention backend {backend!r}; choose one of {BACKENDS}")
+    """Dispatch to a backend by name (see module docstring and :mod:`dtree.ops.backends`)."""
+    return implementation("tree_mask_attention", backend)(q, k, v, layout, scale)

@@ -30,20 +30,26 @@ import numpy as np
 import torch
 
 from ..transfer import upload
-from .stack_attention import attend_math, attend_sdpa, check_packed_qkv
+from .attention_math import attend_math, attend_sdpa
+from .attention_options import check_packed_qkv
+from .backends import Target, backend_names, implementation
 
 __all__ = [
     "BACKENDS",
     "VarlenLayout",
     "flash_attn_available",
+    "flash_attn_impl",
+    "flash_attn_unavailable",
     "flash_available",
+    "flash_unavailable",
+    "installed_flash_attn",
     "varlen_attention",
     "varlen_attention_flash",
     "varlen_attention_reference",
     "varlen_attention_sdpa",
 ]
 
-BACKENDS = ("reference", "sdpa", "flash", "flash-attn")
+BACKENDS = backend_names("varlen_attention")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -200,28 +206,64 @@ def flash_available(device: torch.device, dtype: torch.dtype, num_heads: int, nu
     return _PROBED[key]
 
 
+@functools.lru_cache(maxsize=None)
+def installed_flash_attn():
+    """(implementation name, flash_attn_varlen_func) of the installed flash-attn, or None."""
+    try:
+        from flash_attn import flash_attn_varlen_func
+
+        return "flash-attn-2", flash_attn_varlen_func
+    except ImportError:
+        pass
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+
+        return "flash-attn-4", flash_attn_varlen_func
+    except ImportError:
+        return None
+
+
+def flash_attn_impl() -> str | None:
+    """``"flash-attn-2"``, ``"flash-attn-4"`` or None: which flash-attn this process can import."""
+    found = installed_flash_attn()
+    return None if found is None else found[0]
+
+
 def flash_attn_available(device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
     """Whether the ``flash-attn`` backend runs here: the flash-attn package importable,
     CUDA, float16/bfloat16, head dims up to 256."""
     if torch.device(device).type != "cuda" or dtype not in FLASH_DTYPES or head_dim > 256:
         return False
-    from .varlen_attention_flash import flash_attn_impl
-
     return flash_attn_impl() is not None
+
+
+def flash_unavailable(target: Target) -> str | None:
+    """Why the ``flash`` backend cannot run on ``target`` (None: it runs; see
+    :func:`flash_available`)."""
+    shapes = (target.num_heads, target.num_kv_heads, target.head_dim)
+    if target.dtype is not None and None not in shapes and flash_available(target.device, target.dtype, *shapes):
+        return None
+    return (
+        f"needs torch.nn.attention.varlen.varlen_attn (torch >= 2.10) on a CUDA GPU it supports, with a "
+        f"float16/bfloat16 model; this one is {target.dtype} on {target.device} (torch {torch.__version__}). "
+        "Use attention='sdpa'"
+    )
+
+
+def flash_attn_unavailable(target: Target) -> str | None:
+    """Why the ``flash-attn`` backend cannot run on ``target`` (None: it runs; see
+    :func:`flash_attn_available`)."""
+    if target.dtype is not None and target.head_dim is not None:
+        if flash_attn_available(target.device, target.dtype, target.head_dim):
+            return None
+    return (
+        f"needs the flash-attn package (pip install flash-attn) and a CUDA model in float16/bfloat16; this one is "
+        f"{target.dtype} on {target.device}. Use attention='auto' or 'sdpa'"
+    )
 
 
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float, backend: str = "sdpa"
 ) -> torch.Tensor:
-    """Dispatch to a backend by name (see module docstring)."""
-    if backend == "reference":
-        return varlen_attention_reference(q, k, v, layout, scale)
-    if backend == "sdpa":
-        return varlen_attention_sdpa(q, k, v, layout, scale)
-    if backend == "flash":
-        return varlen_attention_flash(q, k, v, layout, scale)
-    if backend == "flash-attn":
-        from .varlen_attention_flash import varlen_attention_flash_attn
-
-        return varlen_attention_flash_attn(q, k, v, layout, scale)
-    raise ValueError(f"unknown varlen attention backend {backend!r}; choose one of {BACKENDS}")
+    """Dispatch to a backend by name (see module docstring and :mod:`dtree.ops.backends`)."""
+    return implementation("varlen_attention", backend)(q, k, v, layout, scale)

@@ -16,7 +16,8 @@ Two ops, both one varlen kernel per call:
   the gather costs a copy of every prefix per layer and call, which the Triton kernel
   avoids by reading the stack in place.
 
-Implementations, the first importable one is used (:func:`flash_attn_impl`):
+Implementations, the first importable one is used
+(:func:`dtree.ops.varlen_attention.flash_attn_impl`):
 
 * ``"flash-attn-2"``: ``flash_attn.flash_attn_varlen_func`` (a compiled CUDA extension:
   a long source build unless a wheel matches the torch/CUDA pair);
@@ -29,47 +30,23 @@ Both take CUDA float16/bfloat16 tensors, ``int32`` offsets, GQA/MQA natively.
 
 from __future__ import annotations
 
-import functools
-
 import numpy as np
 import torch
 
 from ..kv_stack import KVStack
 from ..transfer import upload
-from .stack_attention import SegmentLayout, check_packed_qkv
-from .varlen_attention import FLASH_DTYPES, VarlenLayout
+from .attention_options import check_packed_qkv
+from .segment_layout import SegmentLayout
+from .varlen_attention import FLASH_DTYPES, VarlenLayout, flash_attn_impl, installed_flash_attn
 
 __all__ = ["flash_attn_impl", "stack_attention_flash_attn", "varlen_attention_flash_attn"]
 
 _INSTALL = "pip install flash-attn-4 (CuTe DSL wheels; Hopper/Blackwell) or flash-attn (FlashAttention-2)"
 
 
-@functools.lru_cache(maxsize=None)
-def _flash_attn():
-    """(implementation name, flash_attn_varlen_func) of the installed flash-attn, or None."""
-    try:
-        from flash_attn import flash_attn_varlen_func
-
-        return "flash-attn-2", flash_attn_varlen_func
-    except ImportError:
-        pass
-    try:
-        from flash_attn.cute import flash_attn_varlen_func
-
-        return "flash-attn-4", flash_attn_varlen_func
-    except ImportError:
-        return None
-
-
-def flash_attn_impl() -> str | None:
-    """``"flash-attn-2"``, ``"flash-attn-4"`` or None: which flash-attn this process can import."""
-    found = _flash_attn()
-    return None if found is None else found[0]
-
-
 def _varlen(q, k, v, cu_q, cu_k, max_q: int, max_k: int, scale: float) -> torch.Tensor:
     """One causal (bottom-right) varlen call of the installed flash-attn."""
-    found = _flash_attn()
+    found = installed_flash_attn()
     if found is None:
         raise RuntimeError(f"flash-attn is not installed: {_INSTALL}")
     if q.device.type != "cuda" or q.dtype not in FLASH_DTYPES:
@@ -146,11 +123,11 @@ def _plan(q_offsets: np.ndarray, prefix_ranges) -> tuple:
 def _tables(layout: SegmentLayout, device: torch.device) -> dict:
     """Device tables of :func:`_plan`, built once per layout and device (every layer of a
     call reuses them)."""
-    key = ("flash_attn", device)
-    if key not in layout._index_cache:
+
+    def build():
         q_off = np.asarray(layout.q_offsets, dtype=np.int64)
         slots, order, k_off = _plan(q_off, layout.prefix_ranges)
-        layout._index_cache[key] = {
+        return {
             "slots": upload(slots.astype(np.int64), device),
             "order": upload(order.astype(np.int64), device),
             "cu_q": upload(q_off.astype(np.int32), device),
@@ -158,7 +135,8 @@ def _tables(layout: SegmentLayout, device: torch.device) -> dict:
             "max_q": int(np.diff(q_off).max()),
             "max_k": int(np.diff(k_off).max()),
         }
-    return layout._index_cache[key]
+
+    return layout.cached(("flash_attn", device), build)
 
 
 def stack_attention_packed(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, varlen_fn):
