@@ -114,7 +114,6 @@ class KVStack:
         self.k[layer, lo : lo + k.shape[0]].copy_(k)
         self.v[layer, lo : lo + v.shape[0]].copy_(v)
 
-    write = store_kv  # the old name, which dtree/runtime.py still calls
 
     def zero_grad(self, lo: int, hi: int) -> None:
         """Clear the gradient slots ``[lo, hi)`` of every layer."""

@@ -15,6 +15,7 @@ from .checkpointing import decoder_layers
 from .config import RuntimeConfig
 from .kv_stack import KVStack
 from .models import ModelSpec, unwrap
+from .ops.backends import resolve_backend
 from .ops.logprobs import OutputHead, fused_head_kernel
 from .schedule import Schedule
 from .tree import Forest
@@ -25,25 +26,12 @@ Placement = tuple[torch.device, torch.dtype]
 
 
 def pick_backend(attention: str, placement: Placement, spec: ModelSpec) -> str:
-    """The stack-attention backend for ``attention`` (a config value). ``auto``: the
-    fused Triton kernel where it runs (CUDA, Triton installed, 16-bit or float32
-    weights, head_dim <= 256), else SDPA. An explicit ``triton`` that cannot run raises."""
+    """The stack-attention backend for ``attention`` (a config value), from the registry
+    (:func:`dtree.ops.backends.resolve_backend`). ``auto``: the fused Triton kernel where
+    it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256), else
+    SDPA. An explicit backend that cannot run here raises a ValueError saying why."""
     device, dtype = placement
-    if attention == "triton" or (
-        attention == "auto"
-        and device.type == "cuda"
-        and dtype in (torch.bfloat16, torch.float16, torch.float32)
-        and spec.head_dim <= 256
-    ):
-        try:
-            from .ops.stack_attention_triton import require_triton
-
-            require_triton(device)
-            return "triton"
-        except (ImportError, RuntimeError):
-            if attention == "triton":
-                raise
-    return "sdpa" if attention == "auto" else attention
+    return resolve_backend("stack_attention", attention, device, dtype, head_dim=spec.head_dim)
 
 
 def hf_checkpointing(module: torch.nn.Module) -> bool:

@@ -154,7 +154,7 @@ class GroupAttention:
         of :func:`dtree.ops.stack_attention.stack_attention`."""
         self.called[layer] = True
         if self.push:
-            self.stack.write(layer, self.lo, k.detach(), v.detach())
+            self.stack.store_kv(layer, self.lo, k.detach(), v.detach())
         if torch.is_grad_enabled():
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.seed:

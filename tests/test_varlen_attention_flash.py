@@ -178,7 +178,7 @@ def test_linearized_baseline_picks_flash_attn_when_installed(monkeypatch):
 
     import dtree
     from dtree.baselines import LinearizedTrainer
-    from dtree.baselines import linearized as lin
+    from dtree.ops import varlen_attention as va
     from dtree.ops.varlen_attention import varlen_attention
 
     calls = []
@@ -188,7 +188,7 @@ def test_linearized_baseline_picks_flash_attn_when_installed(monkeypatch):
         return varlen_attention_reference(q, k, v, layout, scale)
 
     monkeypatch.setattr(vf, "varlen_attention_flash_attn", stand_in)
-    monkeypatch.setattr(lin, "flash_attn_available", lambda device, dtype, head_dim: True)
+    monkeypatch.setattr(va, "flash_attn_available", lambda device, dtype, head_dim: True)
     layout = VarlenLayout([0, 4, 9])
     q, k, v = torch.randn(9, 4, 8), torch.randn(9, 2, 8), torch.randn(9, 2, 8)
     torch.testing.assert_close(varlen_attention(q, k, v, layout, 0.3, "flash-attn"),

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from ..models import AttendFn
-from ..ops.varlen_attention import BACKENDS, VarlenLayout, flash_attn_available, flash_available, varlen_attention
+from ..ops.backends import resolve_backend
+from ..ops.varlen_attention import VarlenLayout, varlen_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
@@ -61,25 +62,8 @@ class LinearizedTrainer(MicroBatchTrainer):
 
     def _pick_backend(self, attention: str) -> str:
         spec = self.spec
-        shapes = (self.device, self.dtype, spec.num_heads, spec.num_kv_heads, spec.head_dim)
-        if attention == "auto":
-            if flash_attn_available(self.device, self.dtype, spec.head_dim):
-                return "flash-attn"
-            return "flash" if flash_available(*shapes) else "sdpa"
-        if attention not in BACKENDS:
-            raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
-        if attention == "flash-attn" and not flash_attn_available(self.device, self.dtype, spec.head_dim):
-            raise ValueError(
-                f"attention='flash-attn' needs the flash-attn package (pip install flash-attn) and a CUDA model in "
-                f"float16/bfloat16; this one is {self.dtype} on {self.device}. Use attention='auto' or 'sdpa'"
-            )
-        if attention == "flash" and not flash_available(*shapes):
-            raise ValueError(
-                f"attention='flash' needs torch.nn.attention.varlen.varlen_attn (torch >= 2.10) on a CUDA GPU it "
-                f"supports, with a float16/bfloat16 model; this one is {self.dtype} on {self.device} "
-                f"(torch {torch.__version__}). Use attention='sdpa'"
-            )
-        return attention
+        shapes = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
+        return resolve_backend("varlen_attention", attention, self.device, self.dtype, **shapes)
 
     def plan(self, forest: Forest) -> list[MicroBatch]:
         """One :class:`MicroBatch` per packed range of sequences."""

@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from ..models import AttendFn
-from ..ops.tree_mask_attention import BACKENDS, TreeMaskLayout, tree_mask_attention
+from ..ops.backends import resolve_backend
+from ..ops.tree_mask_attention import TreeMaskLayout, tree_mask_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
@@ -123,15 +124,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
         if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be None or >= 1, got {max_tokens_per_batch}")
         self.max_tokens_per_batch = max_tokens_per_batch
-        if attention == "auto":
-            attention = "flex" if self.device.type == "cuda" else "sdpa"
-        if attention not in BACKENDS:
-            raise ValueError(f"attention must be 'auto' or one of {BACKENDS}, got {attention!r}")
-        if attention == "flex" and self.device.type != "cuda":
-            raise ValueError(
-                f"attention='flex' trains on CUDA only (no FlexAttention backward on {self.device}); use 'sdpa'"
-            )
-        self.attention = attention
+        self.attention = resolve_backend("tree_mask_attention", attention, self.device)
 
     def _units(self, forest: Forest) -> list[_Unit]:
         """Whole trees, or the groups of the trees larger than the budget, tree by tree."""

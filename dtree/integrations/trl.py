@@ -98,7 +98,8 @@ class TreeGRPOTrainer(GRPOTrainer):
     Args:
         *args, **kwargs: exactly ``GRPOTrainer``'s.
         dtree_options: :class:`~dtree.TreeRuntime` options (``mode``, ``group_tokens``,
-            ``chunk_size``, ``attention``, ``logprob_chunk``, ``compile``, ...). With
+            ``chunk_size``, ``attention``, ``logprob_chunk``, ``memory``, ...: the keywords of
+            :class:`~dtree.RuntimeConfig`). With
             ``gradient_checkpointing=True`` in the config, the default mode is
             ``"recompute"`` (dtree's own activation saving; HF's checkpointing is
             switched off around dtree's calls and back on after).
