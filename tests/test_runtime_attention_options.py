@@ -175,13 +175,13 @@ def test_deepseek_v3_latent_attention():
 
 
 def test_unknown_attention_keyword_is_refused_by_name():
-    from dtree.models.hf import _attention_options
+    from dtree.models.attention_function import attention_options
 
-    assert _attention_options({"sliding_window": 4, "softcap": None, "s_aux": None, "use_cache": False}) == {"window": 4}
+    assert attention_options({"sliding_window": 4, "softcap": None, "s_aux": None, "use_cache": False}) == {"window": 4}
     with pytest.raises(ValueError, match="'attn_bias'"):
-        _attention_options({"attn_bias": torch.zeros(1)})
+        attention_options({"attn_bias": torch.zeros(1)})
     with pytest.raises(ValueError, match="is_causal=False"):
-        _attention_options({"is_causal": False})
+        attention_options({"is_causal": False})
 
 
 def test_baselines_refuse_options_they_do_not_implement():

@@ -2,10 +2,10 @@
 
 No model-specific code for most models: every decoder layer of a transformers 5 model
 calls ``ALL_ATTENTION_FUNCTIONS[config._attn_implementation](module, q, k, v, mask, ...)``.
-We register ``"dtree"`` there and switch a model's config to it only while the
-runtime runs it, so the same model object still works normally elsewhere. For a
-name that transformers has no mask function for, it builds no attention mask at
-all, so no O(T^2) mask is ever made. ``q`` and ``k`` arrive already rotated with the
+We register ``"dtree"`` there (:mod:`dtree.models.attention_function`) and switch a
+model's config to it only while the runtime runs it, so the same model object still
+works normally elsewhere. For a name that transformers has no mask function for, it
+builds no attention mask at all, so no O(T^2) mask is ever made. ``q`` and ``k`` arrive already rotated with the
 ``position_ids`` we pass (tree depths), and ``module.layer_idx`` names the layer.
 
 The few families whose attention bypasses the interface (Bloom, Falcon, GPT-J, ...)
@@ -28,104 +28,14 @@ import torch
 
 from ..ops.logprobs import OutputHead
 from . import families
-from .guard import AttentionCalls, activate, active_call, decoder_layers
+from .attention_function import ATTENTION_NAME, register_attention_function
+from .guard import AttentionCalls, activate, decoder_layers
 from .protocol import AttendFn, ModelSpec
 
 __all__ = ["HFTreeModel", "ATTENTION_NAME"]
 
-ATTENTION_NAME = "dtree"
-
-# transformers' names of the per-layer attention options -> dtree's attend() options
-_OPTION_KWARGS = {"softcap": "softcap", "s_aux": "sinks", "sliding_window": "window"}
-# keyword arguments that reach the attention function and change nothing it computes
-# (model-call flags forwarded to every layer)
-_HARMLESS_KWARGS = frozenset(
-    {
-        "position_ids",
-        "cache_position",
-        "use_cache",
-        "output_attentions",
-        "output_hidden_states",
-        "output_router_logits",
-        "return_dict",
-    }
-)
 # class-name fragments of token mixers other than attention, for error hints
 _MIXER_NAMES = ("mamba", "mixer", "conv", "recurrent", "rwkv", "lstm", "ssm", "deltanet", "lightning", "rglru", "linearattention")
-
-
-def _attention_options(kwargs: dict, model_name: str = "the model") -> dict:
-    """dtree attend() options from the keyword arguments transformers passes the
-    attention function. A non-None argument that is neither an option nor harmless
-    could change the attention (a cache, a non-causal flag, a new model feature): it
-    is refused by name rather than ignored."""
-    options = {}
-    for name, value in kwargs.items():
-        if value is None:
-            continue
-        if name in _OPTION_KWARGS:
-            options[_OPTION_KWARGS[name]] = value
-        elif name == "is_causal":
-            if value is not True:
-                raise ValueError("dtree trains causal LMs; this attention layer asked for is_causal=False")
-        elif name not in _HARMLESS_KWARGS:
-            raise ValueError(
-                f"{model_name} passed {name!r} to its attention function, which dtree does not implement; "
-                "it could change the attention, so dtree refuses rather than ignore it"
-            )
-    return options
-
-
-def _dtree_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function: [1, Hq, T, Dk] q, [1, Hkv, T, Dk] k, [1, Hkv, T, Dv] v
-    -> ([1, T, Hq, Dv], None). ``softcap``, ``s_aux`` (sinks) and ``sliding_window``
-    become the per-layer options of dtree's attention."""
-    calls = active_call()
-    if calls is None:
-        raise RuntimeError(
-            f"attention implementation {ATTENTION_NAME!r} only runs inside a dtree model call (TreeRuntime or a "
-            "baseline); set the model back to 'sdpa' or 'eager' to use it directly"
-        )
-    if dropout:
-        raise ValueError("attention dropout is not supported by dtree's stack attention; set it to 0 or call model.eval()")
-    if attention_mask is not None:
-        # transformers builds no mask for dtree's implementation: this one is the model's own
-        # (a learned or input-dependent score bias, e.g. Doge's dynamic mask)
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask).__name__
-        raise ValueError(
-            f"{calls.model_name}: {type(module).__name__} passes its own attention mask or score bias ({shape}) to the "
-            "attention function; dtree's attention masks the tree itself and cannot apply a model-made mask"
-        )
-    options = _attention_options(kwargs, calls.model_name)
-    if query.shape[0] != 1:
-        raise ValueError(f"dtree runs one packed row per call, got batch size {query.shape[0]}")
-    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
-    out = calls(module, q, k, v, scale, **options)
-    return out.unsqueeze(0), None
-
-
-# torch.compile'd decoder layers break their graph here: the stack attention does host
-# work (segment tables) and mutates the KV stack, so it runs eagerly between the
-# compiled pre- and post-attention graphs of each layer.
-_dtree_attention = torch._dynamo.disable(_dtree_attention)
-
-
-def _register() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(ATTENTION_NAME, _dtree_attention)
 
 
 def _effective_sliding_window(config) -> int | None:
@@ -284,7 +194,7 @@ class HFTreeModel:
         self._layer_of_module: dict[int, int] | None = None
         self._probed: set = set()
         self._own_attention: dict[int, str] = {}  # config id -> the model's attention implementation
-        _register()
+        register_attention_function()
 
     @staticmethod
     def _spec(model: torch.nn.Module, config) -> ModelSpec:
@@ -321,7 +231,9 @@ class HFTreeModel:
         return list({id(c): c for c in (self.model.config, self.config)}.values())
 
     @contextlib.contextmanager
-    def _dtree_attention(self) -> Iterator[None]:
+    def _routed_through_dtree(self) -> Iterator[None]:
+        """The model's configs' ``_attn_implementation`` is :data:`ATTENTION_NAME` while
+        the block runs (restored after), so its layers call dtree's attention function."""
         saved = [(c, c._attn_implementation) for c in self._configs()]
         for c, old in saved:
             if old != ATTENTION_NAME:  # the outermost switch knows the model's own implementation
@@ -352,7 +264,7 @@ class HFTreeModel:
         """Context for a whole training step: the model's attention is dtree's while it
         lasts, so layers that HF gradient checkpointing re-runs inside backward (after
         :meth:`dtree_hidden_states` returned) attend through the stack as well."""
-        return self._dtree_attention()
+        return self._routed_through_dtree()
 
     def dtree_spec(self) -> ModelSpec:
         return self.spec
@@ -376,7 +288,7 @@ class HFTreeModel:
         calls = AttentionCalls(attend, self.spec, self.name, self._layer_of)
         extra = families.call_kwargs(self.adapted, input_ids.device)
         try:
-            with self._dtree_attention(), activate(calls), _hf_checkpointing_in_call_context(self.model):
+            with self._routed_through_dtree(), activate(calls), _hf_checkpointing_in_call_context(self.model):
                 out = self.base(
                     input_ids=input_ids.unsqueeze(0), position_ids=position_ids.unsqueeze(0), use_cache=False, **extra
                 )
