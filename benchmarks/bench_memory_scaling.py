@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from dtree.baselines import make_method  # noqa: E402
 from dtree.bench.configs import MethodConfig, parse_assignments, parse_configs  # noqa: E402
-from dtree.bench.measure import device_name, free_memory, is_out_of_memory, limit_memory  # noqa: E402
-from dtree.bench.report import environment  # noqa: E402
+from dtree.bench.measure import device_name, free_memory, is_out_of_memory, limit_memory, timed_step  # noqa: E402
+from dtree.bench.report import environment, write_profile_reports  # noqa: E402
 from dtree.bench.runner import CPU_WORKLOADS  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
@@ -103,15 +103,7 @@ def _work(config: MethodConfig, unique: int, linearized: int) -> int:
 
 
 def _step(runner, forest, loss, model, device) -> tuple[float, float | None, float | None, int | None]:
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = runner.forward_backward(forest, loss)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    dt = time.perf_counter() - t0
+    out, dt = timed_step(runner, forest, loss, model, device)
     if device.type != "cuda":
         return dt, None, None, out.num_model_calls
     return (dt, torch.cuda.max_memory_allocated(device) / 2**30, torch.cuda.max_memory_reserved(device) / 2**30,
@@ -438,14 +430,8 @@ def main(argv: list[str] | None = None) -> int:
                    for n in sweeps],
         "cells": [asdict(c) for c in cells],
     }
-    os.makedirs(args.out, exist_ok=True)
-    hw = (report["env"]["gpu"] or "cpu").lower().replace(" ", "-")
-    stem = os.path.join(args.out, f"memory_scaling_{hw}_{model_name}")
-    with open(stem + ".json", "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
     text = markdown(report)
-    with open(stem + ".md", "w", encoding="utf-8") as f:
-        f.write(text)
+    stem = write_profile_reports(report, text, args.out, "memory_scaling", model_name)
     chart(report, stem + ".png")
     print(text)
     print(f"reports: {stem}.md, .json, .png", flush=True)

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from dtree.baselines import make_method  # noqa: E402
 from dtree.bench.configs import parse_assignments, parse_configs  # noqa: E402
-from dtree.bench.measure import device_name, free_memory, use_expandable_segments  # noqa: E402
-from dtree.bench.report import environment  # noqa: E402
+from dtree.bench.measure import device_name, free_memory, timed_step, use_expandable_segments  # noqa: E402
+from dtree.bench.report import environment, write_profile_reports  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
@@ -220,21 +220,9 @@ def _start_recording() -> None:
     record(**kw)
 
 
-def _step(runner, forest, loss, model, device):
-    model.zero_grad(set_to_none=True)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.synchronize(device)
-    t0 = time.perf_counter()
-    out = runner.forward_backward(forest, loss)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return out, time.perf_counter() - t0
-
-
 def profile_config(config, model, forest, loss, device, spec, params: int, top: int) -> dict:
     runner = make_method(config.method, model, **config.options)
-    out, warm_s = _step(runner, forest, loss, model, device)
+    out, warm_s = timed_step(runner, forest, loss, model, device)
     result = {"config": config.label, "options": config.options, "warmup_s": warm_s, "calls": out.num_model_calls,
               "peak_graph_tokens": out.peak_graph_tokens, "metrics": dict(out.metrics or {})}
     if device.type == "cuda":
@@ -246,7 +234,7 @@ def profile_config(config, model, forest, loss, device, spec, params: int, top: 
         _start_recording()
         offset = len(torch.cuda.memory._snapshot()["device_traces"][index])  # events an earlier recording left
         try:
-            out, traced_s = _step(runner, forest, loss, model, device)
+            out, traced_s = timed_step(runner, forest, loss, model, device)
             snapshot = torch.cuda.memory._snapshot()
         finally:
             torch.cuda.memory._record_memory_history(enabled=None)
@@ -266,7 +254,7 @@ def profile_config(config, model, forest, loss, device, spec, params: int, top: 
             "top_sites": [{"category": c, "site": s, "gib": b / 2**30, "blocks": n} for c, s, b, n in sites[:top]],
         })
         del snapshot, trace, peak
-    out, step_s = _step(runner, forest, loss, model, device)
+    out, step_s = timed_step(runner, forest, loss, model, device)
     result["step_s"] = step_s
     if device.type == "cuda":
         result["untraced_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
@@ -373,13 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     text = markdown(report)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        hw = (report["env"]["gpu"] or "cpu").lower().replace(" ", "-")
-        stem = os.path.join(args.out, f"memory_profile_{hw}_{model_name}")
-        with open(stem + ".md", "w", encoding="utf-8") as f:
-            f.write(text)
-        with open(stem + ".json", "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2, default=str)
+        stem = write_profile_reports(report, text, args.out, "memory_profile", model_name)
         print(f"reports: {stem}.md, .json")
     return 0 if any("step_s" in r for r in runs) else 1
 

@@ -264,7 +264,7 @@ def parent(args) -> int:
     sys.path.insert(0, ROOT)
     from dtree.bench.configs import parse_configs
     from dtree.bench.measure import device_name
-    from dtree.bench.report import environment
+    from dtree.bench.report import environment, write_profile_reports
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     model = args.model or ("qwen2.5-1.5b" if device.type == "cuda" else "tiny")
@@ -313,13 +313,7 @@ def parent(args) -> int:
     text = _markdown(report)
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        hw = (report["env"]["gpu"] or "cpu").lower().replace(" ", "-")
-        stem = os.path.join(args.out, f"warmup_{hw}_{model}")
-        with open(stem + ".md", "w", encoding="utf-8") as f:
-            f.write(text)
-        with open(stem + ".json", "w", encoding="utf-8") as f:
-            json.dump(report, f, indent=2, default=str)
+        stem = write_profile_reports(report, text, args.out, "warmup", model)
         print(f"reports: {stem}.md, .json")
     return 0 if any("steps" in r for r in runs) else 1
 

@@ -181,6 +181,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_step(runner, forest, loss, model: torch.nn.Module, device: torch.device, *, reset_peak: bool = True):
+    """One ``runner.forward_backward(forest, loss)`` timed between device syncs, after
+    ``model.zero_grad(set_to_none=True)`` and (``reset_peak``) a reset of the CUDA peak
+    counters. Returns ``(step output, seconds)``; every benchmark times a step this way."""
+    model.zero_grad(set_to_none=True)
+    if reset_peak and device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    _sync(device)
+    t0 = time.perf_counter()
+    out = runner.forward_backward(forest, loss)
+    _sync(device)
+    return out, time.perf_counter() - t0
+
+
 def free_memory(device: torch.device) -> None:
     gc.collect()
     if device.type == "cuda":
@@ -224,15 +238,9 @@ def measure_method(
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         for i in range(warmup + repeats):
-            model.zero_grad(set_to_none=True)
-            if i == warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = runner.forward_backward(forest, loss)
-            _sync(device)
+            out, dt = timed_step(runner, forest, loss, model, device, reset_peak=i == warmup)
             if i >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(dt)
             if on_step:
                 on_step()
         result.step_times_s = times
@@ -295,14 +303,7 @@ def measure_steps(
             if max_seconds is not None and spent >= max_seconds and i >= 3:
                 result.note = f"stopped after {i} of {len(forests)} steps ({spent:.0f} s >= {max_seconds:g} s per configuration)"
                 break
-            model.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            t0 = time.perf_counter()
-            out = runner.forward_backward(sf.forest, loss)
-            _sync(device)
-            dt = time.perf_counter() - t0
+            out, dt = timed_step(runner, sf.forest, loss, model, device)
             spent += dt
             result.step_times_s.append(dt)
             result.step_losses.append(float(out.loss))

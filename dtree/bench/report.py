@@ -359,6 +359,20 @@ def _chart(report: dict, path: str) -> None:
     plt.close(fig)
 
 
+def write_profile_reports(report: dict, text: str, out_dir: str, kind: str, model_name: str) -> str:
+    """The benchmark scripts' reports: ``<out_dir>/<kind>_<gpu or cpu>_<model_name>.md``
+    (``text``) and ``.json`` (``report``, which has ``env`` from :func:`environment`).
+    Returns the path stem."""
+    os.makedirs(out_dir, exist_ok=True)
+    hw = (report["env"]["gpu"] or "cpu").lower().replace(" ", "-")
+    stem = os.path.join(out_dir, f"{kind}_{hw}_{model_name}")
+    with open(stem + ".md", "w", encoding="utf-8") as f:
+        f.write(text)
+    with open(stem + ".json", "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2, default=str)
+    return stem
+
+
 def write_reports(report: dict, out_dir: str, chart: bool = True) -> dict[str, str]:
     """Write ``<stem>.json``, ``.md`` (and ``.png`` with ``chart``) under ``out_dir``;
     returns the paths."""
