@@ -72,3 +72,17 @@ class NanoGPT(nn.Module):
 
     def dtree_output_layer(self):
         return self.lm_head.weight, None
+
+
+class NanoGPTWithoutLayerList(NanoGPT):
+    """The same model with its blocks outside any ``nn.ModuleList`` attribute (a plain
+    list built per call): per-layer checkpointing cannot find the decoder layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.stages = self.blocks
+        del self.blocks
+
+    def dtree_spec(self):
+        self.blocks = list(self.stages)  # a plain list: not found as the layer list
+        return super().dtree_spec()

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 from hf_models import make_model
-from nanogpt import NanoGPT
+from nanogpt import NanoGPT, NanoGPTWithoutLayerList
 from reference import grad_errors
 from setups import GROUP_TOKENS, MODES, SEQS, assert_exact, reference, run_dtree
 from test_frozen import SETUPS as FROZEN
@@ -164,18 +164,8 @@ def test_checkpoint_layers_keeps_the_layer_inputs_only():
 
 
 def test_checkpoint_layers_needs_a_layer_list():
-    class Flat(NanoGPT):
-        def __init__(self):
-            super().__init__()
-            self.stages = self.blocks
-            del self.blocks
-
-        def dtree_spec(self):
-            self.blocks = list(self.stages)  # a plain list: not found as the layer list
-            return super().dtree_spec()
-
     with pytest.raises(ValueError, match="ModuleList attribute named"):
-        dtree.TreeRuntime(Flat(), checkpoint_layers=True)
+        dtree.TreeRuntime(NanoGPTWithoutLayerList(), checkpoint_layers=True)
     with pytest.raises(ValueError, match="checkpoint_layers must be None"):
         dtree.TreeRuntime(NanoGPT(), checkpoint_layers="yes")
-    dtree.TreeRuntime(Flat())  # the policy leaves such a model unchecked
+    dtree.TreeRuntime(NanoGPTWithoutLayerList())  # the policy leaves such a model unchecked

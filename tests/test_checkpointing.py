@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from hf_models import ARCHS, make_model
-from nanogpt import NanoGPT
+from nanogpt import NanoGPT, NanoGPTWithoutLayerList
 from reference import grad_errors, linearized_step
 from test_baselines import ALL_EDGE_SEQS, PER_PATH, assert_all_exact, run_methods
 from test_runtime_memory import SavedBytes
@@ -95,16 +95,7 @@ def test_layers_are_restored_and_hf_checkpointing_stays_off():
 
 
 def test_model_without_a_layer_list_is_refused():
-    class Flat(NanoGPT):
-        def __init__(self):
-            super().__init__()
-            self.stages = self.blocks
-            del self.blocks
-
-        def dtree_spec(self):
-            self.blocks = list(self.stages)  # a plain list: not found as the layer list
-            return super().dtree_spec()
-
+    class Flat(NanoGPTWithoutLayerList):
         def dtree_hidden_states(self, input_ids, position_ids, attend):
             raise AssertionError("not reached")
 

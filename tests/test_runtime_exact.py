@@ -162,18 +162,25 @@ def test_gradients_accumulate_into_existing_grad():
         torch.testing.assert_close(p.grad, 2 * once[n])
 
 
+def _per_path_nll_backward(model, seqs) -> float:
+    """The reference for custom modules: each sequence alone through ``model(idx)``,
+    summed NLL backpropagated; returns the summed loss."""
+    total = 0.0
+    for s in seqs:
+        x = torch.tensor(s)
+        lp = torch.log_softmax(model(x)[:-1], -1).gather(-1, x[1:, None]).squeeze(-1)
+        (-lp.sum()).backward()
+        total += -lp.sum().item()
+    return total
+
+
 def test_custom_module_protocol():
     torch.manual_seed(0)
     model = NanoGPT()
     seqs = [[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 2, 7], [8, 9], [1, 2, 3, 4]]
     tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     out = dtree.TreeRuntime(tree_model, chunk_size=2).forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll("sum"))
-    total = 0.0
-    for s in seqs:
-        x = torch.tensor(s)
-        lp = torch.log_softmax(ref_model(x)[:-1], -1).gather(-1, x[1:, None]).squeeze(-1)
-        (-lp.sum()).backward()
-        total += -lp.sum().item()
+    total = _per_path_nll_backward(ref_model, seqs)
     errs = grad_errors(tree_model, ref_model)
     assert max(errs.values()) < FP32_TOL, errs
     assert abs(out.loss - total) < 1e-4
@@ -203,12 +210,7 @@ def test_custom_module_output_head(mode):
     tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
     forest = dtree.Forest.from_sequences(seqs)
     out = dtree.TreeRuntime(tree_model, mode=mode, chunk_size=2, group_tokens=0).forward_backward(forest, dtree.losses.nll("sum"))
-    total = 0.0
-    for s in seqs:
-        x = torch.tensor(s)
-        lp = torch.log_softmax(ref_model(x)[:-1], -1).gather(-1, x[1:, None]).squeeze(-1)
-        (-lp.sum()).backward()
-        total += -lp.sum().item()
+    total = _per_path_nll_backward(ref_model, seqs)
     errs = grad_errors(tree_model, ref_model)
     assert max(errs.values()) < FP32_TOL, errs
     assert abs(out.loss - total) < 1e-4
