@@ -126,6 +126,31 @@ EXPECTED: dict[str, str] = {
     "moshi": EXACT if _TRANSFORMERS >= (5, 18) else DIFFERS,
 }
 
+NOT_TESTABLE = "not testable"  # HF's own forward cannot run it at this size on this release
+
+# Older releases, down to pyproject.toml's lower bound (CI runs the families there too),
+# implement some families differently, and dtree refuses them there for another clear
+# reason: name -> (the oldest release checked to behave as EXPECTED says, the outcome on
+# older ones). Checked on 5.10.4, 5.17 and 5.24.
+OLDER_RELEASES: dict[str, tuple[tuple[int, int], str]] = {
+    "ctrl": ((5, 17), BYPASS),  # its attention moved onto the interface after 5.10
+    "nemotron": ((5, 17), BYPASS),
+    "moshi": ((5, 17), BYPASS),
+    "diffllama": ((5, 17), BYPASS),
+    "glm_moe_dsa": ((5, 17), OWN_MASK),
+    "gemma4_text": ((5, 17), KV_SHAPES),  # no per-layer shape attribute in the config yet: the guard's check
+    "gemma4_unified_text": ((5, 17), KV_SHAPES),
+    "zamba": ((5, 17), NOT_TESTABLE),  # 5.10 needs the CUDA mamba kernels even on CPU
+}
+
+
+def expected_outcome(name: str) -> str | None:
+    """EXACT, the regex a refusal must match, NOT_TESTABLE, or None (unknown family)
+    under the installed transformers."""
+    if name in OLDER_RELEASES and _TRANSFORMERS < OLDER_RELEASES[name][0]:
+        return OLDER_RELEASES[name][1]
+    return EXPECTED.get(name)
+
 # the families the issue named: exact whenever the installed transformers has them
 MUST_BE_EXACT = {
     "llama", "qwen2", "qwen3", "mistral", "mixtral", "qwen2_moe", "qwen3_moe", "gemma", "gemma2", "gemma3_text",
@@ -181,9 +206,11 @@ def build(name: str) -> torch.nn.Module:
 def run_family(name: str, **runtime_kw) -> str:
     """Exact against HF per path, or refused as :data:`EXPECTED` says; see the module
     docstring. Returns ``"exact"`` or the refusal's message."""
+    expected = expected_outcome(name)
+    if expected == NOT_TESTABLE:
+        pytest.skip(f"{name}: HF's own forward cannot run it on CPU in transformers {transformers.__version__}")
     model = build(name)
     seqs = forest_sequences()
-    expected = EXPECTED.get(name)
     try:
         with torch.no_grad():
             model(input_ids=torch.tensor([seqs[0]]))
@@ -231,7 +258,7 @@ def test_named_family_one_segment_per_call(name):
     [{}, {"group_tokens": 0}, {"mode": "recompute"}, {"checkpoint_layers": True, "group_tokens": 8}],
     ids=["default", "calls", "recompute", "checkpoint_layers"],
 )
-@pytest.mark.parametrize("name", sorted(n for n, e in EXPECTED.items() if e == EXACT))
+@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if expected_outcome(n) == EXACT))
 def test_exact_family_sweep(name, settings):
     run_family(name, chunk_size=3, **settings)
 
@@ -240,12 +267,13 @@ def test_exact_families_do_not_shrink():
     """The issue's families are listed exact, and the exact set keeps its size: a listed
     family that becomes refused, or cannot be built or checked any more, fails
     test_family; only a family that leaves the installed transformers drops out
-    (transformers 5.17: 94 exact, 5.23: 100)."""
+    (transformers 5.10: 87 exact, 5.17: 94, 5.23: 100)."""
     installed = set(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES) | set(VARIANTS)
-    exact = {n for n, e in EXPECTED.items() if e == EXACT}
+    exact = {n for n in EXPECTED if expected_outcome(n) == EXACT}
     missing = {n for n in MUST_BE_EXACT if n.split(":")[0] in installed} - exact
     assert not missing, f"the issue's families must be listed exact: {sorted(missing)}"
-    assert len(exact & installed) >= 90, f"only {len(exact & installed)} exact families"
+    least = 90 if _TRANSFORMERS >= (5, 17) else 87
+    assert len(exact & installed) >= least, f"only {len(exact & installed)} exact families"
 
 
 def test_issue_targets_refused_with_reason():

@@ -12,9 +12,10 @@ applies the output projection as the original does.
     Bloom     BloomAttention.forward            ALiBi (slopes read off build_alibi_tensor)
     Falcon    FalconAttention.forward           rotary, or ALiBi added before the 1/sqrt(d) scale;
               FalconFlashAttention2.forward     new architecture (grouped K/V), multi-query, classic
-    GPT-J     GPTJAttention._attn               the attention core (q, k, v come rotated)
-              GPTJFlashAttention2.forward       runs the eager forward above
-    CodeGen   CodeGenAttention._attn            the attention core
+    GPT-J     GPTJAttention._attn               the attention core (q, k, v come rotated);
+              GPTJFlashAttention2.forward       runs the eager forward above (both through 5.23:
+                                                from 5.24 GPT-J uses the attention interface)
+    CodeGen   CodeGenAttention._attn            the attention core (through 5.23, as GPT-J)
     GPT-Neo   GPTNeoSelfAttention._attn         unscaled scores; "local" layers: window_size
               GPTNeoFlashAttention2.forward     runs the eager forward above
     MPT       MptAttention.forward              ALiBi (build_mpt_alibi_tensor), clip_qkv
@@ -29,6 +30,12 @@ So the model runs as before everywhere else, including in other threads, and a
 checkpointed layer recomputed in backward under the captured context runs the adapter
 again. Each adapter is tested exact against HF run per path (tests/test_families.py).
 
+Versions: each adapter names the leading parameters of the method it replaces and the
+last transformers release it was tested with. A release where that method is gone and
+the class calls transformers' attention interface instead needs no adapter (the family
+then runs like any other); one where the method was renamed, reordered or removed
+otherwise is refused with a ``ValueError`` naming the family and both versions.
+
 ALiBi conventions (see :mod:`dtree.ops.stack_attention_naive`): Bloom and MPT add
 ``slope * pos_k`` after scaling, which differs from dtree's ``-slope * (pos_q - pos_k)``
 by a per-row constant that softmax ignores; Falcon adds it before scaling, so its
@@ -42,6 +49,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -234,16 +242,29 @@ def _mpt_forward(self, calls: AttentionCalls, hidden_states, position_bias, *arg
 
 
 # ---------------------------------------------------------------------------- registry
+#: The transformers releases the adapters were last tested against (tests/test_families.py
+#: in CI); a family whose adapted method changed after it is refused by name, never guessed.
+LAST_TESTED_TRANSFORMERS = "5.24.0"
+
+
 @dataclass(frozen=True)
 class _Adapter:
     """The replacement of ``cls.method`` while dtree runs the model: called as
-    ``replacement(self, calls, *args, **kwargs)`` with the active :class:`AttentionCalls`."""
+    ``replacement(self, calls, *args, **kwargs)`` with the active :class:`AttentionCalls`.
+
+    ``params``: the leading parameter names (after ``self``) of the original method that
+    the replacement reads positionally; a release that renames or reorders them is
+    refused. ``tested_through``: the last transformers release in which this method
+    existed and was tested (a family that later moved its attention onto transformers'
+    attention interface needs no adapter there: GPT-J and CodeGen in 5.24)."""
 
     module: str
     cls: str
     method: str
     replacement: Callable
     dropout: Callable[[torch.nn.Module], float]
+    params: tuple[str, ...]
+    tested_through: str = LAST_TESTED_TRANSFORMERS
 
 
 _BLOOM, _FALCON = "transformers.models.bloom.modeling_bloom", "transformers.models.falcon.modeling_falcon"
@@ -260,30 +281,89 @@ _GPT_NEO_CORE = _attn_core(lambda m: 1.0, _gpt_neo_window)
 _NEOX_JA_CORE = _attn_core(lambda m: 1.0 / m.norm_factor, dropout="attention_dropout")
 _NEOX_JA = "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese"
 _OPENAI, _XGLM = "transformers.models.openai.modeling_openai", "transformers.models.xglm.modeling_xglm"
+_QKV_MASK = ("query", "key", "value", "attention_mask")
 
 _ADAPTERS = (
-    _Adapter(_BLOOM, "BloomAttention", "forward", _bloom_forward, _p("attention_dropout")),
-    _Adapter(_FALCON, "FalconAttention", "forward", _falcon_forward, _p("attention_dropout")),
-    _Adapter(_FALCON, "FalconFlashAttention2", "forward", _falcon_forward, _p("attention_dropout")),
-    _Adapter(_GPTJ, "GPTJAttention", "_attn", _GPTJ_CORE, _p("attn_dropout")),
-    _Adapter(_GPTJ, "GPTJFlashAttention2", "forward", _eager_forward(_GPTJ, "GPTJAttention"), _p("attn_dropout")),
-    _Adapter(_CODEGEN, "CodeGenAttention", "_attn", _GPTJ_CORE, _p("attn_dropout")),
-    _Adapter(_GPT_NEO, "GPTNeoSelfAttention", "_attn", _GPT_NEO_CORE, _p("attn_dropout")),
+    _Adapter(
+        _BLOOM, "BloomAttention", "forward", _bloom_forward, _p("attention_dropout"),
+        ("hidden_states", "residual", "alibi", "attention_mask"),
+    ),
+    _Adapter(
+        _FALCON, "FalconAttention", "forward", _falcon_forward, _p("attention_dropout"),
+        ("hidden_states", "alibi", "attention_mask"),
+    ),
+    _Adapter(
+        _FALCON, "FalconFlashAttention2", "forward", _falcon_forward, _p("attention_dropout"),
+        ("hidden_states", "alibi", "attention_mask"),
+    ),
+    _Adapter(_GPTJ, "GPTJAttention", "_attn", _GPTJ_CORE, _p("attn_dropout"), _QKV_MASK, "5.23.0"),
+    _Adapter(
+        _GPTJ, "GPTJFlashAttention2", "forward", _eager_forward(_GPTJ, "GPTJAttention"), _p("attn_dropout"), (),
+        "5.23.0",
+    ),
+    _Adapter(_CODEGEN, "CodeGenAttention", "_attn", _GPTJ_CORE, _p("attn_dropout"), _QKV_MASK, "5.23.0"),
+    _Adapter(_GPT_NEO, "GPTNeoSelfAttention", "_attn", _GPT_NEO_CORE, _p("attn_dropout"), _QKV_MASK),
     _Adapter(
         _GPT_NEO, "GPTNeoFlashAttention2", "forward", _eager_forward(_GPT_NEO, "GPTNeoSelfAttention"),
-        _p("attn_dropout"),
+        _p("attn_dropout"), (),
     ),
-    _Adapter(_MPT, "MptAttention", "forward", _mpt_forward, lambda m: m.attn_dropout_p),
-    _Adapter(_NEOX_JA, "GPTNeoXJapaneseAttention", "_attn", _NEOX_JA_CORE, _p("attention_dropout")),
-    _Adapter(_OPENAI, "Attention", "_attn", _openai_gpt_attn, _p("attn_dropout")),
-    _Adapter(_XGLM, "XGLMAttention", "forward", _xglm_forward, lambda m: m.dropout),
+    _Adapter(_MPT, "MptAttention", "forward", _mpt_forward, lambda m: m.attn_dropout_p, ("hidden_states", "position_bias")),
+    _Adapter(_NEOX_JA, "GPTNeoXJapaneseAttention", "_attn", _NEOX_JA_CORE, _p("attention_dropout"), _QKV_MASK),
+    _Adapter(_OPENAI, "Attention", "_attn", _openai_gpt_attn, _p("attn_dropout"), ("q", "k", "v", "attention_mask")),
+    _Adapter(_XGLM, "XGLMAttention", "forward", _xglm_forward, lambda m: m.dropout, ("hidden_states", "key_value_states")),
 )
 _BY_CLASS = {(a.module, a.cls): a for a in _ADAPTERS}
 ADAPTED_CLASSES = tuple(a.cls for a in _ADAPTERS)
 
 
+def _transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _uses_attention_interface(cls: type) -> bool:
+    """Whether ``cls.forward`` dispatches through transformers' attention interface
+    (then dtree's attention function receives its q, k, v, as for any other family)."""
+    try:
+        source = inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _target_state(cls: type, adapter: _Adapter) -> str:
+    """``"adapt"``: the method the adapter replaces is there, as tested; ``"interface"``:
+    it is gone and the class now goes through the attention interface (no adapter);
+    ``"changed"``: anything else (gone, or its parameters renamed or reordered)."""
+    original = getattr(cls, adapter.method, None)  # inspect.signature sees through an installed dispatcher
+    if original is None:
+        return "interface" if _uses_attention_interface(cls) else "changed"
+    names = [p for p in inspect.signature(original).parameters][1:]
+    return "adapt" if tuple(names[: len(adapter.params)]) == adapter.params else "changed"
+
+
+@functools.lru_cache(maxsize=None)
+def _active_adapter(cls: type) -> _Adapter | None:
+    """The adapter to install on ``cls`` under the installed transformers (None: not an
+    adapted class, or one that now uses the attention interface); raises for a class
+    whose adapted method changed since the adapter was tested."""
+    adapter = _BY_CLASS.get((cls.__module__, cls.__name__))
+    if adapter is None:
+        return None
+    state = _target_state(cls, adapter)
+    if state == "changed":
+        family = adapter.module.rsplit(".", 1)[-1].removeprefix("modeling_")
+        raise ValueError(
+            f"{family}: transformers {_transformers_version()} changed {adapter.cls}.{adapter.method}, which dtree's "
+            f"adapter for this family replaces (last tested with transformers {adapter.tested_through}); dtree cannot "
+            "run it exactly: install a transformers release dtree supports (see pyproject.toml) or report it"
+        )
+    return adapter if state == "adapt" else None
+
+
 def _adapter_of(module: torch.nn.Module) -> _Adapter | None:
-    return _BY_CLASS.get((type(module).__module__, type(module).__name__))
+    return _active_adapter(type(module))
 
 
 def _install_on_class(cls: type, adapter: _Adapter) -> None:
@@ -305,7 +385,9 @@ def _install_on_class(cls: type, adapter: _Adapter) -> None:
 
 def install(model: torch.nn.Module) -> list[str]:
     """Install the adapters of every adapted attention class in ``model`` (once per
-    class; see the module docstring). Returns the adapted class names found."""
+    class; see the module docstring). Returns the adapted class names found. Raises a
+    ``ValueError`` naming the family and the transformers versions when an adapted
+    method changed in the installed transformers."""
     found = {}
     for module in model.modules():
         adapter = _adapter_of(module)
