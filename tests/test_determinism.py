@@ -137,3 +137,28 @@ def test_deterministic_runs_give_identical_gradients_equal_to_the_default(how, t
     for run in grads[1:]:
         for name, g in grads[0].items():
             assert torch.equal(run[name], g), name
+
+
+@pytest.mark.gpu
+def test_gpu_deterministic_runs_are_bitwise_identical_with_and_without_the_extension():
+    """bf16 on CUDA, packed calls with in-call subtrees and recompute: two deterministic
+    runs give the same bits, and the extension gives the same bits as the torch ops
+    (every stack op is bitwise equal to its fallback)."""
+    torch.manual_seed(0)
+    seqs = [torch.randint(0, 97, (200,)).tolist()]
+    seqs += [seqs[0][:120] + torch.randint(0, 97, (60,)).tolist() for _ in range(3)]
+    seqs += [s[:150] + torch.randint(0, 97, (30,)).tolist() for s in seqs[1:]]
+    forest = dtree.Forest.from_sequences(seqs)
+    config = dtree.RuntimeConfig(chunk_size=64, group_tokens=128, retain_budget_tokens=64, deterministic=True)
+
+    def run():
+        model = make_model("qwen2", dtype=torch.bfloat16).cuda()
+        dtree.TreeRuntime(model, config=config).forward_backward(forest, dtree.losses.nll())
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    first, second = run(), run()
+    with stack_ops.extension_disabled():
+        fallback = run()
+    for name, g in first.items():
+        assert torch.equal(second[name], g), name
+        assert torch.equal(fallback[name], g), name
