@@ -19,6 +19,7 @@ Writes DIR/csrc_gpu.md and DIR/csrc_gpu.json and prints the Markdown.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -105,8 +106,6 @@ def check_determinism(model, forest, loss, device, runs: int = 3) -> dict:
 
 def time_steps(model, forest, loss, device, config: dtree.RuntimeConfig, steps: int, ext: bool) -> dict:
     """Steady step time of ``config``: one warm-up step, then the median of ``steps``."""
-    import contextlib
-
     scope = contextlib.nullcontext() if ext else stack_ops.extension_disabled()
     with scope:
         rt = dtree.TreeRuntime(model, config=config)
@@ -142,8 +141,6 @@ def count_launches(model, forest, loss, device, spec) -> dict:
     extension; and the stack glue of one layer of one call alone."""
     out = {}
     for label, ext in (("extension", True), ("torch ops", False)):
-        import contextlib
-
         scope = contextlib.nullcontext() if ext else stack_ops.extension_disabled()
         with scope:
             rt = dtree.TreeRuntime(model)
@@ -170,8 +167,6 @@ def count_launches(model, forest, loss, device, spec) -> dict:
 def _glue_launches(spec, device, ext: bool) -> float:
     """Kernels of one layer's stack glue in one call with grad: push (K and V), the seed's
     backward (dK, dV with the slots' gradients), and the call's zeroing shared by its layers."""
-    import contextlib
-
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     stack = KVStack(spec.num_layers, 1024, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
     t = 256
