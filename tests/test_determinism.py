@@ -94,18 +94,6 @@ def test_every_registered_stack_backend_but_triton_takes_the_flag():
             assert stack_attention.takes_deterministic(backends.implementation("stack_attention", name)), name
 
 
-def test_torch_deterministic_scope_restores_the_setting(torch_mode):
-    torch.use_deterministic_algorithms(False)
-    with determinism.torch_deterministic():
-        assert torch.are_deterministic_algorithms_enabled()
-        assert not torch.is_deterministic_algorithms_warn_only_enabled()
-    assert not torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
-    with determinism.torch_deterministic():  # the user's own setting stands
-        assert torch.is_deterministic_algorithms_warn_only_enabled()
-    assert torch.are_deterministic_algorithms_enabled() and torch.is_deterministic_algorithms_warn_only_enabled()
-
-
 def test_missing_extension_is_noted_once_on_a_gpu_only(monkeypatch):
     monkeypatch.setitem(stack_ops._state, "noted", False)
     with stack_ops.extension_disabled():

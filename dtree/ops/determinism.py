@@ -6,8 +6,9 @@ runs in a fixed order (the same bits in every run on the same GPU and software) 
 a ``RuntimeError`` the way torch's own nondeterministic ops do (a warning instead under
 ``warn_only=True``). Where dtree's kernels stand:
 
-* stack attention: ``reference`` is deterministic; ``sdpa`` runs torch's SDPA backward
-  under torch's deterministic mode (:func:`torch_deterministic`, for that call only);
+* stack attention: ``reference`` is deterministic; ``sdpa`` keeps SDPA's forward and, on
+  CUDA, differentiates the float32 math in its backward (SDPA's fused backward sums dQ
+  with atomics unless torch's own mode is on);
   ``triton`` is deterministic when its backward takes ``deterministic=True`` (prefix
   dK/dV without float atomics), and is otherwise skipped by ``attention="auto"`` and
   refused when named (:func:`alert_nondeterministic`);
@@ -23,12 +24,11 @@ already, which ``benchmarks/csrc_gpu.py`` checks on every parameter of a real mo
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 
 import torch
 
-__all__ = ["alert_nondeterministic", "requested", "torch_deterministic"]
+__all__ = ["alert_nondeterministic", "requested"]
 
 
 def requested(deterministic: bool = False) -> bool:
@@ -48,19 +48,3 @@ def alert_nondeterministic(what: str, fix: str) -> None:
         warnings.warn(message, stacklevel=3)
         return
     raise RuntimeError(message)
-
-
-@contextlib.contextmanager
-def torch_deterministic(enabled: bool = True):
-    """torch's deterministic algorithms inside (strict), switched off again after: how
-    dtree makes the torch kernels it calls itself (SDPA's backward) follow its own
-    deterministic mode without changing anything outside the call. Where the user has
-    set torch's mode (strict or ``warn_only``), that setting stands."""
-    if not enabled or torch.are_deterministic_algorithms_enabled():  # the user's own setting stands
-        yield
-        return
-    torch.use_deterministic_algorithms(True)
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(False)

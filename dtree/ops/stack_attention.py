@@ -138,10 +138,13 @@ class _SegmentAttention(torch.autograd.Function):
                 kk, vv = k_, v_
             if sinks is not None:
                 inputs.append(sinks_)
-            out = ctx.core(q_, kk, vv, ctx.scale, options)
-            # torch's SDPA backward kernels are deterministic only under torch's mode
-            with determinism.torch_deterministic(ctx.deterministic and ctx.core is attend_sdpa and q.is_cuda):
-                grads = torch.autograd.grad(out, inputs, grad_out)
+            # torch's fused SDPA backward on CUDA sums dQ with atomics unless torch's own
+            # deterministic mode is on (which would also demand CUBLAS_WORKSPACE_CONFIG of
+            # every matmul): in dtree's deterministic mode the backward differentiates the
+            # float32 math instead (the same function; no atomics, no global setting)
+            core = attend_math if ctx.deterministic and q.is_cuda else ctx.core
+            out = core(q_, kk, vv, ctx.scale, options)
+            grads = torch.autograd.grad(out, inputs, grad_out)
         if index is not None and stack.has_grad:
             stack.accumulate(layer, index, grads[3], grads[4])
         dsinks = grads[-1] if sinks is not None else None
@@ -196,8 +199,9 @@ def stack_attention_reference(
         softcap, sinks [Hq], alibi_slopes [Hq], window: see :class:`AttentionOptions`.
         deterministic: the same bits in every run (:mod:`dtree.ops.determinism`; also on
             under ``torch.use_deterministic_algorithms(True)``). The prefix gradients are
-            added segment after segment in a fixed order either way; this makes the
-            ``sdpa`` backend run torch's SDPA backward in its deterministic mode.
+            added segment after segment in a fixed order either way; on CUDA this makes the
+            ``sdpa`` backend differentiate the float32 math in its backward (SDPA's fused
+            backward sums dQ with atomics).
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``. Backward adds the prefix dK/dV into
@@ -205,7 +209,8 @@ def stack_attention_reference(
     """
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     check_stack_attention(q, k, v, stack, layout, options)
-    return _per_segment(q, k, v, stack, layer, layout, scale, attend_math, options, determinism.requested(deterministic))
+    deterministic = determinism.requested(deterministic)
+    return _per_segment(q, k, v, stack, layer, layout, scale, attend_math, options, deterministic)
 
 
 def stack_attention_sdpa(
@@ -228,7 +233,8 @@ def stack_attention_sdpa(
     as :func:`stack_attention_reference`."""
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     check_stack_attention(q, k, v, stack, layout, options)
-    return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa, options, determinism.requested(deterministic))
+    deterministic = determinism.requested(deterministic)
+    return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa, options, deterministic)
 
 
 class _StackGradSeed(torch.autograd.Function):
