@@ -33,10 +33,14 @@ say() { echo "$*" | tee -a "$LOG" >> "$SUMMARY"; echo "$*"; }
 : > "$SUMMARY"
 PY=${PYTHON:-python}
 SMOKE=${SMOKE:-0}
+# torch's cpp_extension guesses CUDA_HOME from `which nvcc` (/usr/local when nvcc is linked
+# into /usr/local/bin, which has no CUDA headers or lib64): name the toolkit itself
+if [ -z "${CUDA_HOME:-}" ] && [ -x /usr/local/cuda/bin/nvcc ]; then export CUDA_HOME=/usr/local/cuda; fi
 
 say "# issue 21: csrc_gpu.sh $(date -u +%FT%TZ)$([ "$SMOKE" = 1 ] && echo " (SMOKE: CPU plumbing check)")"
 $PY -c "import sys, torch; print('python', sys.version.split()[0], '| torch', torch.__version__, '| cuda', torch.version.cuda, '| gpu', torch.cuda.get_device_name() if torch.cuda.is_available() else None)" 2>&1 | tee -a "$LOG" >> "$SUMMARY"
 (command -v nvcc >/dev/null && nvcc --version | tail -1 || echo "nvcc: not found") 2>&1 | tee -a "$LOG" >> "$SUMMARY"
+$PY -c "import setuptools, shutil; print('setuptools', setuptools.__version__, '| ninja', shutil.which('ninja'), '| CUDA_HOME', '${CUDA_HOME:-}')" 2>&1 | tee -a "$LOG" >> "$SUMMARY"
 
 # ---------------------------------------------------------------- 1. build from a clean copy
 WORK=$(mktemp -d)
