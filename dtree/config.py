@@ -46,6 +46,10 @@ class RuntimeConfig:
         retain_budget_tokens: tokens of groups with children whose graphs retain/auto
             mode may keep alive at once (>= 0); None: the memory policy's budget. A
             small value forces auto mode to recompute (tests use it to cover both).
+        deterministic: every dtree kernel runs in a fixed order, so two runs of the same
+            forest give bitwise-identical gradients (on the same GPU and software), or
+            raises as torch does where one cannot (:mod:`dtree.ops.determinism`). Also on
+            whenever ``torch.use_deterministic_algorithms(True)`` is.
     """
 
     mode: Mode = "auto"
@@ -58,6 +62,7 @@ class RuntimeConfig:
     checkpoint_layers: bool | None = None
     memory: str | float = "auto"
     retain_budget_tokens: int | None = None
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -80,8 +85,9 @@ class RuntimeConfig:
             raise ValueError(
                 f"checkpoint_layers must be None (decided per step), True or False, got {self.checkpoint_layers!r}"
             )
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+        for name in ("progress", "deterministic"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any) -> "RuntimeConfig":
         """A copy with ``changes`` applied (and checked)."""

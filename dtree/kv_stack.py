@@ -24,15 +24,21 @@ Life of a slot range ``[lo, hi)`` (one group of the schedule):
               gradients (:func:`dtree.ops.stack_attention.seed_from_stack`) and the
               range is free for the next group.
 
-The three operations are plain torch ops on slices of the buffers (``copy_``,
-``add_`` / ``index_add_``, ``zero_``), as gpt-fast's KV cache does, so they trace
-under ``torch.compile``. On the CUDA fast path the fused Triton kernel adds the prefix
-gradients into ``grad_k/grad_v`` itself; ``accumulate`` serves the other backends.
+The operations are those of :mod:`dtree.ops.stack_ops`: on a GPU with the CUDA
+extension built (``csrc/``), one kernel each for K and V together, reading the slot
+offset from device memory (``device_lo``) so that a call's stack ops can be captured
+in a CUDA graph; otherwise plain torch ops on slices of the buffers (``copy_``,
+``add_`` / ``index_add_``, ``zero_``), as gpt-fast's KV cache does, which trace under
+``torch.compile``. Both give the same bits. On the CUDA fast path the fused Triton
+kernel adds the prefix gradients into ``grad_k/grad_v`` itself; ``accumulate`` serves
+the other backends, with a fixed-order (deterministic) sum where slots repeat.
 """
 
 from __future__ import annotations
 
 import torch
+
+from .ops import stack_ops, stack_ops_torch
 
 __all__ = ["KVStack"]
 
@@ -107,24 +113,60 @@ class KVStack:
             total += self.grad_k.nbytes + self.grad_v.nbytes
         return total
 
-    def store_kv(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
+    def store_kv(
+        self,
+        layer: int,
+        lo: int,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        cos: torch.Tensor | None = None,
+        sin: torch.Tensor | None = None,
+        device_lo: torch.Tensor | None = None,
+    ) -> None:
         """Copy ``k`` [T, kv_heads, head_dim] and ``v`` [T, kv_heads, v_head_dim] (any
         strides, any float dtype) into the K/V slots ``[lo, lo + T)`` of ``layer``
-        (values only: the gradient slots are :meth:`zero_grad`'s)."""
-        self.k[layer, lo : lo + k.shape[0]].copy_(k)
-        self.v[layer, lo : lo + v.shape[0]].copy_(v)
+        (values only: the gradient slots are :meth:`zero_grad`'s). ``cos``/``sin``
+        [T, R]: rotate ``k`` first (HF's ``rotate_half`` convention, float32 math).
+        ``device_lo``: ``lo`` as a one-element int64 tensor on the stack's device (the
+        extension reads the offset there; :func:`dtree.ops.stack_ops.push_kv`)."""
+        stack_ops.push_kv(self.k[layer], self.v[layer], lo, k, v, cos=cos, sin=sin, device_lo=device_lo)
 
-
-    def zero_grad(self, lo: int, hi: int) -> None:
+    def zero_grad(self, lo: int, hi: int, *, device_lo: torch.Tensor | None = None) -> None:
         """Clear the gradient slots ``[lo, hi)`` of every layer."""
         if self.has_grad:
-            self.grad_k[:, lo:hi].zero_()
-            self.grad_v[:, lo:hi].zero_()
+            stack_ops.zero_slots(self.grad_k, self.grad_v, lo, hi - lo, device_lo=device_lo)
 
-    def accumulate(self, layer: int, index: torch.Tensor | slice, dk: torch.Tensor, dv: torch.Tensor) -> None:
+    def seed_grad(
+        self,
+        layer: int,
+        lo: int,
+        hi: int,
+        gk: torch.Tensor | None,
+        gv: torch.Tensor | None,
+        dtypes: tuple[torch.dtype, torch.dtype],
+        *,
+        device_lo: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(grad_k[layer, lo:hi] + gk, grad_v[layer, lo:hi] + gv)`` rounded to ``dtypes``
+        (a missing ``gk``/``gv`` adds nothing): a call's K/V gradients completed with the
+        slots' (:func:`dtree.ops.stack_ops.seed_grad`)."""
+        return stack_ops.seed_grad(
+            self.grad_k[layer], self.grad_v[layer], lo, gk, gv, hi - lo, *dtypes, device_lo=device_lo
+        )
+
+    def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(k[layer, index], v[layer, index])`` for an int64 ``index`` [n] of slots."""
+        return stack_ops.gather_slots(self.k[layer], self.v[layer], index)
+
+    def accumulate(
+        self, layer: int, index: torch.Tensor | slice | stack_ops.SlotRows, dk: torch.Tensor, dv: torch.Tensor
+    ) -> None:
         """Add ``dk`` [n, kv_heads, head_dim] and ``dv`` [n, kv_heads, v_head_dim] into
-        the gradient slots ``index`` of ``layer``: a slice, or a LongTensor of n slots
-        (repeats allowed: every one is added)."""
+        the gradient slots ``index`` of ``layer``: a slice, a LongTensor of n slots, or a
+        :class:`~dtree.ops.stack_ops.SlotRows` (its host-built order tables). Repeated
+        slots are summed in row order by a fixed-order segmented reduction
+        (:func:`dtree.ops.stack_ops.segment_add`): the same bits in every run."""
         if isinstance(index, slice):
             # explicit arithmetic instead of slice.indices(), which torch.compile cannot trace
             start = 0 if index.start is None else index.start
@@ -137,5 +179,9 @@ class KVStack:
                 self.grad_v[layer, start:stop].add_(dv.to(self.grad_v.dtype))
                 return
             index = torch.arange(start, stop, step, device=self.device)
-        self.grad_k[layer].index_add_(0, index, dk.to(self.grad_k.dtype))
-        self.grad_v[layer].index_add_(0, index, dv.to(self.grad_v.dtype))
+        if isinstance(index, torch.Tensor):
+            if not stack_ops.uses_extension(self.grad_k):  # the torch op of the fallback, traceable
+                stack_ops_torch.segment_add(self.grad_k[layer], self.grad_v[layer], index, dk, dv)
+                return
+            index = stack_ops.SlotRows.from_tensor(index)
+        stack_ops.segment_add(self.grad_k[layer], self.grad_v[layer], index, dk, dv)

@@ -68,6 +68,7 @@ from .config import RuntimeConfig
 from .kv_stack import KVStack
 from .losses import Normalization, SequenceLoss, TokenLoss
 from .models import TreeModule, adapt, unwrap
+from .ops import determinism, stack_ops
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
 from .step_plan import hf_checkpointing, new_stack, pick_backend, plan_memory, retain_budget, stack_fits
@@ -117,6 +118,9 @@ class TreeRuntime:
             progress: show a progress bar over the model calls of each step (for long steps).
             retain_budget_tokens: cap on the tokens of groups with children whose graphs
                 stay alive at once; None: the memory policy's budget.
+            deterministic: bitwise-identical gradients in every run of the same forest
+                (fixed-order sums in every dtree kernel; also on under
+                ``torch.use_deterministic_algorithms(True)``; :mod:`dtree.ops.determinism`).
 
     To ``torch.compile`` the decoder layers, call :func:`dtree.compile_layers` on the
     model first (the runtime never recompiles the user's model itself).
@@ -137,6 +141,7 @@ class TreeRuntime:
         if self.config.checkpoint_layers:
             decoder_layers(unwrap(model))  # raises now, naming the fix, if the layers cannot be found
         self._placement: tuple[torch.device, torch.dtype] | None = None
+        self._deterministic = False  # deterministic mode as the backend was picked for
         self._attention: str | None = None
         self._stack: KVStack | None = None
         self._step: memory_policy.MemoryPlan | None = None  # the last planned step
@@ -187,9 +192,12 @@ class TreeRuntime:
         (``model.to(...)``, a materialized meta model), pick the attention backend
         again. The KV stack is reallocated by :meth:`_get_stack`, which checks both."""
         placement = model_placement(self.module.parameters())
-        if placement != self._placement:
-            self._placement = placement
-            self._attention = pick_backend(self.config.attention, placement, self.spec)
+        deterministic = determinism.requested(self.config.deterministic)  # torch's mode may change between calls
+        if placement != self._placement or deterministic != self._deterministic:
+            self._placement, self._deterministic = placement, deterministic
+            self._attention = pick_backend(self.config.attention, placement, self.spec, deterministic)
+            if deterministic:
+                stack_ops.note_missing_extension(placement[0])
         return placement
 
     def _check_call(self, training: bool) -> None:
@@ -268,6 +276,7 @@ class TreeRuntime:
             randomness=any(m.training for m in self.module.modules()),
             checkpoint_root=unwrap(self.module) if checkpoint else None,
             progress=self.config.progress,
+            deterministic=self._deterministic,
         )
 
     # ------------------------------------------------------------------ training

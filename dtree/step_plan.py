@@ -25,13 +25,17 @@ __all__ = ["pick_backend", "hf_checkpointing", "plan_memory", "retain_budget", "
 Placement = tuple[torch.device, torch.dtype]
 
 
-def pick_backend(attention: str, placement: Placement, spec: ModelSpec) -> str:
+def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
     """The stack-attention backend for ``attention`` (a config value), from the registry
     (:func:`dtree.ops.backends.resolve_backend`). ``auto``: the fused Triton kernel where
-    it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256), else
-    SDPA. An explicit backend that cannot run here raises a ValueError saying why."""
+    it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256; in
+    deterministic mode only if its backward has a deterministic form), else SDPA. An
+    explicit backend that cannot run here raises a ValueError saying why; one that cannot
+    run deterministically in deterministic mode raises a RuntimeError, as torch does."""
     device, dtype = placement
-    return resolve_backend("stack_attention", attention, device, dtype, head_dim=spec.head_dim)
+    return resolve_backend(
+        "stack_attention", attention, device, dtype, head_dim=spec.head_dim, deterministic=deterministic
+    )
 
 
 def hf_checkpointing(module: torch.nn.Module) -> bool:

@@ -70,6 +70,8 @@ class StepArrays:
         loss_pred: [E] index (local to its group's predictions) of each term's log-prob.
         weights: [E] compute-dtype weight of each loss term (None in an inference walk).
         fields: name -> [E] compute-dtype per-token field of each loss term.
+        stack_starts: [G] first stack slot of each group: the device-side slot offsets
+            the KV stack's CUDA ops read (:mod:`dtree.ops.stack_ops`), one upload per step.
     """
 
     input_ids: torch.Tensor
@@ -80,6 +82,7 @@ class StepArrays:
     loss_pred: torch.Tensor
     weights: torch.Tensor | None = None
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    stack_starts: torch.Tensor | None = None
 
     @classmethod
     def upload(
@@ -107,6 +110,7 @@ class StepArrays:
             loss_pred=ints(terms.loss_pred),
             weights=None if weights is None else upload(weights[terms.loss_lin], device, cdt),
             fields={n: upload(forest.fields[n][terms.loss_lin], device, cdt) for n in field_names},
+            stack_starts=ints(np.array([plan.stack_start for plan in sched.groups])),
         )
 
 
@@ -137,13 +141,24 @@ class GroupAttention:
     ``push``: write the call's K/V into its stack slots ``[lo, hi)`` (every time a
     layer runs, also when a checkpointed layer re-runs in backward: the same values).
     ``seed``: pass the call's K/V through :func:`seed_from_stack` (groups whose slots
-    collect gradients: groups with children, and calls with in-call ancestors)."""
+    collect gradients: groups with children, and calls with in-call ancestors).
+    ``device_lo``: ``lo`` on the device, for the stack's CUDA ops. ``deterministic``:
+    the attention's backward sums in a fixed order (:mod:`dtree.ops.determinism`)."""
 
     def __init__(
-        self, stack: KVStack, lo: int, hi: int, layout: SegmentLayout, backend: str, push: bool, seed: bool
+        self,
+        stack: KVStack,
+        lo: int,
+        hi: int,
+        layout: SegmentLayout,
+        backend: str,
+        push: bool,
+        seed: bool,
+        device_lo: torch.Tensor | None = None,
+        deterministic: bool = False,
     ):
         self.stack, self.lo, self.hi, self.layout, self.backend = stack, lo, hi, layout, backend
-        self.push, self.seed = push, seed
+        self.push, self.seed, self.device_lo, self.deterministic = push, seed, device_lo, deterministic
         self.called = [False] * stack.num_layers
         self.pattern: list[tuple[bool, bool] | None] = [None] * stack.num_layers
 
@@ -154,12 +169,14 @@ class GroupAttention:
         of :func:`dtree.ops.stack_attention.stack_attention`."""
         self.called[layer] = True
         if self.push:
-            self.stack.store_kv(layer, self.lo, k.detach(), v.detach())
+            self.stack.store_kv(layer, self.lo, k.detach(), v.detach(), device_lo=self.device_lo)
         if torch.is_grad_enabled():
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.seed:
-                k, v = seed_from_stack(k, v, self.stack, layer, self.lo, self.hi)
-        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend, **options)
+                k, v = seed_from_stack(k, v, self.stack, layer, self.lo, self.hi, device_lo=self.device_lo)
+        return stack_attention(
+            q, k, v, self.stack, layer, self.layout, scale, self.backend, deterministic=self.deterministic, **options
+        )
 
 
 @dataclass
@@ -219,6 +236,7 @@ class StepWalk:
     randomness: bool
     checkpoint_root: torch.nn.Module | None = None
     progress: bool = False
+    deterministic: bool = False
 
     def events(self):
         if not self.progress:
@@ -233,7 +251,10 @@ class StepWalk:
         plan = self.sched.groups[g]
         lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
         seed = self.stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
-        attend = GroupAttention(self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed)
+        attend = GroupAttention(
+            self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed, self._device_lo(g),
+            self.deterministic,
+        )
         checkpoint = self.checkpoint_root is not None and torch.is_grad_enabled()
         with checkpointed_layers(self.checkpoint_root) if checkpoint else contextlib.nullcontext():
             hidden = self.model.dtree_hidden_states(self.arrays.input_ids[r0:r1], self.arrays.positions[r0:r1], attend)
@@ -241,6 +262,13 @@ class StepWalk:
             missing = [layer for layer, called in enumerate(attend.called) if not called]
             raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
         return hidden, attend
+
+    def _device_lo(self, g: int) -> torch.Tensor | None:
+        starts = self.arrays.stack_starts
+        return None if starts is None else starts[g : g + 1]
+
+    def _zero_grad(self, g: int, lo: int, hi: int) -> None:
+        self.stack.zero_grad(lo, hi, device_lo=self._device_lo(g))
 
     # ------------------------------------------------------------------ training
     def _group_loss(self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list) -> torch.Tensor | None:
@@ -292,17 +320,17 @@ class StepWalk:
                     seed = rng.next_seed() if self.randomness else None  # one draw per group in every mode
                     if plan.is_leaf:  # once, with grad, and backward at once
                         if plan.in_call_ancestors:  # its segments read each other through the stack
-                            self.stack.zero_grad(lo, hi)
+                            self._zero_grad(g, lo, hi)
                         state = run(g, push=plan.in_call_ancestors, seed=seed)
                         peak = max(peak, live_tokens + plan.num_tokens)
                         total = _finish_group(state, total)
                     elif live_tokens + plan.num_tokens <= retain_budget:
-                        self.stack.zero_grad(lo, hi)
+                        self._zero_grad(g, lo, hi)
                         live[g] = run(g, push=True, seed=seed)
                         live_tokens += plan.num_tokens
                         peak = max(peak, live_tokens)
                     else:
-                        self.stack.zero_grad(lo, hi)
+                        self._zero_grad(g, lo, hi)
                         seeds[g] = seed
                         with torch.no_grad(), rng.seeded(seed, self.device):
                             self.hidden(g, push=True)

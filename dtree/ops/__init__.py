@@ -8,6 +8,11 @@
   :mod:`~dtree.ops.segment_layout` (where each segment reads K/V from),
   :mod:`~dtree.ops.attention_options` (score options, host-side checks) and
   :mod:`~dtree.ops.attention_math` (one segment's attention, float32 math and SDPA).
+- :mod:`dtree.ops.stack_ops`: the KV stack's ops (push, gradient seed, zeroing, gather, a
+  fixed-order segmented add): the CUDA extension of ``csrc/`` where built, else
+  :mod:`~dtree.ops.stack_ops_torch` (the same contract and bits).
+- :mod:`dtree.ops.determinism`: deterministic mode (``RuntimeConfig(deterministic=True)`` or
+  ``torch.use_deterministic_algorithms(True)``) and where each kernel stands.
 - :mod:`dtree.ops.logprobs`: chunked log-probs and entropies through the LM head (:class:`OutputHead`).
 - :mod:`dtree.ops.backends`: the registry of every attention op's backends (stack, varlen,
   tree mask): name -> implementation, where each runs, and :func:`resolve_backend`

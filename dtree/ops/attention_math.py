@@ -20,6 +20,14 @@ def _distance(tq: int, tk: int, device) -> torch.Tensor:
     return rows - torch.arange(tk, device=device)[None, :]
 
 
+def _expand_heads(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[T, Hkv, D] -> [T, Hkv * group, D], head h of the result being kv head h // group."""
+    if group == 1:
+        return x
+    t, h, d = x.shape
+    return x[:, :, None, :].expand(t, h, group, d).reshape(t, h * group, d)
+
+
 def attend_math(
     q: torch.Tensor, kk: torch.Tensor, vv: torch.Tensor, scale: float, options: AttentionOptions | None = None
 ) -> torch.Tensor:
@@ -34,8 +42,10 @@ def attend_math(
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     tq, tk = q.shape[0], kk.shape[0]
     qf = q.to(compute)
-    kf = kk.to(compute).repeat_interleave(group, dim=1)
-    vf = vv.to(compute).repeat_interleave(group, dim=1)
+    # each kv head serves `group` consecutive q heads; an expanded view's backward is a sum
+    # over the group (repeat_interleave's is an index_add with atomics on CUDA)
+    kf = _expand_heads(kk.to(compute), group)
+    vf = _expand_heads(vv.to(compute), group)
     scores = torch.einsum("qhd,khd->hqk", qf, kf) * scale
     if opts.softcap is not None:
         scores = opts.softcap * torch.tanh(scores / opts.softcap)

@@ -53,11 +53,15 @@ class Backend:
             or None``: why it cannot run on ``target``, phrased to follow
             ``attention='<name>'`` and ending with the fix (None: it runs). None: the
             backend runs anywhere (pure torch).
+        nondeterministic: ``"module:function"`` of its check ``(target) -> reason or
+            None``: why it cannot run deterministically (:mod:`dtree.ops.determinism`);
+            None: it always can.
     """
 
     name: str
     function: str
     unavailable: str | None = None
+    nondeterministic: str | None = None
 
 
 @dataclass(frozen=True)
@@ -77,7 +81,12 @@ _OPS: dict[str, _Op] = {
         [
             Backend("reference", "stack_attention:stack_attention_reference"),
             Backend("sdpa", "stack_attention:stack_attention_sdpa"),
-            Backend("triton", "stack_attention_triton:stack_attention_triton", "stack_attention:triton_unavailable"),
+            Backend(
+                "triton",
+                "stack_attention_triton:stack_attention_triton",
+                "stack_attention:triton_unavailable",
+                "stack_attention:triton_nondeterministic",
+            ),
         ],
         {"cuda": ("triton", "sdpa"), "other": ("sdpa",)},
     ),
@@ -133,8 +142,12 @@ def implementation(op: str, name: str) -> Callable:
     return _load(spec.backends[name].function)
 
 
-def _unavailable(backend: Backend, target: Target) -> str | None:
-    return None if backend.unavailable is None else _load(backend.unavailable)(target)
+def _unavailable(backend: Backend, target: Target, deterministic: bool = False) -> str | None:
+    reason = None if backend.unavailable is None else _load(backend.unavailable)(target)
+    if reason is None and deterministic and backend.nondeterministic is not None:
+        why = _load(backend.nondeterministic)(target)
+        reason = None if why is None else f"is not deterministic here: it {why}"
+    return reason
 
 
 def resolve_backend(
@@ -146,6 +159,7 @@ def resolve_backend(
     num_heads: int | None = None,
     num_kv_heads: int | None = None,
     head_dim: int | None = None,
+    deterministic: bool = False,
 ) -> str:
     """The backend of ``op`` to run on ``device`` for ``name``.
 
@@ -153,7 +167,9 @@ def resolve_backend(
     the fused kernels first, ``sdpa`` last (stack attention takes Triton only on CUDA,
     not under the interpreter on CPU). A backend name: that name, if it
     runs here. The dtype and shapes refine the checks where a backend depends on them
-    (Triton's dtypes and head dims, the ``flash`` probe).
+    (Triton's dtypes and head dims, the ``flash`` probe). ``deterministic`` (deterministic
+    mode, :mod:`dtree.ops.determinism`): ``"auto"`` skips backends that cannot run
+    deterministically; a named one raises the way torch does.
 
     Raises:
         ValueError: an unknown name (listing the choices), or a backend that cannot
@@ -163,7 +179,7 @@ def resolve_backend(
     target = Target(torch.device(device), dtype, num_heads, num_kv_heads, head_dim)
     if name == "auto":
         for candidate in spec.auto.get(target.device.type, spec.auto["other"]):
-            if _unavailable(spec.backends[candidate], target) is None:
+            if _unavailable(spec.backends[candidate], target, deterministic) is None:
                 return candidate
         raise AssertionError(f"no {spec.label} backend runs on {target.device}")  # every op has a portable one
     if name not in spec.backends:
@@ -171,4 +187,12 @@ def resolve_backend(
     reason = _unavailable(spec.backends[name], target)
     if reason is not None:
         raise ValueError(f"attention={name!r} {reason}")
+    if deterministic:
+        why = _unavailable(spec.backends[name], target, deterministic=True)
+        if why is not None:
+            from .determinism import alert_nondeterministic
+
+            alert_nondeterministic(
+                f"attention={name!r}", f"it {why.removeprefix('is not deterministic here: it ')}; use attention='auto'"
+            )
     return name

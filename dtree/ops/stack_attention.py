@@ -47,11 +47,16 @@ each segment's prefix.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..kv_stack import KVStack
+if TYPE_CHECKING:  # kv_stack imports dtree.ops (its stack ops): no import at run time
+    from ..kv_stack import KVStack
+from . import determinism
 from .attention_math import attend_math, attend_sdpa
 from .attention_options import PLAIN, AttentionOptions, check_packed_qkv, check_stack_attention
 from .backends import Target, backend_names, implementation
@@ -106,8 +111,9 @@ class _SegmentAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, sinks, stack: KVStack, layer: int, index, core, scale: float, options):
+    def forward(ctx, q, k, v, sinks, stack: KVStack, layer: int, index, core, scale: float, options, deterministic):
         ctx.stack, ctx.layer, ctx.index, ctx.core, ctx.scale, ctx.options = stack, layer, index, core, scale, options
+        ctx.deterministic = deterministic
         ctx.save_for_backward(q, k, v, sinks)
         kk, vv = _gather_kv(k, v, stack, layer, index)
         return core(q, kk, vv, scale, options)
@@ -132,15 +138,22 @@ class _SegmentAttention(torch.autograd.Function):
                 kk, vv = k_, v_
             if sinks is not None:
                 inputs.append(sinks_)
-            out = ctx.core(q_, kk, vv, ctx.scale, options)
+            # torch's fused SDPA backward on CUDA sums dQ with atomics unless torch's own
+            # deterministic mode is on (which would also demand CUBLAS_WORKSPACE_CONFIG of
+            # every matmul): in dtree's deterministic mode the backward differentiates the
+            # float32 math instead (the same function; no atomics, no global setting)
+            core = attend_math if ctx.deterministic and q.is_cuda else ctx.core
+            out = core(q_, kk, vv, ctx.scale, options)
             grads = torch.autograd.grad(out, inputs, grad_out)
         if index is not None and stack.has_grad:
             stack.accumulate(layer, index, grads[3], grads[4])
         dsinks = grads[-1] if sinks is not None else None
-        return grads[0], grads[1], grads[2], dsinks, None, None, None, None, None, None
+        return grads[0], grads[1], grads[2], dsinks, None, None, None, None, None, None, None
 
 
-def _per_segment(q, k, v, stack, layer, layout: SegmentLayout, scale, core, options: AttentionOptions) -> torch.Tensor:
+def _per_segment(
+    q, k, v, stack, layer, layout: SegmentLayout, scale, core, options: AttentionOptions, deterministic: bool
+) -> torch.Tensor:
     outs = []
     needs_grad = torch.is_grad_enabled() and any(
         x is not None and x.requires_grad for x in (q, k, v, options.sinks)
@@ -150,7 +163,9 @@ def _per_segment(q, k, v, stack, layer, layout: SegmentLayout, scale, core, opti
         index = _in_window(layout.prefix_index(i, q.device), options.window)
         if needs_grad:
             outs.append(
-                _SegmentAttention.apply(q[a:b], k[a:b], v[a:b], options.sinks, stack, layer, index, core, scale, options)
+                _SegmentAttention.apply(
+                    q[a:b], k[a:b], v[a:b], options.sinks, stack, layer, index, core, scale, options, deterministic
+                )
             )
         else:
             kk, vv = _gather_kv(k[a:b], v[a:b], stack, layer, index)
@@ -171,6 +186,7 @@ def stack_attention_reference(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Pure-torch attention over the stack, float32 math, one segment at a time.
 
@@ -181,6 +197,11 @@ def stack_attention_reference(
         layout: segment offsets and prefix ranges.
         scale: softmax scale.
         softcap, sinks [Hq], alibi_slopes [Hq], window: see :class:`AttentionOptions`.
+        deterministic: the same bits in every run (:mod:`dtree.ops.determinism`; also on
+            under ``torch.use_deterministic_algorithms(True)``). The prefix gradients are
+            added segment after segment in a fixed order either way; on CUDA this makes the
+            ``sdpa`` backend differentiate the float32 math in its backward (SDPA's fused
+            backward sums dQ with atomics).
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``. Backward adds the prefix dK/dV into
@@ -188,7 +209,8 @@ def stack_attention_reference(
     """
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     check_stack_attention(q, k, v, stack, layout, options)
-    return _per_segment(q, k, v, stack, layer, layout, scale, attend_math, options)
+    deterministic = determinism.requested(deterministic)
+    return _per_segment(q, k, v, stack, layer, layout, scale, attend_math, options, deterministic)
 
 
 def stack_attention_sdpa(
@@ -204,13 +226,15 @@ def stack_attention_sdpa(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` per segment over (stack prefix + own K/V),
     lower-right causal (see :func:`attend_sdpa` for the options). Shapes and gradients
     as :func:`stack_attention_reference`."""
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     check_stack_attention(q, k, v, stack, layout, options)
-    return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa, options)
+    deterministic = determinism.requested(deterministic)
+    return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa, options, deterministic)
 
 
 class _StackGradSeed(torch.autograd.Function):
@@ -221,25 +245,30 @@ class _StackGradSeed(torch.autograd.Function):
     its gradient, so this runs after the attention backward of the same call at this
     layer: the slots then hold what the call's descendants added (their backward ran
     earlier, depth first) plus what the call's own segments sent their in-call
-    ancestors. The sum is formed in float32 and rounded once."""
+    ancestors. The sum is formed in float32 and rounded once (:meth:`KVStack.seed_grad`:
+    one kernel with the CUDA extension)."""
 
     @staticmethod
-    def forward(ctx, k, v, stack: KVStack, layer: int, lo: int, hi: int):
-        ctx.stack, ctx.layer, ctx.lo, ctx.hi = stack, layer, lo, hi
+    def forward(ctx, k, v, stack: KVStack, layer: int, lo: int, hi: int, device_lo):
+        ctx.stack, ctx.layer, ctx.lo, ctx.hi, ctx.device_lo = stack, layer, lo, hi, device_lo
         ctx.dtypes = (k.dtype, v.dtype)
         return k.view_as(k), v.view_as(v)
 
     @staticmethod
     def backward(ctx, gk, gv):
-        sk = ctx.stack.grad_k[ctx.layer, ctx.lo : ctx.hi]
-        sv = ctx.stack.grad_v[ctx.layer, ctx.lo : ctx.hi]
-        gk = sk.to(ctx.dtypes[0]) if gk is None else (sk + gk).to(ctx.dtypes[0])
-        gv = sv.to(ctx.dtypes[1]) if gv is None else (sv + gv).to(ctx.dtypes[1])
-        return gk, gv, None, None, None, None
+        gk, gv = ctx.stack.seed_grad(ctx.layer, ctx.lo, ctx.hi, gk, gv, ctx.dtypes, device_lo=ctx.device_lo)
+        return gk, gv, None, None, None, None, None
 
 
 def seed_from_stack(
-    k: torch.Tensor, v: torch.Tensor, stack: KVStack, layer: int, lo: int, hi: int
+    k: torch.Tensor,
+    v: torch.Tensor,
+    stack: KVStack,
+    layer: int,
+    lo: int,
+    hi: int,
+    *,
+    device_lo: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(k, v)`` unchanged, with a backward that adds ``stack.grad_k/grad_v[layer, lo:hi]``
     to their gradients.
@@ -247,6 +276,8 @@ def seed_from_stack(
     Args:
         k: [T, Hkv, Dk], v: [T, Hkv, Dv] the call's own K/V, held in stack slots
             ``[lo, hi)`` (``hi - lo == T``).
+        device_lo: ``lo`` as a one-element int64 tensor on the stack's device (the CUDA
+            extension reads it there; None: made when needed).
 
     Pass them through this before :func:`stack_attention` and the gradient slots the
     attention backward (of this call: in-call ancestors) and earlier backwards (of the
@@ -256,7 +287,7 @@ def seed_from_stack(
         raise ValueError(f"k and v have {k.shape[0]} and {v.shape[0]} rows for the {hi - lo} slots [{lo}, {hi})")
     if not stack.has_grad or not torch.is_grad_enabled() or not (k.requires_grad or v.requires_grad):
         return k, v
-    return _StackGradSeed.apply(k, v, stack, layer, lo, hi)
+    return _StackGradSeed.apply(k, v, stack, layer, lo, hi, device_lo)
 
 
 def stack_attention(
@@ -273,15 +304,42 @@ def stack_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    deterministic: bool = False,
 ) -> torch.Tensor:
     """Attention of the packed segments over the stack, by backend name (see the
     module docstring and :mod:`dtree.ops.backends`; :func:`dtree.ops.backends.resolve_backend`
     picks one for a device); arguments as :func:`stack_attention_reference`. Gradients of
-    in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`)."""
+    in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`).
+
+    ``deterministic`` (or ``torch.use_deterministic_algorithms(True)``): the backend runs
+    its deterministic backward; a backend without one raises the way torch does
+    (:func:`dtree.ops.determinism.alert_nondeterministic`)."""
     attend = implementation("stack_attention", backend)
-    return attend(
-        q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window
-    )
+    options = {"softcap": softcap, "sinks": sinks, "alibi_slopes": alibi_slopes, "window": window}
+    if determinism.requested(deterministic):
+        if takes_deterministic(attend):
+            options["deterministic"] = True
+        else:
+            determinism.alert_nondeterministic(
+                f"the {backend!r} stack attention backward (prefix dK/dV by float atomics)",
+                "use attention='auto' (which then picks a deterministic backend) or attention='sdpa'",
+            )
+    return attend(q, k, v, stack, layer, layout, scale, **options)
+
+
+@functools.cache
+def takes_deterministic(attend) -> bool:
+    """Whether a backend function has a ``deterministic`` keyword (its deterministic backward)."""
+    return "deterministic" in inspect.signature(attend).parameters
+
+
+def triton_nondeterministic(target: Target) -> str | None:
+    """Why the ``triton`` backend cannot run deterministically (None: it can)."""
+    from . import stack_attention_triton as sat
+
+    if takes_deterministic(sat.stack_attention_triton):
+        return None
+    return "adds prefix dK/dV with float atomics (no deterministic backward in this version)"
 
 
 def triton_unavailable(target: Target) -> str | None:

@@ -37,6 +37,7 @@ from ..kv_stack import KVStack
 from ..transfer import upload
 from .attention_options import check_packed_qkv
 from .segment_layout import SegmentLayout
+from .stack_ops import SlotRows
 from .varlen_attention import FLASH_DTYPES, VarlenLayout, flash_attn_impl, installed_flash_attn
 
 __all__ = ["flash_attn_impl", "stack_attention_flash_attn", "varlen_attention_flash_attn"]
@@ -82,21 +83,27 @@ def varlen_attention_flash_attn(
 
 # --------------------------------------------------------------------------- over the stack
 class _StackPrefix(torch.autograd.Function):
-    """The gathered prefix K/V of a call: forward copies the stack slots ``index`` out;
-    backward adds their gradients into the stack's gradient buffers.
+    """The gathered prefix K/V of a call: forward copies the stack slots ``rows.index``
+    out; backward adds their gradients into the stack's gradient buffers. Sibling
+    segments gather the same slots, so the backward sums repeated slots: a fixed-order
+    segmented reduction (:func:`dtree.ops.stack_ops.segment_add`), deterministic.
 
     It takes the call's own (k, v) as inputs only to sit in their autograd graph (its
     outputs then require grad) and gives them no gradient."""
 
     @staticmethod
-    def forward(ctx, k, v, stack: KVStack, layer: int, index: torch.Tensor):
-        ctx.stack, ctx.layer, ctx.index = stack, layer, index
-        return stack.k[layer, index], stack.v[layer, index]
+    def forward(ctx, k, v, stack: KVStack, layer: int, rows: SlotRows):
+        ctx.stack, ctx.layer, ctx.rows = stack, layer, rows
+        return stack.gather(layer, rows.index)
 
     @staticmethod
     def backward(ctx, gk, gv):
-        if ctx.stack.has_grad and gk is not None:
-            ctx.stack.accumulate(ctx.layer, ctx.index, gk, gv if gv is not None else torch.zeros_like(gk))
+        if ctx.stack.has_grad and (gk is not None or gv is not None):
+            n = ctx.rows.index.shape[0]
+            stack = ctx.stack
+            gk = gk if gk is not None else stack.grad_k.new_zeros((n, *stack.grad_k.shape[2:]))
+            gv = gv if gv is not None else stack.grad_v.new_zeros((n, *stack.grad_v.shape[2:]))
+            stack.accumulate(ctx.layer, ctx.rows, gk, gv)
         return None, None, None, None, None
 
 
@@ -128,7 +135,7 @@ def _tables(layout: SegmentLayout, device: torch.device) -> dict:
         q_off = np.asarray(layout.q_offsets, dtype=np.int64)
         slots, order, k_off = _plan(q_off, layout.prefix_ranges)
         return {
-            "slots": upload(slots.astype(np.int64), device),
+            "slots": SlotRows.from_numpy(slots, device),
             "order": upload(order.astype(np.int64), device),
             "cu_q": upload(q_off.astype(np.int32), device),
             "cu_k": upload(k_off.astype(np.int32), device),
@@ -146,7 +153,7 @@ def stack_attention_packed(q, k, v, stack: KVStack, layer: int, layout: SegmentL
     pure-torch varlen to check the gather, packing and stack gradients on CPU."""
     check_packed_qkv(q, k, v, int(layout.q_offsets[-1]), "layout.q_offsets")
     t = _tables(layout, q.device)
-    if t["slots"].numel():
+    if t["slots"].index.numel():
         pk, pv = _StackPrefix.apply(k, v, stack, layer, t["slots"])
         kk = torch.cat([pk, k]).index_select(0, t["order"])
         vv = torch.cat([pv, v]).index_select(0, t["order"])
