@@ -63,7 +63,14 @@ import torch
 
 from . import memory_policy
 from .checkpointing import decoder_layers
-from .checks import check_trainable, model_placement, validate_forest
+from .checks import (
+    check_forest,
+    check_loss_argument,
+    check_normalization,
+    check_training_call,
+    model_placement,
+    validate_forest,
+)
 from .config import RuntimeConfig
 from .kv_stack import KVStack
 from .losses import Normalization, SequenceLoss, TokenLoss
@@ -194,19 +201,15 @@ class TreeRuntime:
 
     def _check_call(self, training: bool) -> None:
         """Host-side checks of the model's state at every call, before anything is
-        allocated: placement, inference mode, what the adapter refuses (gradient
-        checkpointing, attention dropout), at least one trainable parameter."""
-        if training and torch.is_inference_mode_enabled():
-            raise ValueError(
-                "forward_backward cannot run under torch.inference_mode() (no gradients there): call it outside the "
-                "inference_mode block; TreeRuntime.logprobs works inside one"
-            )
+        allocated: for training, grad mode on (not under ``torch.no_grad()`` or
+        ``torch.inference_mode()``) and a trainable parameter; placement; what the
+        adapter refuses (attention dropout)."""
+        if training:
+            check_training_call(self.module.parameters())
         self._sync_placement()
         check = getattr(self.model, "dtree_check", None)
         if check is not None:
             check(training)
-        if training:
-            check_trainable(self.module.parameters())
 
     # ------------------------------------------------------------------ planning
     def plan(self, forest: Forest) -> Schedule:
@@ -301,7 +304,24 @@ class TreeRuntime:
 
         The loss's metrics (mask-weighted means over the loss tokens, named as TRL logs
         them: ``clip_ratio/low_mean``, ``kl``, ``entropy``, ...) are in ``StepOutput.metrics``.
+
+        Raises (before any kernel runs, unless noted; ``param.grad`` is left as it was in
+        every case):
+            TypeError: ``forest`` is not a :class:`Forest`; ``loss`` is an uncalled loss
+                factory (``dtree.losses.ppo_clip``), a class, a dict or not callable;
+                ``normalization`` is not a :class:`Normalization`; a per-token function
+                returned something that is not a tensor (during the step).
+            ValueError: called under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
+                step computes gradients); no trainable parameter; token ids outside the
+                vocabulary, paths longer than the model's positions or the stack; missing
+                ``required_fields``; a normalization count of 0 while the forest has loss
+                terms; during the step: a per-token function that reads a field it did not
+                get, or returns a tensor detached from ``logp`` (no gradient would flow);
+                a non-finite loss (named by sequence and position).
         """
+        check_forest(forest)
+        check_loss_argument(loss)
+        check_normalization(normalization)
         self._check_call(training=True)
         if isinstance(loss, TokenLoss):
             weights = token_loss_weights(forest, loss, normalization)
@@ -316,17 +336,13 @@ class TreeRuntime:
                     )
                 loss = loss.with_normalization(normalization)
             return self._two_pass(forest, loss, loss.temperature, return_logprobs)
-        if callable(loss):
-            if normalization is not None:
-                raise ValueError(
-                    "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
-                    "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
-                    "terms in a SequenceLoss"
-                )
-            return self._two_pass(forest, loss, 1.0, return_logprobs)
-        raise TypeError(
-            f"loss must be a dtree.losses.TokenLoss, a SequenceLoss or a callable, got {type(loss).__name__}"
-        )
+        if normalization is not None:  # check_loss_argument left a plain callable
+            raise ValueError(
+                "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
+                "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
+                "terms in a SequenceLoss"
+            )
+        return self._two_pass(forest, loss, 1.0, return_logprobs)
 
     def backward_from_logprob_grads(
         self,
@@ -345,6 +361,7 @@ class TreeRuntime:
             temperature: the temperature those log-probs were computed at (the
                 gradient flows through ``softmax(logits / temperature)``).
         """
+        check_forest(forest)
         self._check_call(training=True)
         temperature = check_temperature(temperature)
         w = logprob_grad_weights(forest, grads)
@@ -424,6 +441,7 @@ class TreeRuntime:
 
     def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
         """The checks of an inference call, then :meth:`_logprobs`."""
+        check_forest(forest)
         self._check_call(training=False)
         temperature = check_temperature(temperature)
         return self._logprobs(forest, self.plan(forest), with_entropy, temperature)
