@@ -122,9 +122,18 @@ CPU_WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def _step_forests(cfg: "BenchConfig", spec) -> tuple[list[StepForest], dict]:
-    """The forests of the run (one, or one per step) and the workload's description."""
+def _data_forest(cfg: "BenchConfig"):
+    """``--data``'s forest, read and checked before any model is built (None without
+    ``--data``): a malformed file fails fast, naming its file and line."""
     from ..tree import Forest
+
+    return Forest.from_jsonl(cfg.data) if cfg.data else None
+
+
+def _step_forests(cfg: "BenchConfig", spec, data=None) -> tuple[list[StepForest], dict]:
+    """The forests of the run (one, or one per step) and the workload's description;
+    ``data``: ``--data``'s forest, checked against the model's vocabulary and positions."""
+    from ..checks import validate_forest
     from ..workloads import make_workload, workload_parameters
 
     flops = (spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())
@@ -133,8 +142,12 @@ def _step_forests(cfg: "BenchConfig", spec) -> tuple[list[StepForest], dict]:
         return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions.copy())),
                           forest.flop_compression_ratio(*flops))
 
-    if cfg.data:
-        return [wrap(cfg.seed, Forest.from_jsonl(cfg.data))], {"name": os.path.basename(cfg.data), "params": None}
+    if data is not None:
+        try:
+            validate_forest(data, spec)
+        except ValueError as e:
+            raise ValueError(f"{cfg.data}: {e} (choose a --model that fits the data)") from None
+        return [wrap(cfg.seed, data)], {"name": os.path.basename(cfg.data), "params": None}
     name = cfg.workload
     small = not cfg.on_gpu and cfg.model_name == "tiny"
     overrides = {**(CPU_WORKLOADS.get(name, {}) if small else {}), **cfg.overrides}
@@ -264,13 +277,14 @@ def run(cfg: BenchConfig) -> int:
     """Every configuration of ``cfg`` on one model and the same forests; returns the
     exit code (0 when at least one configuration ran)."""
     start = time.monotonic()
+    data = _data_forest(cfg)
     allocator = _prepare_device(cfg)
     protocol = (f"one forest, {cfg.warmup} warm-up + {cfg.repeats} timed steps" if cfg.same_forest
                 else f"{cfg.steps} steps, a fresh forest each")
     print(f"dtree bench: {cfg.model_name} ({cfg.dtype}) on {device_name(cfg.device)}; {protocol}; "
           f"configurations: {', '.join(c.label for c in cfg.configs)}", flush=True)
     model, spec = _bench_model(cfg)
-    forests, workload = _step_forests(cfg, spec)
+    forests, workload = _step_forests(cfg, spec, data)
     loss, loss_desc = _loss(cfg.loss, forests[0].forest)
     report = _report_header(cfg, model, spec, workload, forests, loss_desc, allocator)
     results: list[MethodResult] = []
