@@ -3,7 +3,8 @@
 Every configuration gets the same model object, forests and loss; they run one after
 the other, so the ratios are taken under the same conditions. By default every step
 trains a fresh seeded forest (``seed + step``), as RL does; ``--same-forest`` repeats
-one forest (for kernel work). Reports go under ``--out`` (default
+one forest (for kernel work). Reports go under ``--out`` (default ``./dtree-results``,
+git-ignored, so a run never overwrites the committed reports under
 ``benchmarks/results/``) and are rewritten after every configuration, so a run cut
 short still leaves the configurations it finished.
 """
@@ -32,7 +33,9 @@ from .measure import (
 )
 from .report import environment, finish_report, format_table, write_reports
 
-__all__ = ["BenchConfig", "add_bench_parser", "run", "run_bench", "CPU_WORKLOADS"]
+__all__ = ["BenchConfig", "add_bench_parser", "run", "run_bench", "CPU_WORKLOADS", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "dtree-results"  # relative to the working directory; .gitignore lists it
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser(
@@ -85,7 +88,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-config-seconds", type=float, default=None, metavar="SECONDS",
                    help="a configuration stops once its steps took this long (after at least 3 steps)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results", help="report directory (default: benchmarks/results)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"report directory (default: ./{DEFAULT_OUT} in the working directory; git-ignored in a dtree "
+                        "checkout, so a run never overwrites committed reports)")
     p.add_argument("--tag", default="", help="suffix for the report file names")
     p.add_argument("--no-report", action="store_true", help="print the table only")
     p.set_defaults(func=run_bench)
@@ -225,7 +230,7 @@ class BenchConfig:
     time_budget: float | None = None
     max_config_seconds: float | None = None
     seed: int = 0
-    out: str = "benchmarks/results"
+    out: str = DEFAULT_OUT
     tag: str = ""
     write_reports: bool = True
 
