@@ -66,7 +66,8 @@ JUNK_TOKENS = [
 JUNK_SEQUENCES = [
     "", "1 2 3", b"12", 5, 5.0, None, {}, Encoding(input_ids=[1, 2]), [], np.array([], dtype=np.int64),
     np.zeros((2, 2), dtype=np.int64), np.array([1.0, 2.0]), torch.tensor([1.0, 2.0]), torch.tensor([True]),
-    np.array(["1", "2"]), np.array([1 + 1j]), np.array([1, INT64], dtype=np.uint64), torch.zeros(2, 2, dtype=torch.long),
+    np.array(["1", "2"]), np.array([1 + 1j]), np.array([1, INT64], dtype=np.uint64),
+    torch.zeros(2, 2, dtype=torch.long),
     torch.tensor(3), np.array([True, False]), torch.tensor([1, 2], dtype=torch.complex64),
 ]
 JUNK_TOP = [
@@ -180,7 +181,8 @@ def _mutate(draw, case: Case, kind: str) -> None:
         return
     i = draw(st.integers(0, len(seqs) - 1))
     if kind == "token":
-        if not isinstance(seqs[i], (list, tuple, np.ndarray, torch.Tensor)) or np.ndim(seqs[i]) != 1 or not len(seqs[i]):
+        seq = seqs[i]
+        if not isinstance(seq, (list, tuple, np.ndarray, torch.Tensor)) or np.ndim(seq) != 1 or not len(seq):
             return  # already junk from an earlier mutation
         seq = list(seqs[i])
         seq[draw(st.integers(0, len(seq) - 1))] = draw(st.sampled_from(JUNK_TOKENS))
@@ -212,8 +214,8 @@ def _mutate(draw, case: Case, kind: str) -> None:
         elif kind == "field entry":
             n = len(case.tokens[i])
             entries[i] = draw(st.sampled_from(
-                [[0.5] * (n + 1), [0.5] * (n - 1) if n > 1 else [], np.ones((n, 1)), torch.ones(n, dtype=torch.complex64),
-                 np.array(["1"] * n), "0.5", None, {"x": 1.0}]
+                [[0.5] * (n + 1), [0.5] * (n - 1) if n > 1 else [], np.ones((n, 1)),
+                 torch.ones(n, dtype=torch.complex64), np.array(["1"] * n), "0.5", None, {"x": 1.0}]
             ))
         elif kind == "field container":
             case.fields[name] = draw(st.sampled_from(JUNK_FIELD_CONTAINERS))
@@ -273,10 +275,9 @@ def jsonl_cases(draw, first: str) -> JsonlCase:
     names = sorted(n for n in case.fields if n != "x")
     lines, tokens = [], case.tokens
     for s, seq in enumerate(tokens):
-        n = len(seq)
-        obj = ", ".join([f'"tokens": [{", ".join(map(str, seq))}]']
-                        + [f'"{k}": [{", ".join(repr(v) for v in case.expected_fields[k][sum(map(len, tokens[:s])):][:n])}]'
-                           for k in names])
+        start, n = sum(map(len, tokens[:s])), len(seq)
+        values = {k: ", ".join(repr(v) for v in case.expected_fields[k][start : start + n]) for k in names}
+        obj = ", ".join([f'"tokens": [{", ".join(map(str, seq))}]'] + [f'"{k}": [{values[k]}]' for k in names])
         lines.append("{" + obj + "}")
     blank = draw(st.integers(0, len(lines)))  # a blank line somewhere: line numbers still count it
     lines.insert(blank, "")

@@ -51,7 +51,8 @@ def calls_of(name, kw, model) -> int:
         count[0] += 1
         return -logp
 
-    make_method(name, copy.deepcopy(model), **kw).forward_backward(dtree.Forest.from_sequences(SEQS), TokenLoss(per_token))
+    runner = make_method(name, copy.deepcopy(model), **kw)
+    runner.forward_backward(dtree.Forest.from_sequences(SEQS), TokenLoss(per_token))
     return count[0]
 
 

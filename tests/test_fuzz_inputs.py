@@ -114,7 +114,8 @@ FORESTS = {
 }
 LOSSES = {
     "nll": dtree.losses.nll(), "ppo without old_logprobs": dtree.losses.ppo_clip(), "uncalled nll": dtree.losses.nll,
-    "uncalled ppo_clip": dtree.losses.ppo_clip, "uncalled cispo": dtree.losses.cispo, "uncalled sapo": dtree.losses.sapo,
+    "uncalled ppo_clip": dtree.losses.ppo_clip, "uncalled cispo": dtree.losses.cispo,
+    "uncalled sapo": dtree.losses.sapo,
     "uncalled gspo": dtree.losses.gspo, "TokenLoss class": dtree.losses.TokenLoss, "aggregation dict":
     dtree.losses.aggregation("grpo"), "None": None, "number": 1.0, "one-argument lambda": lambda lps: lps[0].sum(),
     "numpy terms": dtree.losses.TokenLoss(lambda lp, f: (-lp).detach().numpy()),
