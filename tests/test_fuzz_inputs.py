@@ -44,15 +44,18 @@ DEFAULT, SWEEP = 15, 300
 KINDS = ("none",) + MUTATIONS
 
 
-@pytest.mark.parametrize("kind", KINDS)
-def test_fuzz_from_sequences(kind):
-    settings(max_examples=DEFAULT)(given(mutated_batches(kind))(check_forest_case))()
+SIZES = [pytest.param(DEFAULT, id="ci"), pytest.param(SWEEP, id="sweep", marks=pytest.mark.slow)]
 
 
-@pytest.mark.slow
+def fuzz(cases, check, examples: int) -> None:
+    """``check`` on ``examples`` draws of the strategy ``cases`` (seeded by the profile)."""
+    settings(max_examples=examples)(given(cases)(check))()
+
+
+@pytest.mark.parametrize("examples", SIZES)
 @pytest.mark.parametrize("kind", KINDS)
-def test_fuzz_from_sequences_sweep(kind):
-    settings(max_examples=SWEEP)(given(mutated_batches(kind))(check_forest_case))()
+def test_fuzz_from_sequences(kind, examples):
+    fuzz(mutated_batches(kind), check_forest_case, examples)
 
 
 def _jsonl(case) -> str:
@@ -83,26 +86,16 @@ def check_jsonl_and_cli(case) -> None:
         os.unlink(path)
 
 
+@pytest.mark.parametrize("examples", SIZES)
 @pytest.mark.parametrize("kind", JSONL_MUTATIONS)
-def test_fuzz_jsonl_and_cli(kind):
-    settings(max_examples=DEFAULT)(given(jsonl_cases(kind))(check_jsonl_and_cli))()
+def test_fuzz_jsonl_and_cli(kind, examples):
+    fuzz(jsonl_cases(kind), check_jsonl_and_cli, examples)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", JSONL_MUTATIONS)
-def test_fuzz_jsonl_and_cli_sweep(kind):
-    settings(max_examples=SWEEP)(given(jsonl_cases(kind))(check_jsonl_and_cli))()
-
-
+@pytest.mark.parametrize("examples", SIZES)
 @pytest.mark.parametrize("kind", PADDED_MUTATIONS)
-def test_fuzz_from_padded(kind):
-    settings(max_examples=DEFAULT)(given(padded_cases(kind))(check_padded_case))()
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", PADDED_MUTATIONS)
-def test_fuzz_from_padded_sweep(kind):
-    settings(max_examples=SWEEP)(given(padded_cases(kind))(check_padded_case))()
+def test_fuzz_from_padded(kind, examples):
+    fuzz(padded_cases(kind), check_padded_case, examples)
 
 
 # ----------------------------------------------------------------------------- forward_backward

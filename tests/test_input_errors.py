@@ -202,3 +202,15 @@ def test_bad_jsonl_files(tmp_path):
     bom.write_bytes(b"\xef\xbb\xbf" + b'{"tokens": [1, 2], "a": 0.5}\n')
     f = Forest.from_jsonl(bom)  # a pathlib.Path works too
     assert f.sequence(0).tolist() == [1, 2] and f.fields["a"].tolist() == [0.5, 0.5]
+
+
+def test_a_real_batch_encoding():
+    """transformers' own BatchEncoding, padded or not: the error says what to pass."""
+    from transformers import BatchEncoding
+
+    enc = BatchEncoding({"input_ids": torch.tensor([[5, 6, 0]]), "attention_mask": torch.tensor([[1, 1, 0]])})
+    with pytest.raises(TypeError, match=r"sequences is a BatchEncoding .*Forest.from_padded\(encoding\['input_ids'\], "
+                                        r"encoding\['attention_mask'\]\)"):
+        Forest.from_sequences(enc)
+    forest = Forest.from_padded(enc["input_ids"], enc["attention_mask"])  # what the message says works
+    assert forest.sequence(0).tolist() == [5, 6]
