@@ -52,6 +52,11 @@ RESERVED_FIELD_NAMES = {
     "tokens": "the key of the token ids in a JSONL line",
 }
 
+# element types numpy converts exactly and without a question: lists of them skip the
+# per-element scan (a token list of Python ints, a field list of floats)
+_PLAIN_INTS = {int, np.int64, np.int32, np.int16, np.int8}
+_PLAIN_REALS = {float, int, bool, np.float64, np.float32, np.float16, np.int64, np.int32, np.bool_}
+
 TOKENIZE_HINT = "dtree trains on token ids: tokenize first, e.g. tokenizer(texts)['input_ids']"
 
 
@@ -150,7 +155,7 @@ def _check_range(arr: np.ndarray, where: str) -> np.ndarray:
 def _token_list(items: list, where: str) -> np.ndarray:
     if not items:
         raise ValueError(f"{where} is empty: every sequence needs at least one token")
-    if not set(map(type, items)) <= {int}:  # plain ints (the usual case) need no scan
+    if not set(map(type, items)) <= _PLAIN_INTS:  # plain ints (the usual case) need no scan
         for t, x in enumerate(items):
             problem = _token_problem(x, where, t)
             if problem is not None:
@@ -269,7 +274,7 @@ def _field_sequence(items: Any, where: str) -> np.ndarray:
     """A Python list of one sequence's per-token values as float64 (0-d for a number)."""
     if not isinstance(items, list):
         return np.asarray(_real(items, where))
-    if set(map(type, items)) <= {float, int, bool}:
+    if set(map(type, items)) <= _PLAIN_REALS:
         try:
             return np.array(items, dtype=np.float64)
         except OverflowError:

@@ -63,14 +63,8 @@ import torch
 
 from . import memory_policy
 from .checkpointing import decoder_layers
-from .checks import (
-    check_forest,
-    check_loss_argument,
-    check_normalization,
-    check_training_call,
-    model_placement,
-    validate_forest,
-)
+from .checks import check_forest, check_loss_argument, check_normalization, check_training_call
+from .checks import model_placement, validate_forest
 from .config import RuntimeConfig
 from .kv_stack import KVStack
 from .losses import Normalization, SequenceLoss, TokenLoss
@@ -305,19 +299,13 @@ class TreeRuntime:
         The loss's metrics (mask-weighted means over the loss tokens, named as TRL logs
         them: ``clip_ratio/low_mean``, ``kl``, ``entropy``, ...) are in ``StepOutput.metrics``.
 
-        Raises (before any kernel runs, unless noted; ``param.grad`` is left as it was in
-        every case):
-            TypeError: ``forest`` is not a :class:`Forest`; ``loss`` is an uncalled loss
-                factory (``dtree.losses.ppo_clip``), a class, a dict or not callable;
-                ``normalization`` is not a :class:`Normalization`; a per-token function
-                returned something that is not a tensor (during the step).
-            ValueError: called under ``torch.no_grad()`` or ``torch.inference_mode()`` (a
-                step computes gradients); no trainable parameter; token ids outside the
-                vocabulary, paths longer than the model's positions or the stack; missing
-                ``required_fields``; a normalization count of 0 while the forest has loss
-                terms; during the step: a per-token function that reads a field it did not
-                get, or returns a tensor detached from ``logp`` (no gradient would flow);
-                a non-finite loss (named by sequence and position).
+        Raises ``TypeError`` for arguments of the wrong kind (not a Forest, an uncalled
+        loss factory such as ``dtree.losses.ppo_clip``, a normalization that is not a
+        :class:`Normalization`) and ``ValueError`` for bad values (grad mode off, ids
+        outside the vocabulary, missing fields, ...), on the host before any kernel; a
+        loss function's own mistakes (a field it did not get, numpy or a detached tensor
+        returned) and a non-finite loss during the step. ``param.grad`` is left as it
+        was in every case (:mod:`dtree.checks`, :func:`dtree.step.checked_loss`).
         """
         check_forest(forest)
         check_loss_argument(loss)
