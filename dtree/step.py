@@ -7,6 +7,8 @@ calls in the middle differ::
     (the method selects its terms: those with a non-zero weight)
     run_token_step(...):
         GradStash                  param.grad moved aside: a failed step loses nothing
+        checked_loss               the loss's functions get LossFields (a missing field is named)
+                                   and their results are checked (a tensor, not detached)
         run(per_token)             the method's forward/backward over its calls
         float(total)               the step's one device sync
         non-finite -> restore param.grad, ValueError naming (sequence, position)
