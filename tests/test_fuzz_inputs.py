@@ -146,11 +146,15 @@ def test_fuzz_forward_backward(forest, loss, norm, grad_mode):
     assert valid, f"accepted forest={forest} loss={loss} normalization={norm} grad_mode={grad_mode}"
 
 
-@pytest.mark.parametrize("argv", [["stats"], ["bench", "--no-report", "--data"]], ids=["stats", "bench"])
-@pytest.mark.parametrize("content", ["deep", "huge", "reserved", "directory"])
+STATS, BENCH = ["stats"], ["bench", "--no-report", "--data"]
+
+
+@pytest.mark.parametrize("argv,content", [(STATS, "deep"), (BENCH, "deep"), (STATS, "directory"), (BENCH, "huge"),
+                                          (STATS, "reserved")])
 def test_cli_malformed_files_in_a_process(argv, content, tmp_path):
     """The issue's files in a real process: exit code 2, one error line, no traceback
-    (``dtree bench --data`` reads the file before it builds a model)."""
+    (``dtree bench --data`` reads the file before it builds a model; tests/test_cli.py
+    runs every file through both commands in process)."""
     path = tmp_path / "batch.jsonl"
     text = {
         "deep": '{"tokens": ' + "[" * 100_000 + "]" * 100_000 + "}\n",
