@@ -32,9 +32,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command; bad input (a malformed or unreadable file, a bad option value)
+    prints one ``dtree <cmd>: error: ...`` line and returns 2, as argparse does for bad
+    arguments."""
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
-        print(f"dtree {args.command}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError) as e:  # dtree's input errors, and files that cannot be opened
+        message = " ".join(str(e).split())  # one line, whatever the message held
+        print(f"dtree {args.command}: error: {message}", file=sys.stderr)
         return 2

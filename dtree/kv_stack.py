@@ -3,7 +3,7 @@
 Layout (one tensor each, all layers):
     k:              [layers, capacity, kv_heads, head_dim]    model dtype
     v:              [layers, capacity, kv_heads, v_head_dim]  model dtype
-    grad_k, grad_v: same shapes as k, v                        float32
+    grad_k, grad_v: same shapes as k, v                        float32 (float64 for a float64 model)
 
 ``v_head_dim`` differs from ``head_dim`` for multi-head latent attention (DeepSeek-V2/V3:
 queries and keys 192 wide, values 128); it defaults to ``head_dim``.
@@ -12,7 +12,8 @@ Token-major slots match the packed varlen layout of queries (``[tokens, heads, d
 so pushing a group's K/V is one contiguous copy per layer. Gradients are kept in
 float32 because a shared prefix receives one contribution per descendant segment
 (a GRPO prompt gets G of them); summing those in bf16 would lose the exactness the
-runtime promises.
+runtime promises. A float64 model gets float64 gradient slots (the runtime passes
+``grad_dtype``), or its gradients would stop at float32 accuracy.
 
 Life of a slot range ``[lo, hi)`` (one group of the schedule):
     push      the runtime clears the range's gradient slots (``zero_grad``, a separate

@@ -152,8 +152,10 @@ def layer_input_bytes(spec: ModelSpec, itemsize: int) -> float:
 
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
-    """One KV-stack slot: K/V values in the model dtype and their float32 gradients."""
-    return spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.value_head_dim) * (itemsize + 4)
+    """One KV-stack slot: K/V values in the model dtype and their gradients in the
+    compute dtype (float32; float64 for a float64 model)."""
+    grad_itemsize = 8 if itemsize == 8 else 4
+    return spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.value_head_dim) * (itemsize + grad_itemsize)
 
 
 def head_bytes(spec: ModelSpec, itemsize: int, chunk: int, rows: int, fused: bool) -> float:

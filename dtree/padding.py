@@ -10,7 +10,8 @@ non-zero on padding.
 
 from __future__ import annotations
 
-from typing import Any
+import warnings
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -23,15 +24,22 @@ Rows = tuple[list[np.ndarray], dict[str, list[np.ndarray]]]
 
 def host_array(name: str, x: Any) -> np.ndarray:
     """A tensor, array or nested list as a host numpy array (bfloat16 widened to float32)."""
+    if isinstance(x, Mapping):
+        hint = f": pass encoding[{name!r}]" if name in x else ""
+        raise TypeError(f"{name} is a {type(x).__name__}, not a tensor or an array{hint}")
     if isinstance(x, torch.Tensor):
         x = x.detach()
         if x.dtype.is_floating_point and x.dtype not in (torch.float32, torch.float64):
             x = x.float()
         return x.cpu().numpy()
+    if x is None or isinstance(x, (str, bytes)):
+        raise TypeError(f"{name} must be a tensor or an array, got {type(x).__name__}")
     try:
-        return np.asarray(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a tensor or an array, got {type(x).__name__}") from None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # numpy's own complaint precedes ours
+            return np.asarray(x)
+    except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"{name} must be a tensor or a rectangular array, got a ragged {type(x).__name__}") from None
 
 
 def _ids(name: str, x: Any) -> np.ndarray:
@@ -39,7 +47,11 @@ def _ids(name: str, x: Any) -> np.ndarray:
     if arr.ndim != 2:
         raise ValueError(f"{name} must be 2-D [batch, length], got shape {tuple(arr.shape)}")
     if not np.issubdtype(arr.dtype, np.integer):
-        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}")
+        hint = "; dtree trains on token ids: tokenize first" if arr.dtype.kind in "USO" else ""
+        raise ValueError(f"{name} must hold integer token ids, got dtype {arr.dtype}{hint}")
+    if arr.dtype == np.uint64 and arr.size and arr.max() > np.iinfo(np.int64).max:
+        r, c = (int(v) for v in np.argwhere(arr > np.iinfo(np.int64).max)[0])
+        raise ValueError(f"{name} has a token id {int(arr[r, c])} at row {r}, column {c} that does not fit in int64")
     return arr.astype(np.int64, copy=False)
 
 
@@ -82,8 +94,8 @@ def _check_ids(name: str, ids: np.ndarray, mask: np.ndarray) -> None:
 def _field(name: str, value: Any, mask: np.ndarray, like: str) -> np.ndarray:
     """A field as float64 ``[B, L]`` (``[B]`` broadcast over columns), finite where ``mask``."""
     arr = host_array(name, value)
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
-        raise ValueError(f"field {name!r} must be numeric, got dtype {arr.dtype}")
+    if arr.dtype.kind not in "biuf":  # strings, objects (ragged, huge ints), complex
+        raise ValueError(f"field {name!r} must hold real numbers, got dtype {arr.dtype}")
     arr = arr.astype(np.float64)
     batch, length = mask.shape
     if arr.ndim == 1 and arr.shape[0] == batch:  # one number per row, for every token of the row

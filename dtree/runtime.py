@@ -63,7 +63,8 @@ import torch
 
 from . import memory_policy
 from .checkpointing import decoder_layers
-from .checks import check_trainable, model_placement, validate_forest
+from .checks import check_forest, check_loss_argument, check_normalization, check_training_call
+from .checks import model_placement, validate_forest
 from .config import RuntimeConfig
 from .kv_stack import KVStack
 from .losses import Normalization, SequenceLoss, TokenLoss
@@ -202,19 +203,15 @@ class TreeRuntime:
 
     def _check_call(self, training: bool) -> None:
         """Host-side checks of the model's state at every call, before anything is
-        allocated: placement, inference mode, what the adapter refuses (gradient
-        checkpointing, attention dropout), at least one trainable parameter."""
-        if training and torch.is_inference_mode_enabled():
-            raise ValueError(
-                "forward_backward cannot run under torch.inference_mode() (no gradients there): call it outside the "
-                "inference_mode block; TreeRuntime.logprobs works inside one"
-            )
+        allocated: for training, grad mode on (not under ``torch.no_grad()`` or
+        ``torch.inference_mode()``) and a trainable parameter; placement; what the
+        adapter refuses (attention dropout)."""
+        if training:
+            check_training_call(self.module.parameters())
         self._sync_placement()
         check = getattr(self.model, "dtree_check", None)
         if check is not None:
             check(training)
-        if training:
-            check_trainable(self.module.parameters())
 
     # ------------------------------------------------------------------ planning
     def plan(self, forest: Forest) -> Schedule:
@@ -310,7 +307,18 @@ class TreeRuntime:
 
         The loss's metrics (mask-weighted means over the loss tokens, named as TRL logs
         them: ``clip_ratio/low_mean``, ``kl``, ``entropy``, ...) are in ``StepOutput.metrics``.
+
+        Raises ``TypeError`` for arguments of the wrong kind (not a Forest, an uncalled
+        loss factory such as ``dtree.losses.ppo_clip``, a normalization that is not a
+        :class:`Normalization`) and ``ValueError`` for bad values (grad mode off, ids
+        outside the vocabulary, missing fields, ...), on the host before any kernel; a
+        loss function's own mistakes (a field it did not get, numpy or a detached tensor
+        returned) and a non-finite loss during the step. ``param.grad`` is left as it
+        was in every case (:mod:`dtree.checks`, :func:`dtree.step.checked_loss`).
         """
+        check_forest(forest)
+        check_loss_argument(loss)
+        check_normalization(normalization)
         self._check_call(training=True)
         if isinstance(loss, TokenLoss):
             weights = token_loss_weights(forest, loss, normalization)
@@ -325,17 +333,13 @@ class TreeRuntime:
                     )
                 loss = loss.with_normalization(normalization)
             return self._two_pass(forest, loss, loss.temperature, return_logprobs)
-        if callable(loss):
-            if normalization is not None:
-                raise ValueError(
-                    "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
-                    "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
-                    "terms in a SequenceLoss"
-                )
-            return self._two_pass(forest, loss, 1.0, return_logprobs)
-        raise TypeError(
-            f"loss must be a dtree.losses.TokenLoss, a SequenceLoss or a callable, got {type(loss).__name__}"
-        )
+        if normalization is not None:  # check_loss_argument left a plain callable
+            raise ValueError(
+                "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
+                "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
+                "terms in a SequenceLoss"
+            )
+        return self._two_pass(forest, loss, 1.0, return_logprobs)
 
     def backward_from_logprob_grads(
         self,
@@ -354,6 +358,7 @@ class TreeRuntime:
             temperature: the temperature those log-probs were computed at (the
                 gradient flows through ``softmax(logits / temperature)``).
         """
+        check_forest(forest)
         self._check_call(training=True)
         temperature = check_temperature(temperature)
         w = logprob_grad_weights(forest, grads)
@@ -433,6 +438,7 @@ class TreeRuntime:
 
     def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
         """The checks of an inference call, then :meth:`_logprobs`."""
+        check_forest(forest)
         self._check_call(training=False)
         temperature = check_temperature(temperature)
         return self._logprobs(forest, self.plan(forest), with_entropy, temperature)

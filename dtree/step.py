@@ -7,6 +7,8 @@ calls in the middle differ::
     (the method selects its terms: those with a non-zero weight)
     run_token_step(...):
         GradStash                  param.grad moved aside: a failed step loses nothing
+        checked_loss               the loss's functions get LossFields (a missing field is named)
+                                   and their results are checked (a tensor, not detached)
         run(per_token)             the method's forward/backward over its calls
         float(total)               the step's one device sync
         non-finite -> restore param.grad, ValueError naming (sequence, position)
@@ -15,6 +17,7 @@ calls in the middle differ::
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Mapping
@@ -22,7 +25,7 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from .checks import raise_non_finite
+from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
 from .grad_guard import GradStash
 from .losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums, metric_means
 from .schedule import prediction_lin
@@ -31,7 +34,8 @@ from .transfer import upload
 from .tree import Forest
 
 __all__ = [
-    "KeptLogprobs", "StepOutput", "StepRun", "loss_metrics", "per_sequence", "run_token_step", "token_loss_weights",
+    "KeptLogprobs", "LossFields", "MissingFieldError", "StepOutput", "StepRun", "checked_loss", "loss_metrics",
+    "per_sequence", "run_token_step", "token_loss_weights",
 ]
 
 
@@ -85,12 +89,93 @@ class StepRun:
 
 
 def token_loss_weights(forest: Forest, loss: TokenLoss, normalization: Normalization | None) -> np.ndarray:
-    """Check that ``forest`` has the fields ``loss`` needs, then its [N] per-term
-    weights (reduction, loss mask and ``normalization`` folded in)."""
+    """Check the arguments (a Forest, a TokenLoss, a Normalization or None) and that
+    ``forest`` has the fields ``loss`` needs, then its [N] per-term weights (reduction,
+    loss mask and ``normalization`` folded in)."""
+    check_forest(forest)
+    check_loss_argument(loss)
     if not isinstance(loss, TokenLoss):
         raise TypeError(f"expected a dtree.losses.TokenLoss, got {type(loss).__name__}")
+    check_normalization(normalization)
     loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
     return loss.weights(forest, normalization)
+
+
+class MissingFieldError(KeyError, ValueError):
+    """A loss function read a field it did not get. A ValueError (bad input, named),
+    and a KeyError so that ``fields.get(name)`` and ``name in fields`` keep working."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class LossFields(Mapping[str, torch.Tensor]):
+    """The fields a loss's functions see (name -> [M]); reading a missing one raises a
+    :class:`MissingFieldError` that says how to provide it."""
+
+    def __init__(self, fields: Mapping[str, torch.Tensor], loss: TokenLoss, forest_fields: Iterable[str]) -> None:
+        self._fields, self._loss, self._forest_fields = fields, loss, sorted(forest_fields)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        try:
+            return self._fields[name]
+        except KeyError:
+            raise MissingFieldError(self._explain(name)) from None
+
+    def __iter__(self):
+        return iter(self._fields)
+
+    def __len__(self) -> int:
+        return len(self._fields)
+
+    def _explain(self, name: str) -> str:
+        loss = f"loss {self._loss.name!r} read fields[{name!r}]"
+        if name == "entropy":
+            fix = "only a loss with needs_entropy=True gets it: TokenLoss(..., needs_entropy=True)"
+        elif name in self._forest_fields:
+            fix = (
+                f"which is not in its required_fields {tuple(self._loss.required_fields)}: list it, "
+                f"TokenLoss(fn, required_fields=(..., {name!r})), so it is checked and uploaded before the step"
+            )
+        else:
+            fix = (
+                f"which the forest does not have (its fields: {self._forest_fields}): add it, "
+                f"Forest.from_sequences(..., {name}=...) or forest.with_fields({name}=...), and list it in "
+                "required_fields"
+            )
+        return f"{loss}, {fix}; param.grad was left as it was"
+
+
+def _checked_output(loss: TokenLoss, out: object, logp: torch.Tensor) -> torch.Tensor:
+    """A per-token function's result: a tensor that carries gradient back to ``logp``."""
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(
+            f"the per-token function of loss {loss.name!r} returned {type(out).__name__}; it must return a torch "
+            "tensor [M] computed from logp with torch operations (numpy arrays and Python numbers carry no gradient)"
+        )
+    if logp.requires_grad and not out.requires_grad:
+        raise ValueError(
+            f"the per-token function of loss {loss.name!r} returned a tensor that does not depend on logp (detached, "
+            "or computed from the fields alone): no gradient would reach the model. Compute it from logp with torch "
+            "operations, without .detach(), .item() or numpy; param.grad was left as it was"
+        )
+    return out
+
+
+def checked_loss(loss: TokenLoss, forest: Forest) -> TokenLoss:
+    """``loss`` whose per-token and metric functions read :class:`LossFields` (a missing
+    field is named, with the fix) and whose per-token results are checked
+    (:func:`_checked_output`): mistakes inside a user's function become clear errors."""
+    names = tuple(forest.fields)
+    per_token, metrics = loss.per_token, loss.metrics
+
+    def checked(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return _checked_output(loss, per_token(logp, LossFields(fields, loss, names)), logp)
+
+    def checked_metrics(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> dict:
+        return metrics(logp, LossFields(fields, loss, names))
+
+    return dataclasses.replace(loss, per_token=checked, metrics=None if metrics is None else checked_metrics)
 
 
 def run_token_step(
@@ -111,7 +196,7 @@ def run_token_step(
     started = time.perf_counter() if started is None else started
     recorded: list[dict] = []  # per call with terms, the loss's per-token metrics
     with GradStash(parameters):  # a failed step leaves param.grad as it was
-        result = run(loss.recording(recorded), recorded)
+        result = run(checked_loss(loss, forest).recording(recorded), recorded)
         loss_value = float(result.total)  # the step's one device sync
         if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
             raise_non_finite(forest, loss_lin, result.term_log)

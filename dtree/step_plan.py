@@ -16,7 +16,7 @@ from .config import RuntimeConfig
 from .kv_stack import KVStack
 from .models import ModelSpec, unwrap
 from .ops.backends import resolve_backend
-from .ops.logprobs import OutputHead, fused_head_kernel
+from .ops.logprobs import OutputHead, compute_dtype, fused_head_kernel
 from .schedule import Schedule
 from .tree import Forest
 
@@ -115,8 +115,11 @@ def new_stack(spec: ModelSpec, placement: Placement, capacity: int, with_grad: b
     """A KV stack of ``capacity`` slots for the model (free the old one first)."""
     device, dtype = placement
     # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept
-    # for reuse, would make every later training step fail.
+    # for reuse, would make every later training step fail. Gradient slots in the
+    # compute dtype: float32 sums for 16-bit and float32 models, float64 for float64
+    # ones (a float32 sum would cap a float64 model at float32 accuracy).
     with torch.inference_mode(False):
         return KVStack(
-            *_stack_shape(spec, capacity), v_head_dim=spec.v_head_dim, dtype=dtype, device=device, with_grad=with_grad
+            *_stack_shape(spec, capacity), v_head_dim=spec.v_head_dim, dtype=dtype, device=device,
+            grad_dtype=compute_dtype(dtype), with_grad=with_grad,
         )

@@ -65,6 +65,22 @@ class Normalization:
     loss_sequences: float
     num_sequences: float | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("loss_tokens", "loss_sequences", "num_sequences"):
+            value = getattr(self, name)
+            if value is None and name == "num_sequences":
+                continue
+            if isinstance(value, torch.Tensor) and value.numel() == 1:
+                value = value.item()
+            if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+                raise TypeError(f"Normalization.{name} must be a number, got {type(value).__name__}")
+            if not (np.isfinite(value) and value >= 0):
+                raise ValueError(
+                    f"Normalization.{name} must be a finite count >= 0, got {value}: a reduction divides by it "
+                    "(Normalization.from_forests builds the counts of several micro-batches)"
+                )
+            object.__setattr__(self, name, float(value))
+
     @classmethod
     def from_forests(cls, forests: Iterable[Forest], loss: "TokenLoss | SequenceLoss | None" = None) -> "Normalization":
         """The counts of several forests together (the micro-batches of one optimizer
@@ -118,6 +134,7 @@ def reduction_weights(
     if reduction == "sum":
         w = mask
     elif reduction == "token_mean":
+        _check_divisor("loss_tokens", norm.loss_tokens, mask)
         w = mask / norm.loss_tokens if norm.loss_tokens > 0 else np.zeros_like(mask)
     else:  # the mean over sequences of a per-sequence token mean or token sum
         if count_empty_sequences and norm.num_sequences is None:
@@ -126,6 +143,7 @@ def reduction_weights(
                 "build the Normalization with Normalization.from_forests"
             )
         num_seqs = norm.num_sequences if count_empty_sequences else norm.loss_sequences
+        _check_divisor("num_sequences" if count_empty_sequences else "loss_sequences", num_seqs, mask)
         w = np.zeros_like(mask)
         if num_seqs > 0:
             if reduction == "sequence_mean":
@@ -136,6 +154,17 @@ def reduction_weights(
             else:  # seq_mean_token_sum
                 w = mask / num_seqs
     return w * scale
+
+
+def _check_divisor(name: str, count: float, mask: np.ndarray) -> None:
+    """A count of 0 that a reduction divides by, while the forest has loss terms, would
+    give loss 0 and no gradient without a word: refuse it."""
+    if count == 0 and np.any(mask != 0):
+        raise ValueError(
+            f"the normalization's {name} is 0 but this forest has {int(np.count_nonzero(mask))} loss terms: the "
+            "reduction would divide them away (loss 0, no gradient). Pass the counts of the whole optimizer step "
+            "(Normalization.from_forests over its micro-batches), or none for this forest's own"
+        )
 
 
 def check_loss_settings(reduction: str, scale: float, temperature: float) -> None:

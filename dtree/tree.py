@@ -24,6 +24,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import numpy as np
 
+from .inputs import check_field_names, field_arrays, sequence_entries, token_array
 from .padding import padded_rows, prompt_completion_rows
 from .trie import TrieLayout, build_trie
 
@@ -59,88 +60,6 @@ class ForestStats:
         ]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
-
-
-def _as_token_array(seq: Any, index: int) -> np.ndarray:
-    """One sequence as a 1-D int64 array, with a clear error for anything else."""
-    if hasattr(seq, "detach") and hasattr(seq, "cpu"):  # torch.Tensor, without importing torch
-        seq = seq.detach().cpu().numpy()
-    arr = np.asarray(seq)
-    if arr.ndim != 1:
-        raise ValueError(f"sequence {index} must be 1-D, got shape {tuple(arr.shape)}")
-    if arr.size == 0:
-        raise ValueError(f"sequence {index} is empty: every sequence needs at least one token")
-    if arr.dtype == object or not (np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool):
-        if np.issubdtype(arr.dtype, np.floating) and np.all(np.isfinite(arr)) and np.all(arr == np.round(arr)):
-            arr = arr.astype(np.int64)
-        else:
-            raise ValueError(f"sequence {index} must hold integer token ids, got dtype {arr.dtype}")
-    arr = arr.astype(np.int64, copy=False)
-    negative = np.flatnonzero(arr < 0)
-    if negative.size:
-        t = int(negative[0])
-        raise ValueError(f"token id {int(arr[t])} at sequence {index}, position {t} is negative")
-    return arr
-
-
-def _as_field_array(name: str, value: Any, index: int, length: int, prediction_aligned: bool = False) -> np.ndarray:
-    """One sequence's values of a field as [length] float64.
-
-    ``value`` is either one number (a per-sequence scalar: Python number, numpy scalar,
-    0-d array or tensor), broadcast to every token, or a 1-D array of ``length`` values.
-    With ``prediction_aligned``, a 1-D array of ``length - 1`` values is accepted too
-    (value ``i`` belongs to token ``i + 1``, as ``TreeRuntime.logprobs`` returns them)
-    and gets a 0 at position 0, which is never predicted.
-    """
-    if hasattr(value, "detach") and hasattr(value, "cpu"):
-        value = value.detach().float().cpu().numpy() if value.dtype.is_floating_point else value.detach().cpu().numpy()
-    try:
-        arr = np.asarray(value, dtype=np.float64)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"field {name!r} of sequence {index} must be a number or a 1-D list of numbers, got {type(value).__name__}"
-        ) from None
-    if arr.ndim == 0:
-        arr = np.full(length, float(arr))
-    if arr.ndim != 1:
-        raise ValueError(
-            f"field {name!r} of sequence {index} must be a number (per sequence) or 1-D (per token), "
-            f"got shape {tuple(arr.shape)}"
-        )
-    if prediction_aligned and arr.shape[0] == length - 1:
-        arr = np.concatenate([[0.0], arr])
-    if arr.shape[0] != length:
-        expected = f"{length} (or {length - 1}, prediction-aligned)" if prediction_aligned else f"{length}"
-        hint = (
-            "; for prediction-aligned values (one per predicted token, as TreeRuntime.logprobs returns them) "
-            "use Forest.with_fields"
-            if not prediction_aligned and arr.shape[0] == length - 1
-            else ""
-        )
-        raise ValueError(
-            f"field {name!r} of sequence {index} has {arr.shape[0]} values but the sequence has {length} tokens "
-            f"(expected {expected} values, or one number per sequence){hint}"
-        )
-    bad = np.flatnonzero(~np.isfinite(arr))
-    if bad.size:
-        t = int(bad[0])
-        raise ValueError(f"field {name!r} of sequence {index} at position {t} is {arr[t]} (must be finite)")
-    return arr
-
-
-def _field_arrays(name: str, values: Any, lengths: Sequence[int], prediction_aligned: bool = False) -> list[np.ndarray]:
-    """A field's values per sequence (see :func:`_as_field_array`), one entry per sequence."""
-    try:
-        count = len(values) if not isinstance(values, (str, bytes)) else None
-    except TypeError:  # a number or a 0-d array/tensor
-        count = None
-    if count is None:
-        raise ValueError(
-            f"field {name!r} must hold one entry per sequence (a list, array or tensor), got {type(values).__name__}"
-        )
-    if count != len(lengths):
-        raise ValueError(f"field {name!r} has {count} entries but there are {len(lengths)} sequences")
-    return [_as_field_array(name, v, i, n, prediction_aligned) for i, (v, n) in enumerate(zip(values, lengths))]
 
 
 class FieldMap(Mapping[str, np.ndarray]):
@@ -213,11 +132,12 @@ class Forest(TrieLayout):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_sequences(cls, sequences: Sequence[Any], **fields: Sequence[Any]) -> "Forest":
+    def from_sequences(cls, /, sequences: Sequence[Any], **fields: Sequence[Any]) -> "Forest":
         """Merge token sequences into tries.
 
         Args:
-            sequences: list of token-id sequences (lists, numpy arrays or 1-D int tensors).
+            sequences: list of token-id sequences (lists of ints, 1-D integer numpy arrays
+                or tensors).
             **fields: per-token values, each a list (or array, or tensor) aligned with
                 ``sequences`` whose entry ``s`` is either ``len(sequences[s])`` numbers
                 (per token) or one number (per sequence, e.g. a GRPO advantage; it is
@@ -226,54 +146,59 @@ class Forest(TrieLayout):
                 of floats gives one scalar per sequence, a list of lists (or ``[S, L]``)
                 gives per-token values. ``loss_mask``, ``advantages``, ``old_logprobs``
                 and ``ref_logprobs`` are read by :mod:`dtree.losses`; any other name is
-                carried along for custom losses.
+                carried along for custom losses. Values are stored as float64, at their
+                own precision (a float64 tensor keeps every bit).
 
         Raises:
-            ValueError: empty or non-integer sequences, negative token ids, fields whose
-                lengths do not match, or non-finite field values. The message names the
-                sequence and position.
+            TypeError: ``sequences`` is not a list of sequences (None, a number, a string,
+                a dict or tokenizer ``BatchEncoding``: the message names what to pass), or
+                an entry or a value has the wrong type: bool, float or string token ids,
+                string or complex field values.
+            ValueError: empty, nested or 1-D-instead-of-list sequences, a ``[B, L]``
+                tensor (a padded batch: ``from_padded``), negative ids or ids beyond
+                int64, fields whose lengths do not match, non-finite or too large field
+                values, reserved field names (:data:`dtree.inputs.RESERVED_FIELD_NAMES`).
+                Messages name the sequence, the position and the field
+                (:mod:`dtree.inputs`).
         """
-        if isinstance(sequences, (str, bytes)):
-            raise TypeError("sequences must be a list of token-id sequences, not a string")
-        if getattr(sequences, "ndim", 1) != 1:  # a tensor or array: a padded [B, L] batch is the usual mistake
-            raise ValueError(
-                f"sequences is a [B, L] tensor (shape {tuple(sequences.shape)}): a padded batch would make its pads "
-                "tokens. Use Forest.from_padded(input_ids, attention_mask), or list(tensor) if every row is a "
-                "whole sequence without padding"
-            )
-        seqs = [_as_token_array(s, i) for i, s in enumerate(sequences)]
-        if not seqs:
-            raise ValueError("sequences is empty: a forest needs at least one sequence")
+        return cls._build(sequences, fields)
+
+    @classmethod
+    def _build(cls, /, sequences: Any, fields: Mapping[str, Any]) -> "Forest":
+        """:meth:`from_sequences` with the fields as one mapping (what the other
+        constructors pass, so no field name can collide with an argument)."""
+        check_field_names(fields)
+        seqs = [token_array(s, i) for i, s in enumerate(sequence_entries(sequences))]
         lengths = [len(s) for s in seqs]
-        field_arrays = {name: _field_arrays(name, v, lengths) for name, v in fields.items() if v is not None}
+        per_field = {name: field_arrays(name, v, lengths) for name, v in fields.items() if v is not None}
         seq_offsets = np.zeros(len(seqs) + 1, dtype=np.int64)
         np.cumsum(lengths, out=seq_offsets[1:])
         return cls(
             seq_offsets=seq_offsets,
             lin_tokens=np.concatenate(seqs),
-            fields={name: np.concatenate(arrs) for name, arrs in field_arrays.items()},
+            fields={name: np.concatenate(arrs) for name, arrs in per_field.items()},
             **vars(build_trie(seqs)),
         )
 
     @classmethod
-    def from_padded(cls, input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> "Forest":
+    def from_padded(cls, /, input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> "Forest":
         """Sequences from a padded ``[B, L]`` batch (verl / OpenRLHF / AReaL layout); see
         :func:`dtree.integrations.padded.from_padded`."""
         sequences, per_row = padded_rows(input_ids, attention_mask, loss_mask, **fields)
-        return cls.from_sequences(sequences, **per_row)
+        return cls._build(sequences, per_row)
 
     @classmethod
     def from_prompt_completion(
-        cls, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, **completion_fields: Any
+        cls, /, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, **completion_fields: Any
     ) -> "Forest":
         """Sequences from separate prompt and completion tensors (TRL's layout); see
         :func:`dtree.integrations.padded.from_prompt_completion`."""
         sequences, per_row = prompt_completion_rows(
             prompt_ids, prompt_mask, completion_ids, completion_mask, **completion_fields
         )
-        return cls.from_sequences(sequences, **per_row)
+        return cls._build(sequences, per_row)
 
-    def with_fields(self, **fields: Any) -> "Forest":
+    def with_fields(self, /, **fields: Any) -> "Forest":
         """A new forest that shares this one's trie, with fields added or replaced.
 
         Each field is given as in :meth:`from_sequences` (per token, or one number per
@@ -286,13 +211,14 @@ class Forest(TrieLayout):
         Lengths ``len`` and ``len - 1`` never coincide, so each entry's alignment is
         unambiguous. ``None`` removes a field. This forest is left unchanged.
         """
+        check_field_names(fields)
         lengths = self.sequence_lengths().tolist()
         new_fields = dict(self.fields)
         for name, values in fields.items():
             if values is None:
                 new_fields.pop(name, None)
             else:
-                new_fields[name] = np.concatenate(_field_arrays(name, values, lengths, prediction_aligned=True))
+                new_fields[name] = np.concatenate(field_arrays(name, values, lengths, prediction_aligned=True))
         return replace(self, fields=new_fields)
 
     # ------------------------------------------------------------------ accessors
@@ -351,9 +277,7 @@ class Forest(TrieLayout):
     def subset(self, sequence_ids: Sequence[int]) -> "Forest":
         """A new forest with only the given sequences (in that order) and their fields."""
         ids = [int(i) for i in sequence_ids]
-        return Forest.from_sequences(
-            [self.sequence(i) for i in ids], **{n: [self.field(n, i) for i in ids] for n in self.fields}
-        )
+        return Forest._build([self.sequence(i) for i in ids], {n: [self.field(n, i) for i in ids] for n in self.fields})
 
     # ------------------------------------------------------------------ statistics
     def stats(self) -> ForestStats:
@@ -389,7 +313,7 @@ class Forest(TrieLayout):
         from .jsonl import read_jsonl
 
         sequences, fields = read_jsonl(path)
-        return cls.from_sequences(sequences, **fields)
+        return cls._build(sequences, fields)
 
     def to_jsonl(self, path: str) -> None:
         """Write one JSON object per sequence: ``{"tokens": [...], "<field>": [...]}``."""

@@ -93,10 +93,19 @@ def two_pass_step(
         else:
             value = loss_fn(leaves, forest)
     if not isinstance(value, torch.Tensor) or value.numel() != 1:
-        raise TypeError("a two-pass loss function must return a one-element tensor")
+        raise TypeError(
+            f"a two-pass loss function must return a one-element tensor, got {type(value).__name__}"
+            + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+        )
     loss_value = float(value.detach())
     if not np.isfinite(loss_value):
         raise ValueError(f"the loss function returned {loss_value}; param.grad was not touched")
+    if not value.requires_grad:
+        raise ValueError(
+            "the loss function returned a value that does not depend on the log-probs it was given (detached, or "
+            "computed from something else): no gradient would reach the model. Compute it from the logprobs "
+            "argument with torch operations; param.grad was not touched"
+        )
     grads = torch.autograd.grad(value.reshape(()), leaves, allow_unused=True)
     w = logprob_grad_weights(forest, list(grads))
     rng.restore(start, device)  # pass 2 replays pass 1's draws (dropout masks)

@@ -23,7 +23,10 @@ tokens within a few minutes on a CPU.
 
 Per step it logs the reward, KL (to the initial model), clip fraction, entropy, the
 update's tokens/s (linearized tokens trained per second) and peak memory, and the
-forest's size; it writes ``<out>.json`` (the history) and ``<out>.png`` (the curves).
+forest's size; it writes ``<out>.json`` (the history, rewritten after every step, so an
+interrupted run keeps what it finished; Ctrl-C also draws the plot and exits with 130)
+and ``<out>.png`` (the curves). ``<out>`` defaults to ``./dtree-results/grpo_<model>_<method>``:
+the committed ``examples/results`` are never overwritten unless ``--out`` names them.
 ``--method linearized`` runs the same loop, the same rollouts and log-probs, with the
 update through ``dtree.baselines.LinearizedTrainer`` (every answer computed on its own),
 for comparing the update's time and memory.
@@ -46,6 +49,8 @@ import dtree
 from dtree.baselines import LinearizedTrainer
 from dtree.losses import aggregation, ppo_clip
 from dtree.presets import MODEL_PRESETS, build_model, resolve_device, resolve_dtype
+
+DEFAULT_OUT = "dtree-results"  # as dtree bench's: relative to the working directory, git-ignored
 
 
 # ---------------------------------------------------------------------- the toy task
@@ -185,9 +190,65 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tool-bonus", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--group-tokens", type=int, default=None, help="dtree: tokens per model call (default: auto)")
-    p.add_argument("--out", default=None, help="output prefix (default examples/results/grpo_<model>_<method>)")
+    p.add_argument("--out", default=None, help=f"output prefix (default ./{DEFAULT_OUT}/grpo_<model>_<method>, in the "
+                   "working directory; git-ignored in a dtree checkout, so the committed examples/results stay)")
     p.add_argument("--no-plot", action="store_true")
     return p.parse_args(argv)
+
+
+def update_step(trainer, optimizer, forest, loss, args, device) -> tuple[dict, float]:
+    """``args.updates`` optimizer steps on one forest: (the loss's metrics per update, seconds)."""
+    t_update, metrics = 0.0, {}
+    for _ in range(args.updates):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t1 = time.perf_counter()
+        res = trainer.forward_backward(forest, loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t_update += time.perf_counter() - t1
+        for k in ("kl", "entropy", "clip_ratio/region_mean"):
+            if k in res.metrics:
+                metrics.setdefault(k, []).append(res.metrics[k])
+    return metrics, t_update
+
+
+def history_row(step, task, answers, rewards, forest, metrics, t_update, t_gen, t0, args, device) -> dict:
+    memory, memory_kind = peak_memory(device)
+    stats = forest.stats()
+    return {
+        "step": step,
+        "reward": float(rewards.mean()),
+        "lucky": float(np.mean([task.reward(a) - (task.tool_bonus if a.used_tool else 0) for a in answers])),
+        "tool_calls": float(np.mean([a.used_tool for a in answers])),
+        "kl": float(np.mean(metrics["kl"])) if "kl" in metrics else 0.0,
+        # the last update of the batch: the first one is on-policy (ratio 1, never clipped)
+        "clip_fraction": metrics["clip_ratio/region_mean"][-1],
+        "entropy": metrics["entropy"][0],
+        "tokens_per_s": args.updates * stats.linearized_tokens / t_update,
+        "peak_memory_gb": memory,
+        "memory_kind": memory_kind,
+        "update_s": t_update / args.updates,
+        "generate_s": t_gen,
+        "step_s": time.perf_counter() - t0,
+        "sequences": stats.num_sequences,
+        "unique_tokens": stats.unique_tokens,
+        "linearized_tokens": stats.linearized_tokens,
+        "compression": stats.compression_ratio,
+        "max_depth": stats.max_depth,
+    }
+
+
+def write_history(out: str, info: dict, history: list[dict]) -> None:
+    """``<out>.json``, rewritten after every step (atomically): an interrupted run keeps
+    the steps it finished."""
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out + ".json.tmp", "w") as f:
+        json.dump({"info": info, "history": history}, f, indent=1)
+    os.replace(out + ".json.tmp", out + ".json")
 
 
 def main(argv=None) -> list[dict]:
@@ -208,77 +269,50 @@ def main(argv=None) -> list[dict]:
     )
     gen = torch.Generator().manual_seed(args.seed)
     torch.manual_seed(args.seed)
-    out = args.out or os.path.join("examples", "results", f"grpo_{args.model}_{args.method}")
+    out = args.out or os.path.join(DEFAULT_OUT, f"grpo_{args.model}_{args.method}")
+    info = {
+        "args": vars(args), "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None, "interrupted": False,
+    }
     history: list[dict] = []
 
     from tqdm import tqdm
 
     bar = tqdm(range(args.steps), desc=f"grpo {args.method}", unit="step")
-    for step in bar:
-        t0 = time.perf_counter()
-        prompts = task.prompts(args.prompts, args.prompt_len, gen)
-        answers = rollout(model, prompts, task, args)
-        t_gen = time.perf_counter() - t0
-        rewards = np.array([task.reward(a) for a in answers])
-        groups = np.array([a.group for a in answers])
-        forest = dtree.Forest.from_sequences(
-            [a.tokens for a in answers], loss_mask=[a.generated for a in answers],
-            advantages=group_advantages(rewards, groups).tolist(),  # one per sequence, broadcast
-        )
-        forest = forest.with_fields(old_logprobs=rt.logprobs(forest, temperature=args.temperature))
-        if ref_rt is not None:
-            forest = forest.with_fields(ref_logprobs=ref_rt.logprobs(forest, temperature=args.temperature))
-        t_update, metrics = 0.0, {}
-        for _ in range(args.updates):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-                torch.cuda.reset_peak_memory_stats(device)
-            t1 = time.perf_counter()
-            res = trainer.forward_backward(forest, loss)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t_update += time.perf_counter() - t1
-            for k in ("kl", "entropy", "clip_ratio/region_mean"):
-                if k in res.metrics:
-                    metrics.setdefault(k, []).append(res.metrics[k])
-        memory, memory_kind = peak_memory(device)
-        stats = forest.stats()
-        row = {
-            "step": step,
-            "reward": float(rewards.mean()),
-            "lucky": float(np.mean([task.reward(a) - (task.tool_bonus if a.used_tool else 0) for a in answers])),
-            "tool_calls": float(np.mean([a.used_tool for a in answers])),
-            "kl": float(np.mean(metrics["kl"])) if "kl" in metrics else 0.0,
-            # the last update of the batch: the first one is on-policy (ratio 1, never clipped)
-            "clip_fraction": metrics["clip_ratio/region_mean"][-1],
-            "entropy": metrics["entropy"][0],
-            "tokens_per_s": args.updates * stats.linearized_tokens / t_update,
-            "peak_memory_gb": memory,
-            "memory_kind": memory_kind,
-            "update_s": t_update / args.updates,
-            "generate_s": t_gen,
-            "step_s": time.perf_counter() - t0,
-            "sequences": stats.num_sequences,
-            "unique_tokens": stats.unique_tokens,
-            "linearized_tokens": stats.linearized_tokens,
-            "compression": stats.compression_ratio,
-            "max_depth": stats.max_depth,
-        }
-        history.append(row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl']:.4f}", clip=f"{row['clip_fraction']:.3f}",
-                        H=f"{row['entropy']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}", mem=f"{memory:.2f}GB")
-    info = {
-        "args": vars(args), "device": str(device), "dtype": str(dtype), "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-    }
-    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
-    with open(out + ".json", "w") as f:
-        json.dump({"info": info, "history": history}, f, indent=1)
-    if not args.no_plot:
+    try:
+        for step in bar:
+            t0 = time.perf_counter()
+            prompts = task.prompts(args.prompts, args.prompt_len, gen)
+            answers = rollout(model, prompts, task, args)
+            t_gen = time.perf_counter() - t0
+            rewards = np.array([task.reward(a) for a in answers])
+            groups = np.array([a.group for a in answers])
+            forest = dtree.Forest.from_sequences(
+                [a.tokens for a in answers], loss_mask=[a.generated for a in answers],
+                advantages=group_advantages(rewards, groups).tolist(),  # one per sequence, broadcast
+            )
+            forest = forest.with_fields(old_logprobs=rt.logprobs(forest, temperature=args.temperature))
+            if ref_rt is not None:
+                forest = forest.with_fields(ref_logprobs=ref_rt.logprobs(forest, temperature=args.temperature))
+            metrics, t_update = update_step(trainer, optimizer, forest, loss, args, device)
+            row = history_row(step, task, answers, rewards, forest, metrics, t_update, t_gen, t0, args, device)
+            history.append(row)
+            write_history(out, info, history)
+            bar.set_postfix(reward=f"{row['reward']:.3f}", kl=f"{row['kl']:.4f}", clip=f"{row['clip_fraction']:.3f}",
+                            H=f"{row['entropy']:.2f}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            mem=f"{row['peak_memory_gb']:.2f}GB")
+    except KeyboardInterrupt:
+        bar.close()
+        info["interrupted"] = True
+        print(f"interrupted after {len(history)} of {args.steps} steps; writing what finished", flush=True)
+    write_history(out, info, history)
+    if history and not args.no_plot:
         plot(history, out + ".png", f"GRPO on the toy task: {args.model}, {device.type}, update through {args.method}")
-    print(summary(history))
+    if history:
+        print(summary(history))
+    print(f"wrote {out}.json" + ("" if args.no_plot or not history else f" and {out}.png"))
+    if info["interrupted"]:
+        raise SystemExit(130)
     return history
 
 

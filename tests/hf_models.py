@@ -6,6 +6,8 @@ shape mistakes do not cancel out.
 
 from __future__ import annotations
 
+import types
+
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
@@ -53,3 +55,26 @@ def make_model(arch: str, tied: bool = False, dtype: torch.dtype = torch.float32
             if name.endswith("bias"):
                 p.normal_(0, 0.02)
     return model.to(dtype)
+
+
+def _float64_rms_norm(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    """HF's RMSNorm (``weight * x / rms(x)``) without its float32 round trip."""
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def make_golden_model(arch: str, tied: bool = False, seed: int = 0):
+    """A float64 model that computes in float64 throughout: a golden reference.
+
+    HF's float64 models still round to float32 in two places: RMSNorm (``x.to(float32)``
+    and back: its backward rounds every gradient through it) and the eager attention's
+    softmax (``dtype=torch.float32``). Here every RMSNorm keeps float64 and attention is
+    SDPA (float64 math on CPU), so per-path HF training is exact to float64 rounding and
+    dtree can be held to 1e-12 (as FlexAttention's tests hold kernels to a float64
+    reference). dtree's own attention ignores the model's implementation."""
+    model = make_model(arch, tied=tied, dtype=torch.float64, seed=seed)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_float64_rms_norm, module)
+    model.set_attn_implementation("sdpa")
+    return model

@@ -80,3 +80,31 @@ def test_sliding_window_rejected_only_where_it_is_not_implemented():
     with pytest.raises(ValueError, match="longer than the model's sliding window"):
         LinearizedTrainer(model).forward_backward(long, dtree.losses.nll())
     assert_grads_equal(model, before)
+
+
+def test_two_pass_loss_mistakes(model):
+    """A two-pass callable that returns numpy, or a value detached from the log-probs it
+    got (no gradient would flow), is refused with param.grad untouched."""
+    import numpy as np
+
+    forest = dtree.Forest.from_sequences([[1, 2, 3], [1, 2, 4]])
+    rt = dtree.TreeRuntime(model)
+    rt.forward_backward(forest, dtree.losses.nll())
+    before = grads_of(model)
+    with pytest.raises(TypeError, match="must return a one-element tensor, got float64"):
+        rt.forward_backward(forest, lambda lps, f: np.float64(1.0))
+    with pytest.raises(ValueError, match="does not depend on the log-probs it was given"):
+        rt.forward_backward(forest, lambda lps, f: sum(lp.sum() for lp in lps).detach())
+    with pytest.raises(TypeError, match=r"does not take \(logprobs, forest\)"):
+        rt.forward_backward(forest, lambda lps: lps[0].sum())
+    with torch.no_grad(), pytest.raises(ValueError, match="backward_from_logprob_grads computes gradients|gradient mode is off"):
+        rt.backward_from_logprob_grads(forest, [torch.ones(2), torch.ones(2)])
+    assert_grads_equal(model, before)
+
+
+def test_inference_calls_name_a_wrong_forest(model):
+    rt = dtree.TreeRuntime(model)
+    with pytest.raises(TypeError, match=r"forest must be a dtree.Forest, got list"):
+        rt.logprobs([[1, 2, 3]])
+    with pytest.raises(TypeError, match=r"forest must be a dtree.Forest, got str"):
+        rt.entropy("1 2 3")

@@ -129,3 +129,45 @@ def test_report_shows_allocated_and_reserved_peaks(tmp_path):
     assert "peak alloc (GiB)" in md and "peak reserved (GiB)" in md and "CUDA allocator" in md
     low = next(r for r in report["results"] if r["config"] == "dtree:low")
     assert low["metrics"]["memory_plan"]["checkpoint_layers"] is True
+
+
+def test_wording_and_of_ideal():
+    """dtree's default against each best configuration is said in words ("1.59x
+    slower", never "0.63x faster"); of ideal applies to the tree methods only, and a
+    value above 100% is explained in a line of its own."""
+    from dtree.bench.report import faster_or_slower, finish_report
+
+    assert faster_or_slower(1.0 / 0.63) == "1.59x faster" and faster_or_slower(0.63) == "1.59x slower"
+    ideal = 2.0
+
+    def row(method, config, t):
+        return {"method": method, "config": config, "status": "ok", "step_time_s": t, "ideal_speedup": ideal,
+                "options": {} if config == method else {"x": 1}, "peak_mem_gib": None}
+
+    report = {"protocol": "same-forest", "results": [row("linearized", "linearized", 3.2), row("dtree", "dtree", 1.59),
+                                                     row("tree-mask", "tree-mask", 1.0)]}
+    finish_report(report)
+    rows = {r["config"]: r for r in report["results"]}
+    assert rows["linearized"]["fraction_of_ideal"] is None  # the compression bounds the tree methods only
+    assert rows["tree-mask"]["fraction_of_ideal"] == pytest.approx(1.6)
+    lines = "\n".join(report["summary_lines"])
+    assert "dtree vs the best tree-mask (tree-mask): 1.59x slower" in lines and "0.63x" not in lines
+    assert "tree-mask reached 160% of the ideal speedup" in lines and "1.60x as fast as the best linearized" in lines
+
+
+def test_default_output_is_git_ignored():
+    """dtree bench (and examples/grpo.py) write to ./dtree-results by default, which the
+    checkout's .gitignore lists: a default run never overwrites committed reports."""
+    import os
+    import subprocess
+
+    from dtree.bench.runner import DEFAULT_OUT
+    from dtree.cli import build_parser
+
+    assert build_parser().parse_args(["bench"]).out == DEFAULT_OUT == "dtree-results"
+    root = os.path.join(os.path.dirname(__file__), "..")
+    if not os.path.exists(os.path.join(root, ".git")):
+        pytest.skip("not a git checkout")
+    for path in ("dtree-results/cpu_tiny_grpo.json", "examples/dtree-results/grpo_tiny_dtree.json"):
+        r = subprocess.run(["git", "check-ignore", "-q", path], cwd=root)
+        assert r.returncode == 0, f"{path} is not git-ignored"

@@ -54,3 +54,29 @@ def test_backends_agree_on_the_first_step(runs):
     assert a["reward"] == b["reward"] and a["linearized_tokens"] == b["linearized_tokens"]  # same rollouts
     for key in ("kl", "clip_fraction", "entropy"):
         assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
+
+
+def test_interrupted_run_keeps_what_it_finished(tmp_path, monkeypatch):
+    """Ctrl-C during step 2: the finished step is in <out>.json (written after every
+    step), the plot is drawn, and the run exits with 130. The default <out> is under the
+    git-ignored ./dtree-results, never the committed examples/results."""
+    grpo = load_example()
+    assert grpo.DEFAULT_OUT == "dtree-results" and grpo.parse_args([]).out is None
+    real, calls = grpo.update_step, [0]
+
+    def interrupted(*args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 2:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grpo, "update_step", interrupted)
+    prefix = str(tmp_path / "run")
+    argv = ["--model", "tiny", "--device", "cpu", "--steps", "3", "--prompts", "2", "--group-size", "4",
+            "--max-new", "6", "--out", prefix]
+    with pytest.raises(SystemExit) as exit_info:
+        grpo.main(argv)
+    assert exit_info.value.code == 130
+    saved = json.load(open(prefix + ".json"))
+    assert saved["info"]["interrupted"] is True and [r["step"] for r in saved["history"]] == [0]
+    assert os.path.getsize(prefix + ".png") > 10_000

@@ -93,3 +93,93 @@ def test_gradients_accumulate_into_existing_grad(name, kw, model):
     runner.forward_backward(second, dtree.losses.nll())
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, alone[0][n].grad + alone[1][n].grad, rtol=1e-6, atol=1e-7)
+
+
+# A user's first mistakes with forward_backward, refused by every method with the same
+# error, naming the fix, and param.grad exactly as before. (What each returns is a
+# ValueError or TypeError; the loss functions' own mistakes surface during the step.)
+def _numpy_terms(logp, f):
+    return (-logp).detach().numpy()
+
+
+MISUSES = {
+    "a list as forest": (lambda F: ([[1, 2, 3]], dtree.losses.nll()), TypeError,
+                         r"forest must be a dtree.Forest, got list: build one with dtree.Forest.from_sequences"),
+    "None as forest": (lambda F: (None, dtree.losses.nll()), TypeError, r"forest must be a dtree.Forest, got NoneType"),
+    "a padded tensor as forest": (lambda F: (torch.ones(2, 3, dtype=torch.long), dtree.losses.nll()), TypeError,
+                                  r"Forest.from_padded\(input_ids, attention_mask"),
+    "uncalled ppo_clip": (lambda F: (F, dtree.losses.ppo_clip), TypeError,
+                          r"loss factory dtree.losses.ppo_clip, not called: call it .*ppo_clip\(\.\.\.\)"),
+    "uncalled nll": (lambda F: (F, dtree.losses.nll), TypeError, r"loss factory dtree.losses.nll, not called"),
+    "the TokenLoss class": (lambda F: (F, TokenLoss), TypeError, r"loss is the class TokenLoss"),
+    "aggregation's dict": (lambda F: (F, dtree.losses.aggregation("grpo")), TypeError, r"pass them to a loss"),
+    "a field the loss does not declare": (
+        lambda F: (F, TokenLoss(lambda lp, f: -lp * f["advantages"], name="adv")), ValueError,
+        r"loss 'adv' read fields\['advantages'\], which is not in its required_fields \(\): list it"),
+    "a field the forest lacks": (
+        lambda F: (F, TokenLoss(lambda lp, f: -lp * f["nope"])), ValueError,
+        r"read fields\['nope'\], which the forest does not have \(its fields: \['advantages'\]\)"),
+    "entropy without needs_entropy": (
+        lambda F: (F, TokenLoss(lambda lp, f: -lp - f["entropy"])), ValueError, r"needs_entropy=True"),
+    "per_token returns numpy": (lambda F: (F, TokenLoss(_numpy_terms)), TypeError,
+                                r"returned ndarray; it must return a torch tensor"),
+    "per_token returns a float": (lambda F: (F, TokenLoss(lambda lp, f: 1.0)), TypeError, r"returned float"),
+    "per_token detached": (lambda F: (F, TokenLoss(lambda lp, f: (-lp).detach())), ValueError,
+                           r"does not depend on logp .*no gradient would reach the model"),
+}
+
+
+@pytest.mark.parametrize("misuse", MISUSES)
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_first_mistakes(name, kw, misuse, model):
+    make_args, error, match = MISUSES[misuse]
+    runner, before = with_existing_grads(name, kw, model)
+    forest = dtree.Forest.from_sequences(SEQS, advantages=[1.0, -1.0, 0.5])
+    with pytest.raises(error, match=match):
+        runner.forward_backward(*make_args(forest))
+    assert_grads_equal(model, before)
+    runner.forward_backward(forest, dtree.losses.nll())  # and the next step runs
+
+
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_grad_mode_off_is_refused(name, kw, model):
+    """Under torch.no_grad() (or set_grad_enabled(False)) the user asked for no
+    gradients: a step that filled param.grad anyway would surprise, so it is refused."""
+    runner, before = with_existing_grads(name, kw, model)
+    forest = dtree.Forest.from_sequences(SEQS)
+    for off in (torch.no_grad, lambda: torch.set_grad_enabled(False)):
+        with off(), pytest.raises(ValueError, match=r"gradient mode is off \(torch.no_grad\(\).*call it outside"):
+            runner.forward_backward(forest, dtree.losses.nll())
+    assert_grads_equal(model, before)
+
+
+NORMALIZATIONS = {
+    "nan": (lambda: dtree.Normalization(float("nan"), 1, 1), ValueError, r"loss_tokens must be a finite count >= 0"),
+    "negative": (lambda: dtree.Normalization(-5, 1, 1), ValueError, r"loss_tokens must be a finite count >= 0, got -5"),
+    "nan sequences": (lambda: dtree.Normalization(4, float("nan"), 2), ValueError, r"loss_sequences must be a finite"),
+    "inf": (lambda: dtree.Normalization(float("inf"), 1, 1), ValueError, r"finite count"),
+    "a string count": (lambda: dtree.Normalization("4", 1, 1), TypeError, r"loss_tokens must be a number, got str"),
+}
+
+
+@pytest.mark.parametrize("case", NORMALIZATIONS)
+def test_invalid_normalization_values(case):
+    build, error, match = NORMALIZATIONS[case]
+    with pytest.raises(error, match=match):
+        build()
+
+
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_bad_normalization_argument(name, kw, model):
+    runner, before = with_existing_grads(name, kw, model)
+    forest = dtree.Forest.from_sequences(SEQS)
+    with pytest.raises(TypeError, match=r"normalization must be a dtree.Normalization or None, got dict"):
+        runner.forward_backward(forest, dtree.losses.nll(), normalization={"loss_tokens": 4})
+    with pytest.raises(TypeError, match=r"got str: dtree.Normalization.from_forests"):
+        runner.forward_backward(forest, dtree.losses.nll(), normalization="global")
+    # a count of 0 would silently give loss 0 and no gradient
+    with pytest.raises(ValueError, match=r"loss_tokens is 0 but this forest has 8 loss terms"):
+        runner.forward_backward(forest, dtree.losses.nll(), normalization=dtree.Normalization(0, 3, 3))
+    with pytest.raises(ValueError, match=r"loss_sequences is 0 but"):
+        runner.forward_backward(forest, dtree.losses.nll("sequence_mean"), normalization=dtree.Normalization(8, 0, 3))
+    assert_grads_equal(model, before)

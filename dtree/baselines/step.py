@@ -38,7 +38,13 @@ import numpy as np
 import torch
 
 from ..checkpointing import checkpointed_layers, decoder_layers
-from ..checks import model_placement, refuse_paths_beyond_window, validate_forest
+from ..checks import (
+    check_loss_argument,
+    check_training_call,
+    model_placement,
+    refuse_paths_beyond_window,
+    validate_forest,
+)
 from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
 from ..ops.logprobs import as_output_head, compute_dtype
@@ -190,9 +196,11 @@ class MicroBatchTrainer:
         callables has no baseline counterpart); ``normalization`` gives global counts
         when the batch is split over ranks. The step is :func:`dtree.step.run_token_step`.
         """
+        check_loss_argument(loss)
         if not isinstance(loss, TokenLoss):
             raise TypeError(f"the baselines take a dtree.losses.TokenLoss, got {type(loss).__name__}")
         t0 = time.perf_counter()
+        check_training_call(self.module.parameters())
         self._check_forest(forest)
         weights = token_loss_weights(forest, loss, normalization)
         batches = self.plan(forest)

@@ -3,7 +3,8 @@
 Every configuration gets the same model object, forests and loss; they run one after
 the other, so the ratios are taken under the same conditions. By default every step
 trains a fresh seeded forest (``seed + step``), as RL does; ``--same-forest`` repeats
-one forest (for kernel work). Reports go under ``--out`` (default
+one forest (for kernel work). Reports go under ``--out`` (default ``./dtree-results``,
+git-ignored, so a run never overwrites the committed reports under
 ``benchmarks/results/``) and are rewritten after every configuration, so a run cut
 short still leaves the configurations it finished.
 """
@@ -32,7 +33,9 @@ from .measure import (
 )
 from .report import environment, finish_report, format_table, write_reports
 
-__all__ = ["BenchConfig", "add_bench_parser", "run", "run_bench", "CPU_WORKLOADS"]
+__all__ = ["BenchConfig", "add_bench_parser", "run", "run_bench", "CPU_WORKLOADS", "DEFAULT_OUT"]
+
+DEFAULT_OUT = "dtree-results"  # relative to the working directory; .gitignore lists it
 
 def add_bench_parser(sub) -> None:
     p = sub.add_parser(
@@ -85,7 +88,9 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--max-config-seconds", type=float, default=None, metavar="SECONDS",
                    help="a configuration stops once its steps took this long (after at least 3 steps)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--out", default="benchmarks/results", help="report directory (default: benchmarks/results)")
+    p.add_argument("--out", default=DEFAULT_OUT,
+                   help=f"report directory (default: ./{DEFAULT_OUT} in the working directory; git-ignored in a dtree "
+                        "checkout, so a run never overwrites committed reports)")
     p.add_argument("--tag", default="", help="suffix for the report file names")
     p.add_argument("--no-report", action="store_true", help="print the table only")
     p.set_defaults(func=run_bench)
@@ -122,9 +127,18 @@ CPU_WORKLOADS: dict[str, dict[str, Any]] = {
 }
 
 
-def _step_forests(cfg: "BenchConfig", spec) -> tuple[list[StepForest], dict]:
-    """The forests of the run (one, or one per step) and the workload's description."""
+def _data_forest(cfg: "BenchConfig"):
+    """``--data``'s forest, read and checked before any model is built (None without
+    ``--data``): a malformed file fails fast, naming its file and line."""
     from ..tree import Forest
+
+    return Forest.from_jsonl(cfg.data) if cfg.data else None
+
+
+def _step_forests(cfg: "BenchConfig", spec, data=None) -> tuple[list[StepForest], dict]:
+    """The forests of the run (one, or one per step) and the workload's description;
+    ``data``: ``--data``'s forest, checked against the model's vocabulary and positions."""
+    from ..checks import validate_forest
     from ..workloads import make_workload, workload_parameters
 
     flops = (spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())
@@ -133,8 +147,12 @@ def _step_forests(cfg: "BenchConfig", spec) -> tuple[list[StepForest], dict]:
         return StepForest(seed, forest, spec.training_flops(torch.from_numpy(forest.positions.copy())),
                           forest.flop_compression_ratio(*flops))
 
-    if cfg.data:
-        return [wrap(cfg.seed, Forest.from_jsonl(cfg.data))], {"name": os.path.basename(cfg.data), "params": None}
+    if data is not None:
+        try:
+            validate_forest(data, spec)
+        except ValueError as e:
+            raise ValueError(f"{cfg.data}: {e} (choose a --model that fits the data)") from None
+        return [wrap(cfg.seed, data)], {"name": os.path.basename(cfg.data), "params": None}
     name = cfg.workload
     small = not cfg.on_gpu and cfg.model_name == "tiny"
     overrides = {**(CPU_WORKLOADS.get(name, {}) if small else {}), **cfg.overrides}
@@ -212,7 +230,7 @@ class BenchConfig:
     time_budget: float | None = None
     max_config_seconds: float | None = None
     seed: int = 0
-    out: str = "benchmarks/results"
+    out: str = DEFAULT_OUT
     tag: str = ""
     write_reports: bool = True
 
@@ -264,13 +282,14 @@ def run(cfg: BenchConfig) -> int:
     """Every configuration of ``cfg`` on one model and the same forests; returns the
     exit code (0 when at least one configuration ran)."""
     start = time.monotonic()
+    data = _data_forest(cfg)
     allocator = _prepare_device(cfg)
     protocol = (f"one forest, {cfg.warmup} warm-up + {cfg.repeats} timed steps" if cfg.same_forest
                 else f"{cfg.steps} steps, a fresh forest each")
     print(f"dtree bench: {cfg.model_name} ({cfg.dtype}) on {device_name(cfg.device)}; {protocol}; "
           f"configurations: {', '.join(c.label for c in cfg.configs)}", flush=True)
     model, spec = _bench_model(cfg)
-    forests, workload = _step_forests(cfg, spec)
+    forests, workload = _step_forests(cfg, spec, data)
     loss, loss_desc = _loss(cfg.loss, forests[0].forest)
     report = _report_header(cfg, model, spec, workload, forests, loss_desc, allocator)
     results: list[MethodResult] = []

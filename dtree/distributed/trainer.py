@@ -33,6 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from ..checks import check_forest, check_loss_argument
 from ..losses import Normalization, SequenceLoss, TokenLoss, local_normalization
 from ..config import RuntimeConfig
 from ..runtime import StepOutput, TreeRuntime
@@ -279,6 +280,8 @@ class DistributedTreeTrainer:
 
     def step(self, forest: Forest, loss: TokenLoss | Callable) -> DistributedStepOutput:
         """Partition the global batch ``forest`` and accumulate its gradient (synced)."""
+        check_forest(forest)  # the same forest on every rank: all raise here, before any collective
+        check_loss_argument(loss)
         plan = self.plan(forest)
         if self.check_assignment and self.world_size > 1:
             self._check_same_plan(plan)

@@ -36,13 +36,13 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..padding import host_array, padded_rows, prompt_completion_rows
+from ..padding import host_array
 from ..tree import Forest
 
 __all__ = ["from_padded", "to_padded", "from_prompt_completion", "to_padded_completion"]
 
 
-def from_padded(input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> Forest:
+def from_padded(input_ids: Any, attention_mask: Any, /, loss_mask: Any = None, **fields: Any) -> Forest:
     """A forest from a padded ``[B, L]`` batch; row ``b`` is sequence ``b``.
 
     Args:
@@ -58,8 +58,7 @@ def from_padded(input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fi
     Returns:
         A :class:`Forest` over the rows' real tokens, in row order.
     """
-    sequences, per_row = padded_rows(input_ids, attention_mask, loss_mask, **fields)
-    return Forest.from_sequences(sequences, **per_row)
+    return Forest.from_padded(input_ids, attention_mask, loss_mask, **fields)
 
 
 def from_prompt_completion(
@@ -88,10 +87,9 @@ def from_prompt_completion(
             (``advantages``, ``old_logprobs``, ...; 0 is put on the prompt tokens), or
             [B], one number per row, broadcast to the whole sequence.
     """
-    sequences, per_row = prompt_completion_rows(
+    return Forest.from_prompt_completion(
         prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask=loss_mask, **completion_fields
     )
-    return Forest.from_sequences(sequences, **per_row)
 
 
 def _scatter(

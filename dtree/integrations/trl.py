@@ -33,15 +33,21 @@ What falls back to ``GRPOTrainer``'s own path, with a one-time warning naming th
 feature: vision/multimodal inputs, the entropy-quantile mask (``top_entropy_quantile <
 1``), the off-policy sequence mask, vLLM importance-sampling correction, ``vespo``,
 sequence-level ``cispo``/``sapo``, the adaptive entropy controller, an entropy bonus
-at sequence level, MoE load-balancing losses, fp16 (GradScaler), mixed-precision
-autocast to a dtype other than the model's, FSDP/DeepSpeed and other non-DDP
+at sequence level, MoE load-balancing losses, fp16 (GradScaler), bf16 autocast over a
+model that is neither float32 nor bfloat16, FSDP/DeepSpeed and other non-DDP
 parallelism, attention dropout, and models dtree cannot run. A configuration is
 either mapped exactly or falls back: never a silently different result. The
-evaluation loss (no gradient) is TRL's own.
+evaluation loss (no gradient) is TRL's own. Every training step logs, among TRL's
+metrics, ``dtree/active`` (1: the loss and its backward went through dtree, 0: the
+fallback; a mean over the step's micro-batches) and ``dtree/compression`` (linearized
+over unique tokens of the micro-batch forests).
 
-Numerics: dtree computes in the model's dtype without autocast (a bf16 model under
-bf16 autocast runs plain bf16), and RoPE positions start at 0 on every row where
-HF's left-padded rows start later: equal up to rounding. With dropout active, dtree
+Numerics: mixed precision through accelerate (``bf16=True`` over a float32 model,
+GRPOConfig's default on CPU) runs dtree under the same bf16 autocast accelerate puts
+around the model's forward (matmuls in bf16, the KV stack, its float32 gradient slots,
+log-probs and losses in float32); a bf16 model runs plain bf16; otherwise dtree
+computes in the model's dtype without autocast. RoPE positions start at 0 on every row
+where HF's left-padded rows start later: equal up to rounding. With dropout active, dtree
 draws its own masks (one per unique token), so results match in distribution, not bit
 for bit; without dropout, dtree's calls leave the global RNG untouched, so TRL's
 shuffles are the ones ``GRPOTrainer`` would draw.
@@ -121,6 +127,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         reason = self._fallback_reason(module, training=True, inputs=inputs)
         if reason is not None:
             self._warn_fallback(reason, "loss")
+            self._metrics["train"]["dtree/active"].append(0.0)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         return self._dtree_compute_loss(module, model, inputs)
 
@@ -149,6 +156,9 @@ class TreeGRPOTrainer(GRPOTrainer):
         if self.accelerator.sync_gradients and self.accelerator.num_processes > 1:
             _average_gradients_over_ranks(module)
         self._log_loss_metrics(inputs, mask, out, accumulation, bonus)
+        # every step says whether its loss went through dtree, and how much the tree saved
+        self._metrics["train"]["dtree/active"].append(1.0)
+        self._metrics["train"]["dtree/compression"].append(forest.num_linearized_tokens / forest.num_unique_tokens)
         return torch.tensor(out.loss, dtype=torch.float32, device=self.accelerator.device, requires_grad=True)
 
     # ------------------------------------------------------------------ old and reference log-probs
@@ -207,8 +217,8 @@ class TreeGRPOTrainer(GRPOTrainer):
         precision = self.accelerator.mixed_precision
         if precision == "fp16":
             return "fp16 mixed precision (GradScaler)"
-        if precision == "bf16" and _dtype(module) != torch.bfloat16:
-            return "bf16 autocast over a model that is not in bfloat16"
+        if precision == "bf16" and _dtype(module) not in (torch.float32, torch.bfloat16):
+            return f"bf16 autocast over a {_dtype(module)} model"
         if training:
             if self.loss_type not in TOKEN_LOSS_TYPES:
                 return f"loss_type={self.loss_type!r}"
@@ -258,13 +268,20 @@ class TreeGRPOTrainer(GRPOTrainer):
             self._dtree_runtimes[id(module)] = entry
         return entry[1]
 
+    def _autocast_bf16(self, module: torch.nn.Module) -> bool:
+        """Whether accelerate runs this model under bf16 autocast (``bf16=True`` over float32
+        weights: GRPOConfig's default on CPU): dtree then runs under the same autocast."""
+        return self.accelerator.mixed_precision == "bf16" and _dtype(module) == torch.float32
+
     @contextlib.contextmanager
     def _dtree_context(self, module: torch.nn.Module) -> Iterator[None]:
-        """Around a dtree call: no autocast (dtree runs in the model's dtype), HF gradient
-        checkpointing off (dtree's recompute mode replaces it), and, when nothing in the
-        model draws random numbers, the global RNG left as it was (dtree draws one seed
-        per model call; TRL's row shuffles must not see those draws)."""
+        """Around a dtree call: the autocast accelerate applies to the model's forward
+        (bf16 over float32 weights), else none (dtree runs in the model's dtype); HF
+        gradient checkpointing off (dtree's recompute mode replaces it); and, when nothing
+        in the model draws random numbers, the global RNG left as it was (dtree draws one
+        seed per model call; TRL's row shuffles must not see those draws)."""
         device_type = self.accelerator.device.type
+        autocast = self._autocast_bf16(module)
         checkpointed = [m for m in module.modules() if getattr(m, "gradient_checkpointing", False) is True]
         draws = _draws_random_numbers(module)
         device = self.accelerator.device
@@ -272,7 +289,7 @@ class TreeGRPOTrainer(GRPOTrainer):
         try:
             for m in checkpointed:
                 m.gradient_checkpointing = False
-            with torch.autocast(device_type, enabled=False):
+            with torch.autocast(device_type, dtype=torch.bfloat16, enabled=autocast):
                 yield
         finally:
             for m in checkpointed:

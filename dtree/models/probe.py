@@ -95,10 +95,13 @@ def _own_forward(adapter: "HFTreeModel", ids: torch.Tensor) -> tuple[torch.Tenso
         hidden = getattr(output, "last_hidden_state", None)
         seen.append(hidden if hidden is not None else output[0])
 
+    # accelerate's mixed precision wraps forward in autocast (keeping the original as
+    # _original_forward): the probe compares in the model's own dtype, so it calls the original
+    forward = getattr(adapter.model, "_original_forward", adapter.model)
     handle = adapter.base.register_forward_hook(grab)
     try:
         with adapter.own_attention():
-            out = adapter.model(input_ids=ids[None], use_cache=False)
+            out = forward(input_ids=ids[None], use_cache=False)
     finally:
         handle.remove()
     return out.logits[0], (seen[-1][0] if seen else None)
@@ -133,7 +136,9 @@ def check_model(adapter: "HFTreeModel", head: OutputHead) -> None:
     device = next(model.parameters()).device
     first, ids = _probe_tokens(adapter.spec.vocab_size, device)
     n0, n = len(first), len(ids)
-    with torch.no_grad(), _eval_mode(model):
+    # in the model's own dtype even when the caller runs under autocast: the probe checks
+    # what is computed, at the tightest tolerance the dtype allows
+    with torch.no_grad(), _eval_mode(model), torch.autocast(device.type, enabled=False):
         logits, base_hidden = _own_forward(adapter, ids)
         tol = _tolerance(logits.dtype)
         positions = torch.arange(n, device=device)

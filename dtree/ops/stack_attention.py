@@ -239,14 +239,14 @@ def stack_attention_sdpa(
 
 class _StackGradSeed(torch.autograd.Function):
     """Identity on a call's own (k, v) whose backward adds the stack's gradient slots
-    ``[lo, hi)`` of ``layer`` (float32) to the incoming dk, dv.
+    ``[lo, hi)`` of ``layer`` (float32, float64 for a float64 model) to the incoming dk, dv.
 
     Autograd runs a node's backward only once every consumer of its outputs has sent
     its gradient, so this runs after the attention backward of the same call at this
     layer: the slots then hold what the call's descendants added (their backward ran
     earlier, depth first) plus what the call's own segments sent their in-call
-    ancestors. The sum is formed in float32 and rounded once (:meth:`KVStack.seed_grad`:
-    one kernel with the CUDA extension)."""
+    ancestors. The sum is formed in the slots' dtype (float32; float64 for a float64
+    model) and rounded once (:meth:`KVStack.seed_grad`: one kernel with the CUDA extension)."""
 
     @staticmethod
     def forward(ctx, k, v, stack: KVStack, layer: int, lo: int, hi: int, device_lo):

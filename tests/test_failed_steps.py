@@ -1,0 +1,139 @@
+"""Nothing is lost when a step fails halfway: a loss that raises on its 1st, 2nd or 3rd
+call, a KeyboardInterrupt, a decoder layer's forward or backward hook that raises. Every
+method leaves ``param.grad`` bit for bit as it was before the call, and the next step
+on the same runner gives bit for bit the gradient of a runner that never failed."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import make_model
+from setups import assert_grads_equal, grads_of
+
+import dtree
+from dtree.baselines import METHODS, make_method
+from dtree.losses import TokenLoss
+
+RUNNERS = [
+    (name, kw) for name in METHODS
+    for kw in ([{"mode": "retain", "chunk_size": 3, "group_tokens": 0},
+                {"mode": "recompute", "chunk_size": 3, "group_tokens": 0}, {}] if name == "dtree" else [{}])
+]
+IDS = [name + "".join(f"-{k}={v}" for k, v in kw.items()) for name, kw in RUNNERS]
+SEQS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9], [1, 2, 10], [11, 12, 13, 14]]
+FIRST = [[20, 21, 22, 23], [20, 21, 24]]
+
+
+class Injected(Exception):
+    pass
+
+
+def nll_raising_on(call: int, error: type[BaseException] = Injected) -> TokenLoss:
+    """Token-mean NLL whose per-token function raises ``error`` on its ``call``-th call."""
+    count = [0]
+
+    def per_token(logp, fields):
+        count[0] += 1
+        if count[0] == call:
+            raise error(f"injected on call {call}")
+        return -logp
+
+    return TokenLoss(per_token, name="raising")
+
+
+def calls_of(name, kw, model) -> int:
+    """How many per-token calls (model calls with loss terms) one step makes."""
+    count = [0]
+
+    def per_token(logp, fields):
+        count[0] += 1
+        return -logp
+
+    runner = make_method(name, copy.deepcopy(model), **kw)
+    runner.forward_backward(dtree.Forest.from_sequences(SEQS), TokenLoss(per_token))
+    return count[0]
+
+
+def check_nothing_lost(name, kw, model, fail, error) -> None:
+    """One good step, then ``fail(runner, forest)`` must raise ``error`` and leave
+    param.grad as it was; then the next step equals a never-failed runner's, bit for bit."""
+    twin = copy.deepcopy(model)  # (a Parameter's deepcopy drops .grad: copy it too)
+    for p, q in zip(model.parameters(), twin.parameters()):
+        q.grad = None if p.grad is None else p.grad.clone()
+    runner, clean = make_method(name, model, **kw), make_method(name, twin, **kw)
+    for r in (runner, clean):
+        r.forward_backward(dtree.Forest.from_sequences(FIRST), dtree.losses.nll())
+    before = grads_of(model)
+    forest = dtree.Forest.from_sequences(SEQS)
+    with pytest.raises(error):
+        fail(runner, forest)
+    assert_grads_equal(model, before)
+    out = runner.forward_backward(forest, dtree.losses.nll())
+    ref = clean.forward_backward(forest, dtree.losses.nll())
+    assert out.loss == ref.loss
+    assert_grads_equal(model, grads_of(twin))
+
+
+@pytest.fixture
+def model():
+    return make_model("llama", max_positions=64)
+
+
+@pytest.mark.parametrize("call", [1, 2, 3])
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_loss_raising_mid_step(name, kw, call, model):
+    if call > calls_of(name, kw, model):
+        pytest.skip(f"{name} {kw} makes fewer than {call} calls with loss terms")
+    check_nothing_lost(name, kw, model, lambda r, f: r.forward_backward(f, nll_raising_on(call)), Injected)
+
+
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_keyboard_interrupt_mid_step(name, kw, model):
+    call = min(2, calls_of(name, kw, model))
+    loss = nll_raising_on(call, KeyboardInterrupt)
+    check_nothing_lost(name, kw, model, lambda r, f: r.forward_backward(f, loss), KeyboardInterrupt)
+
+
+def _raising_hook(after: int, error: type[BaseException] = Injected):
+    count = [0]
+
+    def hook(*args):
+        count[0] += 1
+        if count[0] > after:
+            raise error("injected in a decoder layer")
+
+    return hook
+
+
+@pytest.mark.parametrize("after", [0, 1])
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_decoder_layer_forward_hook_raising(name, kw, after, model):
+    """The last decoder layer's forward raises on its first call, or on a later one
+    (mid-walk, after some groups ran their backward)."""
+    if after >= calls_of(name, kw, model):
+        pytest.skip(f"{name} {kw} runs the forest in one model call")
+
+    def fail(runner, forest):
+        handle = model.model.layers[-1].register_forward_hook(_raising_hook(after))
+        try:
+            runner.forward_backward(forest, dtree.losses.nll())
+        finally:
+            handle.remove()
+
+    check_nothing_lost(name, kw, model, fail, Injected)
+
+
+@pytest.mark.parametrize("name,kw", RUNNERS, ids=IDS)
+def test_decoder_layer_backward_hook_raising(name, kw, model):
+    """A decoder layer's backward raises (the step's first backward)."""
+
+    def fail(runner, forest):
+        handle = model.model.layers[0].register_full_backward_hook(_raising_hook(0))
+        try:
+            runner.forward_backward(forest, dtree.losses.nll())
+        finally:
+            handle.remove()
+
+    check_nothing_lost(name, kw, model, fail, Injected)
