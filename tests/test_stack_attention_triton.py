@@ -160,7 +160,7 @@ def _case_long_window():
     prefix = items[items[:, 0] == 1]
     assert prefix[:, 1].min() >= 144 - 48 + 1, "a dK/dV item reads stack slots no row sees"
     # one segment: an item's shallowest row is its first, at depth 144 + q0
-    kind, c0, c1, q0, q1, kshift, plen = prefix.T
+    kind, c0, c1, q0, q1, kshift, plen, turn = prefix.T
     assert np.all(plen + q0 - (c1 - 1 + kshift) < 48), "a dK/dV item none of whose rows sees its slots"
 
 

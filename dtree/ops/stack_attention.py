@@ -36,6 +36,11 @@ Backends, all with the signature of :func:`stack_attention`:
   for a score transform). Any device.
 * ``triton``: one fused kernel for all segments, reading the stack in place
   (:mod:`dtree.ops.stack_attention_triton`, CUDA only).
+* ``flash-attn``: flash-attn-4's varlen kernels over the call's regions (every segment
+  against its own K/V, causal; rows that share a stack range against it, in place),
+  merged by log-sum-exp (:mod:`dtree.ops.stack_attention_regions`,
+  :mod:`dtree.ops.stack_attention_flash4`; CUDA sm90+, flash-attn-4 installed). Calls
+  with options run the ``triton`` kernel.
 
 They are registered in :mod:`dtree.ops.backends`, whose ``resolve_backend`` picks one
 for a device (``auto``: ``triton`` on CUDA where it runs, else ``sdpa``).
@@ -171,6 +176,7 @@ def stack_attention_reference(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Pure-torch attention over the stack, float32 math, one segment at a time.
 
@@ -181,6 +187,9 @@ def stack_attention_reference(
         layout: segment offsets and prefix ranges.
         scale: softmax scale.
         softcap, sinks [Hq], alibi_slopes [Hq], window: see :class:`AttentionOptions`.
+        deterministic: accepted for the common signature; the backward is torch
+            autograd, as deterministic as torch's kernels are under
+            ``torch.use_deterministic_algorithms``.
 
     Returns:
         [T, Hq, Dv] in ``q.dtype``. Backward adds the prefix dK/dV into
@@ -204,10 +213,11 @@ def stack_attention_sdpa(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` per segment over (stack prefix + own K/V),
     lower-right causal (see :func:`attend_sdpa` for the options). Shapes and gradients
-    as :func:`stack_attention_reference`."""
+    as :func:`stack_attention_reference` (``deterministic`` likewise)."""
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     check_stack_attention(q, k, v, stack, layout, options)
     return _per_segment(q, k, v, stack, layer, layout, scale, attend_sdpa, options)
@@ -273,14 +283,23 @@ def stack_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the packed segments over the stack, by backend name (see the
     module docstring and :mod:`dtree.ops.backends`; :func:`dtree.ops.backends.resolve_backend`
     picks one for a device); arguments as :func:`stack_attention_reference`. Gradients of
-    in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`)."""
+    in-call ancestors stay in the stack's slots (see :func:`seed_from_stack`).
+
+    ``deterministic``: a backward whose sums have a fixed order, so that two runs give
+    bitwise-identical gradients (the fused backends: the prefix dK/dV added in a fixed
+    order instead of with float atomics, flash-attn-4's ordered dQ). None follows
+    ``torch.are_deterministic_algorithms_enabled()``."""
     attend = implementation("stack_attention", backend)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
     return attend(
-        q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window
+        q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks, alibi_slopes=alibi_slopes, window=window,
+        deterministic=deterministic,
     )
 
 
