@@ -21,6 +21,8 @@
 #   layouts      bench_stack_attention.py, grpo_long, chain, many_small + options ~2 min
 #   tuning       bench_triton_tuning.py (configs, prefix_item_rows)               ~2-3 min
 #   linearized   bench_flash_backend.py (flash-attn-4 varlen for the baseline)    ~1 min
+#   host         profile_attention_host.py (host time per forward+backward)       ~1 min
+# IMPLS / LAYOUTS: the implementations and layouts of `bench` (default: all; grpo,agentic).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
@@ -47,10 +49,10 @@ run_part() {
         python -c "import time; t=time.time(); import flash_attn.cute.interface as i; print(\"flash-attn-4 import\", round(time.time()-t, 1), \"s\")" || true;
         pip list 2>/dev/null | grep -i -E "flash|cutlass|quack|tvm|torch|triton"' ;;
     bench)
-      part bench-32x8 "${secs:-200}" python benchmarks/bench_stack_attention.py --layouts grpo,agentic --option-cases "" \
-        --tag 32x8 --out "$OUT"
-      part bench-12x2 "${secs:-150}" python benchmarks/bench_stack_attention.py --layouts grpo,agentic --option-cases "" \
-        --heads 12 --kv-heads 2 --tag 12x2 --out "$OUT" ;;
+      part bench-32x8 "${secs:-200}" python benchmarks/bench_stack_attention.py --layouts "${LAYOUTS:-grpo,agentic}" \
+        --option-cases "" --impls "${IMPLS:-}" --tag 32x8 --out "$OUT"
+      part bench-12x2 "${secs:-150}" python benchmarks/bench_stack_attention.py --layouts "${LAYOUTS:-grpo,agentic}" \
+        --option-cases "" --impls "${IMPLS:-}" --heads 12 --kv-heads 2 --tag 12x2 --out "$OUT" ;;
     tests-fa4)
       part tests-fa4 "${secs:-150}" python -m pytest -q -m gpu -p no:cacheprovider tests/test_stack_attention_regions.py ;;
     tests)
@@ -60,7 +62,10 @@ run_part() {
       part layouts "${secs:-150}" python benchmarks/bench_stack_attention.py --layouts grpo_long,chain,many_small \
         --impls "triton,triton det,flash-attn" --tag layouts --out "$OUT" ;;
     tuning)
-      part tuning "${secs:-200}" python benchmarks/bench_triton_tuning.py --out "$OUT" ;;
+      part tuning "${secs:-200}" python benchmarks/bench_triton_tuning.py --head-configs 12/2,32/8 --out "$OUT" ;;
+    host)
+      part host "${secs:-90}" python benchmarks/profile_attention_host.py --impls "${IMPLS:-triton,triton det,flash-attn,flash-attn det}" \
+        --out "$OUT" ;;
     linearized)
       part linearized "${secs:-90}" python benchmarks/bench_flash_backend.py --out "$OUT" ;;
     *) echo "unknown part $name" | tee -a "$LOG" ;;

@@ -967,7 +967,13 @@ def _prefix_items(runs: dict, block_n: int, window: int | None, prefix_item_rows
     first_split = np.cumsum(n_splits) - n_splits
     rep = n_splits[c_run]
     chunk = np.repeat(np.arange(len(s0)), rep)
-    split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
+    rank = np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)  # the split's place in its run
+    # Split-major order (every chunk's first row split, then every chunk's second...):
+    # the items of one stack cell, equal in cost, then sit apart in the cost-sorted
+    # table, so the ordered adds of the deterministic mode rarely wait on each other.
+    order = np.lexsort((chunk, rank))
+    chunk, rank = chunk[order], rank[order]
+    split = first_split[c_run[chunk]] + rank
     s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
     plen = runs["prefix_len"][split_run[split]]
     if window is not None and len(qa):
