@@ -218,7 +218,8 @@ def option_cases(names: list[str], smoke: bool, hq: int) -> list[OptionCase]:
         window = 4096
     sinks = torch.randn(hq, generator=torch.Generator().manual_seed(0))
     all_cases = {
-        "window": OptionCase("window", chain, {"window": window}, f"{chain.note}, window {window} (path 4x the window)"),
+        "window": OptionCase("window", chain, {"window": window},
+                             f"{chain.note}, window {window} (path 4x the window)"),
         "softcap": OptionCase("softcap", grpo, {"softcap": 50.0}, f"{grpo.note}, softcap 50"),
         "sinks": OptionCase("sinks", grpo, {"sinks": sinks}, f"{grpo.note}, sinks"),
     }
@@ -325,7 +326,8 @@ def report(rows: list[dict], option_rows: list[dict], args, env: dict, absent: d
                 continue
             errs = " / ".join("-" if e != e else f"{e:.1e}" for e in m["errors"])
             lines.append([
-                name, f"{m['fwd_ms']:.3f} ({m['fwd_tflops']:.0f})", f"{m['fwd_bwd_ms']:.3f} ({m['fwd_bwd_tflops']:.0f})",
+                name, f"{m['fwd_ms']:.3f} ({m['fwd_tflops']:.0f})",
+                f"{m['fwd_bwd_ms']:.3f} ({m['fwd_bwd_tflops']:.0f})",
                 f"{m['bwd_over_fwd']:.2f}", f"{m['gpu_ms']:.3f} ({m['gpu_tflops']:.0f})", errs,
                 "-" if m["bitwise"] is None else ("yes" if m["bitwise"] else "no"),
             ])

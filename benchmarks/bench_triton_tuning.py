@@ -95,8 +95,8 @@ def report(results: dict, env: dict, kernels: list[str], seconds: float) -> str:
         f"{env['gpu']}, CUDA {env['cuda']}, torch {env['torch']}, Triton {env['triton']}, Python {env['python']}; "
         f"{env['date']}; bf16, head dim 128; {seconds:.0f} s.",
         "",
-        "GPU ms of each kernel in one forward+backward (torch.profiler), by config (inner tile, num_warps, num_stages); "
-        "the first config is the fixed default.",
+        "GPU ms of each kernel in one forward+backward (torch.profiler), by config (inner tile, num_warps, "
+        "num_stages); the first config is the fixed default.",
     ]
     for kernel in kernels:
         out += ["", f"## {kernel}", ""]
@@ -106,8 +106,8 @@ def report(results: dict, env: dict, kernels: list[str], seconds: float) -> str:
         out += table(header, lines)
     out += ["", "## dK/dV kernel by prefix_item_rows (atomic / deterministic ms)", ""]
     header = ["heads", "layout"] + ["auto" if n is None else str(n) for n in ITEM_ROWS]
-    lines = [[h, layout] + [f"{cell(r['item_rows'][(n, False)])} / {cell(r['item_rows'][(n, True)])}" for n in ITEM_ROWS]
-             for (h, layout), r in results.items()]
+    lines = [[h, layout] + [f"{cell(r['item_rows'][(n, False)])} / {cell(r['item_rows'][(n, True)])}"
+                            for n in ITEM_ROWS] for (h, layout), r in results.items()]
     out += table(header, lines)
     return "\n".join(out) + "\n"
 
@@ -133,7 +133,8 @@ def main() -> None:
             text = report(results, environment(device), kernels, time.time() - start)
             if args.out:
                 os.makedirs(args.out, exist_ok=True)
-                gpu = "cpu_smoke" if args.smoke else re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_").lower()
+                name = "cpu smoke" if args.smoke else torch.cuda.get_device_name()
+                gpu = re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_").lower()
                 with open(os.path.join(args.out, f"triton_tuning_{gpu}.md"), "w") as f:
                     f.write(text)
     print(report(results, environment(device), kernels, time.time() - start))

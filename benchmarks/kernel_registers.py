@@ -92,7 +92,8 @@ def main() -> None:
         for options, flags in option_sets.items():
             for kernel in args.kernels.split(","):
                 table = 64 if dtype == "fp32" or max(dk, dv) > 128 else 128
-                candidates = sat._fixed_candidates(kernel, table, torch_dtype)
+                transform = flags.get("HAS_SOFTCAP", False) or flags.get("HAS_ALIBI", False)
+                candidates = sat._fixed_candidates(kernel, table, torch_dtype, transform)
                 for inner, warps, stages in candidates if args.all_candidates else candidates[:1]:
                     constexprs = {
                         "GROUP": 4, "HEAD_DIM": dk, "BLOCK_D": triton.next_power_of_2(dk), "V_DIM": dv,

@@ -22,6 +22,8 @@
 #   tuning       bench_triton_tuning.py (configs, prefix_item_rows)               ~2-3 min
 #   linearized   bench_flash_backend.py (flash-attn-4 varlen for the baseline)    ~1 min
 #   host         profile_attention_host.py (host time per forward+backward)       ~1 min
+#   step         dtree bench, one 64k-unique agentic tree, qwen2.5-1.5b: the triton
+#                and flash-attn backends in a whole training step                 ~2 min
 # IMPLS / LAYOUTS: the implementations and layouts of `bench` (default: all; grpo,agentic).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -63,6 +65,10 @@ run_part() {
         --impls "triton,triton det,flash-attn" --tag layouts --out "$OUT" ;;
     tuning)
       part tuning "${secs:-200}" python benchmarks/bench_triton_tuning.py --head-configs 12/2,32/8 --out "$OUT" ;;
+    step)
+      part step "${secs:-150}" python -m dtree bench --model qwen2.5-1.5b --workload agentic --set num_trees=1 \
+        --set target_unique_tokens=65536 --configs "dtree,dtree:attention=flash-attn" --steps 4 --warmup 1 \
+        --time-budget $(( ${secs:-150} - 30 )) --out "$OUT" --tag kernel ;;
     host)
       part host "${secs:-90}" python benchmarks/profile_attention_host.py --impls "${IMPLS:-triton,triton det,flash-attn,flash-attn det}" \
         --out "$OUT" ;;

@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_smoke_run_on_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     proc = subprocess.run(
-        [sys.executable, "benchmarks/bench_stack_attention.py", "--smoke", "--layouts", "agentic", "--out", str(tmp_path)],
+        [sys.executable, "benchmarks/bench_stack_attention.py", "--smoke", "--layouts", "agentic",
+         "--out", str(tmp_path)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -94,11 +94,22 @@ def flash4_unavailable(target: Target) -> str | None:
         return f"runs on CUDA GPUs, got {device}; use attention='sdpa'"
     major, _ = torch.cuda.get_device_capability(device)
     if major < 9:
-        return f"needs compute capability >= 9.0 (Hopper), {torch.cuda.get_device_name(device)} has {major}.x; use attention='triton'"
+        return (f"needs compute capability >= 9.0 (Hopper), {torch.cuda.get_device_name(device)} has {major}.x; "
+                "use attention='triton'")
     if target.dtype is not None and target.dtype not in DTYPES:
         return f"runs float16/bfloat16, this model is {target.dtype}; use attention='triton'"
     if target.head_dim is not None and not (8 <= target.head_dim <= 256 and target.head_dim % 8 == 0):
         return f"takes head dims 8..256 in multiples of 8, this model has {target.head_dim}; use attention='triton'"
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def _why_not(device: torch.device, dtype: torch.dtype, key_dim: int, value_dim: int) -> str | None:
+    """:func:`flash4_unavailable` for both head dims of a call (cached: it runs per call)."""
+    for dim in (key_dim, value_dim):
+        why = flash4_unavailable(Target(device, dtype, head_dim=dim))
+        if why is not None:
+            return why
     return None
 
 
@@ -133,10 +144,9 @@ def stack_attention_flash4(
 
         return stack_attention_triton(q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks,
                                       alibi_slopes=alibi_slopes, window=window, deterministic=deterministic)
-    for dim in {k.shape[-1], v.shape[-1]}:
-        why = flash4_unavailable(Target(q.device, q.dtype, head_dim=dim))
-        if why is not None:
-            raise ValueError(f"attention='flash-attn' {why}")
+    why = _why_not(q.device, q.dtype, k.shape[-1], v.shape[-1])
+    if why is not None:
+        raise ValueError(f"attention='flash-attn' {why}")
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
     return stack_attention_regions(q, k, v, stack, layer, layout, scale, kernel=FLASH4_REGIONS,

@@ -148,7 +148,8 @@ class _TorchRegions:
 
     @staticmethod
     def _sequences(seqs: RegionSeqs):
-        for qa, ql, ka, kl in zip(seqs.q_start.tolist(), seqs.q_len.tolist(), seqs.k_start.tolist(), seqs.k_len.tolist()):
+        columns = (seqs.q_start, seqs.q_len, seqs.k_start, seqs.k_len)
+        for qa, ql, ka, kl in zip(*(c.tolist() for c in columns)):
             yield slice(qa, qa + ql), slice(ka, ka + kl)
 
     def forward(self, q, k, v, seqs, layout, scale, causal, out, lse) -> None:

@@ -23,41 +23,39 @@ cross-segment blocks and the diagonal pay for masking. Saves ``q, k, v, out`` an
 base-2 log-sum-exp ``lse`` (fp32, ``[Hq, T]``), never a copy of the prefix: the
 ancestors stay on the stack until this call's backward has run.
 
-*Backward*: (1) ``delta = rowsum(dO * O)``; (2) a KV-centric kernel, one program per
-(work item, kv head), looping over the q heads of its GQA group and over the query
-rows that see its keys; a work item is either an own key block (dK/dV stored with
-plain stores; every own row belongs to exactly one item) or a prefix chunk of at most
-``BLOCK_N`` stack slots together with at most ``prefix_item_rows`` query rows of the
-run (its dK/dV are added into the fp32 stack gradient with ``tl.atomic_add``);
-(3) a query-centric kernel for ``dq`` with the forward's iteration structure.
+*Backward*: (1) a query-centric kernel for ``dq`` with the forward's iteration
+structure, which also stores ``delta = rowsum(dO * O)`` of its rows (no launch of its
+own); (2) a KV-centric kernel, one program per (work item, kv head), looping over the
+q heads of its GQA group and over the query rows that see its keys; a work item is
+either an own key block (dK/dV stored with plain stores; every own row belongs to
+exactly one item) or a prefix chunk of at most ``BLOCK_N`` stack slots inside one
+``BLOCK_N``-slot cell of the stack together with at most ``prefix_item_rows`` query
+rows of the run (its dK/dV are added into the fp32 stack gradient).
 
-*Atomics vs a segmented reduction* for the prefix dK/dV. A stack slot receives one
-``tl.atomic_add`` per prefix work item covering it: ``ceil(run_rows /
-prefix_item_rows)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
-not 8), plus one per other run of the call with the same ancestor, plus the adds of
-other calls, which happen at other times. A segmented reduction would store each
-item's partial [BLOCK_N, D] tiles in a scratch buffer and sum them per slot in a
-second launch: scratch of (prefix items x BLOCK_N x Hkv x D x 2) fp32 per layer
-(67 MB for 8 x 512 answers under a 2048-token prompt with 8 kv heads of dim 128),
-one more launch, and a write plus a re-read of every partial: at least the traffic
-of the atomics, which read-modify-write the same tiles in L2. The fp32 atomic adds
-compile to 16-byte ``atom.global.relaxed.add.v4.f32`` (sm_90 PTX), and their volume
-is small against the work of an item (2 x BLOCK_N x D adds against about
-``prefix_item_rows`` x BLOCK_N x D x group x 8 flops), and only the few items
-counted above add to one slot. Items hold at most ``prefix_item_rows`` query rows so
-that a short prompt under many long answers still spreads over enough programs to
-fill the GPU (a 128-token prompt is only two 64-slot chunks). The price: prefix
-gradients are summed in an order that varies between runs (fp32, ~1e-7 relative);
-own dK/dV and dq are deterministic.
+*Prefix dK/dV: atomics, or ordered adds (``deterministic``).* A stack slot receives
+one add per prefix work item covering it: ``ceil(run_rows / prefix_item_rows)`` per
+run that reads it, plus one per other run of the call with the same ancestor. With
+float atomics (``tl.atomic_add``) their order varies between runs (fp32, ~1e-7
+relative; issue 21's RL users need bitwise-equal reruns). In deterministic mode the
+items of one cell add one at a time in work-table order: each waits for the cell's
+ticket to reach its ``turn``, adds (still with the atomic instructions, so no partial
+tile is held in registers: a load-add-store version spilled 300 bytes at head dim
+128), and passes the ticket on; so every slot sums its terms in one fixed order. The
+prefix items are laid out split-major (every chunk's first row split, then the
+second...), so the items of one cell sit apart in the cost-sorted table and rarely
+wait. Measured on an H100 (``results/h100/kernel_session2``): the dK/dV kernel
++1-4% against the atomics; own dK/dV and dq are deterministic in both modes. A
+segmented reduction (partial tiles to scratch, summed per slot by a second launch)
+would cost scratch of (prefix items x BLOCK_N x Hkv x D x 2) fp32 per layer (67 MB for
+8 x 512 answers under a 2048-token prompt with 8 kv heads of dim 128) and a write
+plus a re-read of every partial: more than the ordered adds cost.
 
-Measured (H200, bf16, 32 q / 8 kv heads of 128, ``benchmarks/bench_stack_attention.py``,
-report in ``benchmarks/results/stack_attention_nvidia_h200.md``): dK/dV kernel time
-for ``prefix_item_rows`` = 256 / 1024 (default) / 4096 / unbounded: grpo 0.980 /
-0.965 / 1.143 / 1.145 ms, grpo_long 2.127 / 2.074 / 2.531 / 4.968 ms, many_small
-1.275 / 1.259 / 1.262 / 1.263 ms. Fewer rows per item (more atomic adds per slot)
-is never slower, so the atomics are not what limits the kernel and a segmented
-reduction, which would remove only them, has nothing to save; unbounded items are
-slower because too few programs fill the GPU.
+``prefix_item_rows`` (None: per call) is the most rows per item, from 1024 down to
+128, that still gives the dK/dV launch four programs per SM: a short prompt under many
+long answers, or few kv heads, would otherwise leave SMs idle (grpo under 2 kv heads:
+192 programs at 1024 rows on 132 SMs). H100, dK/dV ms at 128 / 256 / 1024 / 4096 rows /
+per call: grpo 12/2 heads 0.402 / 0.411 / 0.436 / 1.225 / 0.415, grpo 32/8 1.087 /
+0.994 / 0.982 / 1.170 / 0.999.
 
 *Options* (:class:`dtree.ops.stack_attention.AttentionOptions`), each a constexpr
 flag, so a model that uses none compiles the plain kernels: ``softcap`` applies
@@ -79,9 +77,11 @@ its prefix.
 Tiles: the work tables depend on the q-block rows (forward/dq) and the kv-block
 slots (dK/dV), chosen on the host from the head dims and dtype only (:func:`_tiles`),
 so every forest of one model uses the same compiled kernels. The inner step,
-``num_warps`` and ``num_stages`` are fixed per (kernel, tile): the configs the
-autotuner picked on an H200 (bf16, head dim 128), the first that fits the GPU's
-shared memory (``benchmarks/kernel_registers.py`` checks them for spills).
+``num_warps`` and ``num_stages`` are fixed per (kernel, tile, whether softcap or ALiBi
+is on): the fastest of an H100 sweep for plain calls, the autotuner's H200 picks
+otherwise, the first that fits the GPU's shared memory (``_CANDIDATES``;
+``benchmarks/kernel_registers.py`` checks them for spills, ``bench_triton_tuning.py``
+times them).
 
 *One compile per kernel variant per process.* Triton compiles a kernel again for
 every new *specialization* of its non-constexpr arguments: an integer equal to 1 or
@@ -711,14 +711,26 @@ def _dq_kernel(
 # dK/dV over 1 KB), 64-row inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3
 # stages. (A timed autotuning path, DTREE_TRITON_AUTOTUNE=1, was removed: its first
 # call compiled and timed every candidate and gave different results from the second.)
+#
+# Calls without softcap or ALiBi (the flags that add score transforms to the backward)
+# first try _PLAIN_FIRST, the fastest configs of an H100 sweep (bf16, head dim 128,
+# 12/2 and 32/8 heads, grpo and agentic: benchmarks/bench_triton_tuning.py,
+# results/h100/kernel_session2): dq 128-key steps -22 to -26% against 64-key ones,
+# dK/dV 64-row steps -12 to -21% against 32-row ones; the same winner on every layout
+# and head count, so one config serves all. They run near the register limit (dq 255
+# registers, no spill; dK/dV 192 bytes of spill at head dim 128, which cost less than
+# the smaller step's extra passes over the keys); with softcap or ALiBi they would
+# spill 340-620 bytes, so those calls keep the candidates below (dq's 64-key step with
+# 3 stages, no spill with every option, came second in the sweep).
 _CANDIDATES = {
     ("fwd", 128): [(128, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2)],
     ("fwd", 64): [(64, 8, 2), (64, 4, 3), (32, 8, 2), (32, 4, 2)],
-    ("dq", 128): [(64, 8, 2), (32, 8, 3), (32, 8, 2)],
+    ("dq", 128): [(64, 8, 3), (64, 8, 2), (32, 8, 3), (32, 8, 2)],
     ("dq", 64): [(32, 8, 2), (32, 4, 3), (64, 4, 3), (32, 4, 2)],
     ("dkdv", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
     ("dkdv", 64): [(16, 8, 2), (16, 4, 2), (16, 4, 3), (32, 8, 2)],
 }
+_PLAIN_FIRST = {("dq", 128): (128, 8, 2), ("dkdv", 128): (64, 8, 2)}
 _INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
 _TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N"}
 _FLAGS = {
@@ -734,11 +746,15 @@ _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
 _FITTING: dict = {}
 
 
-def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+def _fixed_candidates(
+    kernel: str, table: int, dtype: torch.dtype, score_transform: bool = False
+) -> list[tuple[int, int, int]]:
+    """The configs to try in order; ``score_transform``: the call has softcap or ALiBi."""
     candidates = _CANDIDATES[(kernel, table)]
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory: smallest first, 8 warps first
         return sorted(candidates, key=lambda c: (c[0], c[2], -c[1]))
-    return candidates
+    first = _PLAIN_FIRST.get((kernel, table))
+    return candidates if first is None or score_transform else [first, *candidates]
 
 
 def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict, tuning: _Tuning) -> None:
@@ -757,7 +773,8 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
         return
     flags = tuple(sorted((f, v) for f, v in meta.items() if f.startswith("HAS_") or f == "DETERMINISTIC"))
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"], *flags)
-    candidates = _fixed_candidates(kernel, table, dtype)
+    transform = meta.get("HAS_SOFTCAP", False) or meta.get("HAS_ALIBI", False)
+    candidates = _fixed_candidates(kernel, table, dtype, transform)
     for i in range(_FITTING.get(key, 0), len(candidates)):
         inner, warps, stages = candidates[i]
         try:
@@ -1123,12 +1140,16 @@ def _backward_dkdv(ctx, q, k, v, do, lse, delta, opts: _Options) -> tuple[torch.
     seg_start, seg_end = _row_tables(layout, device)
     dk = torch.empty(k.shape, dtype=k.dtype, device=device)
     dv = torch.empty(v.shape, dtype=v.dtype, device=device)
-    item_rows = tuning.prefix_item_rows or _auto_item_rows(_runs(layout), block_n, hkv, _sm_count(device))
+    item_rows = tuning.prefix_item_rows or layout.cached(
+        ("triton", "item_rows", device, block_n, hkv),
+        lambda: _auto_item_rows(_runs(layout), block_n, hkv, _sm_count(device)),
+    )
     items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window, item_rows)
     deterministic = tuning.deterministic and with_prefix
     # one ticket per stack cell of BLOCK_N slots and kv head, zero at launch
     if deterministic:
-        tickets = torch.zeros((max(1, -(-_runs(layout)["slots_end"] // block_n)), hkv), dtype=torch.int32, device=device)
+        cells = max(1, -(-_runs(layout)["slots_end"] // block_n))
+        tickets = torch.zeros((cells, hkv), dtype=torch.int32, device=device)
     else:  # unread: any int32 tensor
         tickets = items
     args = (
