@@ -130,6 +130,9 @@ def test_stack_without_gradient_buffers_and_bad_capacity():
     small, _ = layout_of([3], [[(0, stack.capacity + 1)]], 4)
     with pytest.raises(ValueError, match="past the stack capacity"):
         stack_attention_regions(q[:3], k[:3], v[:3], stack, 0, small, 0.2)
+    empty, _ = layout_of([], [], 0)
+    with pytest.raises(ValueError, match="at least one query row"):
+        stack_attention_regions(q[:0], k[:0], v[:0], stack, 0, empty, 0.2)
 
 
 def test_merge_is_softmax_over_the_union():

@@ -262,6 +262,8 @@ def stack_attention_regions(
         [T, Hq, Dv] in ``q.dtype``; the backward adds the prefix dK/dV into
         ``stack.grad_k/grad_v[layer]``.
     """
+    if q.shape[0] == 0:
+        raise ValueError("stack attention needs at least one query row")
     slots_end = region_plan(layout).slots_end
     if slots_end > stack.capacity:
         raise ValueError(f"prefix ranges reach slot {slots_end}, past the stack capacity {stack.capacity}")
