@@ -1,56 +1,43 @@
-"""Kernel benchmark of the fused Triton stack attention against FlashAttention (SDPA).
+"""Kernel benchmark of dtree's stack attention backends against FlashAttention on the
+equivalent dense batch.
 
-    python benchmarks/bench_stack_attention.py                   # bf16, 32 q / 8 kv heads of 128
+    python benchmarks/bench_stack_attention.py                          # bf16, 32 q / 8 kv heads of 128
+    python benchmarks/bench_stack_attention.py --heads 12 --kv-heads 2   # qwen2.5-1.5b's heads
     python benchmarks/bench_stack_attention.py --out benchmarks/results
+    python benchmarks/bench_stack_attention.py --smoke                  # CPU, tiny, interpreter
 
-For each layout, the same attention three ways, median time by
-``triton.testing.do_bench``, forward and forward+backward:
+For each layout (``stack_attention_cases.py``) one call, every implementation on the
+same inputs:
 
 * ``triton``: ``dtree.ops.stack_attention_triton``, every segment in one launch,
-  ancestors read from the KV stack in place;
-* ``flash``: ``F.scaled_dot_product_attention`` on the flash backend over the
-  equivalent dense batch: one row per segment, its ancestors copied in front of its
-  own keys, lower-right causal (the same query tokens and keys per query, i.e. the
-  linearized computation). K/V are repeated to the q heads (the flash op takes equal
-  head counts), which costs it memory traffic but no FLOPs;
-* ``dtree sdpa``: the current default backend, one SDPA call per segment.
+  ancestors read from the KV stack in place, prefix dK/dV added with float atomics;
+  ``triton det``: the same with ``deterministic=True`` (ordered adds);
+* ``flash-attn``: the ``flash-attn`` backend (``dtree.ops.stack_attention_flash4``):
+  flash-attn-4 varlen calls per region, stack read in place, merged by log-sum-exp;
+  ``flash-attn det``: its deterministic backward (when flash-attn-4 imports);
+* ``fa4 gathered``: ``varlen_attention_flash.stack_attention_flash_attn``, every
+  prefix gathered in front of its segment, one flash-attn varlen call;
+* ``sdpa dense``: ``F.scaled_dot_product_attention`` (flash backend) over the dense
+  batch, ancestors copied in front of each segment, K/V heads repeated (the
+  linearized computation; copies not timed);
+* ``regions (torch)``: only with ``--smoke``, the region path with the pure-torch kernel.
 
-TFLOP/s count only the visible (query, key) pairs: forward 4 * D * Hq per pair, the
-backward 2.5 times that (FlashAttention's convention), so the three are comparable.
-
-Layouts (tokens of one call): ``grpo`` one 2048-token prompt shared by 8 answers of
-512; ``grpo_long`` a 256-token prompt under 8 answers of 2048 (few prefix slots, many
-rows: what ``prefix_item_rows`` is for); ``chain`` one 2048-token segment under a
-6144-token prefix; ``many_small`` 256 segments of 32 tokens, 16 groups of 16 siblings,
-each under a shared 1024-token system prompt plus its group's 256-token context
-(two-range prefixes).
-
-Then, for the atomics-vs-segmented-reduction question in the kernel's docstring, the
-dK/dV kernel's own time (torch.profiler) for ``prefix_item_rows`` = 256, 1024 (the
-default), 4096 and unbounded, and the time of each kernel of one forward+backward.
-
-Then the attention options (``--option-cases``): ``window``, a 4096-row chain under a
-12288-slot prefix (a path of 16k, 4x the 4096 window), timed against the same call
-without the window (full attention over the whole path) and against SDPA over only the
-in-window keys (a banded boolean mask: the memory-efficient backend); ``softcap`` (50,
-Gemma2's) and ``sinks`` on the ``grpo`` layout, against the same call without them.
-
-Prints everything and, with ``--out DIR``, writes ``DIR/stack_attention_<gpu>.md``
-(with GPU, CUDA, torch and Triton versions and the configs). About 1-2 minutes on an
-H100 with the fixed configs.
-
-``--smoke`` runs the option cases at tiny sizes in fp32 on the CPU, the kernels under
-the Triton interpreter (no GPU needed; the times mean nothing): a check that the
-script runs.
+Reported per implementation: median ``do_bench`` ms of the forward and of
+forward+backward, TFLOP/s over the visible (query, key) pairs (forward 4 D Hq per pair,
+backward 2.5x that, FlashAttention's convention), the backward/forward time ratio, the
+GPU time of its kernels per forward+backward (torch.profiler; below the wall time when
+the host cannot keep up) and its longest kernels, the largest error of the output and
+of every gradient (dq, dk, dv, the stack's dK/dV) relative to the largest value of
+``stack_attention_reference`` in float32 on the same inputs, and whether two runs gave
+bitwise-identical results. Then the attention options (``--option-cases``) of the
+Triton kernel. ``--out DIR`` writes ``DIR/stack_attention_<gpu>[_<tag>].md``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import os
-import platform
 import re
 import sys
 import time
@@ -60,12 +47,17 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from stack_attention_cases import (  # noqa: E402
+    Case, bench_ms, cases, dense_inputs, environment, flash, kernel_ms, short_kernel_name, stack_inputs, table,
+)
 
 from dtree.kv_stack import KVStack  # noqa: E402
-from dtree.ops.stack_attention import SegmentLayout, stack_attention_sdpa  # noqa: E402
+from dtree.ops.stack_attention import stack_attention_reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-PREFIX_ITEM_ROWS = [256, 1024, 4096, 1 << 30]
+GRADS = ["out", "dq", "dk", "dv", "stack dk", "stack dv"]
 
 
 def parse_args() -> argparse.Namespace:
@@ -74,98 +66,120 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=32, help="query heads")
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--layouts", default="grpo,grpo_long,chain,many_small", help="comma-separated subset ('' for none)")
+    p.add_argument("--layouts", default="grpo,agentic,grpo_long,chain,many_small", help="comma-separated ('' for none)")
+    p.add_argument("--impls", default="", help="comma-separated subset of the implementations (default: all)")
     p.add_argument("--option-cases", default="window,softcap,sinks", help="comma-separated subset ('' for none)")
-    p.add_argument("--smoke", action="store_true", help="tiny option cases on the CPU under the Triton interpreter")
+    p.add_argument("--smoke", action="store_true", help="tiny layouts on the CPU under the Triton interpreter")
     p.add_argument("--out", default=None, help="directory for the Markdown report")
+    p.add_argument("--tag", default="", help="suffix of the report's file name")
     return p.parse_args()
 
 
-# --------------------------------------------------------------------------- layouts
-class Case:
-    """One call: segments of equal length ``seg_len`` with equal-length prefixes, so
-    the dense equivalent is one batched SDPA call of ``len(prefixes)`` rows."""
+# --------------------------------------------------------------------------- implementations
+def implementations(sat, smoke: bool, wanted: str) -> tuple[dict, dict]:
+    """name -> stack attention fn (the backends' signature), and name -> why absent."""
+    fns, absent = {
+        "triton": functools.partial(sat.stack_attention_triton, deterministic=False),
+        "triton det": functools.partial(sat.stack_attention_triton, deterministic=True),
+    }, {}
+    if smoke:
+        from dtree.ops.stack_attention_regions import stack_attention_regions
 
-    def __init__(self, name: str, seg_len: int, prefixes: list[tuple[tuple[int, int], ...]], note: str):
-        self.name, self.seg_len, self.note = name, seg_len, note
-        self.prefix_len = sum(hi - lo for lo, hi in prefixes[0])
-        assert all(sum(hi - lo for lo, hi in p) == self.prefix_len for p in prefixes)
-        self.slots = max(hi for p in prefixes for _, hi in p)
-        n = len(prefixes)
-        q_off = np.arange(n + 1, dtype=np.int64) * seg_len
-        self.layout = SegmentLayout(q_off, self.slots + q_off[:-1], list(prefixes))
-        self.tokens = n * seg_len
+        fns["regions (torch)"] = stack_attention_regions
+    else:
+        from dtree.ops import varlen_attention_flash as vf
+        from dtree.ops.backends import Target
+        from dtree.ops.stack_attention_flash4 import flash4_unavailable, stack_attention_flash4
 
-    def pairs(self) -> float:
-        """Visible (query, key) pairs."""
-        n = self.layout.num_segments
-        return n * (self.seg_len * self.prefix_len + self.seg_len * (self.seg_len + 1) / 2)
-
-
-def cases(names: list[str]) -> list[Case]:
-    groups = [((0, 1024), (1024 + 256 * g, 1024 + 256 * (g + 1))) for g in range(16)]
-    all_cases = {
-        "grpo": Case("grpo", 512, [((0, 2048),)] * 8, "prompt 2048, 8 answers x 512"),
-        "grpo_long": Case("grpo_long", 2048, [((0, 256),)] * 8, "prompt 256, 8 answers x 2048"),
-        "chain": Case("chain", 2048, [((0, 6144),)], "1 segment x 2048 under a 6144 prefix"),
-        "many_small": Case(
-            "many_small", 32, [groups[i // 16] for i in range(256)], "256 x 32 tokens, prefix 1024 + 256 (2 ranges)"
-        ),
-    }
-    return [all_cases[n] for n in names]
+        why = flash4_unavailable(Target(torch.device("cuda"), torch.bfloat16, head_dim=128))
+        if why is None:
+            fns["flash-attn"] = functools.partial(stack_attention_flash4, deterministic=False)
+            fns["flash-attn det"] = functools.partial(stack_attention_flash4, deterministic=True)
+        else:
+            absent["flash-attn"] = why
+        if vf.flash_attn_impl() == "flash-attn-4":
+            fns["fa4 gathered"] = vf.stack_attention_flash_attn
+        else:
+            absent["fa4 gathered"] = f"flash-attn-4 not importable (found {vf.flash_attn_impl()})"
+    if wanted:
+        keep = set(wanted.split(","))
+        fns = {n: f for n, f in fns.items() if n in keep}
+    return fns, absent
 
 
-# --------------------------------------------------------------------------- inputs
-def stack_inputs(case: Case, hq: int, hkv: int, d: int, dtype: torch.dtype, device: str = "cuda"):
-    """KV stack holding the ancestors, and this call's q, k, v (leaves)."""
-    stack = KVStack(1, case.slots + case.tokens, hkv, d, dtype=dtype, device=device)
-    stack.k[0, : case.slots].normal_()
-    stack.v[0, : case.slots].normal_()
+def reference_results(case: Case, stack: KVStack, q, k, v, go) -> list[torch.Tensor]:
+    """out, dq, dk, dv, stack dK, stack dV of ``stack_attention_reference`` in float32."""
+    ref = KVStack(1, stack.capacity, stack.num_kv_heads, stack.head_dim, dtype=torch.float32, device=q.device)
+    ref.k.copy_(stack.k)
+    ref.v.copy_(stack.v)
+    ref.zero_grad(0, ref.capacity)
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
+    out = stack_attention_reference(*leaves, ref, 0, case.layout, q.shape[-1] ** -0.5)
+    grads = torch.autograd.grad(out, leaves, go.float())
+    return [out.detach(), *grads, ref.grad_k[0, : case.slots].clone(), ref.grad_v[0, : case.slots].clone()]
+
+
+def results(fn, case: Case, stack: KVStack, q, k, v, go) -> list[torch.Tensor]:
     stack.zero_grad(0, stack.capacity)
-    q = torch.randn(case.tokens, hq, d, device=device, dtype=dtype, requires_grad=True)
-    k = torch.randn(case.tokens, hkv, d, device=device, dtype=dtype, requires_grad=True)
-    v = torch.randn(case.tokens, hkv, d, device=device, dtype=dtype, requires_grad=True)
-    stack.store_kv(0, case.slots, k.detach(), v.detach())
-    return stack, q, k, v
+    out = fn(q, k, v, stack, 0, case.layout, q.shape[-1] ** -0.5)
+    grads = torch.autograd.grad(out, (q, k, v), go)
+    return [out.detach(), *grads, stack.grad_k[0, : case.slots].clone(), stack.grad_v[0, : case.slots].clone()]
 
 
-def dense_inputs(case: Case, stack: KVStack, q, k, v):
-    """The equivalent dense batch [segments, Hq, len, D] / [segments, Hq, prefix + len, D]:
-    each segment's ancestors gathered in front of its own keys, K/V heads repeated."""
-    n, length, group = case.layout.num_segments, case.seg_len, q.shape[1] // k.shape[1]
-    rows = []
-    for own, store in ((k.detach(), stack.k[0]), (v.detach(), stack.v[0])):
-        batch = [
-            torch.cat([store[case.layout.prefix_index(i, q.device)], own[i * length : (i + 1) * length]])
-            for i in range(n)
-        ]
-        rows.append(torch.stack(batch).repeat_interleave(group, dim=2).transpose(1, 2).contiguous())
-    qd = q.detach().view(n, length, q.shape[1], q.shape[2]).transpose(1, 2).contiguous()
-    return [x.requires_grad_() for x in (qd, *rows)]
+def run_case(case: Case, args, fns: dict, dtype, device) -> dict:
+    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
+    scale = d**-0.5
+    stack, q, k, v = stack_inputs(case, hq, hkv, d, dtype, device)
+    go = torch.randn(q.shape[0], hq, d, generator=torch.Generator().manual_seed(1)).to(device, dtype)
+    want = reference_results(case, stack, q, k, v, go)
+    flops_fwd = 4 * d * hq * case.pairs()
+    row = {"case": case.name, "note": case.note, "tokens": case.tokens, "impls": {}}
+    for name, fn in fns.items():
+        t0 = time.time()
+        try:
+            first = results(fn, case, stack, q, k, v, go)
+            second = results(fn, case, stack, q, k, v, go)
+        except Exception as e:  # noqa: BLE001 (report it and go on with the others)
+            row["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+            print(f"{case.name} {name}: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+            continue
+        errs = [((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item() for g, w in zip(first, want)]
+        bitwise = all(torch.equal(a, b) for a, b in zip(first, second))
+        call = functools.partial(fn, stack=stack, layer=0, layout=case.layout, scale=scale)
+        m = measure(call, (q, k, v), go, flops_fwd)
+        row["impls"][name] = {**m, "errors": errs, "bitwise": bitwise}
+        print(f"{case.name} {name}: {m['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd, {time.time() - t0:.1f} s",
+              file=sys.stderr, flush=True)
+    if device == "cuda":
+        dense = dense_inputs(case, stack, q, k, v)
+        go_dense = go.view(case.layout.num_segments, case.seg_len, hq, d).transpose(1, 2).contiguous()
+        m = measure(functools.partial(flash, scale=scale), tuple(dense), go_dense, flops_fwd)
+        with torch.no_grad():
+            out_dense = flash(*dense, scale=scale).transpose(1, 2).reshape(want[0].shape).float()
+        err = ((out_dense - want[0]).abs().max() / want[0].abs().max()).item()
+        row["impls"]["sdpa dense"] = {**m, "errors": [err] + [float("nan")] * 5, "bitwise": None}
+    return row
 
 
-def flash(q, k, v, *, scale):
-    """SDPA on the flash backend, lower-right causal: q [B, H, Lq, D], k/v [B, H, Lk, D]."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from torch.nn.attention.bias import causal_lower_right
+def measure(call, inputs, go, flops_fwd: float) -> dict:
+    """do_bench times (forward; forward+backward), TFLOP/s, and the GPU time of the kernels."""
+    with torch.no_grad():
+        ms_f = bench_ms(lambda: call(*inputs))
+    ms_fb = bench_ms(lambda: call(*inputs).backward(go), grads=list(inputs))
+    kernels = kernel_ms(lambda: call(*inputs).backward(go))
+    gpu_ms = sum(kernels.values())
+    return {
+        "fwd_ms": ms_f, "fwd_bwd_ms": ms_fb, "fwd_tflops": flops_fwd / ms_f / 1e9,
+        "fwd_bwd_tflops": 3.5 * flops_fwd / ms_fb / 1e9, "bwd_over_fwd": (ms_fb - ms_f) / ms_f,
+        "gpu_ms": gpu_ms or float("nan"), "gpu_tflops": 3.5 * flops_fwd / gpu_ms / 1e9 if gpu_ms else float("nan"),
+        "kernels": list(kernels.items())[:6],
+    }
 
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        if q.shape[2] == k.shape[2]:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-        mask = causal_lower_right(q.shape[2], k.shape[2])
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
-
-# --------------------------------------------------------------------------- timing
-def bench_ms(fn, grads=None) -> float:
-    if not torch.cuda.is_available():  # --smoke: one timed call, to exercise the path
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t0) * 1e3
-    from triton.testing import do_bench
-
-    return do_bench(fn, grad_to_none=grads, return_mode="median")
+# --------------------------------------------------------------------------- options
+def stack_on_stack(attention, stack, layout, scale, q, k, v):
+    """A stack attention backend with the stack, layout and scale bound."""
+    return attention(q, k, v, stack, 0, layout, scale)
 
 
 def forward(fn, inputs):
@@ -176,76 +190,6 @@ def fwd_bwd(fn, inputs, go):
     return lambda: fn(*inputs).backward(go)
 
 
-def kernel_ms(fn, iters: int = 10) -> dict[str, float]:
-    """CUDA time per call of each Triton kernel of ``fn`` (torch.profiler)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-    out = {}
-    for event in prof.key_averages():
-        name = next((n for n in ("_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel") if n in event.key), None)
-        if name:
-            total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0.0)
-            out[name] = out.get(name, 0.0) + total / iters / 1e3
-    return out
-
-
-def stack_on_stack(attention, stack, layout, scale, q, k, v):
-    """A stack attention backend with the stack, layout and scale bound."""
-    return attention(q, k, v, stack, 0, layout, scale)
-
-
-def run_case(case: Case, args, sat, dtype) -> dict:
-    hq, hkv, d = args.heads, args.kv_heads, args.head_dim
-    scale = d**-0.5
-    stack, q, k, v = stack_inputs(case, hq, hkv, d, dtype)
-    triton_fn = functools.partial(stack_on_stack, sat.stack_attention_triton, stack, case.layout, scale)
-    sdpa_fn = functools.partial(stack_on_stack, stack_attention_sdpa, stack, case.layout, scale)
-    dense = dense_inputs(case, stack, q, k, v)
-    go = torch.randn_like(q)
-    go_dense = go.view(case.layout.num_segments, case.seg_len, hq, d).transpose(1, 2).contiguous()
-
-    with torch.no_grad():  # sanity: one computation three ways
-        out = triton_fn(q, k, v).float()
-        err_sdpa = (out - sdpa_fn(q, k, v).float()).abs().max().item()
-        out_dense = flash(*dense, scale=scale).transpose(1, 2).reshape(out.shape).float()
-        err_flash = (out - out_dense).abs().max().item()
-
-    flops_fwd = 4 * d * hq * case.pairs()
-    row = {"case": case.name, "note": case.note, "tokens": case.tokens, "diff_sdpa": err_sdpa, "diff_flash": err_flash}
-    impls = {
-        "triton": (triton_fn, (q, k, v), go),
-        "flash": (functools.partial(flash, scale=scale), tuple(dense), go_dense),
-        "dtree sdpa": (sdpa_fn, (q, k, v), go),
-    }
-    for name, (fn, inputs, g) in impls.items():
-        with torch.no_grad():
-            ms_f = bench_ms(forward(fn, inputs))
-        ms_fb = bench_ms(fwd_bwd(fn, inputs, g), grads=list(inputs))
-        row[name] = {
-            "fwd_ms": ms_f,
-            "fwd_bwd_ms": ms_fb,
-            "fwd_tflops": flops_fwd / ms_f / 1e9,
-            "fwd_bwd_tflops": 3.5 * flops_fwd / ms_fb / 1e9,
-        }
-
-    row["kernels_ms"] = kernel_ms(fwd_bwd(triton_fn, (q, k, v), go))
-    if case.layout.num_segments > 1 or case.prefix_len:
-        sweep = {}
-        for rows in PREFIX_ITEM_ROWS:
-            kernel = functools.partial(sat.stack_attention_triton, prefix_item_rows=rows)
-            tuned = functools.partial(stack_on_stack, kernel, stack, case.layout, scale)
-            sweep[rows] = kernel_ms(fwd_bwd(tuned, (q, k, v), go)).get("_dkdv_kernel")
-        row["dkdv_ms_by_prefix_item_rows"] = sweep
-    return row
-
-
-# --------------------------------------------------------------------------- options
 class OptionCase:
     """A call timed with ``options`` and without them (same layout), and, for a window,
     against SDPA over only the in-window keys."""
@@ -274,7 +218,8 @@ def option_cases(names: list[str], smoke: bool, hq: int) -> list[OptionCase]:
         window = 4096
     sinks = torch.randn(hq, generator=torch.Generator().manual_seed(0))
     all_cases = {
-        "window": OptionCase("window", chain, {"window": window}, f"{chain.note}, window {window} (path 4x the window)"),
+        "window": OptionCase("window", chain, {"window": window},
+                             f"{chain.note}, window {window} (path 4x the window)"),
         "softcap": OptionCase("softcap", grpo, {"softcap": 50.0}, f"{grpo.note}, softcap 50"),
         "sinks": OptionCase("sinks", grpo, {"sinks": sinks}, f"{grpo.note}, sinks"),
     }
@@ -353,89 +298,47 @@ def option_report(rows: list[dict]) -> list[str]:
     return out
 
 
+
 # --------------------------------------------------------------------------- report
-def environment(device: str = "cuda") -> dict:
-    import triton
-
-    return {
-        "gpu": torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter; times are meaningless)",
-        "cuda": torch.version.cuda,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-    }
-
-
-def tuned_configs(sat) -> list[str]:
-    """The configs that ran: the first fixed candidate of each kernel that fit."""
-    lines = []
-    for key, i in getattr(sat, "_FITTING", {}).items():
-        kernel, table, dtype = key[:3]
-        inner, warps, stages = sat._fixed_candidates(kernel, table, dtype)[i]
-        lines.append(f"{kernel} {key}: {sat._INNER_NAME[kernel]} {inner}, num_warps {warps}, num_stages {stages}")
-    return lines
-
-
-def table(header: list[str], lines: list[list[str]]) -> list[str]:
-    return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(c) + " |" for c in lines]
-
-
-def report(rows: list[dict], option_rows: list[dict], args, env: dict, sat, seconds: float) -> str:
-    impls = ["triton", "flash", "dtree sdpa"]
-    mode = "fixed configs"
+def report(rows: list[dict], option_rows: list[dict], args, env: dict, absent: dict, seconds: float) -> str:
     out = [
         "# Stack attention kernel benchmark",
         "",
         (
-            f"{env['gpu']}, CUDA {env['cuda']}, torch {env['torch']}, Triton {env['triton']}, "
-            f"Python {env['python']}, {env['date']}. {args.dtype}, {args.heads} q heads / {args.kv_heads} kv heads "
-            f"of {args.head_dim}; {mode}; {seconds:.0f} s in all."
+            f"{env['gpu']}, CUDA {env['cuda']}, torch {env['torch']}, Triton {env['triton']}, Python {env['python']}, "
+            f"{env['flash_attn']}; {env['date']}. {args.dtype}, {args.heads} q heads / {args.kv_heads} kv heads of "
+            f"{args.head_dim}; {seconds:.0f} s in all."
         ),
-    ]
-    if not rows:
-        return "\n".join(out + option_report(option_rows)) + "\n"
-    out += [
         "",
-        "TFLOP/s (and median ms) of the visible (query, key) pairs; fwd+bwd counts the backward as 2.5x the forward.",
+        *(f"- not run: {n}: {w}" for n, w in absent.items()),
         "",
+        "TFLOP/s over the visible (query, key) pairs, the backward counted as 2.5x the forward. `bwd/fwd`: backward "
+        "time over forward time (do_bench). `GPU ms`: the kernels' time per forward+backward (profiler). Errors: "
+        "max |x - ref| / max |ref| against `stack_attention_reference` in float32, for "
+        + ", ".join(GRADS) + ". `bitwise`: two runs gave identical outputs and gradients.",
     ]
-    header = ["layout", "tokens"] + [f"{i} {p}" for i in impls for p in ("fwd", "fwd+bwd")] + ["flash / triton time"]
-    lines = []
     for r in rows:
-        cells = [f"{r['case']}: {r['note']}", str(r["tokens"])]
-        for i in impls:
-            for p in ("fwd", "fwd_bwd"):
-                cells.append(f"{r[i][p + '_tflops']:.0f} ({r[i][p + '_ms']:.2f} ms)")
-        cells.append(f"{r['flash']['fwd_bwd_ms'] / r['triton']['fwd_bwd_ms']:.2f}x")
-        lines.append(cells)
-    out += table(header, lines)
-
-    names = ["_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel"]
-    out += ["", "Per-kernel time of one triton forward+backward (ms):", ""]
-    kernel_rows = [[r["case"]] + [f"{r['kernels_ms'].get(n, float('nan')):.3f}" for n in names] for r in rows]
-    out += table(["layout", *names], kernel_rows)
-
-    out += [
-        "",
-        (
-            "dK/dV kernel time (ms) by `prefix_item_rows`, the query rows per prefix work item (fewer rows: more "
-            "programs and more atomic adds per stack slot; the default is 1024):"
-        ),
-        "",
-    ]
-    swept = [r for r in rows if "dkdv_ms_by_prefix_item_rows" in r]
-    out += table(
-        ["layout"] + ["unbounded" if n >= 1 << 30 else str(n) for n in PREFIX_ITEM_ROWS],
-        [[r["case"]] + [f"{r['dkdv_ms_by_prefix_item_rows'][n]:.3f}" for n in PREFIX_ITEM_ROWS] for r in swept],
-    )
-    diffs = ", ".join(f"{r['case']} {r['diff_sdpa']:.1e} / {r['diff_flash']:.1e}" for r in rows)
-    out += ["", f"Max |triton - dtree sdpa| / |triton - flash| of the forward outputs: {diffs}."]
+        out += ["", f"## {r['case']}: {r['note']} ({r['tokens']} tokens)", ""]
+        lines = []
+        for name, m in r["impls"].items():
+            if "error" in m:
+                lines.append([name, m["error"]] + [""] * 7)
+                continue
+            errs = " / ".join("-" if e != e else f"{e:.1e}" for e in m["errors"])
+            lines.append([
+                name, f"{m['fwd_ms']:.3f} ({m['fwd_tflops']:.0f})",
+                f"{m['fwd_bwd_ms']:.3f} ({m['fwd_bwd_tflops']:.0f})",
+                f"{m['bwd_over_fwd']:.2f}", f"{m['gpu_ms']:.3f} ({m['gpu_tflops']:.0f})", errs,
+                "-" if m["bitwise"] is None else ("yes" if m["bitwise"] else "no"),
+            ])
+        out += table(["impl", "fwd ms (TFLOP/s)", "fwd+bwd ms (TFLOP/s)", "bwd/fwd", "GPU ms (TFLOP/s)",
+                      "errors", "bitwise"], lines)
+        out += ["", "Longest kernels per forward+backward (ms):", ""]
+        for name, m in r["impls"].items():
+            if m.get("kernels"):
+                out.append(f"- {name}: " + ", ".join(f"`{short_kernel_name(k)}` {t:.3f}" for k, t in m["kernels"]))
     if option_rows:
         out += option_report(option_rows)
-    configs = tuned_configs(sat)
-    if configs:
-        out += ["", "Configs (kernel (key): config):", ""] + [f"- `{c}`" for c in configs]
     return "\n".join(out) + "\n"
 
 
@@ -443,7 +346,7 @@ def main() -> None:
     args = parse_args()
     if args.smoke:  # before Triton is imported: the kernels run under its interpreter
         os.environ["TRITON_INTERPRET"] = "1"
-        args.layouts, args.heads, args.kv_heads, args.head_dim, args.dtype = "", 4, 2, 16, "fp32"
+        args.heads, args.kv_heads, args.head_dim, args.dtype = 4, 2, 16, "fp32"
     elif not torch.cuda.is_available():
         sys.exit("bench_stack_attention needs a CUDA GPU (or --smoke)")
     from dtree.ops import stack_attention_triton as sat
@@ -452,25 +355,34 @@ def main() -> None:
     sat.require_triton(device)
     torch.manual_seed(0)
     start = time.time()
+    fns, absent = implementations(sat, args.smoke, args.impls)
     rows, option_rows = [], []
-    for case in cases([n for n in args.layouts.split(",") if n]):
+    for case in cases([n for n in args.layouts.split(",") if n], 64 if args.smoke else 1):
         t0 = time.time()
-        rows.append(run_case(case, args, sat, DTYPES[args.dtype]))
-        torch.cuda.empty_cache()
+        rows.append(run_case(case, args, fns, DTYPES[args.dtype], device))
+        if device == "cuda":
+            torch.cuda.empty_cache()
         print(f"{case.name}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
+        write(report(rows, option_rows, args, environment(device), absent, time.time() - start), args)
     for oc in option_cases([n for n in args.option_cases.split(",") if n], args.smoke, args.heads):
         t0 = time.time()
         option_rows.append(run_option_case(oc, args, sat, DTYPES[args.dtype], device))
         print(f"{oc.name}: {time.time() - t0:.1f} s", file=sys.stderr, flush=True)
-    text = report(rows, option_rows, args, environment(device), sat, time.time() - start)
+    text = report(rows, option_rows, args, environment(device), absent, time.time() - start)
     print(text)
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        gpu = "cpu_smoke" if args.smoke else re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_").lower()
-        path = os.path.join(args.out, f"stack_attention_{gpu}.md")
-        with open(path, "w") as f:
-            f.write(text)
-        print(f"wrote {path}", file=sys.stderr)
+    write(text, args)
+
+
+def write(text: str, args) -> None:
+    """The report, rewritten after every layout (a run cut short keeps what it measured)."""
+    if not args.out:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    gpu = "cpu_smoke" if args.smoke else re.sub(r"[^A-Za-z0-9]+", "_", torch.cuda.get_device_name()).strip("_").lower()
+    path = os.path.join(args.out, f"stack_attention_{gpu}{'_' + args.tag if args.tag else ''}.md")
+    with open(path, "w") as f:
+        f.write(text)
+    print(f"wrote {path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

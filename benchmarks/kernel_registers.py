@@ -28,11 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from dtree.ops import stack_attention_triton as sat  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
-INT_POINTERS = {"QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START", "SEG_END", "ITEMS"}
+INT_POINTERS = {"QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START", "SEG_END", "ITEMS", "TICKETS"}
 FP32_POINTERS = {"LSE", "DELTA", "GK", "GV", "SINK_LOGITS", "ALIBI_SLOPES"}
 FLOATS = {"qk_scale", "cap_in", "cap_out", "sm_scale"}
 OPTION_SETS = {
     "plain": {},
+    "deterministic": {"DETERMINISTIC": True},
     "window": {"HAS_WINDOW": True},
     "softcap+sinks": {"HAS_SOFTCAP": True, "HAS_SINKS": True},
     "all": {"HAS_SOFTCAP": True, "HAS_SINKS": True, "HAS_ALIBI": True, "HAS_WINDOW": True},
@@ -78,21 +79,28 @@ def compile_kernel(kernel: str, dtype: str, constexprs: dict, warps: int, stages
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--all-candidates", action="store_true", help="every autotuning candidate, not only the default")
+    p.add_argument("--shapes", default="", help="comma-separated subset of dtype/Dk/Dv, e.g. bf16/128/128")
+    p.add_argument("--options", default="", help="comma-separated subset of the option sets")
+    p.add_argument("--kernels", default="fwd,dq,dkdv")
     args = p.parse_args()
+    shapes = [s for s in SHAPES if not args.shapes or f"{s[0]}/{s[1]}/{s[2]}" in args.shapes.split(",")]
+    option_sets = {n: f for n, f in OPTION_SETS.items() if not args.options or n in args.options.split(",")}
     print("| dtype | Dk/Dv | tile | options | kernel | config (inner, warps, stages) | registers | spill bytes | shared KB |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for dtype, dk, dv in SHAPES:
+    for dtype, dk, dv in shapes:
         torch_dtype = getattr(__import__("torch"), {"bf16": "bfloat16", "fp32": "float32"}[dtype])
-        for options, flags in OPTION_SETS.items():
-            for kernel in ("fwd", "dq", "dkdv"):
+        for options, flags in option_sets.items():
+            for kernel in args.kernels.split(","):
                 table = 64 if dtype == "fp32" or max(dk, dv) > 128 else 128
-                candidates = sat._fixed_candidates(kernel, table, torch_dtype)
+                transform = flags.get("HAS_SOFTCAP", False) or flags.get("HAS_ALIBI", False)
+                candidates = sat._fixed_candidates(kernel, table, torch_dtype, transform)
                 for inner, warps, stages in candidates if args.all_candidates else candidates[:1]:
                     constexprs = {
                         "GROUP": 4, "HEAD_DIM": dk, "BLOCK_D": triton.next_power_of_2(dk), "V_DIM": dv,
                         "BLOCK_DV": triton.next_power_of_2(dv), "DOT_PREC": "ieee" if dtype == "fp32" else "tf32",
                         sat._TABLE_NAME[kernel]: table, sat._INNER_NAME[kernel]: inner,
                         **{f: flags.get(f, False) for f in sat._FLAGS[kernel]},
+                        **({"DETERMINISTIC": flags.get("DETERMINISTIC", False)} if kernel == "dkdv" else {}),
                     }
                     r = compile_kernel(kernel, dtype, constexprs, warps, stages)
                     print(f"| {dtype} | {dk}/{dv} | {table} | {options} | {kernel} | {inner}, {warps}, {stages} | "

@@ -19,7 +19,7 @@ from .ops.stack_attention import BACKENDS
 __all__ = ["RuntimeConfig", "Mode", "Attention", "MODES", "ATTENTIONS"]
 
 Mode = Literal["auto", "retain", "recompute"]
-Attention = Literal["auto", "triton", "sdpa", "reference"]
+Attention = Literal["auto", "triton", "flash-attn", "sdpa", "reference"]
 MODES: tuple[str, ...] = get_args(Mode)
 ATTENTIONS: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
 

@@ -26,7 +26,7 @@ OPS = ("stack_attention", "varlen_attention", "tree_mask_attention")
 
 
 def test_names():
-    assert backend_names("stack_attention") == ("reference", "sdpa", "triton")
+    assert backend_names("stack_attention") == ("reference", "sdpa", "triton", "flash-attn")
     assert backend_names("varlen_attention") == ("reference", "sdpa", "flash", "flash-attn")
     assert backend_names("tree_mask_attention") == ("sdpa", "flex")
     with pytest.raises(ValueError, match="unknown op 'attention'"):

@@ -59,7 +59,9 @@ def _keys(calls) -> dict[str, list]:
     return keys
 
 
-def _stack_attention_calls(monkeypatch, layout: SegmentLayout, used: int, options: AttentionOptions) -> list:
+def _stack_attention_calls(
+    monkeypatch, layout: SegmentLayout, used: int, options: AttentionOptions, deterministic: bool = False
+) -> list:
     calls: list = []
     for name in ("fwd", "dq", "dkdv"):
         monkeypatch.setitem(sat._KERNELS, name, _Recorder(sat._KERNELS[name], calls))
@@ -71,7 +73,8 @@ def _stack_attention_calls(monkeypatch, layout: SegmentLayout, used: int, option
     q = torch.zeros(1, hq, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
     k = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
     v = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
-    out = sat._StackAttention.apply(q, k, v, None, stack, 1, layout, d**-0.5, options, sat._Tuning())
+    tuning = sat._Tuning(deterministic=deterministic)
+    out = sat._StackAttention.apply(q, k, v, None, stack, 1, layout, d**-0.5, options, tuning)
     out.backward(torch.zeros_like(out))
     return calls
 
@@ -97,14 +100,18 @@ def _agentic(seed: int) -> tuple[SegmentLayout, int]:
     return SegmentLayout(q_off, used + q_off[:-1], ranges), used
 
 
-@pytest.mark.parametrize("options", [PLAIN, AttentionOptions(window=4096)], ids=["plain", "window"])
-def test_stack_attention_kernels_compile_once(monkeypatch, options):
+@pytest.mark.parametrize(
+    "options,deterministic", [(PLAIN, False), (AttentionOptions(window=4096), False), (PLAIN, True)],
+    ids=["plain", "window", "deterministic"],
+)
+def test_stack_attention_kernels_compile_once(monkeypatch, options, deterministic):
     layouts = [_grpo(2048, [512] * 8), _grpo(1999, [301, 77, 512, 9, 1000, 3, 40]), _agentic(0), _agentic(1)]
     keys: dict[str, list] = {}
     for layout, used in layouts:
-        for name, spec in _keys(_stack_attention_calls(monkeypatch, layout, used, options)).items():
+        calls = _stack_attention_calls(monkeypatch, layout, used, options, deterministic)
+        for name, spec in _keys(calls).items():
             keys.setdefault(name, []).extend(spec)
-    assert set(keys) == {"_fwd_kernel", "_delta_kernel", "_dkdv_kernel", "_dq_kernel"}
+    assert set(keys) == {"_fwd_kernel", "_dkdv_kernel", "_dq_kernel"}  # dq stores delta: no delta launch
     for name, specs in keys.items():
         distinct = {repr(s) for s in specs}
         assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"

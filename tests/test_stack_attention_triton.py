@@ -160,7 +160,7 @@ def _case_long_window():
     prefix = items[items[:, 0] == 1]
     assert prefix[:, 1].min() >= 144 - 48 + 1, "a dK/dV item reads stack slots no row sees"
     # one segment: an item's shallowest row is its first, at depth 144 + q0
-    kind, c0, c1, q0, q1, kshift, plen = prefix.T
+    kind, c0, c1, q0, q1, kshift, plen, turn = prefix.T
     assert np.all(plen + q0 - (c1 - 1 + kshift) < 48), "a dK/dV item none of whose rows sees its slots"
 
 
@@ -208,6 +208,13 @@ def _case_work_tables():
     assert np.array_equal(seen, want)
     blocks = sat._q_blocks(layout, torch.device("cpu"), 16).numpy()
     assert np.array_equal(np.sort(np.concatenate([np.arange(r0, r1) for r0, r1, *_ in blocks])), np.arange(t))
+    # prefix items stay inside one 16-slot stack cell; the items of a cell take turns
+    # 0, 1, ... in table order (the deterministic mode's order of addition)
+    cells = pre[:, 1] // 16
+    assert np.all((pre[:, 2] - 1) // 16 == cells)
+    for cell in np.unique(cells):
+        assert pre[cells == cell, 7].tolist() == list(range(int(np.sum(cells == cell))))
+    assert np.all(own[:, 7] == 0)
 
 
 def _case_runtime_end_to_end():
@@ -389,6 +396,21 @@ def test_fp16_flash_rule(worker, name, option):
 
 def test_clear_errors(worker):
     worker.run("errors")
+
+
+def test_prefix_item_rows_follow_the_gpu():
+    """Per call, the most rows per prefix item that still give four dK/dV programs per
+    SM: a GRPO group under 2 kv heads needs 256-row items on 132 SMs, under 8 kv heads
+    1024; a call too small to fill the GPU takes the smallest, 128."""
+    from dtree.ops import stack_attention_triton as sat
+
+    grpo, _ = layout_of([512] * 8, [[(0, 2048)]] * 8, 2048)
+    runs = sat._runs(grpo)
+    assert sat._auto_item_rows(runs, 128, 2, 132) == 256
+    assert sat._auto_item_rows(runs, 128, 8, 132) == 1024
+    assert sat._auto_item_rows(runs, 128, 1, 1000) == 128
+    plain, _ = layout_of([64, 64], [[], []], 0)
+    assert sat._auto_item_rows(sat._runs(plain), 128, 1, 132) == 128
 
 
 def test_require_triton_on_cpu():

@@ -4,7 +4,7 @@ runs, and what ``"auto"`` picks on each device type.
 Ops and their backends (each backend has the signature of its op's dispatcher):
 
 * ``stack_attention`` (:func:`dtree.ops.stack_attention.stack_attention`, dtree's
-  attention over the KV stack): ``reference``, ``sdpa``, ``triton``.
+  attention over the KV stack): ``reference``, ``sdpa``, ``triton``, ``flash-attn``.
 * ``varlen_attention`` (:func:`dtree.ops.varlen_attention.varlen_attention`, the
   linearized baseline): ``reference``, ``sdpa``, ``flash``, ``flash-attn``.
 * ``tree_mask_attention`` (:func:`dtree.ops.tree_mask_attention.tree_mask_attention`,
@@ -86,6 +86,9 @@ _OPS: dict[str, _Op] = {
                 "stack_attention_triton:stack_attention_triton",
                 "stack_attention:triton_unavailable",
                 "stack_attention:triton_nondeterministic",
+            ),
+            Backend(
+                "flash-attn", "stack_attention_flash4:stack_attention_flash4", "stack_attention_flash4:flash4_unavailable"
             ),
         ],
         {"cuda": ("triton", "sdpa"), "other": ("sdpa",)},

@@ -9,16 +9,27 @@ call's layers build each one once.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, TypeVar
+from typing import Any, Callable, Hashable, NamedTuple, TypeVar
 
 import numpy as np
 import torch
 
 from ..transfer import upload
 
-__all__ = ["SegmentLayout"]
+__all__ = ["Run", "SegmentLayout"]
 
 T = TypeVar("T")
+
+
+class Run(NamedTuple):
+    """Consecutive non-empty segments with identical prefix ranges (siblings: a GRPO
+    group's answers, the children of one tool call): rows ``[row_lo, row_hi)``, their
+    ``ranges`` ((lo, hi) stack slots, root first) and the index of the first segment."""
+
+    row_lo: int
+    row_hi: int
+    ranges: tuple[tuple[int, int], ...]
+    segment: int
 
 
 @dataclass
@@ -55,6 +66,21 @@ class SegmentLayout:
         if key not in self._derived:
             self._derived[key] = build()
         return self._derived[key]
+
+    def runs(self) -> list[Run]:
+        """The call's runs (see :class:`Run`) in row order; they tile its rows."""
+        return self.cached(("runs",), self._build_runs)
+
+    def _build_runs(self) -> list[Run]:
+        q_off = np.asarray(self.q_offsets, dtype=np.int64)
+        runs: list[Run] = []
+        for i in np.flatnonzero(np.diff(q_off)):
+            ranges = tuple((int(lo), int(hi)) for lo, hi in self.prefix_ranges[i])
+            if runs and ranges == runs[-1].ranges:
+                runs[-1] = runs[-1]._replace(row_hi=int(q_off[i + 1]))
+            else:
+                runs.append(Run(int(q_off[i]), int(q_off[i + 1]), ranges, int(i)))
+        return runs
 
     def prefix_index(self, i: int, device: torch.device) -> slice | torch.Tensor | None:
         """Stack slots of segment ``i``'s prefix: a slice when contiguous, else a

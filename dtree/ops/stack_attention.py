@@ -36,6 +36,11 @@ Backends, all with the signature of :func:`stack_attention`:
   for a score transform). Any device.
 * ``triton``: one fused kernel for all segments, reading the stack in place
   (:mod:`dtree.ops.stack_attention_triton`, CUDA only).
+* ``flash-attn``: flash-attn-4's varlen kernels over the call's regions (every segment
+  against its own K/V, causal; rows that share a stack range against it, in place),
+  merged by log-sum-exp (:mod:`dtree.ops.stack_attention_regions`,
+  :mod:`dtree.ops.stack_attention_flash4`; CUDA sm90+, flash-attn-4 installed). Calls
+  with options run the ``triton`` kernel.
 
 They are registered in :mod:`dtree.ops.backends`, whose ``resolve_backend`` picks one
 for a device (``auto``: ``triton`` on CUDA where it runs, else ``sdpa``).
@@ -186,7 +191,7 @@ def stack_attention_reference(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Pure-torch attention over the stack, float32 math, one segment at a time.
 
@@ -226,11 +231,11 @@ def stack_attention_sdpa(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """``scaled_dot_product_attention`` per segment over (stack prefix + own K/V),
     lower-right causal (see :func:`attend_sdpa` for the options). Shapes and gradients
-    as :func:`stack_attention_reference`."""
+    as :func:`stack_attention_reference` (``deterministic`` likewise)."""
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     check_stack_attention(q, k, v, stack, layout, options)
     deterministic = determinism.requested(deterministic)
@@ -304,7 +309,7 @@ def stack_attention(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
-    deterministic: bool = False,
+    deterministic: bool | None = None,
 ) -> torch.Tensor:
     """Attention of the packed segments over the stack, by backend name (see the
     module docstring and :mod:`dtree.ops.backends`; :func:`dtree.ops.backends.resolve_backend`

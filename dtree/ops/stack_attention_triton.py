@@ -23,41 +23,39 @@ cross-segment blocks and the diagonal pay for masking. Saves ``q, k, v, out`` an
 base-2 log-sum-exp ``lse`` (fp32, ``[Hq, T]``), never a copy of the prefix: the
 ancestors stay on the stack until this call's backward has run.
 
-*Backward*: (1) ``delta = rowsum(dO * O)``; (2) a KV-centric kernel, one program per
-(work item, kv head), looping over the q heads of its GQA group and over the query
-rows that see its keys; a work item is either an own key block (dK/dV stored with
-plain stores; every own row belongs to exactly one item) or a prefix chunk of at most
-``BLOCK_N`` stack slots together with at most ``prefix_item_rows`` query rows of the
-run (its dK/dV are added into the fp32 stack gradient with ``tl.atomic_add``);
-(3) a query-centric kernel for ``dq`` with the forward's iteration structure.
+*Backward*: (1) a query-centric kernel for ``dq`` with the forward's iteration
+structure, which also stores ``delta = rowsum(dO * O)`` of its rows (no launch of its
+own); (2) a KV-centric kernel, one program per (work item, kv head), looping over the
+q heads of its GQA group and over the query rows that see its keys; a work item is
+either an own key block (dK/dV stored with plain stores; every own row belongs to
+exactly one item) or a prefix chunk of at most ``BLOCK_N`` stack slots inside one
+``BLOCK_N``-slot cell of the stack together with at most ``prefix_item_rows`` query
+rows of the run (its dK/dV are added into the fp32 stack gradient).
 
-*Atomics vs a segmented reduction* for the prefix dK/dV. A stack slot receives one
-``tl.atomic_add`` per prefix work item covering it: ``ceil(run_rows /
-prefix_item_rows)`` per run that reads it (4 for a GRPO group of 8 x 512 answers,
-not 8), plus one per other run of the call with the same ancestor, plus the adds of
-other calls, which happen at other times. A segmented reduction would store each
-item's partial [BLOCK_N, D] tiles in a scratch buffer and sum them per slot in a
-second launch: scratch of (prefix items x BLOCK_N x Hkv x D x 2) fp32 per layer
-(67 MB for 8 x 512 answers under a 2048-token prompt with 8 kv heads of dim 128),
-one more launch, and a write plus a re-read of every partial: at least the traffic
-of the atomics, which read-modify-write the same tiles in L2. The fp32 atomic adds
-compile to 16-byte ``atom.global.relaxed.add.v4.f32`` (sm_90 PTX), and their volume
-is small against the work of an item (2 x BLOCK_N x D adds against about
-``prefix_item_rows`` x BLOCK_N x D x group x 8 flops), and only the few items
-counted above add to one slot. Items hold at most ``prefix_item_rows`` query rows so
-that a short prompt under many long answers still spreads over enough programs to
-fill the GPU (a 128-token prompt is only two 64-slot chunks). The price: prefix
-gradients are summed in an order that varies between runs (fp32, ~1e-7 relative);
-own dK/dV and dq are deterministic.
+*Prefix dK/dV: atomics, or ordered adds (``deterministic``).* A stack slot receives
+one add per prefix work item covering it: ``ceil(run_rows / prefix_item_rows)`` per
+run that reads it, plus one per other run of the call with the same ancestor. With
+float atomics (``tl.atomic_add``) their order varies between runs (fp32, ~1e-7
+relative; issue 21's RL users need bitwise-equal reruns). In deterministic mode the
+items of one cell add one at a time in work-table order: each waits for the cell's
+ticket to reach its ``turn``, adds (still with the atomic instructions, so no partial
+tile is held in registers: a load-add-store version spilled 300 bytes at head dim
+128), and passes the ticket on; so every slot sums its terms in one fixed order. The
+prefix items are laid out split-major (every chunk's first row split, then the
+second...), so the items of one cell sit apart in the cost-sorted table and rarely
+wait. Measured on an H100 (``results/h100/kernel_session2``): the dK/dV kernel
++1-4% against the atomics; own dK/dV and dq are deterministic in both modes. A
+segmented reduction (partial tiles to scratch, summed per slot by a second launch)
+would cost scratch of (prefix items x BLOCK_N x Hkv x D x 2) fp32 per layer (67 MB for
+8 x 512 answers under a 2048-token prompt with 8 kv heads of dim 128) and a write
+plus a re-read of every partial: more than the ordered adds cost.
 
-Measured (H200, bf16, 32 q / 8 kv heads of 128, ``benchmarks/bench_stack_attention.py``,
-report in ``benchmarks/results/stack_attention_nvidia_h200.md``): dK/dV kernel time
-for ``prefix_item_rows`` = 256 / 1024 (default) / 4096 / unbounded: grpo 0.980 /
-0.965 / 1.143 / 1.145 ms, grpo_long 2.127 / 2.074 / 2.531 / 4.968 ms, many_small
-1.275 / 1.259 / 1.262 / 1.263 ms. Fewer rows per item (more atomic adds per slot)
-is never slower, so the atomics are not what limits the kernel and a segmented
-reduction, which would remove only them, has nothing to save; unbounded items are
-slower because too few programs fill the GPU.
+``prefix_item_rows`` (None: per call) is the most rows per item, from 1024 down to
+128, that still gives the dK/dV launch four programs per SM: a short prompt under many
+long answers, or few kv heads, would otherwise leave SMs idle (grpo under 2 kv heads:
+192 programs at 1024 rows on 132 SMs). H100, dK/dV ms at 128 / 256 / 1024 / 4096 rows /
+per call: grpo 12/2 heads 0.402 / 0.411 / 0.436 / 1.225 / 0.415, grpo 32/8 1.087 /
+0.994 / 0.982 / 1.170 / 0.999.
 
 *Options* (:class:`dtree.ops.stack_attention.AttentionOptions`), each a constexpr
 flag, so a model that uses none compiles the plain kernels: ``softcap`` applies
@@ -79,9 +77,11 @@ its prefix.
 Tiles: the work tables depend on the q-block rows (forward/dq) and the kv-block
 slots (dK/dV), chosen on the host from the head dims and dtype only (:func:`_tiles`),
 so every forest of one model uses the same compiled kernels. The inner step,
-``num_warps`` and ``num_stages`` are fixed per (kernel, tile): the configs the
-autotuner picked on an H200 (bf16, head dim 128), the first that fits the GPU's
-shared memory (``benchmarks/kernel_registers.py`` checks them for spills).
+``num_warps`` and ``num_stages`` are fixed per (kernel, tile, whether softcap or ALiBi
+is on): the fastest of an H100 sweep for plain calls, the autotuner's H200 picks
+otherwise, the first that fits the GPU's shared memory (``_CANDIDATES``;
+``benchmarks/kernel_registers.py`` checks them for spills, ``bench_triton_tuning.py``
+times them).
 
 *One compile per kernel variant per process.* Triton compiles a kernel again for
 every new *specialization* of its non-constexpr arguments: an integer equal to 1 or
@@ -175,10 +175,14 @@ class InterpreterTiles:
 
 @dataclass(frozen=True)
 class _Tuning:
-    """The tuning knobs of one call, for the autograd function."""
+    """The knobs of one call, for the autograd function. ``prefix_item_rows`` None:
+    :func:`_auto_item_rows`. ``configs``: ``((kernel, (inner, warps, stages)), ...)``
+    forced instead of the fixed candidates (benchmarks sweep them)."""
 
-    prefix_item_rows: int = PREFIX_ITEM_ROWS
+    prefix_item_rows: int | None = None
     interpreter_tiles: InterpreterTiles = InterpreterTiles()
+    deterministic: bool = False
+    configs: tuple = ()
 
 # Work item kinds of the dK/dV kernel.
 _OWN, _PREFIX = 0, 1
@@ -479,30 +483,38 @@ def _dkdv_tile(
 
 @triton.jit(do_not_specialize=["T", "window", "ITEMS", "SEG_START", "SEG_END"])
 def _dkdv_kernel(
-    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES,
+    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES, TICKETS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_gkt, stride_gkh, stride_gvt,
     stride_gvh,
     T, qk_scale, sm_scale, cap_in, cap_out, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, DETERMINISTIC: tl.constexpr,
 ):
-    """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1, kshift, plen): keys
-    ``[c0, c1)`` (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV`` at
-    depths ``c + kshift``) and the query rows ``[q0, q1)`` that may see them (of a run
-    with ``plen`` prefix slots). Own items store dK/dV into ``DK, DV``; prefix items
-    atomically add them into ``GK, GV``. dK/dV are accumulated transposed (keys x
-    rows), as in FlashAttention-2."""
+    """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1, kshift, plen, turn):
+    keys ``[c0, c1)`` (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV``
+    at depths ``c + kshift``, inside one BLOCK_N cell of the stack) and the query rows
+    ``[q0, q1)`` that may see them (of a run with ``plen`` prefix slots). Own items store
+    dK/dV into ``DK, DV``; prefix items add them into ``GK, GV`` with atomics. dK/dV
+    are accumulated transposed (keys x rows), as in FlashAttention-2.
+
+    DETERMINISTIC: the prefix items of one stack cell add one at a time, in their
+    ``turn`` (0, 1, ... in work-table order): each waits until the cell's ticket in
+    ``TICKETS`` ([cells, kv heads] int32, zero at launch) equals its turn, adds, and
+    passes the ticket on, so every slot sums its terms in the table's order: bitwise
+    reproducible. No deadlock: turns follow the program ids and blocks start in
+    program-id order, so the item a block waits for has started (FlashAttention-2/3's
+    deterministic backward relies on the same order)."""
     item = tl.program_id(0)
     kv_head = tl.program_id(1).to(tl.int64)
-    kind = tl.load(ITEMS + 7 * item)
-    c0 = tl.load(ITEMS + 7 * item + 1)
-    c1 = tl.load(ITEMS + 7 * item + 2)
-    q0 = tl.load(ITEMS + 7 * item + 3)
-    q1 = tl.load(ITEMS + 7 * item + 4)
-    kshift = tl.load(ITEMS + 7 * item + 5)
-    plen = tl.load(ITEMS + 7 * item + 6)
+    kind = tl.load(ITEMS + 8 * item)
+    c0 = tl.load(ITEMS + 8 * item + 1)
+    c1 = tl.load(ITEMS + 8 * item + 2)
+    q0 = tl.load(ITEMS + 8 * item + 3)
+    q1 = tl.load(ITEMS + 8 * item + 4)
+    kshift = tl.load(ITEMS + 8 * item + 5)
+    plen = tl.load(ITEMS + 8 * item + 6)
     is_prefix = kind == 1
     is_own = kind == 0
 
@@ -577,10 +589,18 @@ def _dkdv_kernel(
         # Other runs of this call, and later calls' descendants, add into the same slots.
         gk_offs = cols.to(tl.int64)[:, None] * stride_gkt + kv_head * stride_gkh + offs_d[None, :]
         gv_offs = cols.to(tl.int64)[:, None] * stride_gvt + kv_head * stride_gvh + offs_dv[None, :]
-        tl.atomic_add(GK + gk_offs, dk.to(GK.dtype.element_ty), mask=col_ok[:, None] & (offs_d < HEAD_DIM)[None, :],
-                      sem="relaxed")
-        tl.atomic_add(GV + gv_offs, dv.to(GV.dtype.element_ty), mask=col_ok[:, None] & (offs_dv < V_DIM)[None, :],
-                      sem="relaxed")
+        gk_mask = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+        gv_mask = col_ok[:, None] & (offs_dv < V_DIM)[None, :]
+        if DETERMINISTIC:  # wait for this item's turn among the prefix items of its stack cell
+            ticket = TICKETS + (c0 // BLOCK_N) * tl.num_programs(1) + kv_head
+            turn = tl.load(ITEMS + 8 * item + 7)
+            while tl.atomic_cas(ticket, turn, turn, sem="acquire") != turn:
+                pass
+        tl.atomic_add(GK + gk_offs, dk.to(GK.dtype.element_ty), mask=gk_mask, sem="relaxed")
+        tl.atomic_add(GV + gv_offs, dv.to(GV.dtype.element_ty), mask=gv_mask, sem="relaxed")
+        if DETERMINISTIC:
+            tl.debug_barrier()  # every thread's adds are issued before the ticket moves on
+            tl.atomic_xchg(ticket, turn + 1, sem="release")
     else:
         _store_tile(DK + kv_head * stride_dkh, cols, stride_dkt, col_ok, offs_d, dk, HEAD_DIM)
         _store_tile(DV + kv_head * stride_dvh, cols, stride_dvt, col_ok, offs_dv, dv, V_DIM)
@@ -618,16 +638,17 @@ def _dq_inner(
 
 @triton.jit(do_not_specialize=["T", "window", "QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START"])
 def _dq_kernel(
-    Q, K, V, SK, SV, DO, LSE, DELTA, DQ, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START, ALIBI_SLOPES,
+    Q, K, V, SK, SV, O, DO, LSE, DELTA, DQ, QBLOCKS, RANGE_LO, RANGE_HI, SEG_START, ALIBI_SLOPES,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
-    stride_dot, stride_doh, stride_dqt, stride_dqh,
+    stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh,
     T, qk_scale, sm_scale, cap_in, cap_out, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
 ):
     """Grid (q blocks, q heads), same work table and key tiles as :func:`_fwd_kernel`.
-    Sinks need nothing here: they are in ``LSE``."""
+    Also stores ``DELTA`` = rowsum(O * dO) of its rows, which the dK/dV kernel (launched
+    after it) reads: no launch of its own. Sinks need nothing here: they are in ``LSE``."""
     blk = tl.program_id(0)
     head = tl.program_id(1).to(tl.int64)
     kv_head = head // GROUP
@@ -640,7 +661,9 @@ def _dq_kernel(
     q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
     do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
-    delta = tl.load(DELTA + head * T + rows, mask=row_ok, other=0.0)
+    o = _load_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_dv, V_DIM, BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(DELTA + head * T + rows, delta, mask=row_ok)
     row_seg_start = tl.load(SEG_START + rows, mask=row_ok, other=0)
     qpos = plen + rows - row_seg_start
     slope = 0.0
@@ -688,14 +711,26 @@ def _dq_kernel(
 # dK/dV over 1 KB), 64-row inner tiles in dK/dV (16-1720 bytes) and 32-row ones with 3
 # stages. (A timed autotuning path, DTREE_TRITON_AUTOTUNE=1, was removed: its first
 # call compiled and timed every candidate and gave different results from the second.)
+#
+# Calls without softcap or ALiBi (the flags that add score transforms to the backward)
+# first try _PLAIN_FIRST, the fastest configs of an H100 sweep (bf16, head dim 128,
+# 12/2 and 32/8 heads, grpo and agentic: benchmarks/bench_triton_tuning.py,
+# results/h100/kernel_session2): dq 128-key steps -22 to -26% against 64-key ones,
+# dK/dV 64-row steps -12 to -21% against 32-row ones; the same winner on every layout
+# and head count, so one config serves all. They run near the register limit (dq 255
+# registers, no spill; dK/dV 192 bytes of spill at head dim 128, which cost less than
+# the smaller step's extra passes over the keys); with softcap or ALiBi they would
+# spill 340-620 bytes, so those calls keep the candidates below (dq's 64-key step with
+# 3 stages, no spill with every option, came second in the sweep).
 _CANDIDATES = {
     ("fwd", 128): [(128, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2)],
     ("fwd", 64): [(64, 8, 2), (64, 4, 3), (32, 8, 2), (32, 4, 2)],
-    ("dq", 128): [(64, 8, 2), (32, 8, 3), (32, 8, 2)],
+    ("dq", 128): [(64, 8, 3), (64, 8, 2), (32, 8, 3), (32, 8, 2)],
     ("dq", 64): [(32, 8, 2), (32, 4, 3), (64, 4, 3), (32, 4, 2)],
     ("dkdv", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
     ("dkdv", 64): [(16, 8, 2), (16, 4, 2), (16, 4, 3), (32, 8, 2)],
 }
+_PLAIN_FIRST = {("dq", 128): (128, 8, 2), ("dkdv", 128): (64, 8, 2)}
 _INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
 _TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N"}
 _FLAGS = {
@@ -711,27 +746,35 @@ _KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
 _FITTING: dict = {}
 
 
-def _fixed_candidates(kernel: str, table: int, dtype: torch.dtype) -> list[tuple[int, int, int]]:
+def _fixed_candidates(
+    kernel: str, table: int, dtype: torch.dtype, score_transform: bool = False
+) -> list[tuple[int, int, int]]:
+    """The configs to try in order; ``score_transform``: the call has softcap or ALiBi."""
     candidates = _CANDIDATES[(kernel, table)]
     if dtype == torch.float32:  # fp32 tiles take twice the shared memory: smallest first, 8 warps first
         return sorted(candidates, key=lambda c: (c[0], c[2], -c[1]))
-    return candidates
+    first = _PLAIN_FIRST.get((kernel, table))
+    return candidates if first is None or score_transform else [first, *candidates]
 
 
-def _launch(
-    kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict, tiles: InterpreterTiles
-) -> None:
+def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict, tuning: _Tuning) -> None:
     """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
-    its small tiles, else the first fixed candidate that fits the device (a launch that
-    runs out of shared memory raises before the kernel starts, so trying the next one
-    adds nothing twice)."""
+    its small tiles, else the config ``tuning`` forces, else the first fixed candidate
+    that fits the device (a launch that runs out of shared memory raises before the
+    kernel starts, so trying the next one adds nothing twice)."""
     name = _INNER_NAME[kernel]
     if _INTERPRET:
-        _KERNELS[kernel][grid](*args, **meta, **{name: tiles.inner})
+        _KERNELS[kernel][grid](*args, **meta, **{name: tuning.interpreter_tiles.inner})
         return
-    key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"],
-           *(meta[f] for f in _FLAGS[kernel]))
-    candidates = _fixed_candidates(kernel, table, dtype)
+    forced = dict(tuning.configs).get(kernel)
+    if forced is not None:
+        inner, warps, stages = forced
+        _KERNELS[kernel][grid](*args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
+        return
+    flags = tuple(sorted((f, v) for f, v in meta.items() if f.startswith("HAS_") or f == "DETERMINISTIC"))
+    key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"], *flags)
+    transform = meta.get("HAS_SOFTCAP", False) or meta.get("HAS_ALIBI", False)
+    candidates = _fixed_candidates(kernel, table, dtype, transform)
     for i in range(_FITTING.get(key, 0), len(candidates)):
         inner, warps, stages = candidates[i]
         try:
@@ -770,6 +813,31 @@ def _split(lo: np.ndarray, hi: np.ndarray, step: int) -> tuple[np.ndarray, np.nd
     return owner, start, np.minimum(start + step, hi[owner])
 
 
+def _split_on_grid(lo: np.ndarray, hi: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Cut every non-empty ``[lo[i], hi[i])`` at the multiples of ``step``: (owner i,
+    start, end), each piece inside one cell ``[j * step, (j + 1) * step)``."""
+    first = lo // step
+    n = np.where(hi > lo, -(-hi // step) - first, 0)
+    owner = np.repeat(np.arange(len(lo)), n)
+    cell = first[owner] + np.arange(int(n.sum())) - np.repeat(np.cumsum(n) - n, n)
+    return owner, np.maximum(lo[owner], cell * step), np.minimum(hi[owner], (cell + 1) * step)
+
+
+def _turns(table: np.ndarray, block_n: int) -> np.ndarray:
+    """Each prefix item's turn among the prefix items of its stack cell (c0 // block_n),
+    in table order (0 for own items)."""
+    turn = np.zeros(len(table), dtype=np.int64)
+    idx = np.flatnonzero(table[:, 0] == _PREFIX)
+    if len(idx):
+        cells = table[idx, 1] // block_n
+        order = np.argsort(cells, kind="stable")
+        sorted_cells = cells[order]
+        starts = np.r_[0, np.flatnonzero(np.diff(sorted_cells)) + 1]
+        group_start = np.repeat(starts, np.diff(np.r_[starts, len(order)]))
+        turn[idx[order]] = np.arange(len(order)) - group_start
+    return turn
+
+
 def _by_cost(table: np.ndarray, cost: np.ndarray) -> np.ndarray:
     """Most expensive work items first, so that the longest programs start early and
     the short ones fill the tail."""
@@ -785,27 +853,21 @@ def _runs(layout: SegmentLayout) -> dict:
 def _build_runs(layout: SegmentLayout) -> dict:
     q_off = np.asarray(layout.q_offsets, dtype=np.int64)
     lens = np.diff(q_off)
-    first, last = [], []
-    for i in np.flatnonzero(lens):
-        if last and layout.prefix_ranges[i] == layout.prefix_ranges[last[-1]]:
-            last[-1] = i
-        else:
-            first.append(i)
-            last.append(i)
     flat = [(int(lo), int(hi)) for r in layout.prefix_ranges for lo, hi in r]
     bad = [(lo, hi) for lo, hi in flat if not 0 <= lo <= hi]
     if bad:
         raise ValueError(f"prefix ranges must satisfy 0 <= lo <= hi, got {bad[0]}")
-    first_a = np.asarray(first, dtype=np.int64)
-    last_a = np.asarray(last, dtype=np.int64)
+    runs = layout.runs()
+    ranges = [r.ranges for r in runs]
+    # the run's ranges in the device tables (flattened per segment): its first segment's
     range_offsets = np.concatenate([[0], np.cumsum([len(r) for r in layout.prefix_ranges])]).astype(np.int64)
-    ranges = [tuple((int(lo), int(hi)) for lo, hi in layout.prefix_ranges[i]) for i in first]
+    first = np.asarray([r.segment for r in runs], dtype=np.int64)
     seg_start = np.repeat(q_off[:-1], lens)
     return {
-        "row_lo": q_off[first_a],
-        "row_hi": q_off[last_a + 1],
-        "range_begin": range_offsets[first_a],
-        "range_end": range_offsets[first_a + 1],
+        "row_lo": np.asarray([r.row_lo for r in runs], dtype=np.int64),
+        "row_hi": np.asarray([r.row_hi for r in runs], dtype=np.int64),
+        "range_begin": range_offsets[first],
+        "range_end": range_offsets[first + 1],
         "prefix_len": np.asarray([sum(hi - lo for lo, hi in r) for r in ranges], dtype=np.int64),
         "ranges": ranges,
         "slots_end": max((hi for _, hi in flat), default=0),
@@ -848,14 +910,16 @@ def _kv_items(
     window: int | None = None,
     prefix_item_rows: int = PREFIX_ITEM_ROWS,
 ) -> torch.Tensor:
-    """[NI, 7] int32 dK/dV work items: (kind, c0, c1, q0, q1, kshift, plen).
+    """[NI, 8] int32 dK/dV work items: (kind, c0, c1, q0, q1, kshift, plen, turn).
 
     Own items: keys ``[c0, c1)`` of a run, queries ``[c0, seg_end[c1 - 1])``. Prefix
     items (only ``with_prefix``): stack slots ``[c0, c1)`` of one of the run's ranges
-    (at depths ``c + kshift``), and at most ``prefix_item_rows`` of the run's rows.
-    With a window, the ranges are cut from the first slot the run's shallowest row
-    sees (no item reads a slot that no row of its run sees), and only the items some
-    of whose rows see some of their slots are kept."""
+    inside one ``block_n`` cell of the stack (at depths ``c + kshift``), and at most
+    ``prefix_item_rows`` of the run's rows; ``turn``: the item's place among the prefix
+    items of its cell, in table order (the deterministic add's order). With a window,
+    the ranges are cut from the first slot the run's shallowest row sees (no item
+    reads a slot that no row of its run sees), and only the items some of whose rows
+    see some of their slots are kept."""
 
     def build():
         runs = _runs(layout)
@@ -869,15 +933,37 @@ def _kv_items(
             if prefix is not None:
                 tables.append(prefix)
                 costs.append((prefix[:, 2] - prefix[:, 1]) * (prefix[:, 4] - prefix[:, 3]))
-        return upload(_by_cost(np.concatenate(tables), np.concatenate(costs)), device)
+        table = np.concatenate(tables)
+        table = table[np.argsort(-np.concatenate(costs), kind="stable")]
+        table = np.concatenate([table, _turns(table, block_n)[:, None]], axis=1)
+        return upload(np.ascontiguousarray(table, dtype=np.int32), device)
 
     return layout.cached(("triton", "kv", device, block_n, with_prefix, prefix_item_rows, window), build)
 
 
+def _auto_item_rows(runs: dict, block_n: int, kv_heads: int, sms: int) -> int:
+    """``prefix_item_rows`` for a call: the most rows per prefix item (1024, 512, 256,
+    128) at which the dK/dV launch still has four programs per SM (one fits an SM at
+    a time). Fewer rows per item only add ordered adds or atomics per slot, which
+    cost little; too few programs leave SMs idle (a 2048-slot prompt under 8 x 512
+    answers with 2 kv heads: 64 own + 64 prefix programs at 1024 rows on 132 SMs)."""
+    own = int(np.sum(-(-(runs["row_hi"] - runs["row_lo"]) // block_n)))
+    chunks = np.zeros(len(runs["row_lo"]), dtype=np.int64)
+    for r, ranges in enumerate(runs["ranges"]):
+        for lo, hi in ranges:
+            if hi > lo:
+                chunks[r] += -(-hi // block_n) - lo // block_n
+    rows = runs["row_hi"] - runs["row_lo"]
+    for item_rows in (1024, 512, 256):
+        if (own + int(np.sum(chunks * -(-rows // item_rows)))) * kv_heads >= 4 * sms:
+            return item_rows
+    return 128
+
+
 def _prefix_items(runs: dict, block_n: int, window: int | None, prefix_item_rows: int) -> np.ndarray | None:
     """[NP, 7] int64 prefix work items of :func:`_kv_items` (None when no run reads a
-    prefix slot): every run's prefix ranges cut into ``block_n`` slots, times its rows
-    cut into ``prefix_item_rows``."""
+    prefix slot): every run's prefix ranges cut at the multiples of ``block_n``, times
+    its rows cut into ``prefix_item_rows``."""
     flat = []  # (run, first slot to read, hi, kshift: depth of slot s is s + kshift)
     for r, ranges in enumerate(runs["ranges"]):
         depth, plen = 0, int(runs["prefix_len"][r])
@@ -890,7 +976,7 @@ def _prefix_items(runs: dict, block_n: int, window: int | None, prefix_item_rows
     if not flat:
         return None
     f_run, f_lo, f_hi, f_shift = (np.asarray(x, dtype=np.int64) for x in zip(*flat))
-    owner, s0, s1 = _split(f_lo, f_hi, block_n)
+    owner, s0, s1 = _split_on_grid(f_lo, f_hi, block_n)
     c_run, c_shift = f_run[owner], f_shift[owner]
     split_run, qa, qb = _split(runs["row_lo"], runs["row_hi"], prefix_item_rows)
     split_starts = qa
@@ -898,7 +984,13 @@ def _prefix_items(runs: dict, block_n: int, window: int | None, prefix_item_rows
     first_split = np.cumsum(n_splits) - n_splits
     rep = n_splits[c_run]
     chunk = np.repeat(np.arange(len(s0)), rep)
-    split = first_split[c_run[chunk]] + np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)
+    rank = np.arange(int(rep.sum())) - np.repeat(np.cumsum(rep) - rep, rep)  # the split's place in its run
+    # Split-major order (every chunk's first row split, then every chunk's second...):
+    # the items of one stack cell, equal in cost, then sit apart in the cost-sorted
+    # table, so the ordered adds of the deterministic mode rarely wait on each other.
+    order = np.lexsort((chunk, rank))
+    chunk, rank = chunk[order], rank[order]
+    split = first_split[c_run[chunk]] + rank
     s0, s1, shift, qa, qb = s0[chunk], s1[chunk], c_shift[chunk], qa[split], qb[split]
     plen = runs["prefix_len"][split_run[split]]
     if window is not None and len(qa):
@@ -979,7 +1071,7 @@ class _StackAttention(torch.autograd.Function):
             t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
         )
         _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")}, tiles)
+                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")}, tuning)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
         ctx.tuning, ctx.blocks = tuning, (block_m, block_n)
@@ -988,66 +1080,101 @@ class _StackAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        stack, layer, layout, scale = ctx.stack, ctx.layer, ctx.layout, ctx.scale
-        block_m, block_n = ctx.blocks
-        tiles = ctx.tuning.interpreter_tiles
         do = _unit_last(grad_out)
         t, hq, _ = q.shape
-        hkv = k.shape[1]
-        meta = _common_meta(q, k, v)
-        device = q.device
-
-        delta = torch.empty((hq, t), dtype=torch.float32, device=device)
-        _delta_kernel[(triton.cdiv(t, 64), hq)](
-            out, do, delta, out.stride(0), out.stride(1), do.stride(0), do.stride(1), t,
-            V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=64,
-        )
-        opts = _Options(ctx.options, scale, delta)
-
-        sk, sv = stack.k[layer], stack.v[layer]
-        with_prefix = stack.has_grad
-        if with_prefix:
-            gk, gv = stack.grad_k[layer], stack.grad_v[layer]
-        else:  # no prefix items are launched; any fp32 tensors stand in for the pointers
-            gk = torch.empty((1, hkv, k.shape[-1]), dtype=torch.float32, device=device)
-            gv = torch.empty((1, hkv, v.shape[-1]), dtype=torch.float32, device=device)
-        seg_start, seg_end = _row_tables(layout, device)
-        dk = torch.empty(k.shape, dtype=k.dtype, device=device)
-        dv = torch.empty(v.shape, dtype=v.dtype, device=device)
-        items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window, ctx.tuning.prefix_item_rows)
-        args = (
-            q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
-            dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1),
-            t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
-        )
-        _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args,
-                {"BLOCK_N": block_n, **meta, **opts.flags_for("dkdv")}, tiles)
-
+        opts = _Options(ctx.options, ctx.scale, lse)
+        delta = torch.empty((hq, t), dtype=torch.float32, device=q.device)
         dq = None
-        if ctx.needs_input_grad[0]:
-            tables = layout.device_tables(device)
-            q_blocks = _q_blocks(layout, device, block_m)
-            dq = torch.empty(q.shape, dtype=q.dtype, device=device)
-            args = (
-                q, k, v, sk, sv, do, lse, delta, dq, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
-                opts.slopes2,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
-                dq.stride(0), dq.stride(1),
-                t, opts.qk_scale, scale, opts.cap_in, opts.cap_out, opts.window,
+        if ctx.needs_input_grad[0]:  # the dq kernel also stores delta
+            dq = _backward_dq(ctx, q, k, v, out, do, lse, delta, opts)
+        else:
+            meta = _common_meta(q, k, v)
+            _delta_kernel[(triton.cdiv(t, 64), hq)](
+                out, do, delta, out.stride(0), out.stride(1), do.stride(0), do.stride(1), t,
+                V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=64,
             )
-            _launch("dq", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                    {"BLOCK_M": block_m, **meta, **opts.flags_for("dq")}, tiles)
-
+        dk, dv = _backward_dkdv(ctx, q, k, v, do, lse, delta, opts)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d out_r / d sink = -p_sink(r) * out_r, so dL/dsink = -sum_r p_sink(r) * delta_r
             p_sink = torch.exp2(opts.sinks2[:, None] - lse)
             dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+
+def _backward_dq(ctx, q, k, v, out, do, lse, delta, opts: _Options) -> torch.Tensor:
+    """dq (and ``delta``, which the dq kernel stores) of :class:`_StackAttention`."""
+    stack, layer, layout = ctx.stack, ctx.layer, ctx.layout
+    block_m, _ = ctx.blocks
+    device = q.device
+    tables = layout.device_tables(device)
+    seg_start, _ = _row_tables(layout, device)
+    q_blocks = _q_blocks(layout, device, block_m)
+    sk, sv = stack.k[layer], stack.v[layer]
+    dq = torch.empty(q.shape, dtype=q.dtype, device=device)
+    args = (
+        q, k, v, sk, sv, out, do, lse, delta, dq, q_blocks, tables["range_lo"], tables["range_hi"], seg_start,
+        opts.slopes2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), out.stride(0), out.stride(1),
+        do.stride(0), do.stride(1), dq.stride(0), dq.stride(1),
+        q.shape[0], opts.qk_scale, ctx.scale, opts.cap_in, opts.cap_out, opts.window,
+    )
+    _launch("dq", block_m, q.dtype, (q_blocks.shape[0], q.shape[1]), args,
+            {"BLOCK_M": block_m, **_common_meta(q, k, v), **opts.flags_for("dq")}, ctx.tuning)
+    return dq
+
+
+def _backward_dkdv(ctx, q, k, v, do, lse, delta, opts: _Options) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own dk, dv of :class:`_StackAttention`; adds the prefix dK/dV into the stack."""
+    stack, layer, layout, tuning = ctx.stack, ctx.layer, ctx.layout, ctx.tuning
+    _, block_n = ctx.blocks
+    device, hkv = q.device, k.shape[1]
+    sk, sv = stack.k[layer], stack.v[layer]
+    with_prefix = stack.has_grad
+    if with_prefix:
+        gk, gv = stack.grad_k[layer], stack.grad_v[layer]
+    else:  # no prefix items are launched; any fp32 tensors stand in for the pointers
+        gk = torch.empty((1, hkv, k.shape[-1]), dtype=torch.float32, device=device)
+        gv = torch.empty((1, hkv, v.shape[-1]), dtype=torch.float32, device=device)
+    seg_start, seg_end = _row_tables(layout, device)
+    dk = torch.empty(k.shape, dtype=k.dtype, device=device)
+    dv = torch.empty(v.shape, dtype=v.dtype, device=device)
+    item_rows = tuning.prefix_item_rows or layout.cached(
+        ("triton", "item_rows", device, block_n, hkv),
+        lambda: _auto_item_rows(_runs(layout), block_n, hkv, _sm_count(device)),
+    )
+    items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window, item_rows)
+    deterministic = tuning.deterministic and with_prefix
+    # one ticket per stack cell of BLOCK_N slots and kv head, zero at launch
+    if deterministic:
+        cells = max(1, -(-_runs(layout)["slots_end"] // block_n))
+        tickets = torch.zeros((cells, hkv), dtype=torch.int32, device=device)
+    else:  # unread: any int32 tensor
+        tickets = items
+    args = (
+        q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2, tickets,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
+        dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+        gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1),
+        q.shape[0], opts.qk_scale, ctx.scale, opts.cap_in, opts.cap_out, opts.window,
+    )
+    meta = {"BLOCK_N": block_n, **_common_meta(q, k, v), **opts.flags_for("dkdv"), "DETERMINISTIC": deterministic}
+    _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args, meta, tuning)
+    return dk, dv
+
+
+_SMS: dict = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (8 under the interpreter)."""
+    if _INTERPRET or device.type != "cuda":
+        return 8
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]
 
 
 def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: AttentionOptions) -> None:
@@ -1080,8 +1207,8 @@ def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: 
 
 def _check_tuning(tuning: _Tuning) -> None:
     rows = tuning.prefix_item_rows
-    if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
-        raise ValueError(f"prefix_item_rows must be an int >= 1, got {rows!r}")
+    if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
+        raise ValueError(f"prefix_item_rows must be an int >= 1 (or None: chosen per call), got {rows!r}")
     tiles = tuning.interpreter_tiles
     if not isinstance(tiles, InterpreterTiles):
         raise ValueError(f"interpreter_tiles must be an InterpreterTiles, got {type(tiles).__name__}")
@@ -1104,8 +1231,10 @@ def stack_attention_triton(
     sinks: torch.Tensor | None = None,
     alibi_slopes: torch.Tensor | None = None,
     window: int | None = None,
-    prefix_item_rows: int = PREFIX_ITEM_ROWS,
+    deterministic: bool | None = None,
+    prefix_item_rows: int | None = None,
     interpreter_tiles: InterpreterTiles = InterpreterTiles(),
+    configs: tuple = (),
 ) -> torch.Tensor:
     """Fused attention of all packed segments over (stack prefix + own K/V).
 
@@ -1122,9 +1251,14 @@ def stack_attention_triton(
         scale: softmax scale.
         softcap, sinks [q_heads], alibi_slopes [q_heads], window: see
             :class:`dtree.ops.attention_options.AttentionOptions`.
+        deterministic: add the prefix dK/dV in a fixed order (bitwise-reproducible
+            gradients) instead of with float atomics; None:
+            ``torch.are_deterministic_algorithms_enabled()``.
         prefix_item_rows: query rows per prefix dK/dV work item (see the module
-            docstring; tests and benchmarks vary it).
+            docstring; None: chosen per call for the GPU's SMs; tests and benchmarks vary it).
         interpreter_tiles: the tiles under the Triton interpreter (tests vary them).
+        configs: ``((kernel, (inner, num_warps, num_stages)), ...)`` forced for "fwd",
+            "dq", "dkdv" instead of the fixed ones (benchmarks sweep them).
 
     Returns:
         [T, q_heads, Dv] in ``q.dtype``. Backward returns dq, dk, dv, dsinks and adds
@@ -1132,6 +1266,8 @@ def stack_attention_triton(
     """
     options = AttentionOptions(softcap, sinks, alibi_slopes, window)
     _check(q, k, v, stack, layer, layout, options)
-    tuning = _Tuning(prefix_item_rows, interpreter_tiles)
+    if deterministic is None:
+        deterministic = torch.are_deterministic_algorithms_enabled()
+    tuning = _Tuning(prefix_item_rows, interpreter_tiles, bool(deterministic), tuple(configs))
     _check_tuning(tuning)
     return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options, tuning)
