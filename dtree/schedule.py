@@ -20,8 +20,14 @@ Terms (the glossary of docs/design.md section 3):
   its predecessor's row; each linearized token but a sequence's first is a loss term
   reading its unique token's prediction. A pass keeps what it needs (:class:`LossTerms`).
 * **stack slots**: a group's K/V lives in the KV stack at
-  ``[stack_start, stack_start + num_tokens)``, right above its parent group. The
-  high-water mark over all groups is the stack capacity the plan needs.
+  ``[stack_start, stack_start + num_tokens)``, right above its parent group. Only the
+  groups that *write* there take slots: a group with child groups (they read its K/V)
+  or whose segments read each other through the stack (in-call ancestors). A leaf
+  group without in-call ancestors attends to its own K/V from the call's tensors and
+  never touches its slots, so the stack capacity a step needs is the high-water mark
+  of the writing groups only (:attr:`GroupPlan.writes_stack`): on a GRPO forest of a
+  2,048-token prompt and 16 x 1,024-token answers in 8,192-token calls, 2,048 slots
+  instead of 10,240.
 
 All metadata is host-side numpy, computed once per step. Per-group arrays are
 concatenated over groups (``*_offsets`` give each group's slice) so the runtime moves
@@ -79,6 +85,12 @@ class GroupPlan:
         """No child group: nothing ever reads this group's K/V."""
         return self.num_children == 0
 
+    @property
+    def writes_stack(self) -> bool:
+        """Its K/V go onto the stack: a child group or one of its own segments reads
+        them there. Otherwise its slots are never written, read or zeroed."""
+        return not self.is_leaf or self.in_call_ancestors
+
 
 @dataclass(frozen=True)
 class LossTerms:
@@ -110,6 +122,9 @@ class Schedule:
         row_unique:  [U] unique-token index of every row, group after group
         row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
         terms:       every prediction and every loss term (:class:`LossTerms`)
+
+    ``stack_tokens``: the KV-stack slots the step writes (the high-water mark of the
+    groups that write to the stack, see the module docstring): its stack capacity.
     """
 
     groups: list[GroupPlan]
@@ -306,15 +321,14 @@ class _GroupPacker:
         return gid
 
 
-def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list[tuple[int, int]], int]:
+def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list[tuple[int, int]]]:
     """Phase 2: the group tree and the DFS events over it, with an explicit stack (trees
     may be deeper than Python's recursion limit). A group's child groups are packed
     when it is entered, from the children of its segments that it does not hold.
-    Returns (the packer with every group, events, the stack's high-water mark)."""
+    Returns (the packer with every group, events)."""
     packer = _GroupPacker(segs, group_tokens)
     roots = np.flatnonzero(segs.parent < 0).tolist()
     events: list[tuple[int, int]] = []
-    high_water = 0
     todo: list[tuple[int, bool]] = [(g, True) for g in reversed(packer.pack(roots, -1, 0))]
     while todo:
         gid, entering = todo.pop()
@@ -324,13 +338,12 @@ def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list
         group = packer.groups[gid]
         events.append((FORWARD, gid))
         top = group.stack_start + int(group.seg_q_offsets[-1])
-        high_water = max(high_water, top)
         frontier = [c for s in group.segments for c in segs.children[s] if packer.seg_group[c] != gid]
         todo.append((gid, False))
         kids = packer.pack(frontier, gid, top)
         group.num_children = len(kids)
         todo.extend((g, True) for g in reversed(kids))
-    return packer, events, high_water
+    return packer, events
 
 
 def _prefix_ranges(segs: _Segments, seg_slot: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
@@ -432,14 +445,14 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     if group_tokens < 0:
         raise ValueError(f"group_tokens must be >= 0, got {group_tokens}")
     segs = _split_segments(forest, chunk_size)
-    packer, events, high_water = _walk_groups(segs, group_tokens)
+    packer, events = _walk_groups(segs, group_tokens)
     seg_slot = np.array([packer.groups[g].stack_start for g in packer.seg_group], dtype=np.int64) + packer.seg_row
     groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
     row_unique, row_offsets = _rows(segs, groups)
     return Schedule(
         groups=groups,
         events=events,
-        stack_tokens=high_water,
+        stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
         chunk_size=chunk_size,
         group_tokens=group_tokens,
         row_unique=row_unique,

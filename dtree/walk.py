@@ -232,7 +232,7 @@ class StepWalk:
         r0, r1 = int(self.sched.row_offsets[g]), int(self.sched.row_offsets[g + 1])
         plan = self.sched.groups[g]
         lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
-        seed = self.stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
+        seed = self.stack.has_grad and plan.writes_stack
         attend = GroupAttention(self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed)
         checkpoint = self.checkpoint_root is not None and torch.is_grad_enabled()
         with checkpointed_layers(self.checkpoint_root) if checkpoint else contextlib.nullcontext():
@@ -338,7 +338,8 @@ class StepWalk:
             if kind != FORWARD:
                 continue
             with rng.seeded(rng.next_seed() if self.randomness else None, self.device):
-                hidden, _ = self.hidden(g, push=True)
+                # a leaf group's K/V are read by nothing after it: no stack slots
+                hidden, _ = self.hidden(g, push=self.sched.groups[g].writes_stack)
                 p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
                 if p1 > p0:
                     lp, ent = token_logprobs(
