@@ -110,9 +110,11 @@ class KVStack:
     def store_kv(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy ``k`` [T, kv_heads, head_dim] and ``v`` [T, kv_heads, v_head_dim] (any
         strides, any float dtype) into the K/V slots ``[lo, lo + T)`` of ``layer``
-        (values only: the gradient slots are :meth:`zero_grad`'s)."""
-        self.k[layer, lo : lo + k.shape[0]].copy_(k)
-        self.v[layer, lo : lo + v.shape[0]].copy_(v)
+        (values only: the gradient slots are :meth:`zero_grad`'s); one launch for both
+        on CUDA (:func:`dtree.ops.stack_glue.push_kv`)."""
+        from .ops.stack_glue import push_kv  # here: dtree.ops imports this module
+
+        push_kv(self.k[layer, lo : lo + k.shape[0]], self.v[layer, lo : lo + v.shape[0]], k, v)
 
 
     def zero_grad(self, lo: int, hi: int) -> None:

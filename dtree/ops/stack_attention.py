@@ -56,6 +56,7 @@ from .attention_math import attend_math, attend_sdpa
 from .attention_options import PLAIN, AttentionOptions, check_packed_qkv, check_stack_attention
 from .backends import Target, backend_names, implementation
 from .segment_layout import SegmentLayout
+from .stack_glue import fold_seed
 
 __all__ = [
     "BACKENDS",
@@ -233,8 +234,7 @@ class _StackGradSeed(torch.autograd.Function):
     def backward(ctx, gk, gv):
         sk = ctx.stack.grad_k[ctx.layer, ctx.lo : ctx.hi]
         sv = ctx.stack.grad_v[ctx.layer, ctx.lo : ctx.hi]
-        gk = sk.to(ctx.dtypes[0]) if gk is None else (sk + gk).to(ctx.dtypes[0])
-        gv = sv.to(ctx.dtypes[1]) if gv is None else (sv + gv).to(ctx.dtypes[1])
+        gk, gv = fold_seed(sk, sv, gk, gv, ctx.dtypes)  # one launch on CUDA
         return gk, gv, None, None, None, None
 
 
