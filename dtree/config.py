@@ -41,11 +41,17 @@ class RuntimeConfig:
         logprob_chunk: rows per LM-head chunk (>= 1); None: the memory policy's choice.
         stack_capacity: fixed KV-stack size in tokens (>= 1); None sizes it per step.
         progress: a progress bar over each step's model calls.
-        checkpoint_layers: per-layer checkpointing; None: the memory policy decides.
+        checkpoint_layers: per-layer checkpointing: True (every decoder layer), False
+            (none), or how many of them (the first ones) in every call; None: the memory
+            policy decides.
         memory: ``"auto"``, ``"low"`` or a positive cap in GiB.
         retain_budget_tokens: tokens of groups with children whose graphs retain/auto
             mode may keep alive at once (>= 0); None: the memory policy's budget. A
             small value forces auto mode to recompute (tests use it to cover both).
+        free_after_step: on CUDA, after each call drop the KV stack and hand the caching
+            allocator's unused blocks back to the device (``torch.cuda.empty_cache``), so
+            what the step used is free for another process (a colocated inference
+            engine) between steps; False keeps both for the next step.
     """
 
     mode: Mode = "auto"
@@ -58,6 +64,7 @@ class RuntimeConfig:
     checkpoint_layers: bool | None = None
     memory: str | float = "auto"
     retain_budget_tokens: int | None = None
+    free_after_step: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,12 +83,14 @@ class RuntimeConfig:
                 f"memory must be one of {memory_policy.SETTINGS} or a positive number (a cap in GiB), "
                 f"got {self.memory!r}"
             )
-        if self.checkpoint_layers not in (None, True, False):
+        if not (self.checkpoint_layers in (None, True, False) or (_is_int(self.checkpoint_layers) and self.checkpoint_layers >= 0)):
             raise ValueError(
-                f"checkpoint_layers must be None (decided per step), True or False, got {self.checkpoint_layers!r}"
+                "checkpoint_layers must be None (decided per step), True, False or a number of layers >= 0, "
+                f"got {self.checkpoint_layers!r}"
             )
-        if not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be True or False, got {self.progress!r}")
+        for name in ("progress", "free_after_step"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     def replace(self, **changes: Any) -> "RuntimeConfig":
         """A copy with ``changes`` applied (and checked)."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from hf_models import make_model
 
@@ -132,3 +133,37 @@ def test_stack_sized_by_the_slots_written():
         with torch.no_grad():
             for got, seq in zip(lps, seqs):
                 torch.testing.assert_close(got, path_logprobs(model, seq), rtol=1e-5, atol=1e-5)
+
+
+def test_after_step_releases_and_reports(monkeypatch):
+    """On CUDA (faked here): with ``free_after_step`` the stack is dropped and the
+    allocator's cache emptied, and the step reports what is held and what was released;
+    without, nothing is dropped; on CPU nothing happens (also when the step failed)."""
+    from types import SimpleNamespace
+
+    from dtree import step_memory
+
+    gib = 2**30
+    state = {"reserved": 10 * gib, "allocated": 4 * gib}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 9 * gib)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=state["allocated"]))
+    dropped = []
+    cuda = (torch.device("cuda", 0), torch.bfloat16)
+    out = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(1), True, lambda: None)
+    assert dropped == [1]
+    assert out.metrics["memory"] == {
+        "predicted_total_gib": None, "allocated_after_gib": 4.0, "reserved_after_gib": 4.0, "released_gib": 6.0,
+        "peak_since_reset_gib": 9.0, "freed_after_step": True,
+    }
+    state["reserved"] = 10 * gib
+    kept = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(2), False, lambda: None)
+    assert dropped == [1] and kept.metrics["memory"]["reserved_after_gib"] == 10.0
+    with pytest.raises(RuntimeError, match="boom"):
+        step_memory.released(lambda: (_ for _ in ()).throw(RuntimeError("boom")), cuda, lambda: dropped.append(3), True,
+                             lambda: None)
+    assert dropped == [1, 3]  # released after a failed step too
+    cpu = step_memory.released(lambda: SimpleNamespace(metrics={}), (torch.device("cpu"), torch.float32),
+                               lambda: dropped.append(4), True, lambda: None)
+    assert cpu.metrics == {} and dropped == [1, 3]
