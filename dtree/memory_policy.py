@@ -49,14 +49,16 @@ a number
 Explicit ``group_tokens``, ``checkpoint_layers`` and ``logprob_chunk`` arguments of the
 runtime are kept as given; the policy decides the rest.
 
-Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute): a model call costs
-:data:`CALL_TOKENS` tokens (43 ms against 33 us per token, from 4,096- vs 8,192-token
-calls on a 21k-token tree on an H100: 1.12 vs 0.90 s); re-running a token's layers (a
-recomputed group, or a checkpointed layer) costs that layer's forward, about ``layer
-forward FLOPs / (3 * forward FLOPs) / L`` = 0.01 of a token per layer on qwen2.5-1.5b
-(0.28 for all 28); calls below 4,096 tokens lose efficiency (2,048-token calls: +80%
-per token on the same tree); LM-head chunks of 1,024 rows re-read the float32
-weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time).
+Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~38 us each for
+qwen2.5-1.5b on an H100): a model call's CPU work (eager layers: ~90 ms to launch its
+kernels forward and backward) is hidden behind the GPU unless the call's own GPU work is
+shorter, so a call of ``T`` tokens costs :data:`CALL_FIXED_TOKENS` plus ``max(0,
+CALL_CPU_TOKENS - T)`` (an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an
+H200: ~700 tokens); re-running a layer (a checkpointed layer, a recomputed group) costs
+its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
+on qwen2.5-1.5b (0.28 for all 28); LM-head chunks of 1,024 rows re-read the float32
+weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
+within :data:`SLACK` of the fastest count as equally fast: the leanest of them runs.
 """
 
 from __future__ import annotations
@@ -83,8 +85,8 @@ __all__ = [
 SETTINGS = ("auto", "low")
 # Plans within this fraction of the fastest predicted one count as equally fast; the
 # one with the least memory among them is taken when it saves at least LEANER of the
-# fastest one's peak.
-SLACK = 0.03
+# fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
+SLACK = 0.05
 LEANER = 0.2
 # Fraction of the allocatable memory a plan leaves unused (fragmentation, kernels'
 # workspaces, what the model does not tell us); larger without expandable segments.
@@ -101,11 +103,11 @@ DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_LOGPROB_CHUNK = 1024
 # Cost model constants (see the module docstring), for qwen2.5-1.5b on an H100 in eager
-# mode; CALL_TOKENS scales with layers per unit of per-token compute.
-CALL_TOKENS = 1300.0
-_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where CALL_TOKENS was measured
-SMALL_CALL_TOKENS = 4096  # calls below this lose efficiency
-SMALL_CALL_PENALTY = 0.25  # extra cost per token per doubling below SMALL_CALL_TOKENS (fit: 2,048-token calls)
+# mode; both scale with layers per unit of per-token compute.
+CALL_CPU_TOKENS = 2600.0
+CALL_FIXED_TOKENS = 150.0
+_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
+SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
 
@@ -126,11 +128,13 @@ def _head_share(spec: ModelSpec) -> float:
     return 2 * spec.hidden_size * spec.vocab_size / total
 
 
-def _call_tokens(spec: ModelSpec) -> float:
-    """One model call's fixed cost in tokens' worth of compute (launch-bound eager
-    layers: proportional to the layers, against the per-token compute)."""
+def _call_tokens(spec: ModelSpec, tokens: float) -> float:
+    """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
+    part, and the CPU time its GPU work does not hide (both proportional to the layers,
+    against the per-token compute)."""
     layers, flops = _CALL_REFERENCE
-    return CALL_TOKENS * (spec.num_layers / layers) * (flops / _forward_flops(spec))
+    scale = (spec.num_layers / layers) * (flops / _forward_flops(spec))
+    return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
 
 
 @dataclass(frozen=True)
@@ -227,12 +231,12 @@ def _candidate(shape: StepShape, knobs: _Knobs, fig: _Figures, spec: ModelSpec, 
     shared = min(shape.shared_tokens, u)
     cost = u + (u - shared) * s * knobs.checkpoint / L
     if knobs.path == RECOMPUTE:
-        cost += shared * s * (1 + knobs.checkpoint / L) + math.ceil(shared / max(call, 1)) * _call_tokens(spec)
+        reruns = math.ceil(shared / max(call, 1))
+        cost += shared * s * (1 + knobs.checkpoint / L) + reruns * _call_tokens(spec, min(call, shared))
     else:
         cost += shared * s * knobs.path / L
-    cost += call_count(u, knobs.group_tokens) * _call_tokens(spec)
-    if call < SMALL_CALL_TOKENS:
-        cost += u * SMALL_CALL_PENALTY * math.log2(SMALL_CALL_TOKENS / call)
+    calls = call_count(u, knobs.group_tokens)
+    cost += calls * _call_tokens(spec, u / calls)
     cost += u * _head_share(spec) * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
     return sum(parts.values()), cost, parts
 
