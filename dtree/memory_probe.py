@@ -137,16 +137,24 @@ def _input_embeddings(model) -> torch.nn.Module | None:
     return None
 
 
-def _probe_call(model: TreeModule, spec: ModelSpec, placement, attention: str, tokens: int, leaves: list):
+def _probe_stack(spec: ModelSpec, placement, tokens: int) -> KVStack:
+    device, dtype = placement
+    return KVStack(spec.num_layers, tokens, spec.num_kv_heads, spec.head_dim, v_head_dim=spec.v_head_dim,
+                   dtype=dtype, device=device, with_grad=False)
+
+
+def _probe_call(
+    model: TreeModule, spec: ModelSpec, placement, attention: str, tokens: int, leaves: list,
+    stack: KVStack | None = None,
+):
     """One chain of ``tokens`` random tokens through the model, with grad: its hidden
     states. The embedding output becomes a leaf that requires grad (appended to
     ``leaves``), so a backward to it computes every activation gradient and no parameter
-    gradient."""
+    gradient. ``stack``: a KV stack of at least ``tokens`` slots (None: a new one)."""
     from .walk import GroupAttention
 
-    device, dtype = placement
-    stack = KVStack(spec.num_layers, tokens, spec.num_kv_heads, spec.head_dim, v_head_dim=spec.v_head_dim,
-                    dtype=dtype, device=device, with_grad=False)
+    device = placement[0]
+    stack = stack if stack is not None else _probe_stack(spec, placement, tokens)
     layout = SegmentLayout(q_offsets=np.array([0, tokens]), own_slot=np.array([0]), prefix_ranges=[()])
     attend = GroupAttention(stack, 0, tokens, layout, attention, push=False, seed=False)
     ids = torch.randint(0, spec.vocab_size, (tokens,), device=device)
@@ -207,16 +215,17 @@ def _kept(model, spec, placement, attention, tokens: int, root: torch.nn.Module 
     device = placement[0]
     ctx = checkpointed_layers(root) if root is not None else _Null()
     leaves: list = []
+    stack = _probe_stack(spec, placement, tokens)  # the stack is the policy's to count, not the call's
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         with ctx:
-            out = _probe_call(model, spec, placement, attention, tokens, leaves)
+            out = _probe_call(model, spec, placement, attention, tokens, leaves, stack)
             kept = torch.cuda.memory_allocated(device) - before
             extra = _backward_peak(out, leaves[0], lambda: torch.cuda.memory_allocated(device)) if leaves else None
     else:
         with LiveBytes() as live, ctx:
-            out = _probe_call(model, spec, placement, attention, tokens, leaves)
+            out = _probe_call(model, spec, placement, attention, tokens, leaves, stack)
             kept = live.now()
             extra = _backward_peak(out, leaves[0], live.now) if leaves else None
     del out, leaves
