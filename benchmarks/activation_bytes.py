@@ -120,7 +120,8 @@ def kept_bytes(model, adapter, tokens: int, setting: str) -> tuple[int, int]:
             layers[i] = _SelectiveLayer(layer)
     try:
         ctx = checkpointed_layers(model) if setting == "ckpt" else _nothing()
-        with torch.random.fork_rng(), ctx, LiveBytes() as live, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+        with torch.random.fork_rng(), ctx, LiveBytes() as live, hooks:
             out = _probe_call(adapter, spec, placement, "sdpa", tokens, [])
         alive = live.now()
         del out
@@ -191,7 +192,8 @@ def main(argv=None) -> int:
         r.update(setting=setting, call_mb=(r["alive_per_layer"] * layers + r["alive_rest"]) / 1e6)
         rows.append(r)
         print(f"{setting:>9}: {r['alive_per_layer'] / 1e3:7.1f} KB per layer-token alive "
-              f"({r['saved_per_layer'] / 1e3:7.1f} KB through saved-tensor hooks), rest {r['alive_rest'] / 1e3:6.1f} KB; "
+              f"({r['saved_per_layer'] / 1e3:7.1f} KB through saved-tensor hooks), "
+              f"rest {r['alive_rest'] / 1e3:6.1f} KB; "
               f"a {layers}-layer call {r['call_mb']:.2f} MB per token", flush=True)
     report = {"model": args.model, "dtype": args.dtype, "layers": layers, "torch": torch.__version__, "rows": rows}
     if args.out:

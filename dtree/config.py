@@ -83,7 +83,8 @@ class RuntimeConfig:
                 f"memory must be one of {memory_policy.SETTINGS} or a positive number (a cap in GiB), "
                 f"got {self.memory!r}"
             )
-        if not (self.checkpoint_layers in (None, True, False) or (_is_int(self.checkpoint_layers) and self.checkpoint_layers >= 0)):
+        layers = self.checkpoint_layers
+        if not (layers in (None, True, False) or (_is_int(layers) and layers >= 0)):
             raise ValueError(
                 "checkpoint_layers must be None (decided per step), True, False or a number of layers >= 0, "
                 f"got {self.checkpoint_layers!r}"

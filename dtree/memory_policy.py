@@ -17,8 +17,7 @@ Per step, :func:`plan_step` decides
 * ``logprob_chunk``: rows per LM-head chunk.
 
 So activation memory is bounded by one path plus one call, not by the tree, and the
-policy recomputes only what does not fit: the fastest plan whose predicted peak fits
-the budget.
+policy recomputes only what does not fit.
 
 It is a pure function of the model's shape and dtype, the per-token bytes its calls
 keep (:class:`dtree.memory_probe.CallBytes`: measured on the model as it is, its layer
@@ -112,19 +111,15 @@ HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's sha
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
 
 
-def _forward_flops(spec: ModelSpec) -> float:
-    return spec.forward_flops_per_token()
-
-
 def _layer_share(spec: ModelSpec) -> float:
     """A token's layer forward (all layers) as a fraction of its fwd+bwd (3x forward) compute."""
     head = 2 * spec.hidden_size * spec.vocab_size
-    total = _forward_flops(spec)
+    total = spec.forward_flops_per_token()
     return (total - head) / (3 * total)
 
 
 def _head_share(spec: ModelSpec) -> float:
-    total = _forward_flops(spec)
+    total = spec.forward_flops_per_token()
     return 2 * spec.hidden_size * spec.vocab_size / total
 
 
@@ -133,7 +128,7 @@ def _call_tokens(spec: ModelSpec, tokens: float) -> float:
     part, and the CPU time its GPU work does not hide (both proportional to the layers,
     against the per-token compute)."""
     layers, flops = _CALL_REFERENCE
-    scale = (spec.num_layers / layers) * (flops / _forward_flops(spec))
+    scale = (spec.num_layers / layers) * (flops / spec.forward_flops_per_token())
     return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
 
 
@@ -182,7 +177,9 @@ class MemoryPlan:
             "setting": self.setting,
             "group_tokens": self.group_tokens,
             "checkpoint_layers": self.checkpoint_layers,
-            "path_checkpoint_layers": "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers,
+            "path_checkpoint_layers": (
+                "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
+            ),
             "logprob_chunk": self.logprob_chunk,
             "predicted_peak_gib": g(self.predicted_peak_bytes),
             "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
@@ -210,7 +207,9 @@ class _Knobs:
     chunk: int
 
 
-def _candidate(shape: StepShape, knobs: _Knobs, fig: _Figures, spec: ModelSpec, fixed: dict) -> tuple[float, float, dict]:
+def _candidate(
+    shape: StepShape, knobs: _Knobs, fig: _Figures, spec: ModelSpec, fixed: dict
+) -> tuple[float, float, dict]:
     """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
     the call as large as its budget, the path as long as the longest one."""
     u = shape.unique_tokens
@@ -323,8 +322,9 @@ def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk)
     """The lean recipe: every layer checkpointed, the groups with children retained
     (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks."""
     k = layers if fixed_ckpt is None else fixed_ckpt
-    return _Knobs(LOW_GROUP_TOKENS if group_tokens is None else group_tokens, k,
-                  RECOMPUTE if mode == "recompute" else k, LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk)
+    group = LOW_GROUP_TOKENS if group_tokens is None else group_tokens
+    chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
+    return _Knobs(group, k, RECOMPUTE if mode == "recompute" else k, chunk)
 
 
 def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) -> int | None:

@@ -19,15 +19,9 @@ Terms (the glossary of docs/design.md section 3):
 * **predictions** and **loss terms**: each non-root unique token is predicted once, from
   its predecessor's row; each linearized token but a sequence's first is a loss term
   reading its unique token's prediction. A pass keeps what it needs (:class:`LossTerms`).
-* **stack slots**: a group's K/V lives in the KV stack at
-  ``[stack_start, stack_start + num_tokens)``, right above its parent group. Only the
-  groups that *write* there take slots: a group with child groups (they read its K/V)
-  or whose segments read each other through the stack (in-call ancestors). A leaf
-  group without in-call ancestors attends to its own K/V from the call's tensors and
-  never touches its slots, so the stack capacity a step needs is the high-water mark
-  of the writing groups only (:attr:`GroupPlan.writes_stack`): on a GRPO forest of a
-  2,048-token prompt and 16 x 1,024-token answers in 8,192-token calls, 2,048 slots
-  instead of 10,240.
+* **stack slots**: a group's K/V lives in the KV stack at ``[stack_start, stack_start +
+  num_tokens)``, above its parent group; the capacity is the high-water mark of the groups
+  that write there (:attr:`GroupPlan.writes_stack`; GRPO 2048 + 16 x 1024: 2,048 slots).
 
 All metadata is host-side numpy, computed once per step. Per-group arrays are
 concatenated over groups (``*_offsets`` give each group's slice) so the runtime moves
@@ -87,8 +81,7 @@ class GroupPlan:
 
     @property
     def writes_stack(self) -> bool:
-        """Its K/V go onto the stack: a child group or one of its own segments reads
-        them there. Otherwise its slots are never written, read or zeroed."""
+        """A child group or its own segments read its K/V there (else no slot is touched)."""
         return not self.is_leaf or self.in_call_ancestors
 
 
@@ -122,9 +115,7 @@ class Schedule:
         row_unique:  [U] unique-token index of every row, group after group
         row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
         terms:       every prediction and every loss term (:class:`LossTerms`)
-
-    ``stack_tokens``: the KV-stack slots the step writes (the high-water mark of the
-    groups that write to the stack, see the module docstring): its stack capacity.
+    ``stack_tokens``: the KV-stack slots the step writes (its stack capacity).
     """
 
     groups: list[GroupPlan]
@@ -450,13 +441,8 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
     row_unique, row_offsets = _rows(segs, groups)
     return Schedule(
-        groups=groups,
-        events=events,
+        groups=groups, events=events,
         stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
-        chunk_size=chunk_size,
-        group_tokens=group_tokens,
-        row_unique=row_unique,
-        row_offsets=row_offsets,
-        terms=_every_term(forest, row_unique, row_offsets),
-        num_segments=segs.num_segments,
+        chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
+        terms=_every_term(forest, row_unique, row_offsets), num_segments=segs.num_segments,
     )

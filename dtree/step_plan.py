@@ -23,8 +23,8 @@ from .schedule import Schedule
 from .tree import Forest
 
 __all__ = [
-    "checkpoint_root", "hf_checkpointing", "measured_call_bytes", "new_stack", "pick_backend", "plan_memory", "refine_plan", "retain_budget",
-    "stack_fits", "step_shape",
+    "checkpoint_root", "hf_checkpointing", "measured_call_bytes", "new_stack", "pick_backend", "plan_memory",
+    "refine_plan", "retain_budget", "stack_fits", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -140,7 +140,8 @@ def refine_plan(
     retains, the stack slots it writes beyond the ``stack`` held)."""
     rows = np.diff(sched.terms.pred_offsets).tolist()
     held = stack.capacity if stack is not None else 0
-    grow = max(0, sched.stack_tokens - held) * memory_policy.stack_slot_bytes(plan.spec, plan.itemsize) if plan.spec else 0
+    slot = memory_policy.stack_slot_bytes(plan.spec, plan.itemsize) if plan.spec is not None else 0.0
+    grow = max(0, sched.stack_tokens - held) * slot
     return memory_policy.refine(plan, sched, rows, retain_budget(plan, config), float(grow))
 
 

@@ -17,7 +17,8 @@ import copy
 import pytest
 import torch
 from hf_models import ARCHS, make_model
-from setups import GROUP_TOKENS, MODES, SEQS, assert_exact, reference, run_dtree
+from interpreter_worker import worker_fixture
+from setups import GROUP_TOKENS, MODES, SEQS, assert_exact, assert_model_flash_rule, reference, run_dtree
 
 import dtree
 from dtree.models import lean_layers
@@ -101,14 +102,7 @@ def _case_runtime_exact(arch: str):
     assert_exact(tree_model, ref_model, out, ref_loss)
 
 
-@pytest.fixture(scope="module")
-def worker():
-    pytest.importorskip("triton")
-    from interpreter_worker import InterpreterWorker
-
-    w = InterpreterWorker("test_lean_layers")
-    yield w
-    w.close()
+worker = worker_fixture("test_lean_layers")
 
 
 @pytest.mark.parametrize("arch", ["qwen3"])
@@ -133,10 +127,4 @@ def test_gpu_bf16_flash_rule_end_to_end(arch):
     bf16_loss, _ = linearized_step(bf16_ref, SEQS)
     lean_layers.apply_lean_layers(model)
     out = dtree.TreeRuntime(model, chunk_size=2).forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
-    assert abs(out.loss - exact_loss) <= 2 * abs(bf16_loss - exact_loss) + 1e-3 * max(1.0, abs(exact_loss))
-    for (name, p), (_, e), (_, b) in zip(model.named_parameters(), exact.named_parameters(), bf16_ref.named_parameters()):
-        err = (p.grad.float() - e.grad).abs().max().item()
-        base_err = (b.grad.float() - e.grad).abs().max().item()
-        assert err <= 3 * base_err + 1e-3 * max(1e-3, e.grad.abs().max().item()), (
-            f"{arch} {name}: lean {err:.3e}, unpatched bf16 {base_err:.3e}"
-        )
+    assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss, f"{arch} lean")

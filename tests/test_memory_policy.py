@@ -126,7 +126,8 @@ def test_fragmentation_margin_without_expandable_segments():
 def test_low_setting_takes_the_lean_recipes_peak_as_its_cap():
     for shape in (AGENTIC_21K, AGENTIC_64K):
         p = plan(shape, setting="low")
-        recipe = plan(shape, group_tokens=mp.LOW_GROUP_TOKENS, checkpoint_layers=True, logprob_chunk=mp.LOW_LOGPROB_CHUNK)
+        recipe = plan(shape, group_tokens=mp.LOW_GROUP_TOKENS, checkpoint_layers=True,
+                      logprob_chunk=mp.LOW_LOGPROB_CHUNK)
         assert p.predicted_peak_bytes <= recipe.predicted_peak_bytes * (1 + mp.SLACK) + 1
         assert p.predicted_cost <= recipe.predicted_cost * (1 + mp.SLACK)
         # weights (2.9) + the rest: the issue's <= 12 GB on the 21k tree

@@ -158,7 +158,8 @@ def test_after_step_releases_and_reports(monkeypatch):
         "peak_since_reset_gib": 9.0, "freed_after_step": True,
     }
     state["reserved"] = 10 * gib
-    kept = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(2), False, lambda: None)
+    kept = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(2), False,
+                                lambda: None)
     assert dropped == [1] and kept.metrics["memory"]["reserved_after_gib"] == 10.0
     with pytest.raises(RuntimeError, match="boom"):
         step_memory.released(lambda: (_ for _ in ()).throw(RuntimeError("boom")), cuda, lambda: dropped.append(3), True,

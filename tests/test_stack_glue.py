@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from interpreter_worker import worker_fixture
 
 from dtree.kv_stack import KVStack
 from dtree.ops import stack_glue as sg
@@ -67,14 +68,7 @@ def _case_triton_matches_torch(dtype: str):
         _check_fold(getattr(torch, dtype), *shape)
 
 
-@pytest.fixture(scope="module")
-def worker():
-    pytest.importorskip("triton")
-    from interpreter_worker import InterpreterWorker
-
-    w = InterpreterWorker("test_stack_glue")
-    yield w
-    w.close()
+worker = worker_fixture("test_stack_glue")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
