@@ -62,6 +62,7 @@ within :data:`SLACK` of the fastest count as equally fast: the leanest of them r
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field, replace
@@ -111,24 +112,22 @@ HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's sha
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
 
 
-def _layer_share(spec: ModelSpec) -> float:
-    """A token's layer forward (all layers) as a fraction of its fwd+bwd (3x forward) compute."""
+@functools.lru_cache(maxsize=64)
+def _rates(spec: ModelSpec) -> tuple[float, float, float]:
+    """(a token's layer forward, all layers, as a fraction of its fwd+bwd compute; the LM
+    head's share of the forward; the call-cost scale: layers per unit of per-token
+    compute against the reference model's)."""
     head = 2 * spec.hidden_size * spec.vocab_size
     total = spec.forward_flops_per_token()
-    return (total - head) / (3 * total)
-
-
-def _head_share(spec: ModelSpec) -> float:
-    total = spec.forward_flops_per_token()
-    return 2 * spec.hidden_size * spec.vocab_size / total
+    layers, flops = _CALL_REFERENCE
+    return (total - head) / (3 * total), head / total, (spec.num_layers / layers) * (flops / total)
 
 
 def _call_tokens(spec: ModelSpec, tokens: float) -> float:
     """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
     part, and the CPU time its GPU work does not hide (both proportional to the layers,
     against the per-token compute)."""
-    layers, flops = _CALL_REFERENCE
-    scale = (spec.num_layers / layers) * (flops / spec.forward_flops_per_token())
+    scale = _rates(spec)[2]
     return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
 
 
@@ -226,7 +225,7 @@ def _candidate(
         "call_activations": call * cb.call(knobs.checkpoint),
         "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
     }
-    s, L = _layer_share(spec), max(1, spec.num_layers)
+    (s, head_share, _), L = _rates(spec), max(1, spec.num_layers)
     shared = min(shape.shared_tokens, u)
     cost = u + (u - shared) * s * knobs.checkpoint / L
     if knobs.path == RECOMPUTE:
@@ -236,7 +235,7 @@ def _candidate(
         cost += shared * s * knobs.path / L
     calls = call_count(u, knobs.group_tokens)
     cost += calls * _call_tokens(spec, u / calls)
-    cost += u * _head_share(spec) * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
+    cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
     return sum(parts.values()), cost, parts
 
 
@@ -296,7 +295,7 @@ def plan_step(
     if not isinstance(setting, str):
         budget = min(budget, setting * 2.0**30 * (1 - CAP_MARGIN) - allocated)
     ckpts = _checkpoint_options(fixed_ckpt, L)
-    paths = _path_options(mode, fixed_ckpt, ckpts)
+    paths = _path_options(mode, fixed_ckpt, L)
     knobs = [
         _Knobs(g, k, p, c)
         for g in _options(group_tokens, GROUP_TOKENS) for k in ckpts for p in paths
@@ -338,12 +337,13 @@ def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) ->
     return min(int(value), layers)
 
 
-def _path_options(mode: str, fixed: int | None, ckpts: tuple[int, ...]) -> tuple[int, ...]:
-    """How groups with children may run: retained with one of ``ckpts`` layers
-    checkpointed, or recomputed (the last option: the leanest)."""
+def _path_options(mode: str, fixed: int | None, layers: int) -> tuple[int, ...]:
+    """How groups with children may run: retained with none, half or all of their layers
+    checkpointed (the path is a few percent of the tokens: coarser steps than the
+    calls' keep the search small), or recomputed (the last option: the leanest)."""
     if mode == "recompute":
         return (RECOMPUTE,)
-    retained = ckpts if fixed is None else (fixed,)
+    retained = (0, layers // 2, layers) if fixed is None else (fixed,)
     return retained if mode == "retain" else retained + (RECOMPUTE,)
 
 

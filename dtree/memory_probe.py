@@ -202,7 +202,8 @@ def _backward_peak(hidden: torch.Tensor, leaf: torch.Tensor, now) -> int:
         handles.append(node.register_prehook(sample))
         handles.append(node.register_hook(sample))
     try:
-        torch.autograd.backward(hidden, grad, inputs=[leaf])
+        with torch.enable_grad():  # plan() may run under no_grad (log-prob passes)
+            torch.autograd.backward(hidden, grad, inputs=[leaf])
     finally:
         for h in handles:
             h.remove()
