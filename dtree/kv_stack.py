@@ -17,8 +17,9 @@ runtime promises.
 Life of a slot range ``[lo, hi)`` (one group of the schedule):
     push      the runtime clears the range's gradient slots (``zero_grad``, a separate
               call: storing K/V never touches gradients), then every layer of the
-              group's forward stores its K/V there (``store_kv``); a leaf group whose
-              segments do not read each other does neither (nothing reads its slots);
+              group's forward stores its K/V in its :meth:`slots` (the runtime with
+              :func:`dtree.ops.stack_glue.push_kv`, one launch; ``store_kv`` is the plain
+              copy); a leaf group whose segments do not read each other does neither;
     read      descendants attend to it; their backward adds dK/dV (``accumulate``);
     pop       the group's backward adds ``grad_k/grad_v[:, lo:hi]`` into its K/V
               gradients (:func:`dtree.ops.stack_attention.seed_from_stack`) and the
@@ -107,15 +108,19 @@ class KVStack:
             total += self.grad_k.nbytes + self.grad_v.nbytes
         return total
 
+    def slots(self, layer: int, lo: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K and V slots ``[lo, lo + n)`` of ``layer``: contiguous ``[n, kv_heads, dim]``
+        views a push writes into (:func:`dtree.ops.stack_glue.push_kv`, the runtime's:
+        one launch for both on CUDA)."""
+        return self.k[layer, lo : lo + n], self.v[layer, lo : lo + n]
+
     def store_kv(self, layer: int, lo: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Copy ``k`` [T, kv_heads, head_dim] and ``v`` [T, kv_heads, v_head_dim] (any
         strides, any float dtype) into the K/V slots ``[lo, lo + T)`` of ``layer``
-        (values only: the gradient slots are :meth:`zero_grad`'s); one launch for both
-        on CUDA (:func:`dtree.ops.stack_glue.push_kv`)."""
-        from .ops.stack_glue import push_kv  # here: dtree.ops imports this module
-
-        push_kv(self.k[layer, lo : lo + k.shape[0]], self.v[layer, lo : lo + v.shape[0]], k, v)
-
+        (values only: the gradient slots are :meth:`zero_grad`'s)."""
+        k_slots, v_slots = self.slots(layer, lo, k.shape[0])
+        k_slots.copy_(k)
+        v_slots.copy_(v)
 
     def zero_grad(self, lo: int, hi: int) -> None:
         """Clear the gradient slots ``[lo, hi)`` of every layer."""

@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .memory_probe import CallBytes
+from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
 from .models.protocol import ModelSpec
 from .schedule import FORWARD, Schedule
 
@@ -50,21 +50,6 @@ class StepShape:
     unique_tokens: int
     longest_path: int
     shared_tokens: int = 0
-
-
-def layer_activation_bytes(spec: ModelSpec, itemsize: int) -> float:
-    """Bytes HF's eager decoder layers keep for backward, per token, all layers:
-    ``L * itemsize * (4 I + 6 H + 3 Hq D)`` (the MLP's four ``[T, I]`` tensors; norms'
-    float32 copies and outputs, projections' inputs, attention). 2.78 MB for
-    qwen2.5-1.5b in bf16, 2.73 MB measured."""
-    per_layer = 4 * spec.intermediate_size + 6 * spec.hidden_size + 3 * spec.num_heads * spec.head_dim
-    return spec.num_layers * itemsize * per_layer
-
-
-def layer_input_bytes(spec: ModelSpec, itemsize: int) -> float:
-    """Bytes per token kept with every layer checkpointed: each layer's ``[T, H]`` input,
-    the final norm's and the LM head's rows."""
-    return (spec.num_layers + 2) * spec.hidden_size * itemsize
 
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:

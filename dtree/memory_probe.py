@@ -10,7 +10,7 @@ storages created under :class:`LiveBytes` that are still alive. The slope over `
 is the per-token figure (constant parts such as the rotary tables drop out). Nothing is
 backpropagated, so ``param.grad`` is untouched, and the RNG state is restored.
 
-Why measure: the analytic figure (:func:`dtree.memory_policy.layer_activation_bytes`)
+Why measure: the analytic figure (:func:`layer_activation_bytes`)
 is for HF's eager layers; fused or lean layers, adapters and other families keep
 other amounts (``benchmarks/activation_bytes.py`` tabulates them), and a plan built on
 the wrong figure either runs out of memory or wastes it.
@@ -30,8 +30,11 @@ from .checkpointing import checkpointed_layers
 from .kv_stack import KVStack
 from .models import ModelSpec, TreeModule
 from .ops.segment_layout import SegmentLayout
+from .walk import GroupAttention
 
-__all__ = ["CallBytes", "LiveBytes", "estimated_call_bytes", "measure_call_bytes"]
+__all__ = [
+    "CallBytes", "LiveBytes", "estimated_call_bytes", "layer_activation_bytes", "layer_input_bytes", "measure_call_bytes",
+]
 
 PROBE_TOKENS = (128, 384)
 
@@ -87,9 +90,23 @@ class CallBytes:
                 "backward_checkpointed_kb": self.backward(1) / 1e3, "source": self.source}
 
 
+def layer_activation_bytes(spec: ModelSpec, itemsize: int) -> float:
+    """Bytes HF's eager decoder layers keep for backward, per token, all layers:
+    ``L * itemsize * (4 I + 6 H + 3 Hq D)`` (the MLP's four ``[T, I]`` tensors; norms'
+    float32 copies and outputs, projections' inputs, attention). 2.78 MB for
+    qwen2.5-1.5b in bf16, 2.73 MB measured."""
+    per_layer = 4 * spec.intermediate_size + 6 * spec.hidden_size + 3 * spec.num_heads * spec.head_dim
+    return spec.num_layers * itemsize * per_layer
+
+
+def layer_input_bytes(spec: ModelSpec, itemsize: int) -> float:
+    """Bytes per token kept with every layer checkpointed: each layer's ``[T, H]`` input,
+    the final norm's and the LM head's rows."""
+    return (spec.num_layers + 2) * spec.hidden_size * itemsize
+
+
 def estimated_call_bytes(spec: ModelSpec, itemsize: int) -> CallBytes:
     """HF's eager layers, from the shapes (when the model cannot be probed)."""
-    from .memory_policy import layer_activation_bytes, layer_input_bytes
 
     layer_input = spec.hidden_size * itemsize
     return CallBytes(layer_activation_bytes(spec, itemsize), layer_input_bytes(spec, itemsize), spec.num_layers,
@@ -151,8 +168,6 @@ def _probe_call(
     states. The embedding output becomes a leaf that requires grad (appended to
     ``leaves``), so a backward to it computes every activation gradient and no parameter
     gradient. ``stack``: a KV stack of at least ``tokens`` slots (None: a new one)."""
-    from .walk import GroupAttention
-
     device = placement[0]
     stack = stack if stack is not None else _probe_stack(spec, placement, tokens)
     layout = SegmentLayout(q_offsets=np.array([0, tokens]), own_slot=np.array([0]), prefix_ranges=[()])

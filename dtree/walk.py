@@ -41,6 +41,7 @@ from .losses import weighted_terms
 from .models import TreeModule
 from .ops.logprobs import OutputHead, compute_dtype, token_logprobs
 from .ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
+from .ops.stack_glue import push_kv
 from .schedule import FORWARD, LossTerms, Schedule
 from .transfer import upload
 from .tree import Forest
@@ -154,7 +155,7 @@ class GroupAttention:
         of :func:`dtree.ops.stack_attention.stack_attention`."""
         self.called[layer] = True
         if self.push:
-            self.stack.store_kv(layer, self.lo, k.detach(), v.detach())
+            push_kv(*self.stack.slots(layer, self.lo, k.shape[0]), k.detach(), v.detach())
         if torch.is_grad_enabled():
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.seed:

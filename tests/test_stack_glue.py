@@ -29,7 +29,7 @@ def _check_push(dtype, t, h, dk, dv):
     stack.v.zero_()
     k, v = _strided(t, h, dk, dtype, 1), _strided(t, h, dv, dtype, 2)
     assert t == 1 or not k.is_contiguous()
-    stack.store_kv(1, 4, k, v)
+    sg.push_kv(*stack.slots(1, 4, t), k, v)
     assert torch.equal(stack.k[1, 4 : 4 + t], k) and torch.equal(stack.v[1, 4 : 4 + t], v)
     assert stack.k[1, :4].abs().sum() == 0 and stack.k[1, 4 + t :].abs().sum() == 0 and stack.k[0].abs().sum() == 0
 
@@ -82,7 +82,7 @@ def test_gpu_kernels_match_torch(dtype):
     t, h, dk, dv = 4099, 4, 128, 128
     stack = KVStack(2, t + 5, h, dk, v_head_dim=dv, dtype=dtype, device="cuda")
     k, v = _strided(t, h, dk, dtype, 1).cuda(), _strided(t, h, dv, dtype, 2).cuda()
-    stack.store_kv(1, 5, k, v)
+    sg.push_kv(*stack.slots(1, 5, t), k, v)
     assert torch.equal(stack.k[1, 5:], k) and torch.equal(stack.v[1, 5:], v)
     sk, sv = torch.randn(t, h, dk, device="cuda"), torch.randn(t, h, dv, device="cuda")
     gk, gv = torch.randn_like(sk).to(dtype), torch.randn_like(sv).to(dtype)

@@ -3,7 +3,8 @@
 Per layer and call, besides the attention kernels, dtree's own work is:
 
 * **push**: the call's K and V (strided views of the model's ``[1, Hkv, T, D]``
-  projections) copied into their stack slots: two ``copy_`` launches, one here;
+  projections) copied into their stack slots (``KVStack.slots``): two ``copy_`` launches
+  (``KVStack.store_kv``), one here;
 * **seed**: in backward, the stack's float32 gradient slots of the call folded into
   its dK and dV and cast to the model dtype (``(slot + dk).to(dtype)`` for K and V):
   four launches, one here.
