@@ -36,6 +36,27 @@
 #   memscale         benchmarks/bench_memory_scaling.py (both sweeps)          ~8 min
 #   kernel           benchmarks/bench_stack_attention.py                       ~2 min
 #
+# Issue 17 (lean path-bounded memory, lean layers, fair kernels), two device commands:
+#
+#   i17a             (~4.7 min, at most 5.5) i17-tests, i17-64k, i17-case1, i17-7b, i17-between
+#   i17b             (~4.7 min, at most 5.5) i17-128k, i17-256k, i17-calls
+#   i17-tests        pytest -m gpu: lean RMSNorm/SwiGLU, stack glue, lean layers end to
+#                    end, the runtime with the probe and free_after_step      ~1 min
+#   i17-64k          64k agentic, 4 fresh forests: dtree, dtree:low, tree-mask:whole+ckpt,
+#                    dtree:memory=17.6 (at the mask's peak: the memory-accuracy check) ~1.6 min
+#   i17-case1        grpo case 1, 5 steps: dtree, dtree:low, tree-mask whole+ckpt / split16k,
+#                    linearized (its default backend: flash-attn when importable) ~45 s
+#   i17-7b           qwen2.5-7b, one ~32k agentic tree, dtree default: MFU    ~50 s
+#   i17-between      benchmarks/between_steps.py: a training loop on fresh 16k-41k trees,
+#                    free_after_step on and off: what stays between steps     ~45 s
+#   i17-128k         128k agentic, 3 fresh forests: dtree, tree-mask:whole+ckpt, dtree:low ~1.6 min
+#   i17-256k         256k agentic, 3 fresh forests: the same                  ~3 min
+#   i17-calls        64k agentic, 3 forests: 4,096- and 8,192-token calls without checkpointing
+#                    (the per-call cost the policy assumes)                   ~35 s
+#
+# Every i17 bench runs `--layers auto` (the default): every method gets the same decoder
+# layers (dtree's lean RMSNorm/SwiGLU, Liger's rotary when installed), named in the report.
+#
 # The bench parts run a fresh forest every step (--steps), every configuration in one
 # process; a time budget cuts the last configurations cleanly (reported as skipped), and
 # the reports are rewritten after every configuration, so even a killed run leaves them.
@@ -60,6 +81,8 @@ AGENTIC="--workload agentic"
 GRPO="--workload grpo"
 AGENTIC21K="--set num_trees=1 --set target_unique_tokens=21000"
 WARMUP="" MEMORY="" MEMSCALE=""
+MODEL7B=qwen2.5-7b T7B=32768 T128K=131072 T256K=262144 SCALE=1
+BETWEEN="--steps 6"
 # SMOKE=1: the same parts on CPU with the tiny model and small shapes (checks the plumbing)
 if [ "${SMOKE:-0}" = 1 ]; then
   SMALL_TREE="--set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set turn_len_median=12"
@@ -73,6 +96,9 @@ if [ "${SMOKE:-0}" = 1 ]; then
   AGENTIC21K="--model tiny --device cpu $SMALL_TREE --set target_unique_tokens=300"
   MEMSCALE="--model tiny --device cpu --branches 2,3 --prompt-len 32 --answer-len 8 --tree-sizes 200,300 \
     --set-tree system_prompt_len=64 --set-tree turn_len=4,24"
+  MODEL7B=tiny T7B=400 T128K=500 T256K=600 SCALE=6  # a shared CPU is far slower than the GPU
+  BETWEEN="--device cpu --steps 2 --min-tokens 200 --max-tokens 300 --set system_prompt_len=64 --set trajectories=2 \
+    --set turn_len=4,24 --set turn_len_median=12"
 fi
 
 part() {
@@ -168,6 +194,50 @@ torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA device')
       timeout "$secs" python benchmarks/bench_memory_scaling.py $MEMSCALE --time-budget $((secs - 90)) --out "$dir" ;;
     kernel)
       timeout "$secs" python benchmarks/bench_stack_attention.py --out "$dir" ;;
+    i17-tests)
+      local to=""
+      python -c "import pytest_timeout" 2>/dev/null && to="--timeout 120"
+      timeout "$secs" python -m pytest -m gpu -q -p no:cacheprovider -rfE $to tests/test_rms_norm.py \
+        tests/test_swiglu.py tests/test_stack_ops_triton.py tests/test_stack_ops.py tests/test_lean_layers.py \
+        tests/test_runtime_gpu.py::test_bf16_runtime_with_the_fused_head_by_the_flash_rule 2>&1 | tee "$dir/pytest.txt"
+      ;;
+    i17-64k)
+      timeout "$secs" $BENCH $AGENTIC64K --steps 4 --configs dtree,dtree:low,tree-mask:whole+ckpt,dtree:memory=17.6 \
+        --time-budget $((secs - 20)) --tag i17-64k --out "$dir" ;;
+    i17-case1)
+      timeout "$secs" $BENCH $CASE1 --steps 5 \
+        --configs dtree,dtree:low,tree-mask:whole+ckpt,tree-mask:split16k,linearized \
+        --time-budget $((secs - 15)) --tag i17-case1 --out "$dir" ;;
+    i17-7b)
+      timeout "$secs" ${BENCH/qwen2.5-1.5b/$MODEL7B} $AGENTIC64K --set target_unique_tokens=$T7B --steps 3 \
+        --configs dtree --time-budget $((secs - 15)) --tag i17-7b --out "$dir" ;;
+    i17-between)
+      timeout "$secs" python benchmarks/between_steps.py $BETWEEN --out "$dir" ;;
+    i17-128k)
+      timeout "$secs" $BENCH $AGENTIC64K --set target_unique_tokens=$T128K --steps 3 \
+        --configs dtree,tree-mask:whole+ckpt,dtree:low --time-budget $((secs - 20)) --tag i17-128k --out "$dir" ;;
+    i17-256k)
+      timeout "$secs" $BENCH $AGENTIC64K --set target_unique_tokens=$T256K --steps 3 \
+        --configs dtree,tree-mask:whole+ckpt,dtree:low --time-budget $((secs - 20)) --tag i17-256k --out "$dir" ;;
+    i17-calls)
+      timeout "$secs" $BENCH $AGENTIC64K --steps 3 \
+        --configs dtree:group_tokens=4096+checkpoint_layers=0,dtree:group_tokens=8192+checkpoint_layers=0 \
+        --time-budget $((secs - 15)) --tag i17-calls --out "$dir" ;;
+    i17a)
+      # one device command (<= 9.5 minutes), each part time-bounded
+      local started=$SECONDS
+      part i17-tests $((60 * SCALE))
+      part i17-64k $((100 * SCALE))
+      part i17-case1 $((50 * SCALE))
+      part i17-7b $((55 * SCALE))
+      part i17-between $((secs * SCALE - (SECONDS - started) - 5))
+      ;;
+    i17b)
+      local started=$SECONDS
+      part i17-128k $((100 * SCALE))
+      part i17-256k $((185 * SCALE))
+      part i17-calls $((secs * SCALE - (SECONDS - started) - 5))
+      ;;
     *) echo "unknown part $name (see the header of $0)"; false ;;
   esac
   rc=$?
@@ -188,11 +258,13 @@ limit() {
     env) echo 60 ;; tests) echo 420 ;; tests-mem) echo 240 ;; bench-case1) echo 300 ;; memory) echo 300 ;;
     kernel) echo 240 ;; i11-agentic64k) echo 200 ;; i11-case1) echo 120 ;; i11-low21k) echo 100 ;; i11-fused) echo 180 ;;
     issue11) echo 540 ;; grpo-default) echo 300 ;; i13-7b) echo 240 ;;
+    i17a) echo 330 ;; i17b) echo 330 ;; i17-tests) echo 60 ;; i17-64k) echo 100 ;; i17-case1) echo 50 ;;
+    i17-7b) echo 55 ;; i17-between) echo 60 ;; i17-128k) echo 100 ;; i17-256k) echo 185 ;; i17-calls) echo 45 ;;
     *) echo 570 ;;
   esac
 }
 
-[ $# -gt 0 ] || { sed -n '2,30p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,52p' "$0"; exit 2; }
 for spec in "$@"; do
   name=${spec%%:*}
   secs=${spec#*:}

@@ -193,15 +193,14 @@ def breakdown(peak: dict, start_allocated: int, weights: int, grads: dict[int, i
 
 
 def predicted(spec, runner, dtype: torch.dtype, params: int, out) -> dict[str, float]:
-    """What dtree's memory policy predicted for the step, by part, in bytes (weights and
-    the KV stack already held added); empty for the baselines."""
+    """What dtree's memory policy predicted for the step, by part, in bytes (what was held
+    when the step started, the weights at least, added); empty for the baselines."""
     plan = getattr(runner, "memory_plan", None)
     if plan is None or not plan.parts:
         return {}
     itemsize = torch.empty((), dtype=dtype).element_size()
-    parts = {"weights": params * itemsize, **plan.parts}
-    if not parts.get("kv_stack"):  # reused from the warm-up step: held, not added
-        parts["kv_stack (held)"] = sum(t.nbytes for t in _stack_tensors(runner).values())
+    start = getattr(plan, "start_bytes", 0.0) or params * itemsize
+    parts = {"held at the start (weights, ...)": start, **plan.parts}
     parts["total"] = sum(parts.values())
     return parts
 

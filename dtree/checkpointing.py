@@ -129,21 +129,26 @@ class CheckpointedLayer(torch.nn.Module):
 
 
 @contextlib.contextmanager
-def checkpointed_layers(model: torch.nn.Module) -> Iterator[None]:
-    """While the block runs, every decoder layer of ``model`` (see :func:`decoder_layers`)
-    is checkpointed: its forward keeps only its input, and backward recomputes it.
+def checkpointed_layers(model: torch.nn.Module, count: int | None = None) -> Iterator[None]:
+    """While the block runs, the first ``count`` decoder layers of ``model`` (see
+    :func:`decoder_layers`; None: all of them) are checkpointed: their forward keeps
+    only their input, and backward recomputes them. The memory policy checkpoints part
+    of the layers when all of a call's activations do not fit but some do: the peak is
+    the sum over layers, so which ones does not matter, and the first ``count`` are as
+    good as any.
 
     Nested use is a no-op (the layers are wrapped once)."""
     layers = decoder_layers(model)
     if any(isinstance(layer, CheckpointedLayer) for layer in layers):
         yield
         return
+    count = len(layers) if count is None else max(0, min(int(count), len(layers)))
     originals = list(layers)
-    configs = _attention_configs(model)
+    configs = _attention_configs(model) if count else []
     try:
-        for i, layer in enumerate(originals):
-            layers[i] = CheckpointedLayer(layer, configs)
+        for i in range(count):
+            layers[i] = CheckpointedLayer(originals[i], configs)
         yield
     finally:
-        for i, layer in enumerate(originals):
-            layers[i] = layer
+        for i in range(count):
+            layers[i] = originals[i]

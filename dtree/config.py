@@ -41,7 +41,9 @@ class RuntimeConfig:
         logprob_chunk: rows per LM-head chunk (>= 1); None: the memory policy's choice.
         stack_capacity: fixed KV-stack size in tokens (>= 1); None sizes it per step.
         progress: a progress bar over each step's model calls.
-        checkpoint_layers: per-layer checkpointing; None: the memory policy decides.
+        checkpoint_layers: per-layer checkpointing: True (every decoder layer), False
+            (none), or how many of them (the first ones) in every call; None: the memory
+            policy decides.
         memory: ``"auto"``, ``"low"`` or a positive cap in GiB.
         retain_budget_tokens: tokens of groups with children whose graphs retain/auto
             mode may keep alive at once (>= 0); None: the memory policy's budget. A
@@ -50,6 +52,10 @@ class RuntimeConfig:
             forest give bitwise-identical gradients (on the same GPU and software), or
             raises as torch does where one cannot (:mod:`dtree.ops.determinism`). Also on
             whenever ``torch.use_deterministic_algorithms(True)`` is.
+        free_after_step: on CUDA, after each call drop the KV stack and hand the caching
+            allocator's unused blocks back to the device (``torch.cuda.empty_cache``), so
+            what the step used is free for another process (a colocated inference
+            engine) between steps; False keeps both for the next step.
     """
 
     mode: Mode = "auto"
@@ -63,6 +69,7 @@ class RuntimeConfig:
     memory: str | float = "auto"
     retain_budget_tokens: int | None = None
     deterministic: bool = False
+    free_after_step: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -81,11 +88,13 @@ class RuntimeConfig:
                 f"memory must be one of {memory_policy.SETTINGS} or a positive number (a cap in GiB), "
                 f"got {self.memory!r}"
             )
-        if self.checkpoint_layers not in (None, True, False):
+        layers = self.checkpoint_layers
+        if not (layers in (None, True, False) or (_is_int(layers) and layers >= 0)):
             raise ValueError(
-                f"checkpoint_layers must be None (decided per step), True or False, got {self.checkpoint_layers!r}"
+                "checkpoint_layers must be None (decided per step), True, False or a number of layers >= 0, "
+                f"got {self.checkpoint_layers!r}"
             )
-        for name in ("progress", "deterministic"):
+        for name in ("progress", "deterministic", "free_after_step"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

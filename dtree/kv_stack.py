@@ -19,7 +19,8 @@ Life of a slot range ``[lo, hi)`` (one group of the schedule):
     push      the runtime clears the range's gradient slots (``zero_grad``, a separate
               call: storing K/V never touches gradients), then every layer of the
               group's forward stores its K/V there (``store_kv``); a leaf group whose
-              segments do not read each other does neither (nothing reads its slots);
+              segments do not read each other does neither (its slots are never written,
+              and the stack is sized by the slots a step writes);
     read      descendants attend to it; their backward adds dK/dV (``accumulate``);
     pop       the group's backward adds ``grad_k/grad_v[:, lo:hi]`` into its K/V
               gradients (:func:`dtree.ops.stack_attention.seed_from_stack`) and the

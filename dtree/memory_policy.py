@@ -4,213 +4,145 @@ Per step, :func:`plan_step` decides
 
 * ``group_tokens``: the token budget of one model call (the schedule packs calls up
   to it);
-* ``checkpoint_layers``: whether every decoder layer of a call runs under
-  non-reentrant ``torch.utils.checkpoint`` (:mod:`dtree.checkpointing`), keeping only
-  the layers' inputs;
-* ``logprob_chunk``: rows per LM-head chunk;
+* ``checkpoint_layers``: how many decoder layers of a call without child groups (and of
+  a recomputed group's re-run) run under non-reentrant ``torch.utils.checkpoint``
+  (:mod:`dtree.checkpointing`), keeping only their inputs: 0 (none) to all; the peak
+  is the sum over layers, so checkpointing part of them trades memory for time
+  smoothly;
+* the path: whether the groups with children (the current root-to-leaf path's
+  graphs, alive until their subtree is done) are retained, and with how many layers
+  checkpointed (``path_checkpoint_layers``: their layer inputs are cheap, 86 KB per
+  token on qwen2.5-1.5b, so a path of 10k tokens costs under 1 GB), or recomputed at
+  their backward;
+* ``logprob_chunk``: rows per LM-head chunk.
 
-and, once the schedule is built, :func:`retain_budget` decides how many tokens of
-groups with children ``mode="auto"`` keeps alive until their backward (the rest are
-recomputed).
+So activation memory is bounded by one path plus one call, not by the tree, and the
+policy recomputes only what does not fit.
 
-It is a pure function of the model's shape and dtype, the bytes the step may still
-allocate, and the forest's size (unique tokens, longest path): nothing measured on
-earlier steps feeds back, so a step's calls (and the kernels they compile) do not
-change after the first step. The runtime reads the device's free memory at each step
-(``torch.cuda.mem_get_info`` and the allocator's cached bytes, capped by
-``torch.cuda.set_per_process_memory_fraction``): that changes only when the process's
-own allocations do (optimizer states after the first ``optimizer.step()``).
+It is a pure function of the model's shape and dtype, the per-token bytes its calls
+keep (:class:`dtree.memory_probe.CallBytes`: measured on the model as it is, its layer
+kernels and adapters included, by the runtime; HF's eager figure otherwise), the
+bytes the step may still allocate and the forest's size: nothing measured on earlier
+steps feeds back, so a step's calls (and the kernels they compile) do not change after
+the first step. The byte figures and the step simulation are in
+:mod:`dtree.memory_model`; after scheduling, :func:`dtree.memory_model.simulate_peak`
+replaces the plan's bound with the schedule's predicted peak (:func:`refine`).
 
 Settings (``TreeRuntime(memory=...)``):
 
 ``"auto"`` (default)
-    the fastest plan whose predicted peak fits the budget (a margin below what the
-    allocator can still hand out), or the leanest plan predicted within :data:`SLACK`
-    of it when that saves at least :data:`LEANER` of its peak. On CPU (no device memory to plan for):
-    8192-token calls, no checkpointing, everything retained.
+    the fastest plan whose predicted peak fits the budget: :data:`MARGIN` below what
+    the device has free at the call (``torch.cuda.mem_get_info``) plus what this
+    process's allocator holds unused (:func:`available_bytes`), so memory another
+    process (a colocated inference engine) holds is never planned for. On CPU (no
+    device memory to plan for): 8192-token calls, no checkpointing, everything retained.
 ``"low"``
-    the lean recipe: layer checkpointing, calls of :data:`LOW_GROUP_TOKENS` tokens,
-    :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks, groups' layer inputs retained (no
-    recompute of whole groups). Memory ~ weights + gradients + the KV stack of the
-    path + ~0.1 MB per token of the call + one layer's activations.
+    the lean recipe's peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
+    calls, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is the cap, and the fastest
+    plan under it runs.
 a number
     a cap in GiB on the step's peak allocated memory (everything the process holds
-    included): the fastest plan predicted under it.
+    included; :data:`CAP_MARGIN` is kept for prediction error): the fastest plan
+    predicted under it.
 
 Explicit ``group_tokens``, ``checkpoint_layers`` and ``logprob_chunk`` arguments of the
 runtime are kept as given; the policy decides the rest.
 
-The numbers it is built on (H100 80 GB, qwen2.5-1.5b bf16, eager HF layers, torch 2.11;
-reports in ``/work/.device/2/r`` of the 2026-11-23 session, summarized in
-``benchmarks/PERF_NOTES.md``):
-
-* **activations of eager decoder layers**: 21.70 GiB for an 8,262-token call at the
-  peak of a recompute step, 2.82 MB per token: the MLP keeps four ``[T, I]`` tensors
-  per layer (gate, its SiLU, up, their product: 66.7 KB per layer-token measured,
-  ``4 I`` elements), norms, projections' inputs, rotary and attention another ~29 KB.
-  :func:`layer_activation_bytes` models ``L * itemsize * (4 I + 6 H + 3 Hq D)``: 2.78 MB
-  (``ModelSpec.activation_bytes_per_token``, ``12 H + 4 I + 3 Hq D``, gives 3.30 MB, 17%
-  high).
-* **with layer checkpointing** autograd keeps each layer's ``[T, H]`` input: ``(L + 2)
-  * H * itemsize`` = 92 KB per token (the final norm and LM-head rows included), plus,
-  while a layer is re-run in backward, that layer's activations and their gradients
-  (:data:`ONE_LAYER_BACKWARD` times one layer's share).
-* **KV stack**: ``L * Hkv * (Dk + Dv) * (itemsize + 4)`` per slot (bf16 values, float32
-  gradients): 86 KB; measured 1.16 GiB for 14.4k slots.
-* **LM head, per chunk of c rows**: the chunked torch op keeps float32 temporaries,
-  ~``c * V * (itemsize + 6)`` plus the float32 ``[V, H]`` weight-gradient accumulator
-  (5.49 GiB measured at c = 4096); the fused Triton op one ``[c, V]`` buffer in the
-  model dtype plus the accumulator (2.51 GiB at c = 4096, N = 16,384).
-* **allocator fragmentation** (reserved - allocated at the peak): 10.7 GiB of 45.5
-  reserved in recompute mode without ``expandable_segments``: the budget keeps
-  :data:`MARGIN_FRAGMENTED` of the free memory unused then, :data:`MARGIN` with it.
-* **retaining vs recomputing** the groups with children: on the 64k agentic tree (one
-  such group, the 6.9k-token trunk) retaining it (auto) and recomputing it took 2.88 and
-  2.90 s per step, for 17 GB more at the peak: ``mode="auto"`` retains only where the
-  predicted saving reaches :data:`RETAIN_SAVING` of the step, and always with layer
-  checkpointing (layer inputs are cheap; a recomputed checkpointed group would run its
-  layers three times).
-* **time** (a plan's predicted cost, in tokens' worth of fwd+bwd compute): a model
-  call costs :data:`CALL_TOKENS` tokens (43 ms against 33 us per token, from 4,096- vs
-  8,192-token calls on a 21k-token tree: 1.12 vs 0.90 s); re-running a token's layers
-  (a recomputed group, or layer checkpointing) costs the layers' forward, about
-  ``layer forward FLOPs / (3 * forward FLOPs)`` = 0.28 of a token for qwen2.5-1.5b;
-  calls below 4,096 tokens lose efficiency (2,048-token calls: 2.04 s, +80% per token
-  on the same tree); LM-head chunks of 1,024 rows re-read the float32 weight-gradient
-  accumulator 4x as often as 4,096 (~15% of the head's time).
+Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~38 us each for
+qwen2.5-1.5b on an H100): a model call's CPU work (eager layers: ~90 ms to launch its
+kernels forward and backward) is hidden behind the GPU unless the call's own GPU work is
+shorter, so a call of ``T`` tokens costs :data:`CALL_FIXED_TOKENS` plus ``max(0,
+CALL_CPU_TOKENS - T)`` (an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an
+H200: ~700 tokens); re-running a layer (a checkpointed layer, a recomputed group) costs
+its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
+on qwen2.5-1.5b (0.28 for all 28); LM-head chunks of 1,024 rows re-read the float32
+weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
+within :data:`SLACK` of the fastest count as equally fast: the leanest of them runs.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterable
 
 import torch
 
+from .memory_model import (
+    StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes, simulate_peak,
+    stack_slot_bytes,
+)
+from .memory_probe import CallBytes, estimated_call_bytes
 from .models.protocol import ModelSpec
 
 __all__ = [
-    "MemoryPlan",
-    "StepShape",
-    "SETTINGS",
-    "available_bytes",
-    "head_bytes",
-    "layer_activation_bytes",
-    "layer_input_bytes",
-    "missing_grad_bytes",
-    "plan_step",
-    "retain_budget",
-    "stack_slot_bytes",
+    "MemoryPlan", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
+    "layer_input_bytes", "missing_grad_bytes", "plan_step", "refine", "retain_budget", "stack_slot_bytes",
 ]
 
 SETTINGS = ("auto", "low")
 # Plans within this fraction of the fastest predicted one count as equally fast; the
 # one with the least memory among them is taken when it saves at least LEANER of the
-# fastest one's peak (the issue allows 5% against the best configuration; the rest is
-# left for prediction error).
-SLACK = 0.03
+# fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
+SLACK = 0.05
 LEANER = 0.2
-# mode="auto" retains groups with children (without layer checkpointing) only when that
-# is predicted to save at least this fraction of the step.
-RETAIN_SAVING = 0.05
 # Fraction of the allocatable memory a plan leaves unused (fragmentation, kernels'
 # workspaces, what the model does not tell us); larger without expandable segments.
 MARGIN = 0.10
 MARGIN_FRAGMENTED = 0.20
+CAP_MARGIN = 0.03  # of a memory=<GiB> cap, for prediction error
 # Call sizes the policy considers (tokens); the largest call a schedule makes is at
 # most its budget (and at most the forest).
 GROUP_TOKENS = (32768, 16384, 8192, 4096, 2048)
 LOGPROB_CHUNKS = (4096, 2048, 1024)
+CHECKPOINT_STEPS = 8  # layer counts tried: 0, L/8, ..., L
 CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_LOGPROB_CHUNK = 1024
-# One layer re-run in backward holds its activations and about as much again in their
-# gradients and temporaries.
-ONE_LAYER_BACKWARD = 2.0
 # Cost model constants (see the module docstring), for qwen2.5-1.5b on an H100 in eager
-# mode; CALL_TOKENS scales with layers per unit of per-token compute.
-CALL_TOKENS = 1300.0
-_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where CALL_TOKENS was measured
-SMALL_CALL_TOKENS = 4096  # calls below this lose efficiency
-SMALL_CALL_PENALTY = 0.25  # extra cost per token per doubling below SMALL_CALL_TOKENS (fit: 2,048-token calls)
+# mode; both scale with layers per unit of per-token compute.
+CALL_CPU_TOKENS = 2600.0
+CALL_FIXED_TOKENS = 150.0
+_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
+SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
+RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
 
 
-def layer_activation_bytes(spec: ModelSpec, itemsize: int) -> float:
-    """Bytes eager decoder layers keep for backward, per token, all layers."""
-    per_layer = 4 * spec.intermediate_size + 6 * spec.hidden_size + 3 * spec.num_heads * spec.head_dim
-    return spec.num_layers * itemsize * per_layer
-
-
-def layer_input_bytes(spec: ModelSpec, itemsize: int) -> float:
-    """Bytes per token kept with every layer checkpointed: each layer's ``[T, H]`` input,
-    the final norm's and the LM head's rows."""
-    return (spec.num_layers + 2) * spec.hidden_size * itemsize
-
-
-def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
-    """One KV-stack slot: K/V values in the model dtype and their gradients in the
-    compute dtype (float32; float64 for a float64 model)."""
-    grad_itemsize = 8 if itemsize == 8 else 4
-    return spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.value_head_dim) * (itemsize + grad_itemsize)
-
-
-def head_bytes(spec: ModelSpec, itemsize: int, chunk: int, rows: int, fused: bool) -> float:
-    """Peak bytes of the LM head's backward over ``rows`` predictions in chunks of
-    ``chunk`` rows: the chunk's logits (fused: one buffer in the model dtype; torch:
-    float32 temporaries too: 6 more bytes per logit at the peak, measured) and, with
-    several chunks, the float32 ``[V, H]`` weight-gradient accumulator."""
-    c = max(1, min(chunk, rows))
-    per_element = itemsize if fused else itemsize + 6
-    accumulator = spec.vocab_size * spec.hidden_size * 4 if rows > chunk else 0
-    return c * spec.vocab_size * per_element + accumulator
-
-
-def _forward_flops(spec: ModelSpec) -> float:
-    return spec.forward_flops_per_token()
-
-
-def _layer_share(spec: ModelSpec) -> float:
-    """A token's layer forward as a fraction of its fwd+bwd (3x forward) compute."""
+@functools.lru_cache(maxsize=64)
+def _rates(spec: ModelSpec) -> tuple[float, float, float]:
+    """(a token's layer forward, all layers, as a fraction of its fwd+bwd compute; the LM
+    head's share of the forward; the call-cost scale: layers per unit of per-token
+    compute against the reference model's)."""
     head = 2 * spec.hidden_size * spec.vocab_size
-    total = _forward_flops(spec)
-    return (total - head) / (3 * total)
-
-
-def _head_share(spec: ModelSpec) -> float:
-    total = _forward_flops(spec)
-    return 2 * spec.hidden_size * spec.vocab_size / total
-
-
-def _call_tokens(spec: ModelSpec) -> float:
-    """One model call's fixed cost in tokens' worth of compute (launch-bound eager
-    layers: proportional to the layers, against the per-token compute)."""
+    total = spec.forward_flops_per_token()
     layers, flops = _CALL_REFERENCE
-    return CALL_TOKENS * (spec.num_layers / layers) * (flops / _forward_flops(spec))
+    return (total - head) / (3 * total), head / total, (spec.num_layers / layers) * (flops / total)
 
 
-@dataclass(frozen=True)
-class StepShape:
-    """What the policy needs to know of a forest."""
-
-    unique_tokens: int
-    longest_path: int
+def _call_tokens(spec: ModelSpec, tokens: float) -> float:
+    """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
+    part, and the CPU time its GPU work does not hide (both proportional to the layers,
+    against the per-token compute)."""
+    scale = _rates(spec)[2]
+    return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
 
 
 @dataclass(frozen=True)
 class MemoryPlan:
     """One step's decisions and the figures behind them (bytes are what the step adds
-    on top of what was allocated when it started).
+    on top of ``start_bytes``, what was allocated when it started).
 
-    ``retain_bytes``: what graphs of groups with children may hold at most (the
-    budget left above the predicted peak), at ``retained_bytes_per_token`` each;
-    ``inf`` on CPU. :func:`retain_budget` decides what ``mode="auto"`` spends of it."""
+    ``path_checkpoint_layers``: layers checkpointed in the retained groups with
+    children, or :data:`RECOMPUTE`; ``retain_bytes``: what their graphs may hold at
+    once, at ``retained_bytes_per_token`` (:func:`retain_budget` turns it into
+    tokens); ``inf`` on CPU."""
 
     group_tokens: int
-    checkpoint_layers: bool
+    checkpoint_layers: int
     logprob_chunk: int
     retain_bytes: float
     retained_bytes_per_token: float
@@ -218,8 +150,14 @@ class MemoryPlan:
     predicted_cost: float  # tokens' worth of compute
     budget_bytes: float
     setting: str
+    path_checkpoint_layers: int = 0
+    start_bytes: float = 0.0
     parts: dict = field(default_factory=dict, compare=False)  # predicted peak by part (bytes)
     reason: str = ""
+    call_bytes: CallBytes | None = field(default=None, compare=False)
+    fused_head: bool = False
+    spec: ModelSpec | None = field(default=None, compare=False)
+    itemsize: int = 2
 
     def retain_tokens(self) -> float:
         """Tokens whose graphs fit in ``retain_bytes``."""
@@ -230,52 +168,75 @@ class MemoryPlan:
     def describe(self) -> dict:
         """The plan as plain numbers (``StepOutput.metrics["memory_plan"]``)."""
         gib = 2.0**30
+
+        def g(x):
+            return None if math.isinf(x) or math.isnan(x) else x / gib
+
         return {
             "setting": self.setting,
             "group_tokens": self.group_tokens,
             "checkpoint_layers": self.checkpoint_layers,
+            "path_checkpoint_layers": (
+                "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
+            ),
             "logprob_chunk": self.logprob_chunk,
-            "predicted_peak_gib": None if math.isinf(self.predicted_peak_bytes) else self.predicted_peak_bytes / gib,
-            "budget_gib": None if math.isinf(self.budget_bytes) else self.budget_bytes / gib,
-            "retain_gib": None if math.isinf(self.retain_bytes) else self.retain_bytes / gib,
+            "predicted_peak_gib": g(self.predicted_peak_bytes),
+            "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
+            "start_gib": g(self.start_bytes),
+            "budget_gib": g(self.budget_bytes),
+            "retain_gib": g(self.retain_bytes),
+            "parts_gib": {k: v / gib for k, v in self.parts.items()},
+            "bytes_per_token": self.call_bytes.describe() if self.call_bytes is not None else None,
             "reason": self.reason,
         }
 
 
-def _calls(unique: int, group_tokens: int) -> float:
-    """Model calls a schedule makes for ``unique`` tokens at a budget (groups are not
-    full: 1.25x the ideal count, plus the group that holds the trunk)."""
-    if unique <= group_tokens:
-        return 1.0
-    return math.ceil(1.25 * unique / group_tokens) + 1.0
+def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
+    if fixed is not None:
+        return (fixed,)
+    step = max(1, layers // CHECKPOINT_STEPS)
+    return tuple(sorted(set(range(0, layers, step)) | {layers}))
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    group_tokens: int
+    checkpoint: int
+    path: int  # layers checkpointed in retained groups with children, or RECOMPUTE
+    chunk: int
 
 
 def _candidate(
-    spec: ModelSpec, itemsize: int, shape: StepShape, group_tokens: int, checkpoint: bool, chunk: int,
-    fused_head: bool, stack_held: float, missing_grads: float,
+    shape: StepShape, knobs: _Knobs, fig: _Figures, spec: ModelSpec, fixed: dict
 ) -> tuple[float, float, dict]:
-    """(predicted peak bytes the step adds, predicted cost, parts) of one plan."""
+    """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
+    the call as large as its budget, the path as long as the longest one."""
     u = shape.unique_tokens
-    call = max(1, min(group_tokens, u))
-    activations = layer_activation_bytes(spec, itemsize)
-    if checkpoint:
-        held = layer_input_bytes(spec, itemsize) * call + ONE_LAYER_BACKWARD * activations / spec.num_layers * call
-    else:
-        held = activations * call
-    stack = max(0.0, min(u, shape.longest_path + call) * stack_slot_bytes(spec, itemsize) - stack_held)
+    call = max(1, min(knobs.group_tokens if knobs.group_tokens > 0 else SMALL_CALL_TOKENS, u))
+    path = min(shape.longest_path, shape.shared_tokens, u)
+    cb = fig.call_bytes
+    retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
+    stack = max(0.0, min(u, shape.longest_path + call) * stack_slot_bytes(spec, fig.itemsize) - fixed["stack_held"])
+    head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
     parts = {
-        "gradients": missing_grads,
+        "gradients": fixed["missing_grads"],
         "kv_stack": stack,
-        "lm_head": head_bytes(spec, itemsize, chunk, call, fused_head),
-        "activations": held,
+        "path_graphs": retained,
+        "call_activations": call * cb.call(knobs.checkpoint),
+        "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
     }
-    peak = sum(parts.values())
-    cost = u * (1.0 + (_layer_share(spec) if checkpoint else 0.0))
-    cost += _calls(u, group_tokens) * _call_tokens(spec)
-    if call < SMALL_CALL_TOKENS:
-        cost += u * SMALL_CALL_PENALTY * math.log2(SMALL_CALL_TOKENS / call)
-    cost += u * _head_share(spec) * HEAD_CHUNK_PENALTY.get(chunk, 0.15)
-    return peak, cost, parts
+    (s, head_share, _), L = _rates(spec), max(1, spec.num_layers)
+    shared = min(shape.shared_tokens, u)
+    cost = u + (u - shared) * s * knobs.checkpoint / L
+    if knobs.path == RECOMPUTE:
+        reruns = math.ceil(shared / max(call, 1))
+        cost += shared * s * (1 + knobs.checkpoint / L) + reruns * _call_tokens(spec, min(call, shared))
+    else:
+        cost += shared * s * knobs.path / L
+    calls = call_count(u, knobs.group_tokens)
+    cost += calls * _call_tokens(spec, u / calls)
+    cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
+    return sum(parts.values()), cost, parts
 
 
 def plan_step(
@@ -287,67 +248,114 @@ def plan_step(
     available: float = math.inf,
     expandable_segments: bool = False,
     setting: str | float = "auto",
+    mode: str = "auto",
     allocated: float = 0.0,
     group_tokens: int | None = None,
-    checkpoint_layers: bool | None = None,
+    checkpoint_layers: bool | int | None = None,
     logprob_chunk: int | None = None,
     fused_head: bool = False,
     stack_held: float = 0.0,
     missing_grads: float = 0.0,
     hf_checkpointing: bool = False,
+    can_checkpoint: bool = True,
+    call_bytes: CallBytes | None = None,
 ) -> MemoryPlan:
     """Decide one step (see the module docstring).
 
     Args:
         spec, itemsize: the model's shape and its dtype's size in bytes.
-        shape: the forest's unique tokens and longest path.
+        shape: the forest's unique tokens, longest path and shared (trie-internal) tokens.
         on_cuda: False: the CPU defaults (no memory model).
         available: bytes the allocator can still hand out now (:func:`available_bytes`).
         expandable_segments: the allocator runs with them (less fragmentation).
         setting: ``"auto"``, ``"low"``, or a cap in GiB on the step's peak (of all
             allocated memory; ``allocated`` is what the process held when it started).
-        group_tokens, checkpoint_layers, logprob_chunk: fixed by the user (None: decide).
+        mode: the runtime's mode: ``"retain"`` / ``"recompute"`` fix how the groups
+            with children run; ``"auto"`` leaves it to the plan.
+        group_tokens, checkpoint_layers, logprob_chunk: fixed by the user (None: decide;
+            ``checkpoint_layers``: True is every layer, False none, an int that many).
         fused_head: the LM head runs the fused Triton op (its chunk is leaner).
         stack_held: bytes of the KV stack kept from earlier steps (reused or freed).
-        missing_grads: bytes of the gradients the step will allocate (trainable
-            parameters whose ``.grad`` is None).
+        missing_grads: bytes of the gradients the step will allocate.
         hf_checkpointing: the model checkpoints its own layers (HF gradient
-            checkpointing): planned as checkpointed, and dtree adds no checkpoint.
+            checkpointing; ``call_bytes`` measured so): dtree adds no checkpoint.
+        can_checkpoint: dtree can checkpoint the model's layers (a layer list).
+        call_bytes: per-token bytes of the model's calls (None: HF's eager figure).
     """
     label = _setting_label(setting)
-    if hf_checkpointing:
-        checkpoint_layers = True
-    if setting == "low":
-        checkpoint_layers = True if checkpoint_layers is None else checkpoint_layers
-        group_tokens = LOW_GROUP_TOKENS if group_tokens is None else group_tokens
-        logprob_chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
+    L = spec.num_layers
+    cb = call_bytes or estimated_call_bytes(spec, itemsize)
+    fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
     if not on_cuda:
-        g = CPU_GROUP_TOKENS if group_tokens is None else group_tokens
-        return MemoryPlan(
-            group_tokens=g, checkpoint_layers=bool(checkpoint_layers), logprob_chunk=logprob_chunk or DEFAULT_LOGPROB_CHUNK,
-            retain_bytes=math.inf, retained_bytes_per_token=0.0, predicted_peak_bytes=math.inf,
-            predicted_cost=math.nan, budget_bytes=math.inf, setting=label,
-            reason="CPU: the low recipe" if setting == "low" else "CPU defaults (no device memory to plan for)",
-        )
+        return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
+    fig_of = {c: _Figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
+    fixed = {"stack_held": stack_held, "missing_grads": missing_grads}
     margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
     budget = available * (1.0 - margin)
     if not isinstance(setting, str):
-        budget = min(budget, setting * 2.0**30 - allocated)
-    plans = [
-        # group_tokens=0 (one segment per call) runs calls of at most a chunk_size;
-        # the caller passes the budget it plans with
-        (*_candidate(spec, itemsize, shape, g if g > 0 else SMALL_CALL_TOKENS, ckpt, chunk, fused_head, stack_held,
-                     missing_grads), g, ckpt, chunk)
-        for g in _options(group_tokens, GROUP_TOKENS)
-        for ckpt in _options(checkpoint_layers, (False, True))
-        for chunk in _options(logprob_chunk, LOGPROB_CHUNKS)
+        budget = min(budget, setting * 2.0**30 * (1 - CAP_MARGIN) - allocated)
+    ckpts = _checkpoint_options(fixed_ckpt, L)
+    paths = _path_options(mode, fixed_ckpt, L)
+    knobs = [
+        _Knobs(g, k, p, c)
+        for g in _options(group_tokens, GROUP_TOKENS) for k in ckpts for p in paths
+        for c in _options(logprob_chunk, LOGPROB_CHUNKS)
     ]
-    (peak, cost, parts, g, ckpt, chunk), reason = _choose(plans, budget)
-    per_token = layer_input_bytes(spec, itemsize) if ckpt else layer_activation_bytes(spec, itemsize)
+    plans = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs]
+    if setting == "low":  # the lean recipe's peak is the cap
+        recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk)
+        fig_of.setdefault(recipe.chunk, _Figures(spec, itemsize, cb, fused_head, recipe.chunk))
+        budget = min(budget, _candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
+    (peak, cost, parts, kn), reason = _choose(plans, budget)
+    per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
+    retain = 0.0 if kn.path == RECOMPUTE else max(parts["path_graphs"], budget - peak + parts["path_graphs"])
     return MemoryPlan(
-        group_tokens=g, checkpoint_layers=ckpt, logprob_chunk=chunk,
-        retain_bytes=max(0.0, budget - peak), retained_bytes_per_token=per_token,
-        predicted_peak_bytes=peak, predicted_cost=cost, budget_bytes=budget, setting=label, parts=parts, reason=reason,
+        group_tokens=kn.group_tokens, checkpoint_layers=kn.checkpoint, path_checkpoint_layers=kn.path,
+        logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token, predicted_peak_bytes=peak,
+        predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated, parts=parts, reason=reason,
+        call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
+    )
+
+
+def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> _Knobs:
+    """The lean recipe: every layer checkpointed, the groups with children retained
+    (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks."""
+    k = layers if fixed_ckpt is None else fixed_ckpt
+    group = LOW_GROUP_TOKENS if group_tokens is None else group_tokens
+    chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
+    return _Knobs(group, k, RECOMPUTE if mode == "recompute" else k, chunk)
+
+
+def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) -> int | None:
+    """The layer count the user fixed (None: the policy decides)."""
+    if forbidden:
+        return 0
+    if value is None:
+        return None
+    if value is True:
+        return layers
+    return min(int(value), layers)
+
+
+def _path_options(mode: str, fixed: int | None, layers: int) -> tuple[int, ...]:
+    """How groups with children may run: retained with none, half or all of their layers
+    checkpointed (the path is a few percent of the tokens: coarser steps than the
+    calls' keep the search small), or recomputed (the last option: the leanest)."""
+    if mode == "recompute":
+        return (RECOMPUTE,)
+    retained = (0, layers // 2, layers) if fixed is None else (fixed,)
+    return retained if mode == "retain" else retained + (RECOMPUTE,)
+
+
+def _cpu_plan(label, setting, mode, layers, group_tokens, fixed_ckpt, logprob_chunk) -> MemoryPlan:
+    k = fixed_ckpt if fixed_ckpt is not None else (layers if setting == "low" else 0)
+    return MemoryPlan(
+        group_tokens=CPU_GROUP_TOKENS if group_tokens is None else group_tokens, checkpoint_layers=k,
+        path_checkpoint_layers=RECOMPUTE if mode == "recompute" else k,
+        logprob_chunk=logprob_chunk or (LOW_LOGPROB_CHUNK if setting == "low" else DEFAULT_LOGPROB_CHUNK),
+        retain_bytes=math.inf, retained_bytes_per_token=0.0,
+        predicted_peak_bytes=math.inf, predicted_cost=math.nan, budget_bytes=math.inf, setting=label,
+        reason="CPU: the low recipe" if setting == "low" else "CPU defaults (no device memory to plan for)",
     )
 
 
@@ -365,12 +373,12 @@ def _options(fixed, choices) -> tuple:
 
 
 def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
-    """The plan to run among ``(peak, cost, parts, group_tokens, checkpoint, chunk)``
-    candidates, and why: the fastest that fits, or a leaner one within ``SLACK`` of its
-    cost that saves at least ``LEANER`` of its memory; the leanest when none fits."""
+    """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: the
+    fastest that fits, or a leaner one within ``SLACK`` of its cost that saves at least
+    ``LEANER`` of its memory; the leanest when none fits."""
     fitting = [p for p in plans if p[0] <= budget]
     if not fitting:
-        return min(plans, key=lambda p: p[0]), "no plan is predicted to fit: the leanest one"
+        return min(plans, key=lambda p: (p[0], p[1])), "no plan is predicted to fit: the leanest one"
     fastest = min(fitting, key=lambda p: (p[1], p[0]))
     leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
     chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
@@ -381,34 +389,37 @@ def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
     return chosen, reason
 
 
-def retain_budget(
-    plan: MemoryPlan, spec: ModelSpec, mode: str, *, unique_tokens: int, num_groups: int, nonleaf_tokens: int,
-    nonleaf_groups: int,
-) -> float:
-    """Tokens of groups with children whose graphs ``mode`` keeps alive at once (the
-    walk retains the outermost first and recomputes the rest).
-
-    ``retain``: all; ``recompute``: none; ``auto``: everything on CPU; with layer
-    checkpointing, what fits in ``plan.retain_bytes`` (a group's layer inputs: cheap);
-    without, what fits only if recomputing all of them (their layers' forward again,
-    and one more call each) is predicted to cost at least :data:`RETAIN_SAVING` of the
-    step (``unique_tokens`` in ``num_groups`` calls), else none."""
+def retain_budget(plan: MemoryPlan, mode: str) -> float:
+    """Tokens of groups with children whose graphs are kept alive at once (the walk
+    retains the outermost first and recomputes the rest): all in ``retain`` mode and on
+    CPU, none in ``recompute`` mode or when the plan recomputes the path, else what
+    fits in ``plan.retain_bytes``."""
     if mode == "retain" or (mode == "auto" and math.isinf(plan.retain_bytes)):
         return math.inf
-    if mode == "recompute" or nonleaf_tokens == 0:
+    if mode == "recompute" or plan.path_checkpoint_layers == RECOMPUTE:
         return 0.0
-    if not plan.checkpoint_layers:
-        saving = nonleaf_tokens * _layer_share(spec) + nonleaf_groups * _call_tokens(spec)
-        step = unique_tokens + num_groups * _call_tokens(spec)
-        if saving < RETAIN_SAVING * step:
-            return 0.0
     return plan.retain_tokens()
+
+
+def refine(plan: MemoryPlan, sched, rows: list[int], budget_tokens: float, stack_bytes: float) -> MemoryPlan:
+    """``plan`` with its predicted peak from the schedule (:func:`dtree.memory_model.simulate_peak`):
+    the actual calls, the path graphs the walk retains under ``budget_tokens``, the
+    stack's growth ``stack_bytes`` (slots written, less what was held)."""
+    if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
+        return plan
+    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
+    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
+    activations, where = simulate_peak(sched, rows, budget_tokens, plan.checkpoint_layers, path, fig)
+    parts = {"gradients": plan.parts.get("gradients", 0.0), "kv_stack": stack_bytes, "activations": activations}
+    return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,
+                   reason=plan.reason + f"; peak at group {where.get('group')} ({where.get('tokens')} tokens)")
 
 
 def available_bytes(device: torch.device) -> tuple[float, float]:
     """(bytes the caching allocator can still hand out, bytes allocated now) on a CUDA
-    ``device``: free device memory plus what the allocator holds unused, capped by
-    ``torch.cuda.set_per_process_memory_fraction``."""
+    ``device``: the device's free memory (``torch.cuda.mem_get_info``: what other
+    processes hold is not free) plus what this process's allocator holds unused,
+    capped by ``torch.cuda.set_per_process_memory_fraction``."""
     free, total = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     available = free + torch.cuda.memory_reserved(device) - allocated

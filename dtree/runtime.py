@@ -15,12 +15,9 @@ Modes:
     retain     the graphs of the groups on the current path stay alive between
                forward(g) and backward(g). Activation memory ~ the path, not the tree.
     recompute  forward(g) runs without grad (it only pushes K/V); backward(g) re-runs
-               g with grad and backpropagates at once. One group's activations are
-               alive at a time, for one extra forward of every group with children.
-    auto       the memory policy (:mod:`dtree.memory_policy`) decides per step: the
-               call size, layer checkpointing, the LM-head chunk, and which groups
-               with children are retained (the outermost, which live longest) and
-               which recomputed. Retain on CPU.
+               g with grad and backpropagates at once.
+    auto       the memory policy (:mod:`dtree.memory_policy`) decides per step; on CPU,
+               retain.
 
 In every mode a group without children (leaves only) runs once, with grad, and
 backpropagates at once: nothing reads its K/V, so it is neither pushed nor recomputed.
@@ -36,12 +33,13 @@ path replays its own draws in backward. So retain, recompute and auto give the s
 gradients under the same ``torch.manual_seed``. Attention-probability dropout is
 refused (the stack attention does not implement it).
 
-Memory (``memory="auto" | "low" | GiB``, :mod:`dtree.memory_policy`): the call size,
-layer checkpointing (``checkpoint_layers``: every decoder layer of a call under
-non-reentrant ``torch.utils.checkpoint``, keeping its inputs only), the LM-head chunk
-and what auto mode retains are planned per step from the model's shape, its dtype,
-the memory the process may still allocate and the forest's size; explicit arguments
-win.
+Memory (``memory="auto" | "low" | GiB``, :mod:`dtree.memory_policy`): per step, from
+the model's shape and dtype, the bytes its calls keep per token (measured once per
+model state, :mod:`dtree.memory_probe`), the memory free at the call and the forest's
+size: the call size, how many decoder layers a call checkpoints, how the path's groups
+with children are kept (their layers checkpointed or not) or recomputed, the LM-head
+chunk; explicit arguments win. On CUDA the KV stack and the allocator's cache are
+released after every call (``free_after_step``, :mod:`dtree.step_memory`).
 
 Model state is read at every call, not at construction: device and dtype (the KV stack
 is reallocated when they change), the LM head (adapters injected later), HF gradient
@@ -72,7 +70,10 @@ from .models import TreeModule, adapt, unwrap
 from .ops import determinism, stack_ops
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
-from .step_plan import hf_checkpointing, new_stack, pick_backend, plan_memory, retain_budget, stack_fits
+from .step_plan import (
+    checkpoint_root, measured_call_bytes, new_stack, pick_backend, plan_memory, refine_plan, retain_budget, stack_fits,
+)
+from .step_memory import released
 from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
 from .tree import Forest
 from .two_pass import (
@@ -95,33 +96,17 @@ class TreeRuntime:
             using transformers' attention interface), a PEFT ``PeftModel`` wrapping one,
             either of them ``torch.compile``'d, or a module implementing
             :class:`dtree.models.TreeModule`. Gradients land in ``model``'s parameters.
-        config: a :class:`dtree.config.RuntimeConfig`; or pass its fields as keywords
-            (``TreeRuntime(model, mode="retain")`` builds the config), not both:
-            mode: ``"auto"`` (default), ``"retain"`` or ``"recompute"`` (see module docstring).
-            chunk_size: longest segment in tokens; longer trie nodes are split.
-            group_tokens: token budget of one packed model call (sibling nodes, nodes of
-                different trees and whole small subtrees run together). 0 runs one segment
-                per call. None (default): 8192 on CPU; on CUDA the memory policy's choice
-                (2048 to 32768).
-            attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
-                ``"triton"``, ``"sdpa"`` or ``"reference"``.
-            logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); None
-                (default): the memory policy's choice (4096 on CPU).
-            checkpoint_layers: run every decoder layer of a call under non-reentrant
-                ``torch.utils.checkpoint`` (:mod:`dtree.checkpointing`: autograd keeps each
-                layer's input, backward re-runs it). None (default): the memory policy
-                decides (off on CPU). Needs the decoder layers as a ``ModuleList``.
-            memory: ``"auto"`` (default: the fastest plan that fits the free memory with a
-                margin), ``"low"`` (layer checkpointing, 8192-token calls, 1024-row LM-head
-                chunks: the least memory), or a number, a cap in GiB on the step's peak
-                allocated memory (see :mod:`dtree.memory_policy`).
-            stack_capacity: fixed KV-stack size in tokens; None sizes it to each step's plan.
-            progress: show a progress bar over the model calls of each step (for long steps).
-            retain_budget_tokens: cap on the tokens of groups with children whose graphs
-                stay alive at once; None: the memory policy's budget.
-            deterministic: bitwise-identical gradients in every run of the same forest
-                (fixed-order sums in every dtree kernel; also on under
-                ``torch.use_deterministic_algorithms(True)``; :mod:`dtree.ops.determinism`).
+        config: a :class:`dtree.config.RuntimeConfig` (each option documented there); or
+            pass its fields as keywords (``TreeRuntime(model, mode="retain")`` builds the
+            config), not both: ``mode`` (``"auto"``, ``"retain"``, ``"recompute"``),
+            ``chunk_size`` (longest segment), ``group_tokens`` (tokens per model call; 0:
+            one segment per call; None: 8192 on CPU, the memory policy's choice on CUDA),
+            ``attention`` (``"auto"``: ``triton`` on CUDA where it runs, else ``sdpa``),
+            ``logprob_chunk`` (LM-head rows per chunk), ``checkpoint_layers`` (True, False or
+            how many decoder layers to checkpoint in every call; None: the policy's
+            choice), ``memory`` (``"auto"``, ``"low"`` or a cap in GiB on the step's peak),
+            ``stack_capacity``, ``progress``, ``retain_budget_tokens``, ``free_after_step``,
+            ``deterministic`` (bitwise-identical gradients in every run; :mod:`dtree.ops.determinism`).
 
     To ``torch.compile`` the decoder layers, call :func:`dtree.compile_layers` on the
     model first (the runtime never recompiles the user's model itself).
@@ -146,6 +131,7 @@ class TreeRuntime:
         self._attention: str | None = None
         self._stack: KVStack | None = None
         self._step: memory_policy.MemoryPlan | None = None  # the last planned step
+        self._call_bytes: dict = {}  # measured per-token call figures, per model state (step_plan)
         if not any(p.device.type == "meta" for p in model.parameters()):
             self._sync_placement()  # an explicit attention backend that cannot run fails here
 
@@ -218,8 +204,11 @@ class TreeRuntime:
         """Validate ``forest`` against the model and build its schedule."""
         self._sync_placement()
         validate_forest(forest, self.spec)
+        call_bytes = measured_call_bytes(
+            self.module, self.model, self.spec, self._placement, self._attention, self._call_bytes
+        )
         self._step = plan_memory(
-            self.module, self.spec, self._head(), self.config, self._placement, self._stack, forest
+            self.module, self.spec, self._head(), self.config, self._placement, self._stack, forest, call_bytes
         )
         sched = build_schedule(forest, self.config.chunk_size, self._step.group_tokens)
         capacity = self.config.stack_capacity
@@ -234,6 +223,7 @@ class TreeRuntime:
             raise ValueError(
                 f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
             )
+        self._step = refine_plan(self._step, sched, self.config, self._stack)
         return sched
 
     def _get_stack(self, capacity: int, with_grad: bool) -> KVStack:
@@ -244,7 +234,9 @@ class TreeRuntime:
         return self._stack
 
     def release_memory(self) -> None:
-        """Drop the KV stack buffers (they are kept between steps for reuse)."""
+        """Drop the KV stack buffers (kept between steps for reuse with
+        ``free_after_step=False``; on CUDA the runtime drops them after every call by
+        default)."""
         self._stack = None
 
     def _head(self) -> OutputHead:
@@ -257,7 +249,7 @@ class TreeRuntime:
         are given: a training walk)."""
         device, dtype = self._placement
         training = weights is not None
-        checkpoint = training and self._step.checkpoint_layers and not hf_checkpointing(self.module)
+        root = checkpoint_root(self.module) if training else None
         return StepWalk(
             model=self.model,
             sched=sched,
@@ -271,7 +263,9 @@ class TreeRuntime:
             dtype=dtype,
             # model calls may draw random numbers (dropout) when any module is in training mode
             randomness=any(m.training for m in self.module.modules()),
-            checkpoint_root=unwrap(self.module) if checkpoint else None,
+            checkpoint_root=root,
+            checkpoint_layers=self._step.checkpoint_layers if root is not None else 0,
+            path_checkpoint_layers=max(0, self._step.path_checkpoint_layers) if root is not None else 0,
             progress=self.config.progress,
             deterministic=self._deterministic,
         )
@@ -319,6 +313,9 @@ class TreeRuntime:
         check_forest(forest)
         check_loss_argument(loss)
         check_normalization(normalization)
+        return self._released(lambda: self._forward_backward(forest, loss, normalization, return_logprobs))
+
+    def _forward_backward(self, forest, loss, normalization, return_logprobs: bool) -> StepOutput:
         self._check_call(training=True)
         if isinstance(loss, TokenLoss):
             weights = token_loss_weights(forest, loss, normalization)
@@ -359,10 +356,17 @@ class TreeRuntime:
                 gradient flows through ``softmax(logits / temperature)``).
         """
         check_forest(forest)
-        self._check_call(training=True)
-        temperature = check_temperature(temperature)
-        w = logprob_grad_weights(forest, grads)
-        return self._backward_from_weights(forest, self.plan(forest), w, loss_value, temperature)
+
+        def run() -> StepOutput:
+            self._check_call(training=True)
+            w = logprob_grad_weights(forest, grads)
+            return self._backward_from_weights(forest, self.plan(forest), w, loss_value, check_temperature(temperature))
+
+        return self._released(run)
+
+    def _released(self, run):
+        """``run()``, then what ``free_after_step`` releases (:func:`dtree.step_memory.released`)."""
+        return released(run, self._placement, self.release_memory, self.config.free_after_step, lambda: self._step)
 
     def _two_pass(self, forest: Forest, loss_fn, temperature: float, return_logprobs: bool) -> StepOutput:
         return two_pass_step(
@@ -388,7 +392,7 @@ class TreeRuntime:
             fn = kept.wrap(per_token) if return_logprobs else per_token
             walk = self._walk(forest, sched, terms, weights, loss.required_fields)
             scope = getattr(self.model, "dtree_scope", None)
-            budget = retain_budget(self._step, self.spec, self.config, sched)
+            budget = retain_budget(self._step, self.config)
             res = walk.train(PerToken(fn, loss.temperature, loss.needs_entropy), budget, scope)
             kept.term_log = res.term_log
             metrics = {
@@ -439,9 +443,12 @@ class TreeRuntime:
     def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
         """The checks of an inference call, then :meth:`_logprobs`."""
         check_forest(forest)
-        self._check_call(training=False)
-        temperature = check_temperature(temperature)
-        return self._logprobs(forest, self.plan(forest), with_entropy, temperature)
+
+        def run():
+            self._check_call(training=False)
+            return self._logprobs(forest, self.plan(forest), with_entropy, check_temperature(temperature))
+
+        return self._released(run)
 
     def _logprobs(
         self, forest: Forest, sched: Schedule, with_entropy: bool, temperature: float

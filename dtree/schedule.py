@@ -19,9 +19,9 @@ Terms (the glossary of docs/design.md section 3):
 * **predictions** and **loss terms**: each non-root unique token is predicted once, from
   its predecessor's row; each linearized token but a sequence's first is a loss term
   reading its unique token's prediction. A pass keeps what it needs (:class:`LossTerms`).
-* **stack slots**: a group's K/V lives in the KV stack at
-  ``[stack_start, stack_start + num_tokens)``, right above its parent group. The
-  high-water mark over all groups is the stack capacity the plan needs.
+* **stack slots**: a group's K/V lives in the KV stack at ``[stack_start, stack_start +
+  num_tokens)``, above its parent group; the capacity is the high-water mark of the groups
+  that write there (:attr:`GroupPlan.writes_stack`; GRPO 2048 + 16 x 1024: 2,048 slots).
 
 All metadata is host-side numpy, computed once per step. Per-group arrays are
 concatenated over groups (``*_offsets`` give each group's slice) so the runtime moves
@@ -79,6 +79,11 @@ class GroupPlan:
         """No child group: nothing ever reads this group's K/V."""
         return self.num_children == 0
 
+    @property
+    def writes_stack(self) -> bool:
+        """A child group or its own segments read its K/V there (else no slot is touched)."""
+        return not self.is_leaf or self.in_call_ancestors
+
 
 @dataclass(frozen=True)
 class LossTerms:
@@ -110,6 +115,7 @@ class Schedule:
         row_unique:  [U] unique-token index of every row, group after group
         row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
         terms:       every prediction and every loss term (:class:`LossTerms`)
+    ``stack_tokens``: the KV-stack slots the step writes (its stack capacity).
     """
 
     groups: list[GroupPlan]
@@ -306,15 +312,14 @@ class _GroupPacker:
         return gid
 
 
-def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list[tuple[int, int]], int]:
+def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list[tuple[int, int]]]:
     """Phase 2: the group tree and the DFS events over it, with an explicit stack (trees
     may be deeper than Python's recursion limit). A group's child groups are packed
     when it is entered, from the children of its segments that it does not hold.
-    Returns (the packer with every group, events, the stack's high-water mark)."""
+    Returns (the packer with every group, events)."""
     packer = _GroupPacker(segs, group_tokens)
     roots = np.flatnonzero(segs.parent < 0).tolist()
     events: list[tuple[int, int]] = []
-    high_water = 0
     todo: list[tuple[int, bool]] = [(g, True) for g in reversed(packer.pack(roots, -1, 0))]
     while todo:
         gid, entering = todo.pop()
@@ -324,13 +329,12 @@ def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list
         group = packer.groups[gid]
         events.append((FORWARD, gid))
         top = group.stack_start + int(group.seg_q_offsets[-1])
-        high_water = max(high_water, top)
         frontier = [c for s in group.segments for c in segs.children[s] if packer.seg_group[c] != gid]
         todo.append((gid, False))
         kids = packer.pack(frontier, gid, top)
         group.num_children = len(kids)
         todo.extend((g, True) for g in reversed(kids))
-    return packer, events, high_water
+    return packer, events
 
 
 def _prefix_ranges(segs: _Segments, seg_slot: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
@@ -432,18 +436,13 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     if group_tokens < 0:
         raise ValueError(f"group_tokens must be >= 0, got {group_tokens}")
     segs = _split_segments(forest, chunk_size)
-    packer, events, high_water = _walk_groups(segs, group_tokens)
+    packer, events = _walk_groups(segs, group_tokens)
     seg_slot = np.array([packer.groups[g].stack_start for g in packer.seg_group], dtype=np.int64) + packer.seg_row
     groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
     row_unique, row_offsets = _rows(segs, groups)
     return Schedule(
-        groups=groups,
-        events=events,
-        stack_tokens=high_water,
-        chunk_size=chunk_size,
-        group_tokens=group_tokens,
-        row_unique=row_unique,
-        row_offsets=row_offsets,
-        terms=_every_term(forest, row_unique, row_offsets),
-        num_segments=segs.num_segments,
+        groups=groups, events=events,
+        stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
+        chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
+        terms=_every_term(forest, row_unique, row_offsets), num_segments=segs.num_segments,
     )

@@ -8,19 +8,24 @@ forest or schedule, so the runtime reads them at every call, not at construction
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import memory_policy
+from .memory_probe import CallBytes, measure_call_bytes
 from .checkpointing import decoder_layers
 from .config import RuntimeConfig
 from .kv_stack import KVStack
-from .models import ModelSpec, unwrap
+from .models import ModelSpec, TreeModule, unwrap
 from .ops.backends import resolve_backend
 from .ops.logprobs import OutputHead, compute_dtype, fused_head_kernel
 from .schedule import Schedule
 from .tree import Forest
 
-__all__ = ["pick_backend", "hf_checkpointing", "plan_memory", "retain_budget", "stack_fits", "new_stack"]
+__all__ = [
+    "checkpoint_root", "hf_checkpointing", "measured_call_bytes", "new_stack", "pick_backend", "plan_memory",
+    "refine_plan", "retain_budget", "stack_fits", "step_shape",
+]
 
 Placement = tuple[torch.device, torch.dtype]
 
@@ -52,6 +57,24 @@ def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
     return True
 
 
+def step_shape(forest: Forest) -> memory_policy.StepShape:
+    """The forest's unique tokens, longest path and shared tokens (of trie nodes with
+    children) for the memory policy."""
+    lengths = forest.sequence_lengths()
+    inner = np.diff(forest.child_offsets) > 0
+    return memory_policy.StepShape(
+        forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum())
+    )
+
+
+def checkpoint_root(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose decoder layers dtree checkpoints (None: it cannot: no layer list,
+    or HF gradient checkpointing does it already)."""
+    if hf_checkpointing(module) or not _can_checkpoint_layers(module):
+        return None
+    return unwrap(module)
+
+
 def plan_memory(
     module: torch.nn.Module,
     spec: ModelSpec,
@@ -60,16 +83,13 @@ def plan_memory(
     placement: Placement,
     stack: KVStack | None,
     forest: Forest,
+    call_bytes: CallBytes | None = None,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.memory_policy`);
-    ``stack``: the KV stack the runtime holds now (its bytes are already allocated)."""
+    ``stack``: the KV stack the runtime holds now (its bytes are already allocated);
+    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate)."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
-    lengths = forest.sequence_lengths()
-    shape = memory_policy.StepShape(forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0)
-    checkpoint = config.checkpoint_layers
-    if checkpoint is None and not _can_checkpoint_layers(module):
-        checkpoint = False
     kw = {}
     if device.type == "cuda":
         available, allocated = memory_policy.available_bytes(device)
@@ -82,22 +102,51 @@ def plan_memory(
             fused_head=fused_head_kernel(head, dtype, device),
         )
     return memory_policy.plan_step(
-        spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory,
-        group_tokens=config.group_tokens, checkpoint_layers=checkpoint,
-        logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module), **kw,
+        spec, itemsize, step_shape(forest), on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
+        group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
+        logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module),
+        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, **kw,
     )
 
 
-def retain_budget(plan: memory_policy.MemoryPlan, spec: ModelSpec, config: RuntimeConfig, sched: Schedule) -> float:
+def measured_call_bytes(
+    module: torch.nn.Module, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str, cache: dict
+) -> CallBytes | None:
+    """The model's per-token call figures (:func:`dtree.memory_probe.measure_call_bytes`),
+    measured once per model state (its modules and which of them have a patched
+    ``forward``, frozen parameters, HF checkpointing, placement, attention backend) and
+    kept in ``cache``. None off CUDA (no plan needs them), and under
+    ``torch.inference_mode()`` before a first measurement (no graph to measure there)."""
+    if placement[0].type != "cuda":
+        return None
+    key = (
+        placement, attention, hf_checkpointing(module),
+        tuple((type(m).__name__, "forward" in vars(m)) for m in module.modules()),
+        tuple(p.requires_grad for p in module.parameters()),
+    )
+    if key not in cache and not torch.is_inference_mode_enabled():
+        cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module))
+    return cache.get(key)
+
+
+def retain_budget(plan: memory_policy.MemoryPlan, config: RuntimeConfig) -> float:
     """Tokens of groups with children whose graphs may be alive at once: the config's
     ``retain_budget_tokens``, else :func:`dtree.memory_policy.retain_budget`."""
     if config.retain_budget_tokens is not None:
         return float(config.retain_budget_tokens)
-    nonleaf = [p.num_tokens for p in sched.groups if not p.is_leaf]
-    return memory_policy.retain_budget(
-        plan, spec, config.mode, unique_tokens=int(sched.row_offsets[-1]), num_groups=sched.num_groups,
-        nonleaf_tokens=int(sum(nonleaf)), nonleaf_groups=len(nonleaf),
-    )
+    return memory_policy.retain_budget(plan, config.mode)
+
+
+def refine_plan(
+    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: KVStack | None
+) -> memory_policy.MemoryPlan:
+    """The plan with its peak predicted from ``sched`` (the calls it makes, the path it
+    retains, the stack slots it writes beyond the ``stack`` held)."""
+    rows = np.diff(sched.terms.pred_offsets).tolist()
+    held = stack.capacity if stack is not None else 0
+    slot = memory_policy.stack_slot_bytes(plan.spec, plan.itemsize) if plan.spec is not None else 0.0
+    grow = max(0, sched.stack_tokens - held) * slot
+    return memory_policy.refine(plan, sched, rows, retain_budget(plan, config), float(grow))
 
 
 def _stack_shape(spec: ModelSpec, capacity: int) -> tuple[int, int, int, int]:

@@ -220,8 +220,10 @@ class StepWalk:
 
     ``checkpoint_root``: the module whose decoder layers run under
     :func:`dtree.checkpointing.checkpointed_layers` in calls with grad (None: no
-    layer checkpointing). ``randomness``: every group runs under its own seed (a
-    module is in training mode, see :mod:`dtree.rng`)."""
+    layer checkpointing): ``checkpoint_layers`` of them in the calls of groups without
+    children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in retained
+    groups with children (the memory plan's counts). ``randomness``: every group runs
+    under its own seed (a module is in training mode, see :mod:`dtree.rng`)."""
 
     model: TreeModule
     sched: Schedule
@@ -235,6 +237,8 @@ class StepWalk:
     dtype: torch.dtype
     randomness: bool
     checkpoint_root: torch.nn.Module | None = None
+    checkpoint_layers: int = 0
+    path_checkpoint_layers: int = 0
     progress: bool = False
     deterministic: bool = False
 
@@ -245,18 +249,19 @@ class StepWalk:
 
         return tqdm(self.sched.events, desc="dtree step", unit="event", leave=False)
 
-    def hidden(self, g: int, push: bool) -> tuple[torch.Tensor, GroupAttention]:
-        """Run group ``g`` through the model: ([T, hidden] final hidden states, its attend)."""
+    def hidden(self, g: int, push: bool, checkpoint: int = 0) -> tuple[torch.Tensor, GroupAttention]:
+        """Run group ``g`` through the model, ``checkpoint`` of its decoder layers
+        checkpointed when grad is on: ([T, hidden] final hidden states, its attend)."""
         r0, r1 = int(self.sched.row_offsets[g]), int(self.sched.row_offsets[g + 1])
         plan = self.sched.groups[g]
         lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
-        seed = self.stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
+        seed = self.stack.has_grad and plan.writes_stack
         attend = GroupAttention(
             self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed, self._device_lo(g),
             self.deterministic,
         )
-        checkpoint = self.checkpoint_root is not None and torch.is_grad_enabled()
-        with checkpointed_layers(self.checkpoint_root) if checkpoint else contextlib.nullcontext():
+        checkpointed = self.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
+        with checkpointed_layers(self.checkpoint_root, checkpoint) if checkpointed else contextlib.nullcontext():
             hidden = self.model.dtree_hidden_states(self.arrays.input_ids[r0:r1], self.arrays.positions[r0:r1], attend)
         if push and not all(attend.called):
             missing = [layer for layer, called in enumerate(attend.called) if not called]
@@ -285,9 +290,11 @@ class StepWalk:
         term_log.append((e0, weighted.detach()))
         return weighted.sum()
 
-    def _run_group(self, g: int, push: bool, seed: int | None, per_token: PerToken, term_log: list) -> _GroupState:
+    def _run_group(
+        self, g: int, push: bool, seed: int | None, per_token: PerToken, term_log: list, checkpoint: int
+    ) -> _GroupState:
         with torch.enable_grad(), rng.seeded(seed, self.device):
-            hidden, attend = self.hidden(g, push=push)
+            hidden, attend = self.hidden(g, push=push, checkpoint=checkpoint)
             loss = self._group_loss(g, hidden, per_token, term_log)
         # without loss terms, a group's backward only carries its descendants' seeds
         keep_hidden = loss is None and not self.sched.groups[g].is_leaf and hidden.requires_grad
@@ -306,8 +313,8 @@ class StepWalk:
         total = torch.zeros((), dtype=compute_dtype(self.dtype), device=self.device)
         calls = live_tokens = peak = recomputed = 0
 
-        def run(g: int, push: bool, seed: int | None) -> _GroupState:
-            state = self._run_group(g, push, seed, per_token, term_log)
+        def run(g: int, push: bool, seed: int | None, checkpoint: int) -> _GroupState:
+            state = self._run_group(g, push, seed, per_token, term_log, checkpoint)
             check_grad_pattern(state.pattern, pattern)
             return state
 
@@ -321,12 +328,12 @@ class StepWalk:
                     if plan.is_leaf:  # once, with grad, and backward at once
                         if plan.in_call_ancestors:  # its segments read each other through the stack
                             self._zero_grad(g, lo, hi)
-                        state = run(g, push=plan.in_call_ancestors, seed=seed)
+                        state = run(g, push=plan.in_call_ancestors, seed=seed, checkpoint=self.checkpoint_layers)
                         peak = max(peak, live_tokens + plan.num_tokens)
                         total = _finish_group(state, total)
                     elif live_tokens + plan.num_tokens <= retain_budget:
                         self._zero_grad(g, lo, hi)
-                        live[g] = run(g, push=True, seed=seed)
+                        live[g] = run(g, push=True, seed=seed, checkpoint=self.path_checkpoint_layers)
                         live_tokens += plan.num_tokens
                         peak = max(peak, live_tokens)
                     else:
@@ -346,7 +353,7 @@ class StepWalk:
                     # K/V are on the stack already and its slots hold the descendants'
                     # gradients: no push, no zeroing. The seed replays the forward's dropout
                     # masks, so the graph is of those K/V.
-                    state = run(g, push=False, seed=seeds.pop(g))
+                    state = run(g, push=False, seed=seeds.pop(g), checkpoint=self.checkpoint_layers)
                     peak = max(peak, live_tokens + plan.num_tokens)
                 total = _finish_group(state, total)
         return WalkResult(total, term_log, calls, peak, recomputed)
@@ -366,7 +373,8 @@ class StepWalk:
             if kind != FORWARD:
                 continue
             with rng.seeded(rng.next_seed() if self.randomness else None, self.device):
-                hidden, _ = self.hidden(g, push=True)
+                # a leaf group's K/V are read by nothing after it: no stack slots
+                hidden, _ = self.hidden(g, push=self.sched.groups[g].writes_stack)
                 p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
                 if p1 > p0:
                     lp, ent = token_logprobs(

@@ -106,3 +106,18 @@ class InterpreterWorker:
         self.proc.stdin.close()
         self.proc.wait(timeout=60)
         self.log.close()
+
+
+def worker_fixture(module_name: str):
+    """A module-scoped pytest fixture: the worker serving ``module_name``'s cases (the
+    test is skipped where Triton is not installed)."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def worker():
+        pytest.importorskip("triton")
+        w = InterpreterWorker(module_name)
+        yield w
+        w.close()
+
+    return worker

@@ -83,3 +83,28 @@ def assert_grads_equal(model, before: dict) -> None:
             assert p.grad is None, n
         else:
             assert torch.equal(p.grad, before[n]), n
+
+
+def assert_flash_rule(got, base, exact, label: str = "", outputs: int = 1) -> None:
+    """The flash-attention test rule, entry by entry: each tensor of ``got`` (the bf16 path
+    under test) is at most 2x (its first ``outputs`` entries: outputs) or 3x (gradients)
+    as far from the float32 reference ``exact`` as ``base`` (the bf16 PyTorch reference)
+    is, plus a floor of 1e-3 of the reference's size. None entries of ``exact`` are skipped."""
+    for k, (g, b, e) in enumerate(zip(got, base, exact)):
+        if e is None:
+            continue
+        err = (g.float() - e.float()).abs().max().item()
+        base_err = (b.float() - e.float()).abs().max().item()
+        bound = (2 if k < outputs else 3) * base_err + 1e-3 * max(1e-3, e.float().abs().max().item())
+        assert err <= bound, f"{label}[{k}]: error {err:.3e}, the bf16 reference's {base_err:.3e}"
+
+
+def assert_model_flash_rule(
+    model, exact, bf16_ref, loss: float, exact_loss: float, bf16_loss: float, label: str
+) -> None:
+    """:func:`assert_flash_rule` on the loss (2x) and every parameter's gradient (3x) of
+    ``model`` (bf16, the path under test) against ``exact`` (float32) and ``bf16_ref``."""
+    assert abs(loss - exact_loss) <= 2 * abs(bf16_loss - exact_loss) + 1e-3 * max(1.0, abs(exact_loss))
+    params = zip(model.named_parameters(), exact.named_parameters(), bf16_ref.named_parameters())
+    for (name, p), (_, e), (_, b) in params:
+        assert_flash_rule([p.grad], [b.grad], [e.grad], f"{label} {name}", outputs=0)

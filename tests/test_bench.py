@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from dtree.bench.configs import PRESETS, best_per_method, parse_configs
 from dtree.cli import main
@@ -128,7 +129,7 @@ def test_report_shows_allocated_and_reserved_peaks(tmp_path):
     md = next(tmp_path.glob("*.md")).read_text()
     assert "peak alloc (GiB)" in md and "peak reserved (GiB)" in md and "CUDA allocator" in md
     low = next(r for r in report["results"] if r["config"] == "dtree:low")
-    assert low["metrics"]["memory_plan"]["checkpoint_layers"] is True
+    assert low["metrics"]["memory_plan"]["checkpoint_layers"] == 4  # the tiny preset's layers, all checkpointed
 
 
 def test_wording_and_of_ideal():
@@ -171,3 +172,23 @@ def test_default_output_is_git_ignored():
     for path in ("dtree-results/cpu_tiny_grpo.json", "examples/dtree-results/grpo_tiny_dtree.json"):
         r = subprocess.run(["git", "check-ignore", "-q", path], cwd=root)
         assert r.returncode == 0, f"{path} is not git-ignored"
+
+
+
+
+def test_every_method_runs_the_same_layers_and_the_report_says_which(tmp_path):
+    """``--layers auto`` (default) gives the model dtree's lean layers once, before any
+    method (the tiny preset is a Qwen2); ``eager`` keeps HF's; the report names them."""
+    from dtree.bench.layers import apply_layers
+    from dtree.presets import build_model
+
+    report = _run(tmp_path, "--steps", "2", "--configs", "dtree,tree-mask,linearized")
+    assert report["_rc"] == 0 and report["layers"].startswith("dtree lean layers (qwen2): RMSNorm x9, SwiGLU MLP x4")
+    assert "the same for every method: dtree lean layers" in next(tmp_path.glob("*.md")).read_text()
+    assert len({round(r["loss"], 4) for r in report["results"]}) == 1  # one model, the same layers
+    eager = _run(tmp_path / "eager", "--steps", "2", "--configs", "dtree", "--layers", "eager")
+    assert eager["layers"].startswith("eager")
+    with pytest.raises(ValueError, match="a CUDA device is needed"):
+        apply_layers(build_model("tiny"), "liger", torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be one of"):
+        apply_layers(build_model("tiny"), "fast", torch.device("cpu"))

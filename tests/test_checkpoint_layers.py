@@ -41,8 +41,55 @@ def test_checkpoint_layers_matches_per_path(arch, mode, group_tokens):
     model = make_model(arch, tied=arch == "qwen2")
     ref_model, ref_loss = reference(model)
     out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, checkpoint_layers=True)
-    assert out.metrics["memory_plan"]["checkpoint_layers"] is True
+    assert out.metrics["memory_plan"]["checkpoint_layers"] == model.config.num_hidden_layers
     assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+def three_layer_model(arch: str):
+    from hf_models import _common, make_config
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    config = type(make_config(arch))(**{**_common(False, 4096), "num_hidden_layers": 3})
+    return AutoModelForCausalLM.from_config(config)
+
+
+@pytest.mark.parametrize("group_tokens", GROUP_TOKENS)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("count", [1, 2])
+def test_part_of_the_layers_checkpointed_matches_per_path(count, mode, group_tokens):
+    """``checkpoint_layers=k``: the first k of 3 layers checkpointed in every call."""
+    model = three_layer_model("llama")
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, checkpoint_layers=count)
+    assert out.metrics["memory_plan"]["checkpoint_layers"] == count
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+@pytest.mark.parametrize("mode", ["auto", "retain"])
+@pytest.mark.parametrize("leaf,path", [(0, 3), (3, 0), (1, 2)])
+def test_path_and_leaf_calls_checkpoint_different_layers(leaf, path, mode, monkeypatch):
+    """The memory plan checkpoints one count of layers in calls without child groups (and
+    recomputed re-runs) and another in the retained groups with children (the path):
+    exact in each combination; the layers are restored after every call."""
+    import dataclasses
+
+    import dtree.runtime as runtime
+
+    model = three_layer_model("qwen2")
+    ref_model, ref_loss = reference(model)
+    plan_memory = runtime.plan_memory
+
+    def planned(*args, **kwargs):
+        plan = plan_memory(*args, **kwargs)
+        return dataclasses.replace(plan, checkpoint_layers=leaf, path_checkpoint_layers=path)
+
+    monkeypatch.setattr(runtime, "plan_memory", planned)
+    out, tree_model = run_dtree(model, mode=mode, group_tokens=8)
+    assert (out.metrics["memory_plan"]["checkpoint_layers"], out.metrics["memory_plan"]["path_checkpoint_layers"]) == (
+        leaf, path)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+    assert not any(type(m).__name__ == "CheckpointedLayer" for m in tree_model.modules())
 
 
 @pytest.mark.parametrize("group_tokens", GROUP_TOKENS)

@@ -40,3 +40,14 @@ def test_every_part_in_smoke_mode(tmp_path):
     summary = (tmp_path / "summary.md").read_text()
     for p in parts:
         assert f"## {p}: rc=0" in summary, p
+
+
+@pytest.mark.slow
+def test_issue17_parts_in_smoke_mode(tmp_path):
+    """The two device commands of issue 17 (i17a, i17b) run their parts on CPU."""
+    r = _run(tmp_path, "i17a", "i17b", timeout=1500)
+    assert r.returncode == 0, r.stdout[-3000:]
+    summary = (tmp_path / "summary.md").read_text()
+    for p in ("i17-tests", "i17-64k", "i17-case1", "i17-7b", "i17-between", "i17-128k", "i17-256k", "i17-calls"):
+        assert f"## {p}: rc=0" in summary, p
+    assert "the same for every method: dtree lean layers" in summary and "free_after_step=True" in summary

@@ -1,22 +1,27 @@
-"""The memory policy's decisions as pure functions of (model shape, dtype, memory,
-forest size), for the H100 cases of issue 11 (qwen2.5-1.5b, bf16, 80 GB), a 7B model and
-CPU; its byte figures against the H100 measurements they were fit to; and the runtime
-using the plan (CPU: no device memory to read)."""
+"""The memory policy's decisions as pure functions of (model shape, per-token bytes,
+dtype, memory, forest size), for the H100 cases of issues 11 and 17 (qwen2.5-1.5b,
+bf16, 80 GB), a 7B model and CPU; its byte figures against the H100 measurements they
+were fit to; its step simulation against a hand count; the probe that measures a
+model's per-token bytes; and the runtime using the plan (CPU: no device memory)."""
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 from hf_models import make_model
 from setups import SEQS
 
 import dtree
+from dtree import memory_model as mm
 from dtree import memory_policy as mp
 from dtree.config import RuntimeConfig
+from dtree.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.models import ModelSpec, adapt
 from dtree.ops.logprobs import as_output_head
+from dtree.schedule import build_schedule
 from dtree.step_plan import plan_memory
 
 GIB = 2.0**30
@@ -24,89 +29,134 @@ QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
                       vocab_size=151936, intermediate_size=8960)
 QWEN_7B = ModelSpec(num_layers=28, num_heads=28, num_kv_heads=4, head_dim=128, hidden_size=3584,
                     vocab_size=152064, intermediate_size=18944)
-AGENTIC_64K = mp.StepShape(65606, 8499)  # the issue's tree (agentic, seed 0, target 65,536 unique)
-AGENTIC_21K = mp.StepShape(21266, 7849)
-CASE_1 = mp.StepShape(6144, 2560)
+# the issue's trees (agentic, seed 0): unique tokens, longest path, tokens of trie nodes with children
+AGENTIC_64K = mp.StepShape(65606, 9836, 6300)
+AGENTIC_256K = mp.StepShape(262144, 9836, 25200)
+AGENTIC_21K = mp.StepShape(21266, 7849, 4900)
+CASE_1 = mp.StepShape(6144, 2560, 2048)
 H100 = dict(available=76 * GIB, allocated=2.9 * GIB, expandable_segments=True, fused_head=True,
             missing_grads=2.9 * GIB)
+# benchmarks/results/activation_bytes_qwen2.5-1.5b.md (CPU, exact): per token, 28 layers
+LEAN = CallBytes(1.58e6, 0.12e6, 28, 3072)
 
 
 def plan(shape=AGENTIC_64K, spec=QWEN_1_5B, **kw):
     return mp.plan_step(spec, 2, shape, on_cuda=True, **{**H100, **kw})
 
 
+def total(p) -> float:
+    return p.start_bytes + p.predicted_peak_bytes
+
+
 def test_byte_figures_match_the_h100_measurements():
     # 21.70 GiB of decoder-layer activations for an 8,262-token call at the peak
-    measured = 21.70 * GIB / 8262
-    assert mp.layer_activation_bytes(QWEN_1_5B, 2) == pytest.approx(measured, rel=0.03)
-    assert QWEN_1_5B.activation_bytes_per_token(2) > 1.1 * measured  # the spec's estimate errs high
+    assert mp.layer_activation_bytes(QWEN_1_5B, 2) == pytest.approx(21.70 * GIB / 8262, rel=0.03)
     assert mp.layer_input_bytes(QWEN_1_5B, 2) == 30 * 1536 * 2
     # 1.16 GiB of KV stack (bf16 values, float32 gradients) for a 14,419-slot plan
     assert mp.stack_slot_bytes(QWEN_1_5B, 2) * 14419 == pytest.approx(1.16 * GIB, rel=0.02)
-    # the chunked torch LM head at 4096 rows: 5.49 GiB at the peak (logits, their
-    # gradient, the weight-gradient accumulator); the fused one far less
-    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=False) == pytest.approx(5.49 * GIB, rel=0.15)
-    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=True) < 0.45 * mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, False)
+    # the fused LM head at 4,096-row chunks: 2.05 GiB (logits, accumulator) + 0.43 GiB for
+    # the bf16 weight gradient it returns; the chunked torch head 5.49 GiB + 0.43
+    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=True) == pytest.approx((2.05 + 0.43) * GIB, rel=0.05)
+    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=False) == pytest.approx((5.49 + 0.43) * GIB, rel=0.15)
+    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 0, fused=True) == 0
+
+
+def test_call_bytes_mix_checkpointed_and_kept_layers():
+    cb = estimated_call_bytes(QWEN_1_5B, 2)
+    assert cb.call(0) == cb.full and cb.call(28) == pytest.approx(cb.checkpointed)
+    assert cb.call(14) == pytest.approx((cb.full + cb.checkpointed) / 2)
+    assert cb.call(99) == cb.call(28) and cb.call(-1) == cb.full
+    assert cb.backward(0) < cb.backward(1)
+    measured = CallBytes(1.0e6, 1e5, 28, 3072, backward_full=7.0, backward_checkpointed=9.0)
+    assert (measured.backward(0), measured.backward(3)) == (7.0, 9.0)
 
 
 def test_default_on_an_80gb_h100_is_the_fastest_plan_that_fits():
     p = plan()
-    assert (p.group_tokens, p.checkpoint_layers) == (16384, False)
     assert p.predicted_peak_bytes <= p.budget_bytes
     assert p.budget_bytes == pytest.approx(0.9 * 76 * GIB)
-    # one call of the whole 21k tree, and of case 1
-    assert plan(AGENTIC_21K).group_tokens >= AGENTIC_21K.unique_tokens
-    assert plan(CASE_1).checkpoint_layers is False
+    assert p.checkpoint_layers < QWEN_1_5B.num_layers  # room to keep activations
+    # case 1 runs whole, nothing checkpointed
+    one = plan(CASE_1)
+    assert one.group_tokens >= CASE_1.unique_tokens and one.checkpoint_layers == 0
 
 
-def test_less_memory_turns_checkpointing_on_with_large_calls():
-    p = plan(setting=20)
-    assert p.checkpoint_layers and p.group_tokens == 32768
-    assert p.predicted_peak_bytes + 2.9 * GIB <= 20 * GIB
-    tight = plan(available=14 * GIB)
-    assert tight.checkpoint_layers and tight.predicted_peak_bytes <= tight.budget_bytes
-    # nothing fits: the leanest plan, said so
+def test_a_cap_is_honored_with_the_fastest_plan_under_it():
+    fastest = min(plan().predicted_cost, plan(setting=70).predicted_cost)
+    for cap in (40, 17.6, 12):
+        p = plan(setting=cap)
+        assert total(p) <= cap * GIB * (1 - mp.CAP_MARGIN) + 1
+        assert p.predicted_cost >= fastest / (1 + mp.SLACK)  # less memory is never predicted much faster
+    # between all and nothing: part of the layers checkpointed where the calls do not fit whole
+    mid = plan(setting=16)
+    assert 0 < mid.checkpoint_layers < QWEN_1_5B.num_layers
+    lean_mid = plan(setting=16, call_bytes=LEAN)  # lean layers: fewer layers re-run at the same cap
+    assert lean_mid.checkpoint_layers < mid.checkpoint_layers and lean_mid.predicted_cost < mid.predicted_cost
+
+
+def test_the_path_is_retained_checkpointed_and_recomputed_only_when_that_does_not_fit():
+    p = plan(setting=16)
+    assert p.path_checkpoint_layers == QWEN_1_5B.num_layers  # its layer inputs: cheap
+    assert mp.retain_budget(p, "auto") >= AGENTIC_64K.shared_tokens
+    assert p.parts["path_graphs"] <= AGENTIC_64K.shared_tokens * estimated_call_bytes(QWEN_1_5B, 2).call(28) + 1
+    # the peak is bounded by the path and one call, not the tree: 4x the tokens, same peak
+    fixed = dict(group_tokens=4096, checkpoint_layers=0, mode="retain", logprob_chunk=4096)
+    assert plan(AGENTIC_256K, **fixed).predicted_peak_bytes == pytest.approx(
+        plan(mp.StepShape(65606, 9836, 25200), **fixed).predicted_peak_bytes, rel=1e-6)
+    # recompute mode and a hopeless budget recompute the path
+    assert plan(mode="recompute").path_checkpoint_layers == mp.RECOMPUTE
+    assert mp.retain_budget(plan(mode="recompute"), "recompute") == 0
     hopeless = plan(available=3 * GIB)
-    assert "no plan" in hopeless.reason
-    assert hopeless.predicted_peak_bytes == min(
-        plan(available=3 * GIB, group_tokens=g, checkpoint_layers=c, logprob_chunk=k).predicted_peak_bytes
-        for g in mp.GROUP_TOKENS for c in (False, True) for k in mp.LOGPROB_CHUNKS
-    )
+    assert "no plan" in hopeless.reason and hopeless.path_checkpoint_layers == mp.RECOMPUTE
+    # retain mode never recomputes; its path is retained with some checkpoint count
+    assert plan(mode="retain", setting=12).path_checkpoint_layers >= 0
+
+
+def test_small_calls_cost_their_unhidden_cpu_time():
+    """A call's CPU time is hidden behind the GPU when the call is large: 8k-token calls
+    cost little more than one big call; 1k-token calls pay their launch time."""
+    big, mid, small = (plan(group_tokens=g, checkpoint_layers=0, mode="recompute") for g in (32768, 8192, 1024))
+    assert mid.predicted_cost < 1.05 * big.predicted_cost < small.predicted_cost
 
 
 def test_fragmentation_margin_without_expandable_segments():
     assert plan(expandable_segments=False).budget_bytes == pytest.approx(0.8 * 76 * GIB)
 
 
-def test_low_setting_is_the_lean_recipe():
+def test_low_setting_takes_the_lean_recipes_peak_as_its_cap():
     for shape in (AGENTIC_21K, AGENTIC_64K):
         p = plan(shape, setting="low")
-        assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (8192, True, 1024)
-        # weights (2.9) + the rest: the issue's <= 12 GB on the 21k tree, with room for fragmentation
-        assert p.predicted_peak_bytes + 2.9 * GIB < 11 * GIB
+        recipe = plan(shape, group_tokens=mp.LOW_GROUP_TOKENS, checkpoint_layers=True,
+                      logprob_chunk=mp.LOW_LOGPROB_CHUNK)
+        assert p.predicted_peak_bytes <= recipe.predicted_peak_bytes * (1 + mp.SLACK) + 1
+        assert p.predicted_cost <= recipe.predicted_cost * (1 + mp.SLACK)
+        # weights (2.9) + the rest: the issue's <= 12 GB on the 21k tree
+        assert total(p) < 11.5 * GIB
     seven = plan(spec=QWEN_7B, setting="low", missing_grads=15.2e9, available=64 * GIB)
-    assert seven.checkpoint_layers
+    assert seven.predicted_peak_bytes <= seven.budget_bytes
 
 
 def test_explicit_options_are_kept():
     p = plan(group_tokens=4096, checkpoint_layers=True, logprob_chunk=2048)
-    assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (4096, True, 2048)
-    assert plan(setting="low", checkpoint_layers=False).checkpoint_layers is False
-    assert plan(hf_checkpointing=True).checkpoint_layers is True  # HF checkpoints the layers itself
+    assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (4096, 28, 2048)
+    assert plan(checkpoint_layers=5).checkpoint_layers == 5
+    assert plan(setting="low", checkpoint_layers=False).checkpoint_layers == 0
+    assert plan(hf_checkpointing=True).checkpoint_layers == 0  # HF checkpoints the layers itself
+    assert plan(can_checkpoint=False, setting="low").checkpoint_layers == 0
 
 
-def test_a_bigger_model_takes_smaller_calls_before_checkpointing():
+def test_a_bigger_model_takes_smaller_calls_or_checkpoints():
     p = plan(spec=QWEN_7B, missing_grads=15.2e9, available=64 * GIB)
     assert p.predicted_peak_bytes <= p.budget_bytes
-    assert p.group_tokens < 16384
+    assert p.group_tokens < 32768 or p.checkpoint_layers > 0
 
 
 def test_cpu_keeps_the_fixed_defaults():
     p = mp.plan_step(QWEN_1_5B, 4, AGENTIC_64K, on_cuda=False)
-    assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (8192, False, 4096)
-    assert math.isinf(p.retain_bytes)
+    assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (8192, 0, 4096)
+    assert math.isinf(p.retain_bytes) and math.isinf(mp.retain_budget(p, "auto"))
     low = mp.plan_step(QWEN_1_5B, 4, AGENTIC_64K, on_cuda=False, setting="low")
-    assert (low.group_tokens, low.checkpoint_layers, low.logprob_chunk) == (8192, True, 1024)
+    assert (low.group_tokens, low.checkpoint_layers, low.logprob_chunk) == (8192, 28, 1024)
 
 
 @pytest.mark.parametrize("bad", ["fast", 0, -2, True, None])
@@ -117,19 +167,56 @@ def test_bad_settings_name_the_choices(bad):
         dtree.TreeRuntime(make_model("llama"), memory=bad)
 
 
-def test_retain_budget():
-    unchecked, checked = plan(), plan(checkpoint_layers=True)
-    shape = dict(unique_tokens=65606, num_groups=6, nonleaf_tokens=6157, nonleaf_groups=1)  # the schedule at 16k
-    assert math.isinf(mp.retain_budget(unchecked, QWEN_1_5B, "retain", **shape))
-    assert mp.retain_budget(unchecked, QWEN_1_5B, "recompute", **shape) == 0
-    # the 64k tree's trunk: retaining it saves ~4% of the step, for ~17 GB: recomputed
-    assert mp.retain_budget(unchecked, QWEN_1_5B, "auto", **shape) == 0
-    # a tree that is mostly trunk: retained, within the memory left over
-    deep = dict(unique_tokens=65606, num_groups=12, nonleaf_tokens=40000, nonleaf_groups=6)
-    assert mp.retain_budget(unchecked, QWEN_1_5B, "auto", **deep) == pytest.approx(unchecked.retain_tokens())
-    # checkpointed groups keep their layer inputs only: retained
-    assert mp.retain_budget(checked, QWEN_1_5B, "auto", **shape) == pytest.approx(checked.retain_tokens())
-    assert checked.retain_tokens() > 50000
+def test_retain_budget_by_mode():
+    p = plan(setting=16)
+    assert math.isinf(mp.retain_budget(p, "retain"))
+    assert mp.retain_budget(p, "recompute") == 0
+    assert mp.retain_budget(p, "auto") == pytest.approx(p.retain_tokens())
+    assert mp.retain_budget(plan(mode="recompute"), "auto") == 0
+
+
+def test_simulated_peak_is_the_hand_count():
+    """A prompt (group with children) and two answer calls: the peak is the prompt's kept
+    graph plus one answer call and the larger of its head and layer backward."""
+    prompt = list(range(32))
+    forest = dtree.Forest.from_sequences([prompt + [40 + a] * 16 for a in range(4)])
+    sched = build_schedule(forest, chunk_size=64, group_tokens=32)
+    assert [(g.num_tokens, g.is_leaf) for g in sched.groups] == [(32, False), (32, True), (32, True)]
+    cb = CallBytes(1000.0, 100.0, 4, 10.0, backward_full=50.0, backward_checkpointed=300.0)
+    spec = ModelSpec(num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11)
+    fig = mm._Figures(spec, 2, cb, True, 4096)
+    rows = np.diff(sched.terms.pred_offsets).tolist()
+    head = mm.head_bytes(spec, 2, 4096, rows[1], True)
+    peak, where = mm.simulate_peak(sched, rows, math.inf, checkpoint=0, path_checkpoint=4, fig=fig)
+    assert peak == pytest.approx(32 * cb.call(4) + 32 * 1000 + max(head, 32 * 50.0))
+    assert where["group"] in (1, 2) and where["retained_tokens"] == 32
+    # recomputed: nothing kept between, the prompt's re-run at its backward
+    peak, _ = mm.simulate_peak(sched, rows, 0, checkpoint=4, path_checkpoint=0, fig=fig)
+    assert peak == pytest.approx(32 * cb.call(4) + max(mm.head_bytes(spec, 2, 4096, max(rows), True), 32 * 300.0))
+
+
+def test_probe_measures_what_a_call_keeps():
+    """The probe on a tiny bf16 model: eager layers keep more than dtree's lean ones, a
+    checkpointed call its layers' inputs plus the rest; no parameter gradient and no
+    RNG draw are left behind."""
+    from dtree.models.lean_layers import apply_lean_layers
+
+    model = make_model("qwen2", dtype=torch.bfloat16)
+    adapter = adapt(model)
+    spec = adapter.dtree_spec()
+    placement = (torch.device("cpu"), torch.bfloat16)
+    state = torch.get_rng_state()
+    eager = measure_call_bytes(adapter, spec, placement, "sdpa", model)
+    assert torch.equal(state, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+    apply_lean_layers(model)
+    lean = measure_call_bytes(adapter, spec, placement, "sdpa", model)
+    # per layer and token (H 72, I 100, bf16): eager keeps float32 norm copies and four [T, I]
+    assert eager.per_layer > 2300 and lean.per_layer < 0.6 * eager.per_layer
+    assert lean.checkpointed < eager.checkpointed < eager.full
+    assert eager.backward_full is not None and 0 < eager.backward(0) < eager.backward(2)
+    no_ckpt = measure_call_bytes(adapter, spec, placement, "sdpa", None)
+    assert no_ckpt.checkpointed == no_ckpt.full
 
 
 def test_runtime_plans_every_step_on_cpu():
@@ -138,10 +225,11 @@ def test_runtime_plans_every_step_on_cpu():
     assert rt.memory_plan is None and rt.logprob_chunk == 4096
     out = rt.forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
     plan_ = out.metrics["memory_plan"]
-    assert plan_["group_tokens"] == 8192 and plan_["checkpoint_layers"] is False and plan_["setting"] == "auto"
+    assert plan_["group_tokens"] == 8192 and plan_["checkpoint_layers"] == 0 and plan_["setting"] == "auto"
+    assert "memory" not in out.metrics and rt.stack is not None  # nothing to release on CPU
     low = dtree.TreeRuntime(model, chunk_size=3, memory="low", logprob_chunk=7)
     out = low.forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
-    assert out.metrics["memory_plan"]["checkpoint_layers"] is True and low.logprob_chunk == 7
+    assert out.metrics["memory_plan"]["checkpoint_layers"] == 2 and low.logprob_chunk == 7
     assert low.memory_plan.logprob_chunk == 7
 
 
@@ -156,7 +244,10 @@ def test_missing_grad_bytes_counts_tied_weights_once():
 
 def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     """The runtime's side of a CUDA step without a GPU: what the allocator can hand out,
-    the gradients still to allocate, the stack held, the fused head, HF checkpointing."""
+    the gradients still to allocate, the stack held, the fused head, HF checkpointing,
+    the measured per-token figures; and the refined prediction from the schedule."""
+    from dtree.step_plan import refine_plan
+
     model = make_model("qwen2")
     cuda = (torch.device("cuda", 0), torch.bfloat16)
     forest = dtree.Forest.from_sequences(SEQS)
@@ -166,18 +257,26 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
         seen["device"] = device
         return 5 * GIB, 1 * GIB
 
-    def plan_on_cuda(config):
+    cb = CallBytes(5000.0, 800.0, 2, 144.0)
+
+    def plan_on_cuda(config, call_bytes=cb):
         adapted = adapt(model)
         head = as_output_head(adapted.dtree_output_layer())
-        return plan_memory(model, adapted.dtree_spec(), head, config, cuda, None, forest)
+        return plan_memory(model, adapted.dtree_spec(), head, config, cuda, None, forest, call_bytes)
 
     monkeypatch.setattr(mp, "available_bytes", fake_available)
     plan_ = plan_on_cuda(RuntimeConfig(chunk_size=3))
     assert seen["device"] == torch.device("cuda", 0)
     assert plan_.budget_bytes == pytest.approx((1 - mp.MARGIN_FRAGMENTED) * 5 * GIB)
     assert plan_.parts["gradients"] == mp.missing_grad_bytes(model.parameters()) > 0
-    assert plan_.predicted_peak_bytes <= plan_.budget_bytes and plan_.reason.startswith("fastest")
-    assert plan_on_cuda(RuntimeConfig(chunk_size=3, memory=1.5)).budget_bytes == pytest.approx(0.5 * GIB)
+    assert plan_.predicted_peak_bytes <= plan_.budget_bytes and "fastest predicted plan" in plan_.reason
+    assert plan_.call_bytes is cb and plan_.start_bytes == 1 * GIB
+    cap = plan_on_cuda(RuntimeConfig(chunk_size=3, memory=1.5))
+    assert cap.budget_bytes == pytest.approx(1.5 * GIB * (1 - mp.CAP_MARGIN) - 1 * GIB)
+    sched = build_schedule(forest, 3, plan_.group_tokens)
+    refined = refine_plan(plan_, sched, RuntimeConfig(chunk_size=3), None)
+    assert refined.predicted_peak_bytes <= plan_.predicted_peak_bytes  # the plan's bounds hold
+    assert "peak at group" in refined.reason and set(refined.parts) == {"gradients", "kv_stack", "activations"}
     model.gradient_checkpointing_enable()
     model.train()
-    assert plan_on_cuda(RuntimeConfig(chunk_size=3)).checkpoint_layers is True  # HF checkpoints: planned as checkpointed
+    assert plan_on_cuda(RuntimeConfig(chunk_size=3)).checkpoint_layers == 0  # HF checkpoints: dtree adds none

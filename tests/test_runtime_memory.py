@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import weakref
 
+import pytest
 import torch
 from hf_models import make_model
 
@@ -94,3 +95,76 @@ def test_recompute_mode_keeps_one_chunk():
     p_retain = peak_saved(model, long_tree, mode="retain", group_tokens=0, chunk_size=chunk)
     assert p_recompute < 1.25 * one_chunk, (p_recompute, one_chunk)
     assert p_retain > 6 * one_chunk  # retain holds the whole 8-chunk path
+
+
+def test_stack_sized_by_the_slots_written():
+    """Issue 20: leaf calls without in-call ancestors never write their K/V to the stack,
+    so a GRPO step (a prompt, then answers in leaf calls) allocates the prompt's slots
+    only, in the training walk and in the log-prob walk; gradients and log-probs stay
+    exactly those of a stack sized for every call (``stack_capacity``)."""
+    import copy
+
+    from reference import path_logprobs
+    from setups import assert_exact, reference
+
+    torch.manual_seed(0)
+    model = make_model("qwen2")
+    prompt = torch.randint(0, 97, (32,)).tolist()
+    # answers that differ from their first token: no answer is another's in-call ancestor
+    seqs = [prompt + [a] + torch.randint(0, 97, (15,)).tolist() for a in range(8)]
+    forest = dtree.Forest.from_sequences(seqs)
+    spec = dtree.TreeRuntime(model).spec
+    slot_bytes = spec.num_layers * spec.num_kv_heads * 2 * spec.head_dim * (4 + 4)  # fp32 K/V and gradients
+    for kw in (dict(group_tokens=64, chunk_size=32), dict(group_tokens=32, chunk_size=32)):
+        lean_model, wide_model = copy.deepcopy(model), copy.deepcopy(model)
+        lean = dtree.TreeRuntime(lean_model, mode="retain", **kw)
+        out = lean.forward_backward(forest, dtree.losses.nll())
+        # before: 32 + the largest answer call (64 or 32 tokens)
+        assert out.stack_tokens == lean.stack.capacity == 32
+        assert lean.stack.nbytes() == 32 * slot_bytes
+        wide = dtree.TreeRuntime(wide_model, mode="retain", stack_capacity=32 + kw["group_tokens"], **kw)
+        wide.forward_backward(forest, dtree.losses.nll())
+        ref_model, _ = reference(model, seqs)
+        assert_exact(lean_model, ref_model)
+        assert_exact(wide_model, ref_model)
+        inference = dtree.TreeRuntime(copy.deepcopy(model), **kw)
+        lps = inference.logprobs(forest)
+        assert inference.stack.capacity == 32 and not inference.stack.has_grad
+        with torch.no_grad():
+            for got, seq in zip(lps, seqs):
+                torch.testing.assert_close(got, path_logprobs(model, seq), rtol=1e-5, atol=1e-5)
+
+
+def test_after_step_releases_and_reports(monkeypatch):
+    """On CUDA (faked here): with ``free_after_step`` the stack is dropped and the
+    allocator's cache emptied, and the step reports what is held and what was released;
+    without, nothing is dropped; on CPU nothing happens (also when the step failed)."""
+    from types import SimpleNamespace
+
+    from dtree import step_memory
+
+    gib = 2**30
+    state = {"reserved": 10 * gib, "allocated": 4 * gib}
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: state["reserved"])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["allocated"])
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 9 * gib)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=state["allocated"]))
+    dropped = []
+    cuda = (torch.device("cuda", 0), torch.bfloat16)
+    out = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(1), True, lambda: None)
+    assert dropped == [1]
+    assert out.metrics["memory"] == {
+        "predicted_total_gib": None, "allocated_after_gib": 4.0, "reserved_after_gib": 4.0, "released_gib": 6.0,
+        "peak_since_reset_gib": 9.0, "freed_after_step": True,
+    }
+    state["reserved"] = 10 * gib
+    kept = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(2), False,
+                                lambda: None)
+    assert dropped == [1] and kept.metrics["memory"]["reserved_after_gib"] == 10.0
+    with pytest.raises(RuntimeError, match="boom"):
+        step_memory.released(lambda: (_ for _ in ()).throw(RuntimeError("boom")), cuda, lambda: dropped.append(3), True,
+                             lambda: None)
+    assert dropped == [1, 3]  # released after a failed step too
+    cpu = step_memory.released(lambda: SimpleNamespace(metrics={}), (torch.device("cpu"), torch.float32),
+                               lambda: dropped.append(4), True, lambda: None)
+    assert cpu.metrics == {} and dropped == [1, 3]

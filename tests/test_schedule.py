@@ -36,7 +36,11 @@ def test_schedule_invariants(seqs, chunk, budget):
             slot_of[s.row_unique[r0:r1]] = g.stack_start + np.arange(r1 - r0)
             parent_top = 0 if g.parent < 0 else s.groups[g.parent].stack_start + s.groups[g.parent].num_tokens
             assert g.stack_start == parent_top
-            assert g.stack_start + g.num_tokens <= s.stack_tokens
+            # the stack holds every group that writes its K/V there (read by children or
+            # by its own segments), and every prefix a segment reads
+            assert g.writes_stack == (g.num_children > 0 or g.in_call_ancestors)
+            assert not g.writes_stack or g.stack_start + g.num_tokens <= s.stack_tokens
+            assert all(hi <= s.stack_tokens for r in g.seg_prefix_ranges for _, hi in r)
             # each segment's prefix ranges are exactly its ancestors' slots, root first
             for i, seg_ranges in enumerate(g.seg_prefix_ranges):
                 first = s.row_unique[r0 + g.seg_q_offsets[i]]
@@ -66,8 +70,24 @@ def test_schedule_invariants(seqs, chunk, budget):
 def test_dfs_stack_is_the_longest_path():
     f = Forest.from_sequences([[1] * 10 + [2] * 5, [1] * 10 + [3] * 7, [4] * 3])
     s = build_schedule(f, chunk_size=4, group_tokens=0)
-    assert s.stack_tokens == 17  # unbatched DFS: the stack never holds more than one path
+    # unbatched DFS: the stack never holds more than one path, less its last segment
+    # (a leaf: nothing reads its K/V): 10 + 4 of the 17-token path
+    assert s.stack_tokens == 14
     assert s.num_groups == s.num_segments == 3 + 2 + 2 + 1
+
+
+def test_stack_holds_only_the_slots_written():
+    """Issue 20: GRPO, a 2,048-token prompt and 16 answers of 1,024 in 8,192-token calls:
+    the answers' calls are leaves without in-call ancestors, so only the prompt's 2,048
+    slots are written (the stack used to be sized 2,048 + 8 x 1,024 = 10,240)."""
+    prompt = list(range(2048))
+    f = Forest.from_sequences([prompt + [3000 + a] * 1024 for a in range(16)])
+    s = build_schedule(f, chunk_size=2048, group_tokens=8192)
+    assert [(g.num_tokens, g.writes_stack) for g in s.groups] == [(2048, True), (8192, False), (8192, False)]
+    assert s.stack_tokens == 2048
+    # one call for a whole small tree: its segments read each other through the stack
+    s = build_schedule(Forest.from_sequences([[1, 2, 3, 4], [1, 2, 5]]), chunk_size=64, group_tokens=64)
+    assert s.groups[0].in_call_ancestors and s.groups[0].writes_stack and s.stack_tokens == 5
 
 
 def test_siblings_and_trees_share_calls():

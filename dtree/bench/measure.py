@@ -154,6 +154,11 @@ class MethodResult:
     step_losses: list[float] = field(default_factory=list)
     step_peak_mem_gib: list[float | None] = field(default_factory=list)
     step_calls: list[int | None] = field(default_factory=list)
+    # dtree: the memory plan's predicted peak (all allocated memory) and what the step left
+    # allocated and reserved after it (StepOutput.metrics["memory"]), per step
+    step_predicted_gib: list[float | None] = field(default_factory=list)
+    step_held_after_gib: list[float | None] = field(default_factory=list)
+    step_reserved_after_gib: list[float | None] = field(default_factory=list)
     allocator: dict[str, int] = field(default_factory=dict)  # cudaMalloc calls, retries, OOMs during the steps
 
     def __post_init__(self) -> None:
@@ -315,6 +320,7 @@ def measure_steps(
                 reserved = torch.cuda.max_memory_reserved(device) / 2**30
                 result.peak_reserved_gib = max(result.peak_reserved_gib or 0.0, reserved)
             result.metrics = dict(getattr(out, "metrics", {}) or {})
+            _record_memory(result, result.metrics)
             if on_step:
                 on_step(i, dt, result)
     except Exception as e:  # reported, so one broken configuration does not hide the others
@@ -330,6 +336,16 @@ def measure_steps(
         result.status = "skipped"
     _summarize_steps(result, forests, peak)
     return result
+
+
+def _record_memory(result: MethodResult, metrics: dict) -> None:
+    """A step's predicted peak and what it left on the device (None where the method
+    reports neither)."""
+    plan = metrics.get("memory_plan") or {}
+    after = metrics.get("memory") or {}
+    result.step_predicted_gib.append(plan.get("predicted_total_gib"))
+    result.step_held_after_gib.append(after.get("allocated_after_gib"))
+    result.step_reserved_after_gib.append(after.get("reserved_after_gib"))
 
 
 def _summarize_steps(result: MethodResult, forests: list[StepForest], peak: float | None) -> None:

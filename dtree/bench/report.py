@@ -217,6 +217,36 @@ def _best_table(report: dict) -> str:
     return _grid(header, body, markdown=True)
 
 
+def _memory_table(report: dict) -> str:
+    """Per configuration with a memory plan: predicted and measured peak (GiB, all
+    allocated memory) per step, their worst ratio, and what was allocated and reserved
+    after the last step."""
+    rows = []
+    for r in report.get("results", []):
+        pred, meas = r.get("step_predicted_gib") or [], r.get("step_peak_mem_gib") or []
+        pairs = [(p, m) for p, m in zip(pred, meas) if p is not None and m is not None]
+        if not pairs:
+            continue
+        worst = max(pairs, key=lambda pm: abs(pm[1] / pm[0] - 1))
+        held, reserved = (r.get("step_held_after_gib") or [None])[-1], (r.get("step_reserved_after_gib") or [None])[-1]
+        rows.append(
+            f"| `{r['config']}` | " + ", ".join(f"{p:.1f} / {m:.1f}" for p, m in pairs)
+            + f" | {worst[1] / worst[0] - 1:+.1%} | {_gib(held)} | {_gib(reserved)} |"
+        )
+    if not rows:
+        return ""
+    return "\n".join([
+        "| config | predicted / measured peak per step (GiB) | worst (measured / predicted - 1) | allocated after "
+        "the last step (GiB) | reserved after it (GiB) |",
+        "|---|---|---|---|---|",
+        *rows,
+    ])
+
+
+def _gib(x) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def _steps_table(report: dict) -> str:
     forests = report["workload"].get("forests") or []
     header = ["config"] + [f"step {i + 1}" for i in range(len(forests))]
@@ -279,9 +309,8 @@ def _markdown(report: dict) -> str:
         f"{model['hidden']}, intermediate {model.get('intermediate', '?')}, heads {model['heads']}/{model['kv_heads']} kv, "
         f"head_dim {model['head_dim']}, vocab {model['vocab']}), {model['dtype']}, random weights",
         _workload_line(report),
-        f"- decoder layers: {'torch.compile (dynamic shapes), for every method' if report.get('compiled_layers') else 'eager'}"
-        + ("; Liger-Kernel fused norms/rotary/MLP activation (--fused), for every method" if report.get("fused_kernels")
-           else "")
+        f"- decoder layers, the same for every method: {report.get('layers', 'eager')}"
+        + ("; torch.compile (dynamic shapes)" if report.get("compiled_layers") else "")
         + (f"; {'; '.join(limits)}" if limits else ""),
         f"- CUDA allocator: `PYTORCH_CUDA_ALLOC_CONF={report['allocator']}`, for every method"
         if report.get("allocator") else "- CUDA allocator: default settings",
@@ -308,6 +337,10 @@ def _markdown(report: dict) -> str:
         lines += [""] + [f"- {s}" for s in report["summary_lines"]]
     if fresh:
         lines += ["", "## Step times (s)", "", _steps_table(report)]
+        memory = _memory_table(report)
+        if memory:
+            lines += ["", "## Memory: the plan's predicted peak against the measured one, and what a step leaves",
+                      "", memory]
     notes = []
     for r in report["results"]:
         if r.get("error") or r.get("note"):

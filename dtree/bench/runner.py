@@ -21,6 +21,7 @@ import torch
 
 from ..presets import DTYPES, MODEL_PRESETS, build_model
 from .configs import PRESETS, MethodConfig, parse_assignments, parse_configs
+from .layers import LAYER_CHOICES, apply_layers
 from .measure import (
     MethodResult,
     StepForest,
@@ -68,9 +69,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile the model's decoder layers (applies to every method alike)")
-    p.add_argument("--fused", action="store_true",
-                   help="Liger-Kernel's fused norms, rotary and MLP activation in the model "
-                        "(dtree.models.fused.apply_fused_kernels, once, before any method: every method runs them)")
+    p.add_argument("--layers", choices=LAYER_CHOICES, default="auto",
+                   help="decoder-layer kernels, applied once to the model, so every method runs them: auto (dtree's "
+                        "lean RMSNorm/SwiGLU where the family has them, Liger's rotary on CUDA when installed; else "
+                        "Liger's layers; else eager), lean, liger, eager (default: auto)")
+    p.add_argument("--fused", action="store_true", help="the same as --layers liger")
     p.add_argument("--no-expandable-segments", action="store_true",
                    help="keep the CUDA allocator's default segments (by default the bench process runs with "
                         "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, for every method alike)")
@@ -220,7 +223,7 @@ class BenchConfig:
     overrides: dict[str, Any] = field(default_factory=dict)  # workload parameters
     loss: str = "auto"
     compile: bool = False
-    fused: bool = False
+    layers: str = "auto"
     expandable_segments: bool = True
     memory_limit_gib: float | None = None
     steps: int = 1
@@ -257,7 +260,7 @@ class BenchConfig:
             overrides=parse_assignments(args.overrides, "--set"),
             loss=args.loss,
             compile=args.compile,
-            fused=args.fused,
+            layers="liger" if args.fused else args.layers,
             expandable_segments=not args.no_expandable_segments,
             memory_limit_gib=args.memory_limit_gib,
             steps=1 if same_forest else (args.steps or (6 if on_gpu else 4)),
@@ -288,10 +291,11 @@ def run(cfg: BenchConfig) -> int:
                 else f"{cfg.steps} steps, a fresh forest each")
     print(f"dtree bench: {cfg.model_name} ({cfg.dtype}) on {device_name(cfg.device)}; {protocol}; "
           f"configurations: {', '.join(c.label for c in cfg.configs)}", flush=True)
-    model, spec = _bench_model(cfg)
+    model, spec, layers = _bench_model(cfg)
     forests, workload = _step_forests(cfg, spec, data)
     loss, loss_desc = _loss(cfg.loss, forests[0].forest)
     report = _report_header(cfg, model, spec, workload, forests, loss_desc, allocator)
+    report["layers"] = layers
     results: list[MethodResult] = []
     for method_cfg in cfg.configs:
         res = _measure_config(cfg, method_cfg, model, forests, loss, start)
@@ -322,19 +326,17 @@ def _prepare_device(cfg: BenchConfig) -> str | None:
 
 
 def _bench_model(cfg: BenchConfig):
-    """The one model every configuration trains, with Liger's kernels and compiled
-    layers when asked (explicit calls, applied once for every method alike)."""
+    """The one model every configuration trains, with its layer kernels and compiled
+    layers when asked (applied once, for every method alike); and what the layers are."""
     from ..models import adapt, compile_layers
 
     model = build_model(cfg.model_name, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
     spec = adapt(model).dtree_spec()
-    if cfg.fused:
-        from ..models.fused import apply_fused_kernels
-
-        print(f"fused kernels (Liger): {apply_fused_kernels(model)}", flush=True)
+    layers = apply_layers(model, cfg.layers, cfg.device)
+    print(f"decoder layers, for every method: {layers}", flush=True)
     if cfg.compile:
         compile_layers(model)
-    return model, spec
+    return model, spec, layers
 
 
 def _report_header(cfg: BenchConfig, model, spec, workload: dict, forests: list[StepForest], loss_desc: str,
@@ -356,7 +358,7 @@ def _report_header(cfg: BenchConfig, model, spec, workload: dict, forests: list[
         "repeats": cfg.repeats if cfg.same_forest else None,
         "loss": loss_desc,
         "compiled_layers": cfg.compile,
-        "fused_kernels": cfg.fused,
+        "layers": cfg.layers,
         "allocator": allocator,
         "memory_limit_gib": cfg.memory_limit_gib,
         "time_budget_s": cfg.time_budget,

@@ -87,15 +87,6 @@ class ModelSpec:
         """FLOPs of one (query, key) pair in the forward: QK^T and PV over all layers."""
         return self.num_layers * 2 * self.num_heads * (self.head_dim + self.value_head_dim)
 
-    def activation_bytes_per_token(self, itemsize: int = 2) -> float:
-        """Estimated bytes autograd keeps per token for the backward of eager decoder
-        layers (norm inputs and statistics, q/k/v, attention output, MLP intermediates):
-        ``layers * itemsize * (12 * hidden + 4 * intermediate + 3 * q_heads * head_dim)``.
-        For qwen2.5-1.5b in bf16 that is 3.3 MB; 2.9 MB was measured on an H200
-        (2.1 MB with compiled layers), so it errs on the safe side."""
-        per_layer = 12 * self.hidden_size + 4 * self.intermediate_size + 3 * self.num_heads * self.head_dim
-        return self.num_layers * itemsize * per_layer
-
     def training_flops(self, positions: torch.Tensor | list[int] | int) -> float:
         """Forward + backward FLOPs (3x forward) of tokens at the given positions.
 

@@ -1,6 +1,7 @@
 """The KV stack's ops: the CUDA extension (``csrc/``, ``torch.ops.dtree_stack``) where it
-is built and the tensors are on a GPU, else the torch ops of :mod:`.stack_ops_torch`,
-with the same contract.
+is built and the tensors are on a GPU; else, on a GPU, the Triton kernels of
+:mod:`.stack_ops_triton` for the push and the seed (one launch each); else the torch ops
+of :mod:`.stack_ops_torch`. All three have the same contract and give the same bits.
 
 Ops (a layer's slots ``[capacity, heads, dim]``; a call's rows ``[rows, heads, dim]``):
 
@@ -155,7 +156,26 @@ def push_kv(
             cos, sin = cos.contiguous(), sin.contiguous()
         _ops().push_kv(k_slots, v_slots, _device_lo(lo, device_lo, k.device), _unit_last(k), _unit_last(v), cos, sin)
         return
+    if cos is None and k.dtype == k_slots.dtype and v.dtype == v_slots.dtype and _triton_runs(k_slots, v_slots, k, v):
+        from . import stack_ops_triton
+
+        stack_ops_triton.push_kv(k_slots[lo : lo + rows], v_slots[lo : lo + rows], k, v)
+        return
     stack_ops_torch.push_kv(k_slots, v_slots, lo, k, v, cos, sin)
+
+
+def _triton_runs(*tensors: torch.Tensor | None) -> bool:
+    """Whether the Triton tier serves these tensors: on a GPU without the extension (or
+    under ``TRITON_INTERPRET=1``, the tests), unless the torch ops were asked for
+    (``DTREE_STACK_OPS=torch``, :func:`extension_disabled`)."""
+    if _state["disabled"] or os.environ.get("DTREE_STACK_OPS", "").strip().lower() == "torch":
+        return False
+    try:
+        from . import stack_ops_triton
+    except ImportError:  # no Triton on this platform
+        return False
+    present = [t for t in tensors if t is not None]
+    return all(stack_ops_triton.runs_on(t) for t in present) and all(t.numel() for t in present)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -188,6 +208,11 @@ def seed_grad(
         return _ops().seed_grad(
             grad_k_slots, grad_v_slots, _device_lo(lo, device_lo, device), gk, gv, rows, k_dtype, v_dtype
         )
+    sk, sv = grad_k_slots[lo : lo + rows], grad_v_slots[lo : lo + rows]
+    if sk.dtype == sv.dtype == torch.float32 and _triton_runs(sk, sv, gk, gv):
+        from . import stack_ops_triton
+
+        return stack_ops_triton.fold_seed(sk, sv, gk, gv, (k_dtype, v_dtype))
     return stack_ops_torch.seed_grad(grad_k_slots, grad_v_slots, lo, gk, gv, rows, k_dtype, v_dtype)
 
 

@@ -1,0 +1,147 @@
+"""dtree's lean layers on a transformers model instance: RMSNorm and the SwiGLU MLP
+through :mod:`dtree.ops.rms_norm` and :mod:`dtree.ops.swiglu`.
+
+What a decoder layer keeps for backward decides how many tokens one model call can
+hold. Per token and layer, qwen2.5-1.5b in bf16 (``benchmarks/activation_bytes.py``
+measures it; ``benchmarks/PERF_NOTES.md`` has the table):
+
+* HF's eager layers: ~99 KB: each RMSNorm keeps a float32 copy of its input, the
+  normalized row and (in the next projection) its output; the MLP keeps ``gate``, its
+  SiLU, ``up`` and their product (four ``[T, I]`` tensors);
+* Liger's kernels (:mod:`dtree.models.fused`): ~72 KB (norms keep their input; the
+  SwiGLU keeps ``gate`` and ``up``, the down projection the product);
+* these lean layers: ~54 KB: the norms keep their bf16 input and one float32 per row,
+  the MLP keeps ``gate`` and ``up`` only (the product is recomputed in backward, one
+  elementwise pass, when the down projection is a plain ``nn.Linear``).
+
+The kernels run in Triton on CUDA (one kernel per norm, one per activation, forward
+and backward) and in torch elsewhere, with the same saved tensors. Rotary embeddings
+stay HF's: they keep no activation of their own (only the per-call ``cos``/``sin``).
+
+:func:`apply_lean_layers` swaps the ``forward`` of the model's own norm and MLP
+modules (this instance only, nothing process-wide; :func:`remove_lean_layers` undoes
+it) for the families whose modules it reproduces exactly: Llama, Qwen2, Qwen3 and
+Mistral (HF's Llama-style RMSNorm; ``hidden_act="silu"``). Adapters stay in charge of
+their modules: a LoRA-wrapped or hooked down projection is called as a module (its
+input, the product, is then kept as HF keeps it); gate and up projections are always
+called as modules.
+"""
+
+from __future__ import annotations
+
+import types
+from dataclasses import dataclass
+
+import torch
+
+from ..ops.rms_norm import rms_norm
+from ..ops.swiglu import silu_mul, swiglu_down
+from .hf import _is_plain_linear
+
+__all__ = ["LeanLayers", "apply_lean_layers", "lean_layers_applied", "lean_layers_supported", "remove_lean_layers"]
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+_NORMS = tuple(f"{p}RMSNorm" for p in ("Llama", "Qwen2", "Qwen3", "Mistral"))
+_MLPS = tuple(f"{p}MLP" for p in ("Llama", "Qwen2", "Qwen3", "Mistral"))
+_SILU = ("SiLUActivation", "SiLU")
+
+
+@dataclass(frozen=True)
+class LeanLayers:
+    """What :func:`apply_lean_layers` changed: the family, how many RMSNorm and MLP
+    modules now run dtree's lean kernels, and how many of those MLPs fold the down
+    projection in (a plain ``nn.Linear``; the others call it as a module)."""
+
+    model_type: str
+    norms: int
+    mlps: int
+    fused_down: int
+
+    def describe(self) -> str:
+        return (f"dtree lean layers ({self.model_type}): RMSNorm x{self.norms}, SwiGLU MLP x{self.mlps} "
+                f"({self.fused_down} with the down projection fused)")
+
+
+def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+    return rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
+    gate, up = self.gate_proj(x), self.up_proj(x)
+    down = self.down_proj
+    if _is_plain_linear(down):
+        return swiglu_down(gate, up, down.weight, down.bias)
+    return down(silu_mul(gate, up))
+
+
+def _model_type(model: torch.nn.Module) -> str | None:
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return getattr(config, "model_type", None)
+
+
+def _targets(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
+    """(the model's Llama-style RMSNorm modules, its SiLU-gated MLP modules)."""
+    norms = [
+        m for m in model.modules()
+        if type(m).__name__ in _NORMS and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and m.weight.dim() == 1 and isinstance(getattr(m, "variance_epsilon", None), float)
+    ]
+    mlps = [
+        m for m in model.modules()
+        if type(m).__name__ in _MLPS and type(getattr(m, "act_fn", None)).__name__ in _SILU
+        and all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
+    ]
+    return norms, mlps
+
+
+def lean_layers_supported(model: torch.nn.Module) -> bool:
+    """Whether :func:`apply_lean_layers` takes ``model`` (a supported family with layers
+    it recognizes)."""
+    if _model_type(model) not in FAMILIES:
+        return False
+    norms, mlps = _targets(model)
+    return bool(norms or mlps)
+
+
+def lean_layers_applied(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "_dtree_lean", False) for m in model.modules())
+
+
+def apply_lean_layers(model: torch.nn.Module) -> LeanLayers:
+    """Run ``model``'s RMSNorm and SwiGLU MLP modules through dtree's lean kernels (see
+    the module docstring), in place; applying twice is a no-op.
+
+    Args:
+        model: a transformers Llama, Qwen2, Qwen3 or Mistral model (the base model or
+            ``*ForCausalLM``; apply it before PEFT wrapping or compilation).
+
+    Raises:
+        ValueError: another family (names the supported ones), or no module to change.
+    """
+    model_type = _model_type(model)
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"dtree's lean layers reproduce the norms and MLPs of {', '.join(FAMILIES)} exactly; this model's "
+            f"model_type is {model_type!r}: run it with its own layers (or Liger's: dtree.models.fused)"
+        )
+    norms, mlps = _targets(model)
+    if not norms and not mlps:
+        raise ValueError(f"{type(model).__name__}: no {'/'.join(_NORMS)} or SiLU {'/'.join(_MLPS)} module to replace")
+    for m in norms:
+        m.forward = types.MethodType(_norm_forward, m)
+        m._dtree_lean = True
+    for m in mlps:
+        m.forward = types.MethodType(_mlp_forward, m)
+        m._dtree_lean = True
+    fused_down = sum(_is_plain_linear(m.down_proj) for m in mlps)
+    return LeanLayers(model_type, len(norms), len(mlps), fused_down)
+
+
+def remove_lean_layers(model: torch.nn.Module) -> None:
+    """Undo :func:`apply_lean_layers` on ``model``."""
+    for m in model.modules():
+        if getattr(m, "_dtree_lean", False):
+            del m.forward
+            del m._dtree_lean

@@ -1,0 +1,122 @@
+"""Triton kernels of :mod:`dtree.ops.rms_norm` (forward and backward of the lean RMSNorm).
+
+Forward: one program per row (``BLOCK_N`` = the row width rounded up to a power of
+two): the row's float32 sum of squares gives ``r``, the normalized row is rounded to
+the input dtype and multiplied by the weight (HF's two roundings). Backward: each
+program walks a contiguous block of rows, writes ``dx`` per row and keeps its share of
+``dweight`` in float32 registers; the shares (``[programs, N]`` float32) are summed by
+torch. ``M`` (rows) and the rows per program are not specialized, so calls of every
+size share one compiled kernel per row width and dtype.
+
+Their torch twins are :func:`dtree.ops.rms_norm.rms_norm_forward_torch` and
+:func:`dtree.ops.rms_norm.rms_norm_backward_torch`; ``tests/test_rms_norm.py`` runs these
+kernels against them under the Triton interpreter (``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rms_norm_backward", "rms_norm_forward", "runs_on"]
+
+_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_MAX_N = 65536
+
+
+def runs_on(device: torch.device) -> bool:
+    """CUDA (compute capability >= 7.0), or any device under the interpreter."""
+    if _INTERPRET:
+        return True
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 7
+
+
+def _warps(block_n: int) -> int:
+    return 1 if _INTERPRET else min(16, max(1, block_n // 256))
+
+
+@triton.jit(do_not_specialize=["eps"])
+def _rms_norm_fwd_kernel(X, W, Y, R, stride_x, stride_y, N, eps, BLOCK_N: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    r = tl.math.rsqrt(tl.sum(x * x, axis=0) / N + eps)
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    n = (x * r).to(Y.dtype.element_ty).to(tl.float32)
+    tl.store(Y + row * stride_y + cols, (w * n).to(Y.dtype.element_ty), mask=mask)
+    tl.store(R + row, r)
+
+
+@triton.jit(do_not_specialize=["M", "rows_per_program"])
+def _rms_norm_bwd_kernel(
+    DY, X, W, R, DX, DW, stride_dy, stride_x, stride_dx, M, N, rows_per_program,
+    BLOCK_N: tl.constexpr, NEED_DW: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    cols = tl.arange(0, BLOCK_N)
+    mask = cols < N
+    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    first = pid.to(tl.int64) * rows_per_program
+    for i in range(0, rows_per_program):
+        row = first + i
+        if row < M:
+            x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
+            r = tl.load(R + row)
+            n = x * r
+            # HF rounds d(normalized row) = dy * weight to the input dtype
+            g = (dy * w).to(X.dtype.element_ty).to(tl.float32)
+            dx = r * (g - n * (tl.sum(g * n, axis=0) / N))
+            tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
+            if NEED_DW:
+                dw += dy * n.to(X.dtype.element_ty).to(tl.float32)
+    if NEED_DW:
+        tl.store(DW + pid * N + cols, dw, mask=mask)
+
+
+def _block(n: int) -> int:
+    if n > _MAX_N:
+        raise ValueError(f"the Triton RMSNorm takes rows of at most {_MAX_N} elements, got {n}")
+    return triton.next_power_of_2(n)
+
+
+def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """[M, N] contiguous rows -> ([M, N] output in x's dtype, [M] float32 ``r``)."""
+    m, n = x2.shape
+    y = torch.empty_like(x2)
+    r = torch.empty(m, dtype=torch.float32, device=x2.device)
+    if m:
+        block = _block(n)
+        _rms_norm_fwd_kernel[(m,)](x2, weight, y, r, x2.stride(0), y.stride(0), n, eps, BLOCK_N=block,
+                                   num_warps=_warps(block))
+    return y, r
+
+
+def _programs(m: int, device: torch.device) -> int:
+    if _INTERPRET or device.type != "cuda":
+        return max(1, min(m, 4))
+    return max(1, min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+
+
+def rms_norm_backward(
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, need_dweight: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """([M, N] dx in x's dtype, [N] float32 dweight or None)."""
+    m, n = x2.shape
+    dx = torch.empty_like(x2)
+    programs = _programs(m, x2.device)
+    partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device) if need_dweight else r
+    if m:
+        block = _block(n)
+        _rms_norm_bwd_kernel[(programs,)](
+            dy2, x2, weight, r, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
+            triton.cdiv(m, programs), BLOCK_N=block, NEED_DW=need_dweight, num_warps=_warps(block),
+        )
+    elif need_dweight:
+        partial.zero_()
+    return dx, (partial.sum(0) if need_dweight else None)

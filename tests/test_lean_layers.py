@@ -1,0 +1,130 @@
+"""dtree's lean layers (``dtree.models.lean_layers``) keep dtree exact.
+
+CPU, float32: a model with lean RMSNorm and SwiGLU MLP modules trained through
+TreeRuntime against the unpatched model run on each path by HF (``tests/reference.py``),
+every parameter gradient, for Llama, Qwen2 (tied), Qwen3 (per-head q/k norms) and
+Mistral, in every mode, with checkpointed layers, with PEFT LoRA on every linear layer
+(the down projection is then called as a module); the patched model's own forward is
+HF's; removing the layers restores them; other families are refused by name. Under the
+Triton interpreter the kernels run end to end. GPU (``-m gpu``): bf16 by the
+flash-attention rule.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from hf_models import ARCHS, make_model
+from interpreter_worker import worker_fixture
+from setups import GROUP_TOKENS, MODES, SEQS, assert_exact, assert_model_flash_rule, reference, run_dtree
+
+import dtree
+from dtree.models import lean_layers
+
+
+def lean(model):
+    model = copy.deepcopy(model)
+    info = lean_layers.apply_lean_layers(model)
+    return model, info
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("arch", ARCHS)
+def test_lean_layers_match_per_path(arch, mode):
+    model = make_model(arch, tied=arch == "qwen2")
+    ref_model, ref_loss = reference(model)
+    patched, info = lean(model)
+    norms = 2 * 2 + 1 + (4 if arch == "qwen3" else 0)  # two per layer, the final one, Qwen3's q/k norms
+    assert (info.norms, info.mlps, info.fused_down) == (norms, 2, 2)
+    out, tree_model = run_dtree(patched, copy_model=False, mode=mode, group_tokens=8)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+@pytest.mark.parametrize("group_tokens", GROUP_TOKENS)
+@pytest.mark.parametrize("checkpoint_layers", [False, True, 1])
+def test_lean_layers_with_checkpointing_and_budgets(checkpoint_layers, group_tokens):
+    model = make_model("llama")
+    ref_model, ref_loss = reference(model)
+    patched, _ = lean(model)
+    out, tree_model = run_dtree(patched, copy_model=False, group_tokens=group_tokens,
+                                checkpoint_layers=checkpoint_layers)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+def test_lean_layers_under_lora_call_adapted_projections_as_modules():
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    base = make_model("qwen2")
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+    model = peft.get_peft_model(copy.deepcopy(base), config)
+    ref_model, ref_loss = reference(model)
+    patched = copy.deepcopy(model)
+    info = lean_layers.apply_lean_layers(patched.base_model.model)
+    assert info.fused_down == 0 and info.mlps == 2  # LoRA-wrapped down projections: called as modules
+    out, tree_model = run_dtree(patched, copy_model=False, mode="retain", group_tokens=8)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+def test_the_patched_models_own_forward_is_hfs_and_removal_restores_it():
+    model = make_model("qwen3")
+    ids = torch.tensor([SEQS[0]])
+    want = model(input_ids=ids).logits
+    patched, _ = lean(model)
+    assert lean_layers.lean_layers_applied(patched)
+    torch.testing.assert_close(patched(input_ids=ids).logits, want, rtol=1e-5, atol=1e-5)
+    assert lean_layers.apply_lean_layers(patched).norms > 0  # applying twice is harmless
+    lean_layers.remove_lean_layers(patched)
+    assert not lean_layers.lean_layers_applied(patched)
+    assert not any("forward" in vars(m) for m in patched.modules())
+
+
+def test_other_families_are_refused_by_name():
+    from transformers import AutoModelForCausalLM, GPT2Config
+
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50))
+    assert not lean_layers.lean_layers_supported(gpt2)
+    with pytest.raises(ValueError, match="model_type is 'gpt2'"):
+        lean_layers.apply_lean_layers(gpt2)
+    assert lean_layers.lean_layers_supported(make_model("mistral"))
+
+
+# --------------------------------------------------------------------------- interpreter
+def _case_runtime_exact(arch: str):
+    from dtree.ops import rms_norm, swiglu_triton
+
+    assert swiglu_triton._INTERPRET and rms_norm.triton_kernels(torch.zeros(1)) is not None
+    model = make_model(arch)
+    ref_model, ref_loss = reference(model)
+    patched, _ = lean(model)
+    out, tree_model = run_dtree(patched, copy_model=False, mode="retain", group_tokens=8)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+worker = worker_fixture("test_lean_layers")
+
+
+@pytest.mark.parametrize("arch", ["qwen3"])
+def test_triton_kernels_end_to_end(worker, arch):
+    worker.run("runtime_exact", arch=arch)
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
+def test_gpu_bf16_flash_rule_end_to_end(arch):
+    """bf16 dtree on the lean model against the unpatched model per path: every
+    gradient's error vs the float32 per-path reference at most 3x (loss: 2x) that of the
+    unpatched bf16 model per path, plus a floor."""
+    from reference import linearized_step
+
+    base = make_model(arch, tied=arch == "qwen2").cuda()
+    exact = copy.deepcopy(base)
+    bf16_ref = copy.deepcopy(base).to(torch.bfloat16)
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    exact_loss, _ = linearized_step(exact, SEQS)
+    bf16_loss, _ = linearized_step(bf16_ref, SEQS)
+    lean_layers.apply_lean_layers(model)
+    out = dtree.TreeRuntime(model, chunk_size=2).forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
+    assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss, f"{arch} lean")
