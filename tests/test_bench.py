@@ -129,3 +129,14 @@ def test_report_shows_allocated_and_reserved_peaks(tmp_path):
     assert "peak alloc (GiB)" in md and "peak reserved (GiB)" in md and "CUDA allocator" in md
     low = next(r for r in report["results"] if r["config"] == "dtree:low")
     assert low["metrics"]["memory_plan"]["checkpoint_layers"] is True
+
+
+def test_mixed_workload(tmp_path):
+    """``--workload mixed``: the three shapes in one batch, at the CPU size."""
+    rc = main(["bench", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--workload", "mixed",
+               "--methods", "dtree", "--steps", "1"])
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    assert rc == 0 and report["workload"]["name"] == "mixed (cpu size)"
+    assert report["workload"]["forests"][0]["trees"] == 3  # one tree of each kind
+    assert report["workload"]["params"]["search_args"]["depth"] == 4

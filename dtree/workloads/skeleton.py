@@ -21,6 +21,7 @@ class TreeSkeleton:
     loss: list[int] = field(default_factory=list)  # 1 = model-generated, 0 = prompt / environment
     parent: list[int] = field(default_factory=list)
     depth: list[int] = field(default_factory=list)  # nodes above (root = 0)
+    end: list[int] = field(default_factory=list)  # tokens on the path from the root through this node
     children: list[list[int]] = field(default_factory=list)
 
     def add(self, parent: int, length: int, loss: int) -> int:
@@ -29,6 +30,7 @@ class TreeSkeleton:
         self.loss.append(int(loss))
         self.parent.append(parent)
         self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
+        self.end.append(int(length) + (0 if parent < 0 else self.end[parent]))
         self.children.append([])
         if parent >= 0:
             self.children[parent].append(node)
