@@ -150,8 +150,8 @@ def calibrate(b: Bench, args) -> None:
             for i, (_, f) in enumerate(forests) if i % b.world == b.rank]
     rows = sorted((r for part in b.gather(mine) for r in part), key=lambda r: r[0])  # the same order everywhere
     b.calibrated, fit = CostModel.fit([r[1] for r in rows], [r[2] for r in rows], meta={"source": "fit (bench)"})
-    b.result["calibration"] = dict(coefficients=b.calibrated.format(), fit=fit.__dict__,
-                                   budget_tokens=args.calibration_tokens)
+    b.result["calibration"] = dict(coefficients=b.calibrated.format(), values=dict(b.calibrated.coefficients),
+                                   fit=fit.__dict__, budget_tokens=args.calibration_tokens)
     b.result["flops_model"] = b.flops.format()
     for row in b.result["batch"].get("kinds", []):  # the fit's prediction of each kind's 1-GPU step
         row["calibrated_s"] = b.calibrated.cost(b.kinds.part(row["kind"]))
@@ -188,6 +188,7 @@ def run_world(b: Bench, args, w: int, group) -> None:
 
 def run_failures(b: Bench, args, w: int, group) -> None:
     if b.rank < w:
+        b.model.zero_grad(set_to_none=True)  # each run trains a copy of the model
         forest = batch_failure_forest(b)
         rows = failure_runs(lambda: copy.deepcopy(b.model), forest, b.loss, group=group, config=b.config,
                             cost_model=b.calibrated, device=b.device, syncs=args.syncs.split(","), log=b.log)

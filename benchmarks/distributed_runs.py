@@ -158,6 +158,7 @@ class Bench:
 
     def trainer(self, sync: str, group) -> DistributedTreeTrainer:
         """The plain model for ``allreduce``; a wrapped copy for ``ddp`` and ``fsdp2``."""
+        self.model.zero_grad(set_to_none=True)  # a copy does not need the last run's gradients
         model = self.model if sync == "allreduce" else wrap_model(copy.deepcopy(self.model), sync, group)
         return DistributedTreeTrainer(model, process_group=group, config=self.config)
 
