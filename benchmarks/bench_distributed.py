@@ -54,7 +54,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import dtree  # noqa: E402
 from benchmarks.distributed_failures import failure_runs, summarize  # noqa: E402
-from benchmarks.distributed_report import versions, write_reports  # noqa: E402
+from benchmarks.distributed_report import versions  # noqa: E402
 from benchmarks.distributed_runs import Bench, batch_failure_forest, build_batch, time_kinds  # noqa: E402
 from dtree.bench.calibrate import default_forests, time_step  # noqa: E402
 from dtree.distributed import CostModel, forest_features  # noqa: E402

@@ -110,7 +110,8 @@ def _f(x, digits: int = 3) -> str:
 
 def _runs_table(result: dict) -> list[str]:
     lines = ["## Scaling (strong: the same global batch)", "",
-             "| W | balancer | split | sync | step (s) | speedup | efficiency | imbalance measured | predicted (own model) "
+             "| W | balancer | split | sync | step (s) | speedup | efficiency | imbalance measured "
+             "| predicted (own model) "
              "| predicted (calibrated) | recomputed prefix | split trees | grad sync (s) | grad error vs 1 GPU | "
              "per-rank walk (s) |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     t1 = result["baseline"]["t1_s"] if result.get("baseline") else None
@@ -120,8 +121,9 @@ def _runs_table(result: dict) -> list[str]:
             lines.append(f"{head} {r['status']}: {r.get('reason', '')} |" + " |" * 10)
             continue
         lines.append(
-            f"{head} {r['step_s']:.3f} | {t1 / r['step_s']:.2f}x | {r['efficiency']:.3f} | {r['imbalance_measured']:.3f}"
-            f" | {r['imbalance_predicted']:.3f} | {r['imbalance_calibrated']:.3f} | {100 * r['recompute_overhead']:.1f}%"
+            f"{head} {r['step_s']:.3f} | {t1 / r['step_s']:.2f}x | {r['efficiency']:.3f} | "
+            f"{r['imbalance_measured']:.3f} | {r['imbalance_predicted']:.3f} | {r['imbalance_calibrated']:.3f} | "
+            f"{100 * r['recompute_overhead']:.1f}%"
             f" | {r['split_trees']} | {r['sync_s']:.3f} | {r['grad_error']:.1e} | "
             f"{', '.join(f'{s:.3f}' for s in r['rank_walk_s'])} |")
     lines += ["", "Efficiency is T1 / (W x step). Imbalance is max/mean over ranks: *measured* from each rank's local "

@@ -148,7 +148,8 @@ class Bench:
     def save(self) -> None:
         if self.rank == 0:
             self.result["elapsed_s"] = time.perf_counter() - self.t_start
-            gpu = "cpu" if self.device.type == "cpu" else self.result["env"]["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+            gpu = self.result["env"]["gpu"].replace("NVIDIA ", "").replace(" ", "-")
+            gpu = "cpu" if self.device.type == "cpu" else gpu
             stem = f"distributed_{self.args.workload}_{self.args.model}_{self.world}x{gpu}"
             self.paths = write_reports(self.result, self.args.out_dir, stem)
 
@@ -196,7 +197,8 @@ class Bench:
             efficiency=self.t1 / (w * step), imbalance_measured=statistics.median(o.imbalance for o in outs),
             imbalance_predicted=rep.imbalance, imbalance_calibrated=max(cal) / (sum(cal) / len(cal)),
             recompute_overhead=rep.recompute_overhead, split_trees=len(rep.split_trees), pieces=rep.num_pieces,
-            method=rep.method, rank_walk_s=outs[-1].rank_seconds, sync_s=statistics.median(o.sync_seconds for o in outs),
+            method=rep.method, rank_walk_s=outs[-1].rank_seconds,
+            sync_s=statistics.median(o.sync_seconds for o in outs),
             rank_costs_calibrated=cal, rank_unique_tokens=rep.rank_unique_tokens, loss=outs[-1].loss,
             loss_rel_diff=abs(outs[-1].loss - base_loss) / max(abs(base_loss), 1e-30),
             grad_error=self.grad_error(trainer.runtime.module),

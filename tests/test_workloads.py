@@ -187,7 +187,8 @@ def test_make_workload_and_overrides():
         ("agentic", {"depth": 1, "trajectories": 6}, "no room for another trajectory"),
         ("search", {"depth": 0}, "depth must be an integer >= 1"),
         ("agentic", {"context_window": 5000}, r"context_window must be an integer >= 5930"),
-        ("mixed", {"grpo_args": {"num_prompts": 3}}, r"unknown grpo_args \['num_prompts'\].*the tree count is grpo_groups"),
+        ("mixed", {"grpo_args": {"num_prompts": 3}},
+         r"unknown grpo_args \['num_prompts'\].*the tree count is grpo_groups"),
         ("mixed", {"grpo_groups": 0, "agentic_trees": 0, "search_trees": 0}, "needs at least one tree"),
         ("mixed", {"search_trees": -1}, "search_trees must be an integer >= 0"),
         ("mixed", {"search_args": {"prompt_len": 100}}, r"sequence \d+ has \d+ tokens, below min_sequence_len=1024"),
@@ -288,3 +289,11 @@ def test_mixed_counts_and_shape_overrides():
                                                grpo_args={"group_size": 4}))
     with pytest.raises(ValueError, match="unknown kind"):
         b.sequences_of("sft")
+
+
+def test_mixed_without_fields_has_the_same_tokens():
+    with_fields = mixed_batch(seed=2, grpo_groups=2, agentic_trees=1, search_trees=1).forest
+    bare = mixed_batch(seed=2, grpo_groups=2, agentic_trees=1, search_trees=1, fields=False).forest
+    assert not bare.fields and set(with_fields.fields) == {"loss_mask", "advantages", "old_logprobs", "ref_logprobs"}
+    assert np.array_equal(bare.lin_tokens, with_fields.lin_tokens)
+    assert np.array_equal(bare.seq_offsets, with_fields.seq_offsets)

@@ -45,7 +45,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default=None, help=f"{', '.join(MODEL_PRESETS)} or a HF config.json path "
                    "(default: tiny on CPU, qwen2.5-1.5b on GPU)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default=None, help="grpo, agentic, search or mixed (all three in one batch) (default: grpo)")
+    src.add_argument("--workload", default=None,
+                     help="grpo, agentic, search or mixed (all three in one batch) (default: grpo)")
     src.add_argument("--data", default=None, help="a JSONL batch instead of a generated workload (implies --same-forest)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a workload parameter (repeatable), e.g. --set group_size=8")

@@ -103,7 +103,9 @@ def _shape(kind: str, overrides: Mapping[str, Any] | None):
     valid = list(inspect.signature(cls.checked).parameters)
     unknown = sorted(set(overrides or {}) - set(valid))
     if unknown:
-        raise ValueError(f"unknown {kind}_args {unknown}; valid: {', '.join(valid)} (the tree count is {_COUNTS[kind]})")
+        raise ValueError(
+            f"unknown {kind}_args {unknown}; valid: {', '.join(valid)} (the tree count is {_COUNTS[kind]})"
+        )
     defaults = {k: p.default for k, p in inspect.signature(generator).parameters.items() if k in valid}
     return cls.checked(**{**defaults, **MIXED_SHAPES[kind], **(overrides or {})})
 
@@ -120,6 +122,7 @@ def mixed_batch(
     search_args: Mapping[str, Any] | None = None,
     min_sequence_len: int | None = 1024,
     max_sequence_len: int | None = 32768,
+    fields: bool = True,
 ) -> MixedBatch:
     """:func:`mixed` with the kind of every sequence (see :class:`MixedBatch`)."""
     rng = make_rng(seed)
@@ -135,7 +138,7 @@ def mixed_batch(
     order = rng.permutation(len(trees))
     trees = [trees[i] for i in order]
     seq_kinds = np.concatenate([np.full(len(trees[j].leaves()), kinds[i]) for j, i in enumerate(order)])
-    forest = materialize(trees, rng, vocab_size)
+    forest = materialize(trees, rng, vocab_size, fields=fields)
     _check_lengths(forest, min_sequence_len, max_sequence_len)
     return MixedBatch(forest, seq_kinds.astype(np.int64))
 
@@ -163,6 +166,8 @@ def mixed(**kwargs: Any) -> Forest:
             per-tree parameters of :func:`~dtree.workloads.grpo`, ``agentic``, ``search``).
         min_sequence_len, max_sequence_len: every sequence must be within these bounds
             (``None``: unchecked); a ValueError names the sequence and the argument to change.
+        fields: ``False`` builds the same token ids without the loss fields (for planning
+            partitions of very large batches, where only the trie's shape matters).
     """
     return mixed_batch(**kwargs).forest
 
