@@ -175,6 +175,13 @@ def findings(rows: list[dict], flops: CostModel, yardstick: CostModel) -> list[s
             line += (f" The longest sequence alone takes {r['longest_sequence_s']:.2f} s against an ideal share of "
                      f"{r['ideal_s']:.2f} s: one sequence cannot be split over data-parallel ranks, so this batch "
                      "does not scale to W ranks (a larger batch, or context parallelism for long sequences, would).")
+        if r["plan_s"] > 0.1 * r["step_s"]:
+            ratio = r["plan_s"] / r["step_s"]
+            share = f"{ratio:.0f}x" if ratio >= 1.5 else f"{100 * ratio:.0f}% of"
+            line += (f" Planning ({r['plan_s']:.1f} CPU seconds, on every rank, every step) is {share} the "
+                     "predicted step: at this size the plan has to be computed "
+                     "ahead (during the previous step) or by one rank and broadcast, and the adaptive splitting "
+                     "(one cut per round, up to W rounds without gain) made cheaper.")
         out.append(line)
     out += ["", f"The FLOPs model charges {flops.coefficients['nodes'] * 1e3:.1f} ms per trie node (its nominal "
             "kernel launches of one model call per node, as with `group_tokens=0`); packed calls "
