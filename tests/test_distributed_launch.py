@@ -95,3 +95,18 @@ def test_bench_distributed_smoke(tmp_path):
     assert len(result["failures"]) == 6 and all(v["passed"] for v in result["failures"]), result["failures"]
     md = path.with_suffix(".md").read_text()
     assert "## One rank fails" in md and "## Scaling" in md and "| 2 | tokens | off | allreduce |" in md
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_distributed_session_smoke(tmp_path):
+    """``SMOKE=1 bash benchmarks/distributed_session.sh x4``: the GPU session's command on CPU, 4 processes."""
+    env = dict(os.environ, SMOKE="1", OUT=str(tmp_path),
+               PATH=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    r = subprocess.run(["bash", os.path.join(ROOT, "benchmarks", "distributed_session.sh"), "x4"], env=env,
+                       capture_output=True, text=True, timeout=2 * TIMEOUT_S)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "distributed_mixed_tiny_4xcpu.json", "distributed_mixed_tiny_4xcpu.md", "distributed_x4.log"]
+    result = json.loads((tmp_path / "distributed_mixed_tiny_4xcpu.json").read_text())
+    assert {x["world"] for x in result["runs"]} == {4, 2} and all(v["passed"] for v in result["failures"])
