@@ -6,7 +6,12 @@ Single node, 2 processes on CPU (gloo) with a tiny model:
 
 8 GPUs (NCCL), a Qwen2.5-0.5B-shaped model with random weights, FSDP2:
 
-    torchrun --nproc-per-node 8 examples/train_distributed.py --model qwen2.5-0.5b --sync fsdp
+    torchrun --nproc-per-node 8 examples/train_distributed.py --model qwen2.5-0.5b --sync fsdp2
+
+Two nodes of 8 GPUs (the same command on both; README, "Distributed training"):
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 \
+        --rdzv-id dtree-run examples/train_distributed.py --model qwen2.5-1.5b --workload mixed --sync fsdp2
 
 Every rank builds the same batch (same workload seed) and the same partition; each
 trains its own share; gradients are summed once per step. Rank 0 prints the loss,
@@ -24,19 +29,21 @@ import torch
 import torch.distributed as dist
 
 import dtree
-from dtree.distributed import CostModel, DistributedTreeTrainer
+from dtree.distributed import SYNCS, CostModel, DistributedTreeTrainer, wrap_model
 from dtree.presets import add_model_arguments, build_model, resolve_device, resolve_dtype
+from dtree.workloads import WORKLOADS
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     add_model_arguments(p, default_model="tiny")
-    p.add_argument("--workload", default="grpo", choices=["grpo", "agentic", "search"])
+    p.add_argument("--workload", default="grpo", choices=sorted(WORKLOADS))
     p.add_argument("--tiny", action="store_true", help="CPU-sized workload shapes")
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--lr", type=float, default=1e-5)
-    p.add_argument("--sync", default="allreduce", choices=["allreduce", "ddp", "fsdp"],
-                   help="plain module + one all-reduce, DistributedDataParallel, or FSDP2 (fully_shard)")
+    p.add_argument("--sync", default="allreduce", choices=[*SYNCS, "fsdp"],
+                   help="plain module + one all-reduce, DistributedDataParallel, or FSDP2 (fully_shard; 'fsdp' "
+                        "is the same)")
     p.add_argument("--method", default="auto", choices=["auto", "lpt", "kk"], help="rank balancer")
     p.add_argument("--cost-model", default=None, help="a `dtree calibrate` JSON; default: FLOPs of the model")
     p.add_argument("--mode", default="retain", choices=["retain", "recompute"])
@@ -58,20 +65,6 @@ def setup() -> tuple[int, int, torch.device]:
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def wrap(model: torch.nn.Module, how: str, device: torch.device, world: int) -> torch.nn.Module:
-    if how == "ddp" and world > 1:
-        return torch.nn.parallel.DistributedDataParallel(model, device_ids=[device] if device.type == "cuda" else None)
-    if how == "fsdp" and world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh(device.type, (world,))
-        for layer in model.model.layers:  # one FSDP group per decoder layer, then the rest
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model
-
-
 def make_batch(args: argparse.Namespace, step: int, vocab_size: int) -> dtree.Forest:
     from dtree.workloads import make_workload
 
@@ -84,7 +77,7 @@ def main() -> None:
     if args.device != "auto":
         device = torch.device(args.device)
     model = build_model(args.model, device=device, dtype=resolve_dtype(args.dtype, device), seed=args.seed)
-    wrapped = wrap(model, args.sync, device, world)
+    wrapped = wrap_model(model, "fsdp2" if args.sync == "fsdp" else args.sync)
     cost_model = CostModel.load(args.cost_model) if args.cost_model else None
     trainer = DistributedTreeTrainer(wrapped, cost_model=cost_model, partition_method=args.method,
                                      config=dtree.RuntimeConfig(mode=args.mode, group_tokens=args.group_tokens))
@@ -109,7 +102,7 @@ def main() -> None:
             rep = out.partition
             walks = " ".join(f"{s:.3f}" for s in out.rank_seconds)
             print(
-                f"step {step}: loss {out.loss:.4f}  step {seconds:.3f}s (sync {out.sync_seconds:.3f}s)  "
+                f"step {step}: loss {out.loss:.6g}  step {seconds:.3f}s (sync {out.sync_seconds:.3f}s)  "
                 f"walk per rank [{walks}]s  imbalance measured {out.imbalance:.3f} / predicted {rep.imbalance:.3f}  "
                 f"recomputed {100 * rep.recompute_overhead:.1f}%  split trees {rep.split_trees or '-'}  "
                 f"({forest.num_sequences} seqs, {forest.num_unique_tokens:,} unique tokens)"

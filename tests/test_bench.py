@@ -192,3 +192,14 @@ def test_every_method_runs_the_same_layers_and_the_report_says_which(tmp_path):
         apply_layers(build_model("tiny"), "liger", torch.device("cpu"))
     with pytest.raises(ValueError, match="must be one of"):
         apply_layers(build_model("tiny"), "fast", torch.device("cpu"))
+
+
+def test_mixed_workload(tmp_path):
+    """``--workload mixed``: the three shapes in one batch, at the CPU size."""
+    rc = main(["bench", "--model", "tiny", "--device", "cpu", "--out", str(tmp_path), "--workload", "mixed",
+               "--methods", "dtree", "--steps", "1"])
+    (path,) = tmp_path.glob("*.json")
+    report = json.loads(path.read_text())
+    assert rc == 0 and report["workload"]["name"] == "mixed (cpu size)"
+    assert report["workload"]["forests"][0]["trees"] == 3  # one tree of each kind
+    assert report["workload"]["params"]["search_args"]["depth"] == 4

@@ -8,7 +8,18 @@ import numpy as np
 import pytest
 
 from dtree import Forest
-from dtree.workloads import TINY, WORKLOADS, agentic, describe, grpo, make_workload, search, workload_parameters
+from dtree.workloads import (
+    TINY,
+    WORKLOADS,
+    agentic,
+    describe,
+    grpo,
+    make_workload,
+    mixed_batch,
+    search,
+    workload_parameters,
+)
+from dtree.workloads.mixed import KINDS
 
 
 def runs(mask: np.ndarray) -> list[tuple[float, int]]:
@@ -163,7 +174,7 @@ def test_make_workload_and_overrides():
 @pytest.mark.parametrize(
     "name, overrides, match",
     [
-        ("nope", {}, "unknown workload 'nope'; choose one of: agentic, grpo, search"),
+        ("nope", {}, "unknown workload 'nope'; choose one of: agentic, grpo, mixed, search"),
         ("grpo", {"num_promts": 3}, r"unknown parameter\(s\) \['num_promts'\].*valid: num_prompts, prompt_len"),
         ("grpo", {"prompt_len": (10, 5)}, "prompt_len must satisfy"),
         ("grpo", {"prompt_len": "long"}, "prompt_len must be an int or"),
@@ -175,6 +186,14 @@ def test_make_workload_and_overrides():
         ("agentic", {"target_unique_tokens": 0}, "target_unique_tokens must be"),
         ("agentic", {"depth": 1, "trajectories": 6}, "no room for another trajectory"),
         ("search", {"depth": 0}, "depth must be an integer >= 1"),
+        ("agentic", {"context_window": 5000}, r"context_window must be an integer >= 5930"),
+        ("mixed", {"grpo_args": {"num_prompts": 3}},
+         r"unknown grpo_args \['num_prompts'\].*the tree count is grpo_groups"),
+        ("mixed", {"grpo_groups": 0, "agentic_trees": 0, "search_trees": 0}, "needs at least one tree"),
+        ("mixed", {"search_trees": -1}, "search_trees must be an integer >= 0"),
+        ("mixed", {"search_args": {"prompt_len": 100}}, r"sequence \d+ has \d+ tokens, below min_sequence_len=1024"),
+        ("mixed", {"max_sequence_len": 8192}, r"sequence \d+ has \d+ tokens, above max_sequence_len=8192"),
+        ("mixed", {"agentic_args": [1]}, "agentic_args must be a dict"),
         ("search", {"seed": -1}, "seed must be an integer >= 0"),
     ],
 )
@@ -198,3 +217,83 @@ def test_million_token_workload_builds_fast():
     elapsed = time.perf_counter() - t0
     assert f.num_linearized_tokens > 900_000
     assert elapsed < 5.0, elapsed
+
+
+# ---------------------------------------------------------------------- agentic context window
+def test_agentic_context_window_caps_paths():
+    f = agentic(seed=0, num_trees=3, system_prompt_len=1000, task_len=0, depth=(6, 12), stop_prob=0.1,
+                turn_len=(30, 2000), turn_len_median=800.0, context_window=4000)
+    lengths = f.sequence_lengths()
+    assert lengths.max() == 4000  # a trajectory ran into the window and was cut to it
+    assert lengths.min() >= 1030
+    # without the window the same trees run longer
+    assert agentic(seed=0, num_trees=3, system_prompt_len=1000, task_len=0, depth=(6, 12), stop_prob=0.1,
+                   turn_len=(30, 2000), turn_len_median=800.0).sequence_lengths().max() > 4000
+
+
+# ---------------------------------------------------------------------- mixed
+@pytest.fixture(scope="module")
+def mixed0():
+    return mixed_batch(seed=0)
+
+
+def kind_part(batch, kind):
+    part = batch.part(kind)
+    return part, part.stats()
+
+
+def test_mixed_holds_all_three_kinds(mixed0):
+    f = mixed0.forest
+    assert f.num_trees == 12 + 3 + 6
+    assert sorted(mixed0.tree_kinds()) == sorted(["grpo"] * 12 + ["agentic"] * 3 + ["search"] * 6)
+    assert len(mixed0.sequence_kinds) == f.num_sequences
+    assert sum(len(mixed0.sequences_of(k)) for k in KINDS) == f.num_sequences
+    # the kinds are interleaved in the batch, not in three blocks
+    kinds = mixed0.tree_kinds()
+    assert sum(a != b for a, b in zip(kinds, kinds[1:])) > 3
+    # each sequence's kind is its tree's kind
+    tree_of = f.sequence_tree()
+    assert all(kinds[tree_of[s]] == KINDS[k] for s, k in enumerate(mixed0.sequence_kinds))
+
+
+def test_mixed_sequence_lengths_span_1k_to_32k():
+    lengths = np.concatenate([mixed_batch(seed=s).forest.sequence_lengths() for s in range(3)])
+    assert lengths.min() >= 1024 and lengths.max() <= 32768
+    assert lengths.min() < 1536 and lengths.max() > 28000  # both ends of the range are used
+
+
+def test_mixed_kinds_have_their_shapes(mixed0):
+    grpo_f, grpo_st = kind_part(mixed0, "grpo")
+    assert grpo_st.max_depth == 2 and set(np.bincount(grpo_f.sequence_tree())) <= {8, 16}
+    for s in range(grpo_f.num_sequences):  # short answers
+        (_, prompt), (_, answer) = runs(grpo_f.field("loss_mask", s))
+        assert 1024 <= prompt <= 3072 and 64 <= answer <= 512
+    agent_f, _ = kind_part(mixed0, "agentic")
+    turns = [len(runs(agent_f.field("loss_mask", s))) - 1 for s in range(agent_f.num_sequences)]
+    assert np.median(turns) >= 8 and max(turns) <= 20  # deep
+    assert agent_f.sequence_lengths().min() > 4000  # long contexts
+    search_f, search_st = kind_part(mixed0, "search")
+    steps = np.delete(search_f.node_length, search_f.tree_roots)
+    assert search_st.num_nodes > 80 * 6 and steps.min() >= 16 and steps.max() <= 96  # many small nodes
+    # the point of the batch: an agentic token sees far more context than a GRPO or search token
+    mean_pos = {k: float(kind_part(mixed0, k)[0].positions.mean()) for k in KINDS}
+    assert mean_pos["agentic"] > 4 * max(mean_pos["grpo"], mean_pos["search"])
+
+
+def test_mixed_counts_and_shape_overrides():
+    b = mixed_batch(seed=1, grpo_groups=2, agentic_trees=0, search_trees=1, grpo_args={"group_size": 4})
+    assert b.part("agentic") is None and len(b.sequences_of("agentic")) == 0
+    assert b.forest.num_trees == 3 and b.tree_kinds().count("grpo") == 2
+    assert set(np.bincount(b.part("grpo").sequence_tree())) == {4}
+    assert same_forest(b.forest, make_workload("mixed", seed=1, grpo_groups=2, agentic_trees=0, search_trees=1,
+                                               grpo_args={"group_size": 4}))
+    with pytest.raises(ValueError, match="unknown kind"):
+        b.sequences_of("sft")
+
+
+def test_mixed_without_fields_has_the_same_tokens():
+    with_fields = mixed_batch(seed=2, grpo_groups=2, agentic_trees=1, search_trees=1).forest
+    bare = mixed_batch(seed=2, grpo_groups=2, agentic_trees=1, search_trees=1, fields=False).forest
+    assert not bare.fields and set(with_fields.fields) == {"loss_mask", "advantages", "old_logprobs", "ref_logprobs"}
+    assert np.array_equal(bare.lin_tokens, with_fields.lin_tokens)
+    assert np.array_equal(bare.seq_offsets, with_fields.seq_offsets)

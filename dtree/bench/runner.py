@@ -49,7 +49,8 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--model", default=None, help=f"{', '.join(MODEL_PRESETS)} or a HF config.json path "
                    "(default: tiny on CPU, qwen2.5-1.5b on GPU)")
     src = p.add_mutually_exclusive_group()
-    src.add_argument("--workload", default=None, help="grpo, agentic or search (default: grpo)")
+    src.add_argument("--workload", default=None,
+                     help="grpo, agentic, search or mixed (all three in one batch) (default: grpo)")
     src.add_argument("--data", default=None, help="a JSONL batch instead of a generated workload (implies --same-forest)")
     p.add_argument("--set", dest="overrides", action="append", metavar="KEY=VALUE",
                    help="override a workload parameter (repeatable), e.g. --set group_size=8")
@@ -128,6 +129,13 @@ CPU_WORKLOADS: dict[str, dict[str, Any]] = {
                     turn_len=(8, 160), turn_len_median=32.0),
     "search": dict(num_trees=1, prompt_len=(128, 256), branching=3, beam_width=2, depth=4, step_len=(8, 32)),
 }
+# the three shapes above, without their tree counts, in one batch (no 1k-32k length bounds)
+CPU_WORKLOADS["mixed"] = dict(
+    grpo_groups=1, agentic_trees=1, search_trees=1, min_sequence_len=None, max_sequence_len=None,
+    grpo_args={k: v for k, v in CPU_WORKLOADS["grpo"].items() if k != "num_prompts"},
+    agentic_args={k: v for k, v in CPU_WORKLOADS["agentic"].items() if k != "num_trees"},
+    search_args={k: v for k, v in CPU_WORKLOADS["search"].items() if k != "num_trees"},
+)
 
 
 def _data_forest(cfg: "BenchConfig"):

@@ -7,12 +7,15 @@ shape, takes every number as an overridable keyword, and is reproducible from
 ``seed`` (numpy ``Generator``; the same seed and arguments give identical
 sequences and fields).
 
-Three shapes:
+Three shapes, and a batch of all three:
 
 * :func:`grpo` -- one prompt, G sampled answers (DeepSeekMath / DAPO groups);
 * :func:`agentic` -- multi-turn tool-use trajectories under a ~5k-token system
   prompt, branching at tool calls and retries (tau^2-bench-like, ~9x compression);
-* :func:`search` -- wide, deep trees of short reasoning steps (beam search / MCTS).
+* :func:`search` -- wide, deep trees of short reasoning steps (beam search / MCTS);
+* :func:`mixed` -- one global batch of GRPO groups with short answers, deep agentic
+  trees with 32k contexts and search trees of many small nodes (sequences of 1k to
+  32k tokens): the batch on which balancing by token count goes wrong.
 
 Every forest carries the fields :mod:`dtree.losses` reads:
 
@@ -34,7 +37,8 @@ Use :func:`make_workload` to build one by name with checked overrides, ``tiny=Tr
 for CPU-sized versions (:data:`TINY`), and :func:`describe` for report figures.
 
 Modules: :mod:`~dtree.workloads.shapes` (``grpo``, ``search``),
-:mod:`~dtree.workloads.tool_use` (``agentic``), :mod:`~dtree.workloads.skeleton` (a
+:mod:`~dtree.workloads.tool_use` (``agentic``), :mod:`~dtree.workloads.mixed`
+(``mixed``, ``mixed_batch``), :mod:`~dtree.workloads.skeleton` (a
 tree before its tokens, and drawing them), :mod:`~dtree.workloads.arguments` (checked
 arguments), :mod:`~dtree.workloads.registry` (by name).
 """
@@ -42,6 +46,7 @@ arguments), :mod:`~dtree.workloads.registry` (by name).
 from __future__ import annotations
 
 from .arguments import DEFAULT_VOCAB_SIZE
+from .mixed import MixedBatch, mixed, mixed_batch
 from .registry import TINY, WORKLOADS, describe, make_workload, workload_parameters
 from .shapes import grpo, search
 from .tool_use import agentic
@@ -50,10 +55,13 @@ __all__ = [
     "DEFAULT_VOCAB_SIZE",
     "TINY",
     "WORKLOADS",
+    "MixedBatch",
     "agentic",
     "describe",
     "grpo",
     "make_workload",
+    "mixed",
+    "mixed_batch",
     "search",
     "workload_parameters",
 ]

@@ -10,12 +10,13 @@ import numpy as np
 
 from ..tree import Forest
 from .arguments import DEFAULT_VOCAB_SIZE
+from .mixed import mixed
 from .shapes import grpo, search
 from .tool_use import agentic
 
 __all__ = ["TINY", "WORKLOADS", "describe", "make_workload", "workload_parameters"]
 
-WORKLOADS: dict[str, Callable[..., Forest]] = {"grpo": grpo, "agentic": agentic, "search": search}
+WORKLOADS: dict[str, Callable[..., Forest]] = {"grpo": grpo, "agentic": agentic, "search": search, "mixed": mixed}
 
 # CPU-sized versions (``make_workload(name, tiny=True)``): a few hundred to a few
 # thousand linearized tokens, the same shape in miniature, so a tiny model runs a
@@ -33,6 +34,13 @@ TINY: dict[str, dict[str, Any]] = {
     ),
     "search": dict(num_trees=2, prompt_len=(16, 32), branching=3, beam_width=2, depth=3, step_len=(4, 12)),
 }
+# the mixed batch in miniature: the three tiny shapes (without their tree counts), and no
+# length bounds (the full-size ones are 1k and 32k)
+_COUNT = {"grpo": "num_prompts", "agentic": "num_trees", "search": "num_trees"}
+TINY["mixed"] = dict(
+    grpo_groups=2, agentic_trees=1, search_trees=2, min_sequence_len=None, max_sequence_len=None,
+    **{f"{k}_args": {p: v for p, v in TINY[k].items() if p != _COUNT[k]} for k in ("grpo", "agentic", "search")},
+)
 
 
 def workload_parameters(name: str) -> dict[str, Any]:

@@ -1,16 +1,51 @@
 """Two of the rollout shapes: :func:`grpo` (one prompt, G sampled answers) and
 :func:`search` (wide, deep trees of short reasoning steps). The third,
-:func:`dtree.workloads.tool_use.agentic`, has its own module."""
+:func:`dtree.workloads.tool_use.agentic`, has its own module.
+
+Each shape is a checked, frozen description (:class:`GrpoShape`, :class:`SearchShape`)
+whose ``tree(rng)`` draws one tree's skeleton, so :mod:`dtree.workloads.mixed` can
+draw trees of several shapes into one batch.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
+
+import numpy as np
 
 from ..tree import Forest
 from .arguments import DEFAULT_VOCAB_SIZE, check_vocab, choices, draw, int_at_least, length_range, make_rng
 from .skeleton import TreeSkeleton, materialize
 
-__all__ = ["grpo", "search"]
+__all__ = ["GrpoShape", "SearchShape", "grpo", "search"]
+
+
+@dataclass(frozen=True)
+class GrpoShape:
+    """The checked per-tree parameters of :func:`grpo` (ranges as inclusive pairs)."""
+
+    prompt: tuple[int, int]
+    groups: tuple[int, ...]
+    answer: tuple[int, int]
+
+    @classmethod
+    def checked(cls, prompt_len, group_size, answer_len) -> "GrpoShape":
+        return cls(length_range("prompt_len", prompt_len), choices("group_size", group_size),
+                   length_range("answer_len", answer_len))
+
+    @property
+    def max_branching(self) -> int:
+        return max(self.groups)
+
+    def tree(self, rng: np.random.Generator) -> TreeSkeleton:
+        """One group: a prompt node (loss 0) with G answer children (loss 1)."""
+        tree = TreeSkeleton()
+        root = tree.add(-1, draw(rng, self.prompt), loss=0)
+        g = int(rng.choice(self.groups))
+        for length in draw(rng, self.answer, size=g):
+            tree.add(root, length, loss=1)
+        return tree
 
 
 def grpo(
@@ -41,20 +76,46 @@ def grpo(
     """
     rng = make_rng(seed)
     num_prompts = int_at_least("num_prompts", num_prompts, 1)
-    prompt_spec = length_range("prompt_len", prompt_len)
-    groups = choices("group_size", group_size)
-    answer_spec = length_range("answer_len", answer_len)
-    vocab_size = check_vocab(vocab_size, max(num_prompts, max(groups)))
+    shape = GrpoShape.checked(prompt_len, group_size, answer_len)
+    vocab_size = check_vocab(vocab_size, max(num_prompts, shape.max_branching))
+    return materialize([shape.tree(rng) for _ in range(num_prompts)], rng, vocab_size)
 
-    trees = []
-    for _ in range(num_prompts):
+
+@dataclass(frozen=True)
+class SearchShape:
+    """The checked per-tree parameters of :func:`search` (ranges as inclusive pairs)."""
+
+    prompt: tuple[int, int]
+    branching: tuple[int, int]
+    beam_width: int
+    depth: int
+    step: tuple[int, int]
+
+    @classmethod
+    def checked(cls, prompt_len, branching, beam_width, depth, step_len) -> "SearchShape":
+        # checked in the order of the signature: the first bad argument is the one named
+        return cls(length_range("prompt_len", prompt_len), length_range("branching", branching),
+                   int_at_least("beam_width", beam_width, 1), int_at_least("depth", depth, 1),
+                   length_range("step_len", step_len))
+
+    @property
+    def max_branching(self) -> int:
+        return self.branching[1]
+
+    def tree(self, rng: np.random.Generator) -> TreeSkeleton:
+        """One search tree: a prompt, then ``depth`` levels of beam expansion."""
         tree = TreeSkeleton()
-        root = tree.add(-1, draw(rng, prompt_spec), loss=0)
-        g = int(rng.choice(groups))
-        for length in draw(rng, answer_spec, size=g):
-            tree.add(root, length, loss=1)
-        trees.append(tree)
-    return materialize(trees, rng, vocab_size)
+        live = [tree.add(-1, draw(rng, self.prompt), loss=0)]
+        for level in range(self.depth):
+            candidates = []
+            for u in live:
+                k = int(draw(rng, self.branching))
+                candidates.extend(tree.add(u, length, loss=1) for length in draw(rng, self.step, size=k))
+            if level + 1 < self.depth and len(candidates) > self.beam_width:
+                keep = rng.choice(len(candidates), size=self.beam_width, replace=False)
+                candidates = [candidates[i] for i in sorted(keep)]
+            live = candidates
+        return tree
 
 
 def search(
@@ -84,25 +145,6 @@ def search(
     """
     rng = make_rng(seed)
     num_trees = int_at_least("num_trees", num_trees, 1)
-    prompt_spec = length_range("prompt_len", prompt_len)
-    branch_spec = length_range("branching", branching)
-    beam_width = int_at_least("beam_width", beam_width, 1)
-    depth = int_at_least("depth", depth, 1)
-    step_spec = length_range("step_len", step_len)
-    vocab_size = check_vocab(vocab_size, max(num_trees, branch_spec[1]))
-
-    trees = []
-    for _ in range(num_trees):
-        tree = TreeSkeleton()
-        live = [tree.add(-1, draw(rng, prompt_spec), loss=0)]
-        for level in range(depth):
-            candidates = []
-            for u in live:
-                k = int(draw(rng, branch_spec))
-                candidates.extend(tree.add(u, length, loss=1) for length in draw(rng, step_spec, size=k))
-            if level + 1 < depth and len(candidates) > beam_width:
-                keep = rng.choice(len(candidates), size=beam_width, replace=False)
-                candidates = [candidates[i] for i in sorted(keep)]
-            live = candidates
-        trees.append(tree)
-    return materialize(trees, rng, vocab_size)
+    shape = SearchShape.checked(prompt_len, branching, beam_width, depth, step_len)
+    vocab_size = check_vocab(vocab_size, max(num_trees, shape.max_branching))
+    return materialize([shape.tree(rng) for _ in range(num_trees)], rng, vocab_size)

@@ -21,6 +21,7 @@ class TreeSkeleton:
     loss: list[int] = field(default_factory=list)  # 1 = model-generated, 0 = prompt / environment
     parent: list[int] = field(default_factory=list)
     depth: list[int] = field(default_factory=list)  # nodes above (root = 0)
+    end: list[int] = field(default_factory=list)  # tokens on the path from the root through this node
     children: list[list[int]] = field(default_factory=list)
 
     def add(self, parent: int, length: int, loss: int) -> int:
@@ -29,6 +30,7 @@ class TreeSkeleton:
         self.loss.append(int(loss))
         self.parent.append(parent)
         self.depth.append(0 if parent < 0 else self.depth[parent] + 1)
+        self.end.append(int(length) + (0 if parent < 0 else self.end[parent]))
         self.children.append([])
         if parent >= 0:
             self.children[parent].append(node)
@@ -50,8 +52,12 @@ class TreeSkeleton:
         return out[::-1]
 
 
-def materialize(trees: list[TreeSkeleton], rng: np.random.Generator, vocab_size: int) -> Forest:
-    """Draw tokens and fields for the skeletons and build the forest (one sequence per leaf)."""
+def materialize(trees: list[TreeSkeleton], rng: np.random.Generator, vocab_size: int, fields: bool = True) -> Forest:
+    """Draw tokens and fields for the skeletons and build the forest (one sequence per leaf).
+
+    ``fields=False`` builds the token ids only (the same ones), for uses that need the
+    trie's shape alone (planning partitions at scale): per-token fields are most of the
+    memory of a large batch."""
     lengths = np.concatenate([np.asarray(t.length, dtype=np.int64) for t in trees])
     starts = np.zeros(len(lengths), dtype=np.int64)
     np.cumsum(lengths[:-1], out=starts[1:])
@@ -66,12 +72,20 @@ def materialize(trees: list[TreeSkeleton], rng: np.random.Generator, vocab_size:
             if len(kids) > 1:
                 tokens[starts[tree_base[t] + np.asarray(kids)]] = rng.choice(vocab_size, size=len(kids), replace=False)
 
+    def path_index(t: int, leaf: int) -> np.ndarray:
+        """Positions in ``tokens`` of the path from tree ``t``'s root to ``leaf``."""
+        nodes = tree_base[t] + np.asarray(trees[t].path(leaf))
+        return np.concatenate([np.arange(starts[n], starts[n] + lengths[n]) for n in nodes])
+
+    if not fields:
+        return Forest.from_sequences(
+            [tokens[path_index(t, leaf)] for t, tree in enumerate(trees) for leaf in tree.leaves()]
+        )
     loss = np.repeat(np.concatenate([np.asarray(t.loss, dtype=np.float64) for t in trees]), lengths)
     # Sampled tokens mostly have log-probs near 0 with a tail; the reference policy
     # stays close to the behaviour policy (small per-token KL).
     old = -np.abs(rng.normal(0.0, 0.7, size=len(tokens)))
     ref = -np.abs(old + rng.normal(0.0, 0.1, size=len(tokens)))
-
     sequences, masks, olds, refs, advs = [], [], [], [], []
     for t, tree in enumerate(trees):
         leaves = tree.leaves()
@@ -81,8 +95,7 @@ def materialize(trees: list[TreeSkeleton], rng: np.random.Generator, vocab_size:
         rewards = rng.normal(size=len(leaves))
         adv = (rewards - rewards.mean()) / (rewards.std() + 1e-6) if len(leaves) > 1 else np.zeros(1)
         for leaf, a in zip(leaves, adv):
-            nodes = tree_base[t] + np.asarray(tree.path(leaf))
-            idx = np.concatenate([np.arange(starts[n], starts[n] + lengths[n]) for n in nodes])
+            idx = path_index(t, leaf)
             sequences.append(tokens[idx])
             masks.append(loss[idx])
             olds.append(old[idx])

@@ -1,5 +1,5 @@
 """The multi-turn tool-use shape: :func:`agentic` trajectory trees (tau^2-bench-like),
-grown in named phases: check the shape (:class:`_TreeShape`), then per tree a prompt,
+grown in named phases: check the shape (:class:`AgenticShape`), then per tree a prompt,
 a first trajectory (:func:`_roll_out`) and forks off random inner nodes (:func:`_fork`)."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from .arguments import (
 )
 from .skeleton import TreeSkeleton, materialize
 
-__all__ = ["agentic"]
+__all__ = ["AgenticShape", "agentic"]
 
 
 def agentic(
@@ -40,6 +40,7 @@ def agentic(
     turn_len_median: float = 100.0,
     turn_len_sigma: float = 1.0,
     target_unique_tokens: int | None = None,
+    context_window: int | None = None,
 ) -> Forest:
     """Multi-turn tool-use trajectory trees (tau^2-bench-like), one tree per task.
 
@@ -60,6 +61,10 @@ def agentic(
     * **Turn lengths** are long-tailed: lognormal with median ``turn_len_median``
       (100: a tool call or a short reply) and log-sd ``turn_len_sigma``, clipped to
       ``turn_len`` (30 to 2000 tokens: big tool outputs, long reasoning).
+    * **Context window** (``context_window``, default none): no path is longer. A
+      trajectory whose context is full ends there, its last turn cut to the room left,
+      as a rollout stops at the inference engine's ``max_model_len``; a node with less
+      room than the shortest turn is never forked from.
 
     Compression: real tau^2-bench-like rollouts compress about 9x (linearized /
     unique tokens; the figure this project calibrates against). A tree's ratio tends
@@ -75,18 +80,18 @@ def agentic(
     """
     rng = make_rng(seed)
     num_trees = int_at_least("num_trees", num_trees, 1)
-    shape = _TreeShape.checked(
+    shape = AgenticShape.checked(
         system_prompt_len, task_len, trajectories, depth, max_branching, stop_prob, turn_len, turn_len_median,
-        turn_len_sigma, target_unique_tokens,
+        turn_len_sigma, target_unique_tokens, context_window,
     )
     vocab_size = check_vocab(vocab_size, max(num_trees, shape.max_branching))
-    trees = [_grow_tree(shape, rng) for _ in range(num_trees)]
+    trees = [shape.tree(rng) for _ in range(num_trees)]
     return materialize(trees, rng, vocab_size)
 
 
 @dataclass(frozen=True)
-class _TreeShape:
-    """The checked shape parameters of :func:`agentic` (ranges as inclusive pairs)."""
+class AgenticShape:
+    """The checked per-tree parameters of :func:`agentic` (ranges as inclusive pairs)."""
 
     system_prompt: tuple[int, int]
     task: tuple[int, int]
@@ -99,12 +104,13 @@ class _TreeShape:
     turn_median: float
     turn_sigma: float
     target_unique_tokens: int | None
+    context_window: int | None = None
 
     @classmethod
     def checked(
         cls, system_prompt_len, task_len, trajectories, depth, max_branching, stop_prob, turn_len, turn_len_median,
-        turn_len_sigma, target_unique_tokens,
-    ) -> "_TreeShape":
+        turn_len_sigma, target_unique_tokens=None, context_window=None,
+    ) -> "AgenticShape":
         # checked in the order of the signature: the first bad argument is the one named
         system_prompt = length_range("system_prompt_len", system_prompt_len)
         task = length_range("task_len", task_len, low=0)
@@ -117,16 +123,27 @@ class _TreeShape:
         turn_sigma = positive_float("turn_len_sigma", turn_len_sigma)
         if target_unique_tokens is not None:
             target_unique_tokens = int_at_least("target_unique_tokens", target_unique_tokens, 1)
+        if context_window is not None:
+            # the longest prompt must leave room for one turn, or a tree could have no trajectory
+            context_window = int_at_least("context_window", context_window, system_prompt[1] + task[1] + turn[0])
         shape = cls(
             system_prompt, task, traj_spec, min_turns, max_turns, max_branching, stop_prob, turn, turn_median,
-            turn_sigma, target_unique_tokens,
+            turn_sigma, target_unique_tokens, context_window,
         )
         if max_branching < 2 and (traj_spec[1] > 1 or target_unique_tokens is not None):
             raise ValueError("max_branching must be >= 2 for more than one trajectory per tree")
         return shape
 
+    def tree(self, rng: np.random.Generator) -> TreeSkeleton:
+        """One task's tree (see :func:`_grow_tree`)."""
+        return _grow_tree(self, rng)
 
-def _grow_tree(shape: _TreeShape, rng: np.random.Generator) -> TreeSkeleton:
+    def has_room(self, tree: TreeSkeleton, node: int) -> bool:
+        """Whether the shortest turn still fits in the context after ``node``."""
+        return self.context_window is None or tree.end[node] + self.turn[0] <= self.context_window
+
+
+def _grow_tree(shape: AgenticShape, rng: np.random.Generator) -> TreeSkeleton:
     """One task's tree: the prompt, a first trajectory, then forks until it has its
     drawn number of trajectories (and ``target_unique_tokens``)."""
     tree = TreeSkeleton()
@@ -139,39 +156,46 @@ def _grow_tree(shape: _TreeShape, rng: np.random.Generator) -> TreeSkeleton:
     return tree
 
 
-def _add_turn(tree: TreeSkeleton, node: int, shape: _TreeShape, rng: np.random.Generator) -> int:
-    """A turn after ``node``, of the other speaker (assistant <-> environment)."""
+def _add_turn(tree: TreeSkeleton, node: int, shape: AgenticShape, rng: np.random.Generator) -> int:
+    """A turn after ``node``, of the other speaker (assistant <-> environment), cut to
+    the room left in the context window."""
     length = lognormal_length(rng, shape.turn, shape.turn_median, shape.turn_sigma)
+    if shape.context_window is not None:
+        length = min(length, shape.context_window - tree.end[node])
     return tree.add(node, length, loss=1 - tree.loss[node])
 
 
-def _roll_out(tree: TreeSkeleton, node: int, shape: _TreeShape, rng: np.random.Generator) -> None:
+def _roll_out(tree: TreeSkeleton, node: int, shape: AgenticShape, rng: np.random.Generator) -> None:
     """Continue one trajectory from ``node`` until it ends (iterative, any depth)."""
     while True:
         turns = tree.depth[node]  # the root prompt is turn 0
         if turns >= shape.max_turns:
             return  # truncated at the turn limit
+        if not shape.has_room(tree, node):
+            return  # truncated at the context window
         if turns >= shape.min_turns and tree.loss[node] == 1 and rng.random() < shape.stop_prob:
             return  # final assistant answer
         node = _add_turn(tree, node, shape, rng)
 
 
-def _fork(tree: TreeSkeleton, shape: _TreeShape, rng: np.random.Generator) -> None:
+def _fork(tree: TreeSkeleton, shape: AgenticShape, rng: np.random.Generator) -> None:
     """Branch a new trajectory off a random inner node with room for another child."""
-    node = _open_node(tree, shape.max_branching, rng)
+    node = _open_node(tree, shape, rng)
     _roll_out(tree, _add_turn(tree, node, shape, rng), shape, rng)
 
 
-def _open_node(tree: TreeSkeleton, max_branching: int, rng: np.random.Generator) -> int:
-    """A uniformly random inner node with fewer than ``max_branching`` children.
+def _open_node(tree: TreeSkeleton, shape: AgenticShape, rng: np.random.Generator) -> int:
+    """A uniformly random inner node with fewer than ``max_branching`` children (and
+    room in the context window for another turn).
 
     Rejection sampling: most nodes of a tree are inner nodes with one child, so this
     takes a few draws (a scan settles the rare case of none). Inner nodes are below
     the turn limit by construction.
     """
+    max_branching = shape.max_branching
 
     def is_open(n: int) -> bool:
-        return 0 < len(tree.children[n]) < max_branching
+        return 0 < len(tree.children[n]) < max_branching and shape.has_room(tree, n)
 
     for _ in range(64):
         node = int(rng.integers(len(tree.length)))
@@ -181,6 +205,7 @@ def _open_node(tree: TreeSkeleton, max_branching: int, rng: np.random.Generator)
     if not candidates:
         raise ValueError(
             f"no room for another trajectory: every branch point already has max_branching={max_branching} "
-            "children and every trajectory ends there; raise max_branching, depth or lower stop_prob"
+            "children (or a full context window) and every trajectory ends there; raise max_branching, depth "
+            "or context_window, or lower stop_prob"
         )
     return candidates[int(rng.integers(len(candidates)))]
