@@ -304,7 +304,7 @@ class TreeRuntime:
         """
         self._check_call(training=True)
         if isinstance(loss, TokenLoss):
-            weights = token_loss_weights(forest, loss, normalization)
+            forest, weights = token_loss_weights(forest, loss, normalization)
             return self._train(forest, self.plan(forest), loss, weights, return_logprobs=return_logprobs)
         if isinstance(loss, SequenceLoss):
             loss.check_fields(forest)
@@ -372,7 +372,7 @@ class TreeRuntime:
 
         def run(per_token, recorded) -> StepRun:
             fn = kept.wrap(per_token) if return_logprobs else per_token
-            walk = self._walk(forest, sched, terms, weights, loss.required_fields)
+            walk = self._walk(forest, sched, terms, weights, loss.field_names)
             scope = getattr(self.model, "dtree_scope", None)
             budget = retain_budget(self._step, self.spec, self.config, sched)
             res = walk.train(PerToken(fn, loss.temperature, loss.needs_entropy), budget, scope)

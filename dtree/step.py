@@ -3,7 +3,7 @@
 Every method trains a :class:`~dtree.losses.TokenLoss` the same way; only the model
 calls in the middle differ::
 
-    weights = token_loss_weights(forest, loss, normalization)   validate the fields, [N] weights
+    forest, weights = token_loss_weights(forest, loss, normalization)   validate the fields, [N] weights
     (the method selects its terms: those with a non-zero weight)
     run_token_step(...):
         GradStash                  param.grad moved aside: a failed step loses nothing
@@ -84,13 +84,17 @@ class StepRun:
     metrics: dict = field(default_factory=dict)
 
 
-def token_loss_weights(forest: Forest, loss: TokenLoss, normalization: Normalization | None) -> np.ndarray:
-    """Check that ``forest`` has the fields ``loss`` needs, then its [N] per-term
-    weights (reduction, loss mask and ``normalization`` folded in)."""
+def token_loss_weights(
+    forest: Forest, loss: TokenLoss, normalization: Normalization | None
+) -> tuple[Forest, np.ndarray]:
+    """Check that ``forest`` has the fields ``loss`` needs, then ``loss.prepare``: the
+    forest to train on (with the weights of the loss's parts as fields, when it has
+    parts) and its [N] per-term weights (reduction, loss mask and ``normalization``
+    folded in)."""
     if not isinstance(loss, TokenLoss):
         raise TypeError(f"expected a dtree.losses.TokenLoss, got {type(loss).__name__}")
     loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
-    return loss.weights(forest, normalization)
+    return loss.prepare(forest, normalization)
 
 
 def run_token_step(
