@@ -20,12 +20,14 @@ from .models import compile_layers
 from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
 from .tree import Forest, ForestStats
+from .two_pass import LogprobLoss
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Forest",
     "ForestStats",
+    "LogprobLoss",
     "Normalization",
     "OutputHead",
     "RuntimeConfig",

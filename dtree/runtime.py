@@ -74,9 +74,11 @@ from .step_plan import hf_checkpointing, new_stack, pick_backend, plan_memory, r
 from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
 from .tree import Forest
 from .two_pass import (
+    LogprobLoss,
     SequenceLossFn,
     check_temperature,
     logprob_grad_weights,
+    logprob_entropy_surrogate,
     logprob_surrogate,
     two_pass_step,
 )
@@ -274,7 +276,7 @@ class TreeRuntime:
     def forward_backward(
         self,
         forest: Forest,
-        loss: TokenLoss | SequenceLoss | SequenceLossFn,
+        loss: TokenLoss | SequenceLoss | LogprobLoss | SequenceLossFn,
         *,
         normalization: Normalization | None = None,
         return_logprobs: bool = False,
@@ -288,8 +290,8 @@ class TreeRuntime:
                 other callable ``fn(logprobs, forest) -> 0-d tensor``, where ``logprobs`` is
                 the list :meth:`logprobs` returns, runs in two passes (log-probs, then one
                 DFS backward seeded with ``d fn / d logprobs``), which is exact for losses
-                that are not sums of per-token terms; a ``SequenceLoss``'s log-probs are at
-                its ``temperature``, a plain callable's at 1.
+                that are not sums of per-token terms; a ``SequenceLoss``'s log-probs are at its
+                ``temperature``, a :class:`dtree.LogprobLoss`'s too (entropies too), a plain callable's at 1.
             normalization: the counts the reduction divides by (default: the forest's
                 own): ``Normalization.from_forests`` over the micro-batches of one optimizer
                 step, or the global counts over ranks. For a ``SequenceLoss`` it replaces
@@ -316,14 +318,14 @@ class TreeRuntime:
                     )
                 loss = loss.with_normalization(normalization)
             return self._two_pass(forest, loss, loss.temperature, return_logprobs)
-        if callable(loss):
+        if isinstance(loss, LogprobLoss) or callable(loss):
             if normalization is not None:
                 raise ValueError(
                     "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
                     "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
                     "terms in a SequenceLoss"
                 )
-            return self._two_pass(forest, loss, 1.0, return_logprobs)
+            return self._two_pass(forest, loss, getattr(loss, "temperature", 1.0), return_logprobs)
         raise TypeError(
             f"loss must be a dtree.losses.TokenLoss, a SequenceLoss or a callable, got {type(loss).__name__}"
         )
@@ -335,6 +337,7 @@ class TreeRuntime:
         *,
         loss_value: float = float("nan"),
         temperature: float = 1.0,
+        entropy_grads: Sequence[torch.Tensor | None] | None = None,
     ) -> StepOutput:
         """Second pass of the two-pass path: one DFS backward with ``d loss / d logprobs``.
 
@@ -344,11 +347,13 @@ class TreeRuntime:
             loss_value: reported as ``StepOutput.loss``.
             temperature: the temperature those log-probs were computed at (the
                 gradient flows through ``softmax(logits / temperature)``).
+            entropy_grads: likewise w.r.t. the entropies :meth:`entropy` returned, or None.
         """
         self._check_call(training=True)
         temperature = check_temperature(temperature)
         w = logprob_grad_weights(forest, grads)
-        return self._backward_from_weights(forest, self.plan(forest), w, loss_value, temperature)
+        w_entropy = None if entropy_grads is None else logprob_grad_weights(forest, entropy_grads)
+        return self._backward_from_weights(forest, self.plan(forest), w, loss_value, temperature, w_entropy)
 
     def _two_pass(self, forest: Forest, loss_fn, temperature: float, return_logprobs: bool) -> StepOutput:
         return two_pass_step(
@@ -357,9 +362,14 @@ class TreeRuntime:
         )
 
     def _backward_from_weights(
-        self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float, temperature: float
+        self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float, temperature: float,
+        w_entropy: np.ndarray | None = None,
     ) -> StepOutput:
-        out = self._train(forest, sched, logprob_surrogate(temperature), w)
+        if w_entropy is None or not w_entropy.any():
+            out = self._train(forest, sched, logprob_surrogate(temperature), w)
+        else:
+            forest, surrogate, weights = logprob_entropy_surrogate(forest, w, w_entropy, temperature)
+            out = self._train(forest, sched, surrogate, weights)
         out.loss = float(loss_value)
         return out
 

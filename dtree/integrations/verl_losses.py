@@ -29,7 +29,7 @@ from typing import Any
 from ..losses import Normalization, SequenceLoss, TokenLoss, aggregation, cispo, gspo, local_normalization, ppo_clip, sapo
 from ..tree import Forest
 
-__all__ = ["FAST_PATH_LOSS_MODES", "VERL_KL_TYPES", "verl_actor_loss", "verl_kl_estimator"]
+__all__ = ["FAST_PATH_LOSS_MODES", "VERL_KL_TYPES", "verl_actor_loss", "verl_kl_estimator", "verl_normalization"]
 
 FAST_PATH_LOSS_MODES = ("vanilla", "cispo", "sapo", "gspo")
 # verl kl_loss_type -> dtree kl_estimator (verl's "k3" is the clamped estimator dtree
@@ -65,6 +65,17 @@ def _clip_bounds(config: Any) -> tuple[float, float]:
     return float(low), float(high)
 
 
+def verl_normalization(forest: Forest, batch_num_tokens: float | None, global_batch_size: float | None) -> Normalization:
+    """The counts verl's ``agg_loss`` divides by: its ``batch_num_tokens`` and
+    ``global_batch_size`` when given, else the forest's own."""
+    local = local_normalization(forest)
+    return Normalization(
+        loss_tokens=float(local.loss_tokens if batch_num_tokens is None else batch_num_tokens),
+        loss_sequences=local.loss_sequences,
+        num_sequences=float(global_batch_size) if global_batch_size is not None else local.num_sequences,
+    )
+
+
 def verl_actor_loss(
     config: Any,
     forest: Forest,
@@ -75,6 +86,7 @@ def verl_actor_loss(
     response_width: int | None = None,
     with_entropy: bool = False,
     temperature: float = 1.0,
+    log_entropy: bool = False,
 ) -> tuple[TokenLoss | SequenceLoss, Normalization]:
     """The dtree loss equal to verl's ``ppo_loss(config, ...)`` on ``forest`` (one rank's
     batch), and the counts to pass as ``normalization``.
@@ -93,6 +105,7 @@ def verl_actor_loss(
         with_entropy: the entropy is computed (verl: ``calculate_entropy`` or
             ``entropy_coeff != 0``), so ``- entropy_coeff * H`` is in the loss.
         temperature: the rollout temperature the log-probs are taken at.
+        log_entropy: compute the entropy for metrics (``return_logprobs`` returns it).
 
     Raises:
         ValueError: a ``loss_mode`` outside :data:`FAST_PATH_LOSS_MODES`, an unknown KL
@@ -112,12 +125,7 @@ def verl_actor_loss(
         raise ValueError("seq-mean-token-sum-norm without actor.loss_scale_factor needs response_width")
     agg = aggregation(agg_mode, loss_scale_factor=factor if agg_mode == "seq-mean-token-sum-norm" else None)
     counted = global_batch_size is not None
-    local = local_normalization(forest)
-    norm = Normalization(
-        loss_tokens=float(local.loss_tokens if batch_num_tokens is None else batch_num_tokens),
-        loss_sequences=local.loss_sequences,
-        num_sequences=float(global_batch_size) if counted else local.num_sequences,
-    )
+    norm = verl_normalization(forest, batch_num_tokens, global_batch_size)
 
     def reduction(kw: dict) -> dict:
         kw = dict(kw)
@@ -130,7 +138,7 @@ def verl_actor_loss(
     kl = dict(kl_coef=float(config.kl_loss_coef), kl_estimator=verl_kl_estimator(config.kl_loss_type)) if (
         config.use_kl_loss) else {}
     low, high = _clip_bounds(config)
-    common = dict(temperature=temperature, **kl)
+    common = dict(temperature=temperature, log_entropy=log_entropy or with_entropy, **kl)
     if mode == "gspo":
         if entropy_coef:
             raise ValueError("verl gspo with an entropy bonus (entropy_coeff != 0) runs on the two-pass path only")
