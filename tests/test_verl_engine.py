@@ -21,7 +21,7 @@ import torch
 
 pytest.importorskip("verl", reason="needs verl 0.9.1: pip install 'dtree[verl]' (transformers < 5.11)")
 
-import verl_cpu  # noqa: E402  (registers the CPU platform before verl's engines are built)
+import verl_cpu  # noqa: E402
 from hf_models import make_model  # noqa: E402
 from rl_reference import path_logprobs_entropy  # noqa: E402
 from spawn import free_port, init_gloo, run_ranks  # noqa: E402
@@ -32,6 +32,8 @@ from verl.workers.utils.padding import no_padding_2_padding  # noqa: E402
 from verl_reference import VerlSettings, response_batch, response_values, verl_loss  # noqa: E402
 
 import dtree.integrations.verl  # noqa: E402,F401  (registers backend "dtree")
+
+verl_cpu.use_cpu_platform()  # before verl's engines are built (in spawned ranks: at this module's import)
 
 TEMPERATURE = 0.8
 TOL = 1e-5

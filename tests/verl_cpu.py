@@ -2,8 +2,8 @@
 
 verl 0.9.1 knows CUDA, NPU and ROCm platforms and, without an accelerator, falls back
 to CUDA (``get_device_id()`` then fails). Its platform registry is its plugin point for
-other hardware (``verl/plugin/platform``): :class:`PlatformCPU` registers "cpu" there
-(gloo collectives, CPU tensors), so verl's real ``FSDPEngine`` (model building, FSDP2
+other hardware (``verl/plugin/platform``): :func:`use_cpu_platform` registers
+:class:`PlatformCPU` there and selects it (gloo collectives, CPU tensors), so verl's real ``FSDPEngine`` (model building, FSDP2
 ``fully_shard`` on a gloo mesh, optimizer, scheduler) runs here unchanged. This is test
 infrastructure, not part of dtree: on GPUs verl's own CUDA platform is used.
 
@@ -25,75 +25,77 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 from verl.workers.utils.padding import left_right_2_no_padding
 
-if "cpu" not in PlatformRegistry.registered_names():
+class PlatformCPU(PlatformBase):
+    """verl's platform interface on the CPU (gloo)."""
 
-    @PlatformRegistry.register(platform="cpu")
-    class PlatformCPU(PlatformBase):
-        """verl's platform interface on the CPU (gloo)."""
+    device_name = property(lambda self: "cpu")
+    vendor_name = property(lambda self: "cpu")
+    device_module = property(lambda self: torch.cpu)
 
-        device_name = property(lambda self: "cpu")
-        vendor_name = property(lambda self: "cpu")
-        device_module = property(lambda self: torch.cpu)
+    def is_available(self) -> bool:
+        return True
 
-        def is_available(self) -> bool:
-            return True
+    def is_platform_available(self, use_smi_check=False) -> bool:
+        return True
 
-        def is_platform_available(self, use_smi_check=False) -> bool:
-            return True
+    def current_device(self) -> str:
+        return "cpu"  # tensors go .to("cpu"), never to CUDA device 0
 
-        def current_device(self) -> str:
-            return "cpu"  # tensors go .to("cpu"), never to CUDA device 0
+    def device_count(self) -> int:
+        return 1
 
-        def device_count(self) -> int:
-            return 1
+    def set_device(self, device_index) -> None:
+        pass
 
-        def set_device(self, device_index) -> None:
-            pass
+    def synchronize(self, device_index=None) -> None:
+        pass
 
-        def synchronize(self, device_index=None) -> None:
-            pass
+    def manual_seed(self, seed: int) -> None:
+        torch.manual_seed(seed)
 
-        def manual_seed(self, seed: int) -> None:
-            torch.manual_seed(seed)
+    manual_seed_all = manual_seed
 
-        manual_seed_all = manual_seed
+    def set_allocator_settings(self, settings: str) -> None:
+        pass
 
-        def set_allocator_settings(self, settings: str) -> None:
-            pass
+    def empty_cache(self) -> None:
+        pass
 
-        def empty_cache(self) -> None:
-            pass
+    def get_device_capability(self, device_index: int = 0):
+        return None, None
 
-        def get_device_capability(self, device_index: int = 0):
-            return None, None
+    def communication_backend_name(self) -> str:
+        return "gloo"
 
-        def communication_backend_name(self) -> str:
-            return "gloo"
+    def visible_devices_envvar(self) -> str:
+        return "CUDA_VISIBLE_DEVICES"
 
-        def visible_devices_envvar(self) -> str:
-            return "CUDA_VISIBLE_DEVICES"
+    def nvtx_range(self, msg: str):
+        return contextlib.nullcontext()
 
-        def nvtx_range(self, msg: str):
-            return contextlib.nullcontext()
+    def profiler_start(self) -> None:
+        pass
 
-        def profiler_start(self) -> None:
-            pass
+    def profiler_stop(self) -> None:
+        pass
 
-        def profiler_stop(self) -> None:
-            pass
+    def ray_resource_name(self) -> str:
+        return "CPU"
 
-        def ray_resource_name(self) -> str:
-            return "CPU"
+    def ray_noset_envvars(self) -> list[str]:
+        return []
 
-        def ray_noset_envvars(self) -> list[str]:
-            return []
+    def is_ipc_supported(self) -> bool:
+        return False
 
-        def is_ipc_supported(self) -> bool:
-            return False
+    def cudart(self):
+        return None
 
-        def cudart(self):
-            return None
 
+def use_cpu_platform() -> None:
+    """Make verl's platform the CPU (before any verl engine is built)."""
+    if "cpu" not in PlatformRegistry.registered_names():
+        PlatformRegistry.register(platform="cpu")(PlatformCPU)
     set_platform(PlatformCPU())
 
 
