@@ -210,3 +210,16 @@ def test_written_copy_equals_verls_code():
     lp, ref = torch.linspace(-30, 2, 40), torch.linspace(-3, -1, 40)
     for kl in KL_TYPES:
         torch.testing.assert_close(written_kl_penalty(lp, ref, kl), core_algos.kl_penalty(lp, ref, kl))
+
+
+def test_engine_without_verl_names_the_install_command(monkeypatch):
+    """dtree.integrations.verl without verl: an ImportError naming the extra (the loss
+    mapping above needs no verl)."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "verl", None)
+    for name in [m for m in sys.modules if m.startswith(("verl.", "dtree.integrations.verl"))]:
+        monkeypatch.delitem(sys.modules, name)
+    with pytest.raises(ImportError, match=r"pip install 'dtree\[verl\]'"):
+        importlib.import_module("dtree.integrations.verl")

@@ -100,9 +100,11 @@ class DTreeEngine(FSDPEngineWithLMHead):
         self.sync = FSDPSync(self.module)
 
     def _autocast(self):
+        """verl's forward_step autocasts to FSDP's param dtype unless it is fp32; so does dtree."""
         dtype = getattr(self, "_autocast_dtype", torch.float32)
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        return contextlib.nullcontext() if dtype == torch.float32 else torch.autocast(device, dtype=dtype)
+        if dtype == torch.float32:
+            return contextlib.nullcontext()
+        return torch.autocast(self.runtime.device.type, dtype=dtype)
 
     def forward_backward_batch(self, data: TensorDict, loss_function: Callable | None, forward_only=False) -> dict:
         """verl's contract: ``{"model_output": {"log_probs", "entropy"}, "loss": [float],

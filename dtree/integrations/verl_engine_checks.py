@@ -61,7 +61,9 @@ def check_batch(data: Any) -> None:
     from verl.utils import tensordict_utils as tu  # only reached from the engine, with verl installed
     from verl.utils.dataset.dataset_utils import DatasetPadMode
 
-    flag = lambda key, default=None: tu.get_non_tensor_data(data=data, key=key, default=default)  # noqa: E731
+    def flag(key: str, default: Any = None) -> Any:
+        return tu.get_non_tensor_data(data=data, key=key, default=default)
+
     pad_mode = flag("pad_mode", DatasetPadMode.NO_PADDING)
     refusals = [
         (pad_mode != DatasetPadMode.NO_PADDING, f"pad_mode={pad_mode}: only verl's NO_PADDING layout is read"),
