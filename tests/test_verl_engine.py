@@ -210,6 +210,10 @@ def test_refusals_name_the_setting(engine, model_path):
     verl_cpu.tu.assign_non_tensor(td, temperature=torch.tensor([0.7, 0.8] * 4))
     with pytest.raises(ValueError, match="per-sample temperatures"):
         engine.forward_backward_batch(td, _loss_function(st, len(SEQS)))
+    td = verl_cpu.actor_batch(batch, TEMPERATURE, global_batch_size=len(SEQS), calculate_entropy=False)
+    td["attention_mask"][3, batch.prompts.shape[1] :] = 0
+    with pytest.raises(ValueError, match="row 3 has 0 response tokens"):
+        engine.forward_backward_batch(td, _loss_function(st, len(SEQS)))
     after = {n: None if p.grad is None else p.grad.clone() for n, p in engine.module.named_parameters()}
     assert all((before[n] is None and after[n] is None) or torch.equal(before[n], after[n]) for n in before)
 
