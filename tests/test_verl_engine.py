@@ -245,3 +245,28 @@ def test_two_gloo_ranks_equal_one_process_of_hf(model_path):
                 grads, used_fast = ranks[r][(name, fast)]
                 assert used_fast == [float(fast and native)]
                 assert_grads_equal(grads, want, f"{name}, fast={fast}, rank {r}")
+
+
+def test_h100_script_smoke(tmp_path):
+    """benchmarks/verl_engine_h100.py with SMOKE=1: both engines, both workloads, the
+    agreement rule and the reports, on the CPU with the tiny model (its own process: it
+    builds its own process group)."""
+    import json
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path)}
+    done = subprocess.run([sys.executable, os.path.join(root, "benchmarks", "verl_engine_h100.py"), "--steps", "1"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads((tmp_path / "verl_engine_cpu_tiny.json").read_text())
+    assert set(report["rows"]) == {"grpo", "agentic"}
+    for workload, rows in report["rows"].items():
+        assert [r["setting"] for r in rows][1:] == [
+            "dtree (fast path)", "dtree (two-pass: verl's loss)", "verl: rmpad + flash + dyn-bsz, ckpt on",
+            "verl: rmpad + flash + dyn-bsz, ckpt off"]
+        assert all("error" not in r and r["seconds"] > 0 for r in rows), rows
+        assert report["agreement"][workload]["passed"]
+    assert report["stats"]["agentic"]["compression_ratio"] > 1.5
+    assert "PrefixGrouper" in (tmp_path / "verl_engine_cpu_tiny.md").read_text()
