@@ -15,12 +15,11 @@ training: :mod:`dtree.distributed` (``dtree.distributed.DistributedTreeTrainer``
 
 from . import distributed, losses
 from .config import RuntimeConfig
-from .losses import Normalization
+from .losses import LogprobLoss, Normalization
 from .models import compile_layers
 from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
 from .tree import Forest, ForestStats
-from .two_pass import LogprobLoss
 
 __version__ = "0.1.0"
 

@@ -65,7 +65,7 @@ from .policy_losses import (
     ppo_clip,
     sapo,
 )
-from .sequence_loss import SequenceBatch, SequenceLoss, gspo
+from .sequence_loss import LogprobLoss, SequenceBatch, SequenceLoss, gspo
 from .token_loss import (
     PART_WEIGHT,
     REDUCTIONS,
@@ -91,6 +91,7 @@ __all__ = [
     "Normalization",
     "SequenceLoss",
     "SequenceBatch",
+    "LogprobLoss",
     "nll",
     "ppo_clip",
     "cispo",

@@ -66,7 +66,7 @@ from .checkpointing import decoder_layers
 from .checks import check_trainable, model_placement, validate_forest
 from .config import RuntimeConfig
 from .kv_stack import KVStack
-from .losses import Normalization, SequenceLoss, TokenLoss
+from .losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from .models import TreeModule, adapt, unwrap
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
@@ -74,7 +74,6 @@ from .step_plan import hf_checkpointing, new_stack, pick_backend, plan_memory, r
 from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
 from .tree import Forest
 from .two_pass import (
-    LogprobLoss,
     SequenceLossFn,
     check_temperature,
     logprob_grad_weights,

@@ -28,7 +28,34 @@ from .token_loss import Normalization, check_loss_settings, prediction_mask, red
 from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from .tree import Forest
 
-__all__ = ["SequenceBatch", "SequenceLoss", "gspo"]
+__all__ = ["LogprobLoss", "SequenceBatch", "SequenceLoss", "gspo"]
+
+
+@dataclass(frozen=True)
+class LogprobLoss:
+    """Any loss of the per-sequence log-probs, and optionally of the entropies, for the
+    two-pass path (:mod:`dtree.two_pass`): ``rt.forward_backward(forest, LogprobLoss(fn, temperature=T))``.
+
+    Args:
+        fn: ``fn(logprobs, forest) -> 0-d tensor``, or with ``needs_entropy``
+            ``fn(logprobs, forest, entropy) -> 0-d tensor``; ``logprobs`` and ``entropy``
+            are what :meth:`TreeRuntime.logprobs_and_entropy` returns (one [len-1]
+            tensor per sequence, leaves that carry the gradient). It normalizes itself.
+        temperature: log-probs and entropies of ``softmax(logits / temperature)``.
+        needs_entropy: ``fn`` reads the entropies, and its gradient with respect to them
+            (an entropy bonus) is trained exactly, like the log-probs'.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    temperature: float = 1.0
+    needs_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"LogprobLoss needs a callable fn(logprobs, forest[, entropy]), got {self.fn!r}")
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and np.isfinite(t) and t > 0):
+            raise ValueError(f"temperature must be a positive number (the sampling temperature), got {t!r}")
 
 
 @dataclass

@@ -16,20 +16,18 @@ runtime restores the generator state), so it differentiates the log-probs ``fn``
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
 from . import rng
-from .losses import SequenceLoss, TokenLoss
+from .losses import LogprobLoss, SequenceLoss, TokenLoss
 from .schedule import Schedule
 from .step import StepOutput
 from .tree import Forest
 
 __all__ = [
-    "LogprobLoss",
     "SequenceLossFn",
     "check_temperature",
     "logprob_entropy_surrogate",
@@ -43,31 +41,6 @@ SequenceLossFn = Callable[[list[torch.Tensor], Forest], torch.Tensor]
 LogprobsFn = Callable[[Forest, Schedule, bool, float], tuple[list[torch.Tensor], list[torch.Tensor] | None]]
 # (forest, schedule, [N] d loss / d logp, loss value, temperature, [N] d loss / d entropy or None) -> the output
 BackwardFn = Callable[[Forest, Schedule, np.ndarray, float, float, np.ndarray | None], StepOutput]
-
-
-@dataclass(frozen=True)
-class LogprobLoss:
-    """Any loss of the per-sequence log-probs, and optionally of the entropies, for the
-    two-pass path: ``rt.forward_backward(forest, LogprobLoss(fn, temperature=T))``.
-
-    Args:
-        fn: ``fn(logprobs, forest) -> 0-d tensor``, or with ``needs_entropy``
-            ``fn(logprobs, forest, entropy) -> 0-d tensor``; ``logprobs`` and ``entropy``
-            are what :meth:`TreeRuntime.logprobs_and_entropy` returns (one [len-1]
-            tensor per sequence, leaves that carry the gradient). It normalizes itself.
-        temperature: log-probs and entropies of ``softmax(logits / temperature)``.
-        needs_entropy: ``fn`` reads the entropies, and its gradient with respect to them
-            (an entropy bonus) is trained exactly, like the log-probs'.
-    """
-
-    fn: Callable[..., torch.Tensor]
-    temperature: float = 1.0
-    needs_entropy: bool = False
-
-    def __post_init__(self) -> None:
-        if not callable(self.fn):
-            raise TypeError(f"LogprobLoss needs a callable fn(logprobs, forest[, entropy]), got {self.fn!r}")
-        check_temperature(self.temperature)
 
 
 def check_temperature(temperature: float) -> float:

@@ -59,7 +59,7 @@ from ..config import RuntimeConfig
 from ..distributed import distributed_forward_backward
 from ..distributed.sync import FSDPSync
 from ..runtime import TreeRuntime
-from ..two_pass import LogprobLoss
+from ..losses import LogprobLoss
 from .verl_batch import VerlBatch
 from .verl_engine_checks import check_batch, check_settings, temperature_of
 from .verl_losses import FAST_PATH_LOSS_MODES, verl_actor_loss
