@@ -10,19 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import datetime
 import functools
 import itertools
 import json
 import math
-import os
-import socket
-import tempfile
-import traceback
 
 import numpy as np
 import pytest
 import torch
+from spawn import run_ranks
 
 import dtree
 from dtree.distributed import (
@@ -263,48 +259,8 @@ def _same(a: dict, b: dict) -> bool:
                for k in a)
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # several ranks share a small CPU
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-        timeout=datetime.timedelta(seconds=60),
-    )
-    try:
-        res = _scenarios(rank, world)
-        torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
-    except BaseException:
-        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
-    finally:
-        dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    out_dir = tempfile.mkdtemp(prefix=f"dtree_dist{world}_")
-    ctx = mp.start_processes(
-        _worker, args=(world, _free_port(), out_dir), nprocs=world, join=False, start_method="spawn"
-    )
-    deadline = datetime.datetime.now() + datetime.timedelta(seconds=SPAWN_TIMEOUT_S)
-    try:
-        while not ctx.join(timeout=5):
-            if datetime.datetime.now() > deadline:
-                raise TimeoutError(f"{world} ranks did not finish in {SPAWN_TIMEOUT_S} s (a hang?)")
-    finally:
-        for p in ctx.processes:  # only the processes this test started
-            if p.is_alive():
-                p.kill()
-    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(world)]
+    return run_ranks(_scenarios, world, timeout_s=SPAWN_TIMEOUT_S, prefix=f"dtree_dist{world}_")
 
 
 _RESULTS: dict[int, list[dict]] = {}
