@@ -15,7 +15,7 @@ training: :mod:`dtree.distributed` (``dtree.distributed.DistributedTreeTrainer``
 
 from . import distributed, losses
 from .config import RuntimeConfig
-from .losses import Normalization
+from .losses import LogprobLoss, Normalization
 from .models import compile_layers
 from .ops.logprobs import OutputHead
 from .runtime import StepOutput, TreeRuntime
@@ -26,6 +26,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Forest",
     "ForestStats",
+    "LogprobLoss",
     "Normalization",
     "OutputHead",
     "RuntimeConfig",

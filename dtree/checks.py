@@ -9,7 +9,7 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
-from .losses import Normalization, SequenceLoss, TokenLoss
+from .losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from .models import ModelSpec
 from .tree import Forest
 
@@ -99,10 +99,10 @@ def _returns_a_loss(fn: Any) -> bool:
 
 
 def check_loss_argument(loss: Any) -> None:
-    """``loss`` is a TokenLoss, a SequenceLoss or a callable ``fn(logprobs, forest)``; an
-    uncalled loss factory (``dtree.losses.ppo_clip``), a loss class, or aggregation's
-    keyword dict get a TypeError naming the fix."""
-    if isinstance(loss, (TokenLoss, SequenceLoss)):
+    """``loss`` is a TokenLoss, a SequenceLoss, a LogprobLoss or a callable ``fn(logprobs,
+    forest)``; an uncalled loss factory (``dtree.losses.ppo_clip``), a loss class, or
+    aggregation's keyword dict get a TypeError naming the fix."""
+    if isinstance(loss, (TokenLoss, SequenceLoss, LogprobLoss)):
         return
     if isinstance(loss, type):
         raise TypeError(

@@ -25,8 +25,9 @@ Reductions (``m`` the mask, ``n_s = sum_t m_{s,t}`` a sequence's loss tokens):
   ``count_empty_sequences=True``, TRL ``dr_grpo``)
 
 The sequence-level reductions leave sequences with ``n_s = 0`` out of the number of
-sequences they divide by (verl); ``count_empty_sequences=True`` counts them (TRL
-clamps ``n_s`` to 1 and divides by the number of rows). Every reduction is then
+sequences they divide by (verl's ``agg_loss`` called alone); ``count_empty_sequences=True``
+counts them (TRL clamps ``n_s`` to 1 and divides by the number of rows; verl's trainer
+divides by ``global_batch_size``, every row). Every reduction is then
 multiplied by ``scale``. :func:`aggregation` gives the arguments for each of TRL's
 ``loss_type`` and verl's ``loss_agg_mode`` by name.
 
@@ -35,6 +36,10 @@ Gradient accumulation: the counts a reduction divides by are a
 into micro-batches (or ranks) and get the gradient of the whole batch, build it from
 all of them, ``Normalization.from_forests(micro_batches, loss)``, and pass it to every
 ``forward_backward(..., normalization=norm)``.
+
+Loss parts: a :class:`LossPart` is a further term of a ``TokenLoss`` with a reduction of
+its own (verl's SAPO: policy term ``seq-mean-token-mean``, KL and entropy under
+``loss_agg_mode``); one ``forward_backward`` computes all parts.
 
 Metrics: a loss may have ``metrics(logp, fields) -> {name: [M] per-token values}``;
 the runtime averages them over the loss tokens, weighted by the loss mask
@@ -60,9 +65,11 @@ from .policy_losses import (
     ppo_clip,
     sapo,
 )
-from .sequence_loss import SequenceBatch, SequenceLoss, gspo
+from .sequence_loss import LogprobLoss, SequenceBatch, SequenceLoss, gspo
 from .token_loss import (
+    PART_WEIGHT,
     REDUCTIONS,
+    LossPart,
     MetricsFn,
     Normalization,
     PerTokenFn,
@@ -79,9 +86,12 @@ from .token_loss import (
 
 __all__ = [
     "TokenLoss",
+    "LossPart",
+    "PART_WEIGHT",
     "Normalization",
     "SequenceLoss",
     "SequenceBatch",
+    "LogprobLoss",
     "nll",
     "ppo_clip",
     "cispo",

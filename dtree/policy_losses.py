@@ -32,12 +32,12 @@ differs for ratios beyond ``e^20``).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .aggregation import TRL_LOSS_TYPES, VERL_LOSS_AGG_MODES, aggregation
-from .token_loss import TokenLoss
+from .token_loss import LossPart, TokenLoss
 
 __all__ = [
     "KL_ESTIMATORS",
@@ -56,7 +56,7 @@ __all__ = [
 # them. ``low_var_kl`` is verl's clamped k3 (verl calls it "k3" too); a trailing "+"
 # keeps the estimator's value but takes k2's gradient (verl's straight-through trick:
 # k2's gradient is the unbiased gradient of KL).
-KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k3+", "low_var_kl+", "abs+")
+KL_ESTIMATORS = ("k1", "k2", "k3", "low_var_kl", "abs", "k1+", "k2+", "k3+", "low_var_kl+", "abs+")
 
 Fields = Mapping[str, torch.Tensor]
 
@@ -67,7 +67,8 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, estimator: str) -> to
     ``k1 = logp - ref``; ``k2 = (logp - ref)^2 / 2``; ``k3 = exp(ref - logp) - (ref -
     logp) - 1`` (unbiased, always >= 0; TRL's); ``low_var_kl``: k3 with ``ref - logp``
     clamped to [-20, 20] and the result to [-10, 10] (verl's ``low_var_kl`` / ``k3``);
-    ``abs = |logp - ref|``. ``<name>+``: the value of ``<name>``, the gradient of k2.
+    ``abs = |logp - ref|``. ``<name>+``: the value of ``<name>``, the gradient of k2
+    (``k2+`` is ``k2``; verl accepts it).
     """
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {estimator!r}")
@@ -98,10 +99,19 @@ def _ratio(logp: torch.Tensor, old: torch.Tensor, log_ratio_clip: float | None) 
 
 
 class _Regularizers:
-    """What every policy loss adds per token: the KL to a reference and the entropy bonus."""
+    """What every policy loss adds per token: the KL to a reference and the entropy bonus.
+
+    ``aggregation``: None adds them to the policy term (one reduction for all); else the
+    reduction keywords of a :class:`LossPart` that holds them (verl's SAPO)."""
 
     def __init__(
-        self, kl_coef: float, kl_estimator: str, kl_bias_correction: bool, entropy_coef: float, log_entropy: bool
+        self,
+        kl_coef: float,
+        kl_estimator: str,
+        kl_bias_correction: bool,
+        entropy_coef: float,
+        log_entropy: bool,
+        aggregation: Mapping[str, Any] | None = None,
     ) -> None:
         if kl_estimator not in KL_ESTIMATORS:
             raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
@@ -109,6 +119,14 @@ class _Regularizers:
         self.entropy_coef = entropy_coef
         self.needs_entropy = entropy_coef != 0 or log_entropy
         self.required = ("ref_logprobs",) if kl_coef else ()
+        self.aggregation = None if aggregation is None else dict(aggregation)
+        if self.aggregation is not None:
+            unknown = set(self.aggregation) - {"reduction", "scale", "count_empty_sequences"}
+            if unknown:
+                raise ValueError(
+                    f"regularizer_aggregation takes reduction, scale and count_empty_sequences (what "
+                    f"dtree.losses.aggregation returns), got {sorted(unknown)}"
+                )
 
     def kl(self, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> torch.Tensor:
         kl = kl_penalty(logp, fields["ref_logprobs"], self.kl_estimator)
@@ -116,12 +134,30 @@ class _Regularizers:
         # KL gradient the unbiased reverse-KL gradient off-policy
         return kl * ratio if self.kl_bias_correction else kl
 
-    def add(self, loss: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> torch.Tensor:
+    def terms(self, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> torch.Tensor:
+        """[M] ``kl_coef * KL - entropy_coef * H`` (0 when both are off)."""
+        out = torch.zeros_like(logp)
         if self.kl_coef:
-            loss = loss + self.kl_coef * self.kl(logp, ratio, fields)
+            out = out + self.kl_coef * self.kl(logp, ratio, fields)
         if self.entropy_coef:
-            loss = loss - self.entropy_coef * fields["entropy"]
-        return loss
+            out = out - self.entropy_coef * fields["entropy"]
+        return out
+
+    def add(self, loss: torch.Tensor, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> torch.Tensor:
+        """The policy term with the regularizers, unless they are a part of their own."""
+        if self.aggregation is not None or not (self.kl_coef or self.entropy_coef):
+            return loss
+        return loss + self.terms(logp, ratio, fields)
+
+    def part(self, log_ratio_clip: float | None) -> dict[str, LossPart] | None:
+        """The loss's ``parts``: the regularizers under their own reduction, or None."""
+        if self.aggregation is None or not (self.kl_coef or self.entropy_coef):
+            return None
+
+        def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
+            return self.terms(logp, _ratio(logp, fields["old_logprobs"], log_ratio_clip), fields)
+
+        return {"regularizers": LossPart(per_token, **self.aggregation)}
 
     def metrics(self, logp: torch.Tensor, ratio: torch.Tensor, fields: Fields) -> dict[str, torch.Tensor]:
         out = {"ratio/mean": ratio}
@@ -141,9 +177,11 @@ def _policy_loss(
     scale: float,
     temperature: float,
     count_empty_sequences: bool,
+    log_ratio_clip: float | None = None,
 ) -> TokenLoss:
     """The :class:`TokenLoss` of a policy loss: it reads the advantages and the old
-    log-probs, plus what its regularizers need."""
+    log-probs, plus what its regularizers need (a part of their own when they have
+    their own reduction)."""
     return TokenLoss(
         per_token,
         reduction=reduction,
@@ -154,6 +192,7 @@ def _policy_loss(
         needs_entropy=reg.needs_entropy,
         metrics=metrics,
         count_empty_sequences=count_empty_sequences,
+        parts=reg.part(log_ratio_clip),
     )
 
 
@@ -340,18 +379,29 @@ def sapo(
     log_ratio_clip: float | None = None,
     scale: float = 1.0,
     count_empty_sequences: bool = False,
+    regularizer_aggregation: Mapping[str, Any] | None = None,
 ) -> TokenLoss:
     """SAPO (soft adaptive policy optimization): a smooth gate instead of the clip,
     ``l = -(4/tau) * sigmoid(tau * (r - 1)) * A`` with ``tau = tau_pos`` where ``A > 0``
     and ``tau_neg`` elsewhere (+ KL, entropy as in :func:`ppo_clip`).
 
     TRL ``loss_type="sapo"`` (``sapo_temperature_pos`` / ``_neg``) aggregates like
-    ``grpo`` (``count_empty_sequences=True``); verl ``loss_mode="sapo"`` (``tau_pos`` /
-    ``tau_neg``) always uses ``seq-mean-token-mean`` and ``log_ratio_clip=20.0``.
+    ``grpo`` (``count_empty_sequences=True``), KL and entropy included. verl
+    ``loss_mode="sapo"`` (``tau_pos`` / ``tau_neg``, ``log_ratio_clip=20.0``) aggregates
+    the policy term with ``seq-mean-token-mean`` whatever ``loss_agg_mode`` says, and its
+    KL and entropy terms with ``loss_agg_mode``::
+
+        sapo(tau_pos, tau_neg, log_ratio_clip=20.0, **aggregation("seq-mean-token-mean"),
+             regularizer_aggregation=aggregation(loss_agg_mode), kl_coef=..., entropy_coef=...)
+
+    ``regularizer_aggregation``: the reduction keywords (``reduction``, ``scale``,
+    ``count_empty_sequences``, as :func:`aggregation` returns them) of the KL and entropy
+    terms, a :class:`~dtree.losses.LossPart` of their own; None: the same reduction as
+    the policy term. One ``forward_backward`` computes both.
     """
     _check_bound("tau_pos", tau_pos, 0.0)
     _check_bound("tau_neg", tau_neg, 0.0)
-    reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy)
+    reg = _Regularizers(kl_coef, kl_estimator, kl_bias_correction, entropy_coef, log_entropy, regularizer_aggregation)
 
     def per_token(logp: torch.Tensor, fields: Fields) -> torch.Tensor:
         adv = fields["advantages"]
@@ -363,5 +413,5 @@ def sapo(
         return reg.metrics(logp, _ratio(logp, fields["old_logprobs"], log_ratio_clip), fields)
 
     return _policy_loss(
-        "sapo", per_token, metrics, reg, reduction, scale, temperature, count_empty_sequences
+        "sapo", per_token, metrics, reg, reduction, scale, temperature, count_empty_sequences, log_ratio_clip
     )

@@ -65,7 +65,7 @@ from .checks import check_forest, check_loss_argument, check_normalization, chec
 from .checks import model_placement, validate_forest
 from .config import RuntimeConfig
 from .kv_stack import KVStack
-from .losses import Normalization, SequenceLoss, TokenLoss
+from .losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from .models import TreeModule, adapt, unwrap
 from .ops import determinism, stack_ops
 from .ops.logprobs import OutputHead, as_output_head
@@ -80,6 +80,7 @@ from .two_pass import (
     SequenceLossFn,
     check_temperature,
     logprob_grad_weights,
+    logprob_entropy_surrogate,
     logprob_surrogate,
     two_pass_step,
 )
@@ -274,7 +275,7 @@ class TreeRuntime:
     def forward_backward(
         self,
         forest: Forest,
-        loss: TokenLoss | SequenceLoss | SequenceLossFn,
+        loss: TokenLoss | SequenceLoss | LogprobLoss | SequenceLossFn,
         *,
         normalization: Normalization | None = None,
         return_logprobs: bool = False,
@@ -288,8 +289,8 @@ class TreeRuntime:
                 other callable ``fn(logprobs, forest) -> 0-d tensor``, where ``logprobs`` is
                 the list :meth:`logprobs` returns, runs in two passes (log-probs, then one
                 DFS backward seeded with ``d fn / d logprobs``), which is exact for losses
-                that are not sums of per-token terms; a ``SequenceLoss``'s log-probs are at
-                its ``temperature``, a plain callable's at 1.
+                that are not sums of per-token terms; a ``SequenceLoss``'s log-probs are at its
+                ``temperature``, a :class:`dtree.LogprobLoss`'s too (entropies too), a plain callable's at 1.
             normalization: the counts the reduction divides by (default: the forest's
                 own): ``Normalization.from_forests`` over the micro-batches of one optimizer
                 step, or the global counts over ranks. For a ``SequenceLoss`` it replaces
@@ -318,7 +319,7 @@ class TreeRuntime:
     def _forward_backward(self, forest, loss, normalization, return_logprobs: bool) -> StepOutput:
         self._check_call(training=True)
         if isinstance(loss, TokenLoss):
-            weights = token_loss_weights(forest, loss, normalization)
+            forest, weights = token_loss_weights(forest, loss, normalization)
             return self._train(forest, self.plan(forest), loss, weights, return_logprobs=return_logprobs)
         if isinstance(loss, SequenceLoss):
             loss.check_fields(forest)
@@ -330,13 +331,13 @@ class TreeRuntime:
                     )
                 loss = loss.with_normalization(normalization)
             return self._two_pass(forest, loss, loss.temperature, return_logprobs)
-        if normalization is not None:  # check_loss_argument left a plain callable
+        if normalization is not None:  # check_loss_argument left a LogprobLoss or a plain callable
             raise ValueError(
                 "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
                 "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
                 "terms in a SequenceLoss"
             )
-        return self._two_pass(forest, loss, 1.0, return_logprobs)
+        return self._two_pass(forest, loss, getattr(loss, "temperature", 1.0), return_logprobs)
 
     def backward_from_logprob_grads(
         self,
@@ -345,6 +346,7 @@ class TreeRuntime:
         *,
         loss_value: float = float("nan"),
         temperature: float = 1.0,
+        entropy_grads: Sequence[torch.Tensor | None] | None = None,
     ) -> StepOutput:
         """Second pass of the two-pass path: one DFS backward with ``d loss / d logprobs``.
 
@@ -354,13 +356,17 @@ class TreeRuntime:
             loss_value: reported as ``StepOutput.loss``.
             temperature: the temperature those log-probs were computed at (the
                 gradient flows through ``softmax(logits / temperature)``).
+            entropy_grads: likewise w.r.t. the entropies :meth:`entropy` returned, or None.
         """
         check_forest(forest)
 
         def run() -> StepOutput:
             self._check_call(training=True)
             w = logprob_grad_weights(forest, grads)
-            return self._backward_from_weights(forest, self.plan(forest), w, loss_value, check_temperature(temperature))
+            w_entropy = None if entropy_grads is None else logprob_grad_weights(forest, entropy_grads)
+            return self._backward_from_weights(
+                forest, self.plan(forest), w, loss_value, check_temperature(temperature), w_entropy
+            )
 
         return self._released(run)
 
@@ -375,9 +381,14 @@ class TreeRuntime:
         )
 
     def _backward_from_weights(
-        self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float, temperature: float
+        self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float, temperature: float,
+        w_entropy: np.ndarray | None = None,
     ) -> StepOutput:
-        out = self._train(forest, sched, logprob_surrogate(temperature), w)
+        if w_entropy is None or not w_entropy.any():
+            out = self._train(forest, sched, logprob_surrogate(temperature), w)
+        else:
+            forest, surrogate, weights = logprob_entropy_surrogate(forest, w, w_entropy, temperature)
+            out = self._train(forest, sched, surrogate, weights)
         out.loss = float(loss_value)
         return out
 
@@ -390,7 +401,7 @@ class TreeRuntime:
 
         def run(per_token, recorded) -> StepRun:
             fn = kept.wrap(per_token) if return_logprobs else per_token
-            walk = self._walk(forest, sched, terms, weights, loss.required_fields)
+            walk = self._walk(forest, sched, terms, weights, loss.field_names)
             scope = getattr(self.model, "dtree_scope", None)
             budget = retain_budget(self._step, self.config)
             res = walk.train(PerToken(fn, loss.temperature, loss.needs_entropy), budget, scope)

@@ -28,7 +28,34 @@ from .token_loss import Normalization, check_loss_settings, prediction_mask, red
 from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from .tree import Forest
 
-__all__ = ["SequenceBatch", "SequenceLoss", "gspo"]
+__all__ = ["LogprobLoss", "SequenceBatch", "SequenceLoss", "gspo"]
+
+
+@dataclass(frozen=True)
+class LogprobLoss:
+    """Any loss of the per-sequence log-probs, and optionally of the entropies, for the
+    two-pass path (:mod:`dtree.two_pass`): ``rt.forward_backward(forest, LogprobLoss(fn, temperature=T))``.
+
+    Args:
+        fn: ``fn(logprobs, forest) -> 0-d tensor``, or with ``needs_entropy``
+            ``fn(logprobs, forest, entropy) -> 0-d tensor``; ``logprobs`` and ``entropy``
+            are what :meth:`TreeRuntime.logprobs_and_entropy` returns (one [len-1]
+            tensor per sequence, leaves that carry the gradient). It normalizes itself.
+        temperature: log-probs and entropies of ``softmax(logits / temperature)``.
+        needs_entropy: ``fn`` reads the entropies, and its gradient with respect to them
+            (an entropy bonus) is trained exactly, like the log-probs'.
+    """
+
+    fn: Callable[..., torch.Tensor]
+    temperature: float = 1.0
+    needs_entropy: bool = False
+
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(f"LogprobLoss needs a callable fn(logprobs, forest[, entropy]), got {self.fn!r}")
+        t = self.temperature
+        if not (isinstance(t, (int, float)) and np.isfinite(t) and t > 0):
+            raise ValueError(f"temperature must be a positive number (the sampling temperature), got {t!r}")
 
 
 @dataclass
@@ -233,22 +260,32 @@ def gspo(
     count_empty_sequences: bool = False,
     normalization: Normalization | None = None,
     log_entropy: bool = False,
+    ratio_gradient: str = "sequence",
 ) -> SequenceLoss:
     """GSPO: PPO's clip on the sequence-level importance ratio.
 
     ``s = exp(sum_t m_t (logp_t - old_t) / max(sum_t m_t, 1))`` per sequence, and per
     token ``l = -min(s*A, clip(s, 1-eps_low, 1+eps_high)*A) + kl_coef*KL`` (``A`` per
-    token, usually the sequence's advantage), reduced by ``reduction``. The gradient of
-    ``s`` reaches every loss token of the sequence, so this runs through the two-pass
-    path: ``rt.forward_backward(forest, gspo(...))``.
+    token, usually the sequence's advantage), reduced by ``reduction``. The ratio needs
+    the whole sequence's log-probs, so this runs through the two-pass path:
+    ``rt.forward_backward(forest, gspo(...))``.
+
+    ``ratio_gradient`` says how ``s`` is differentiated:
+
+    * ``"sequence"`` (TRL, the GSPO paper's GSPO): through the mean, so every loss
+      token's gradient carries the advantages of all the tokens of its sequence;
+    * ``"token"`` (verl's ``compute_policy_loss_gspo``, the paper's GSPO-token): per
+      token ``s_t = sg(s) * exp(logp_t - sg(logp_t))``, equal to ``s`` in value, so each
+      token's gradient carries its own advantage.
+
+    The two agree when the advantage is the same on every token of a sequence (GRPO),
+    and differ with per-token advantages.
 
     TRL: ``importance_sampling_level="sequence"`` with ``loss_type="grpo"`` is
     ``gspo(epsilon, epsilon_high=..., count_empty_sequences=True)`` (``delta``,
     ``beta`` -> ``kl_coef``, ``use_bias_correction_kl`` -> ``kl_bias_correction`` as in
     :func:`~dtree.losses.ppo_clip`; other ``loss_type`` values take their reduction from
-    :func:`~dtree.losses.aggregation`). verl ``loss_mode="gspo"``:
-    ``gspo(clip_ratio_low, epsilon_high=clip_ratio_high, log_ratio_max=10.0)`` (verl
-    always aggregates it with ``seq-mean-token-mean``). The GSPO paper uses
+    :func:`~dtree.losses.aggregation`); verl: below. The GSPO paper uses
     ``epsilon_low=3e-4``, ``epsilon_high=4e-4``.
 
     Metrics, as TRL logs them at sequence level: ``clip_ratio/low_mean``,
@@ -257,13 +294,21 @@ def gspo(
     (mask-weighted token mean), with ``kl_coef``; ``entropy`` (mask-weighted token mean),
     with ``log_entropy`` (the runtime then computes the entropy in its log-prob pass; an
     entropy bonus is not available on the two-pass path).
+
+    verl ``loss_mode="gspo"``: ``gspo(clip_ratio_low, epsilon_high=clip_ratio_high,
+    log_ratio_max=10.0, ratio_gradient="token", **aggregation(loss_agg_mode))`` (verl
+    0.9.1 applies ``loss_agg_mode``; older releases always used ``seq-mean-token-mean``).
     """
+    if ratio_gradient not in ("sequence", "token"):
+        raise ValueError(f"ratio_gradient must be 'sequence' (TRL) or 'token' (verl), got {ratio_gradient!r}")
     if kl_estimator not in KL_ESTIMATORS:
         raise ValueError(f"kl_estimator must be one of {KL_ESTIMATORS}, got {kl_estimator!r}")
     low, high = clip_bounds(epsilon, epsilon_low, epsilon_high)
     if delta is not None and not delta > 1.0:
         raise ValueError(f"delta must be > 1, got {delta}")
-    terms = _GSPOTerms(low, high, delta, kl_coef, kl_estimator, kl_bias_correction, log_ratio_max, log_entropy)
+    terms = _GSPOTerms(
+        low, high, delta, kl_coef, kl_estimator, kl_bias_correction, log_ratio_max, log_entropy, ratio_gradient
+    )
     return SequenceLoss(
         terms.per_token,
         reduction=reduction,
@@ -290,10 +335,22 @@ class _GSPOTerms:
     kl_bias_correction: bool
     log_ratio_max: float | None
     log_entropy: bool
+    ratio_gradient: str = "sequence"
 
     def sequence_ratio(self, b: SequenceBatch) -> torch.Tensor:
         """[S] ``exp`` of each sequence's masked mean of ``logp - old``."""
         log_s = b.seq_mean(b.logp - b.fields["old_logprobs"])
+        if self.log_ratio_max is not None:
+            log_s = torch.clamp(log_s, max=self.log_ratio_max)
+        return torch.exp(log_s)
+
+    def token_ratio(self, b: SequenceBatch) -> torch.Tensor:
+        """[N] the ratio each token's surrogate reads: ``s`` of its sequence, with the
+        gradient of :attr:`ratio_gradient`."""
+        if self.ratio_gradient == "sequence":
+            return b.expand(self.sequence_ratio(b))
+        log_s = b.expand(b.seq_mean(b.logp - b.fields["old_logprobs"]).detach())
+        log_s = b.logp - b.logp.detach() + log_s
         if self.log_ratio_max is not None:
             log_s = torch.clamp(log_s, max=self.log_ratio_max)
         return torch.exp(log_s)
@@ -303,7 +360,7 @@ class _GSPOTerms:
         return value * ratio if self.kl_bias_correction else value
 
     def per_token(self, b: SequenceBatch) -> torch.Tensor:
-        ratio = b.expand(self.sequence_ratio(b))  # [N]
+        ratio = self.token_ratio(b)  # [N]
         loss = clipped_surrogate(ratio, b.fields["advantages"], self.low, self.high, self.delta)
         if self.kl_coef:
             loss = loss + self.kl_coef * self.kl(b, ratio)

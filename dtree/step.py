@@ -3,7 +3,7 @@
 Every method trains a :class:`~dtree.losses.TokenLoss` the same way; only the model
 calls in the middle differ::
 
-    weights = token_loss_weights(forest, loss, normalization)   validate the fields, [N] weights
+    forest, weights = token_loss_weights(forest, loss, normalization)   validate the fields, [N] weights
     (the method selects its terms: those with a non-zero weight)
     run_token_step(...):
         GradStash                  param.grad moved aside: a failed step loses nothing
@@ -88,17 +88,20 @@ class StepRun:
     metrics: dict = field(default_factory=dict)
 
 
-def token_loss_weights(forest: Forest, loss: TokenLoss, normalization: Normalization | None) -> np.ndarray:
+def token_loss_weights(
+    forest: Forest, loss: TokenLoss, normalization: Normalization | None
+) -> tuple[Forest, np.ndarray]:
     """Check the arguments (a Forest, a TokenLoss, a Normalization or None) and that
-    ``forest`` has the fields ``loss`` needs, then its [N] per-term weights (reduction,
-    loss mask and ``normalization`` folded in)."""
+    ``forest`` has the fields ``loss`` needs, then ``loss.prepare``: the forest to train
+    on (with the weights of the loss's parts as fields, when it has parts) and its [N]
+    per-term weights (reduction, loss mask and ``normalization`` folded in)."""
     check_forest(forest)
     check_loss_argument(loss)
     if not isinstance(loss, TokenLoss):
         raise TypeError(f"expected a dtree.losses.TokenLoss, got {type(loss).__name__}")
     check_normalization(normalization)
     loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
-    return loss.weights(forest, normalization)
+    return loss.prepare(forest, normalization)
 
 
 class MissingFieldError(KeyError, ValueError):

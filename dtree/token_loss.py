@@ -8,6 +8,7 @@ re-exports everything here with the policy losses and the sequence losses.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping
 
@@ -22,7 +23,9 @@ if TYPE_CHECKING:  # annotations only: sequence_loss builds on this module
     from .sequence_loss import SequenceLoss
 
 __all__ = [
+    "PART_WEIGHT",
     "REDUCTIONS",
+    "LossPart",
     "Normalization",
     "TokenLoss",
     "add_metric_sums",
@@ -40,6 +43,8 @@ REDUCTIONS = ("sum", "token_mean", "sequence_mean", "seq_mean_token_sum")
 
 PerTokenFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor]
 MetricsFn = Callable[[torch.Tensor, Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
+# the field that carries a loss part's [N] weights through a step (TokenLoss.prepare)
+PART_WEIGHT = "part_weight/"
 
 
 @dataclass(frozen=True)
@@ -181,6 +186,28 @@ def check_loss_settings(reduction: str, scale: float, temperature: float) -> Non
         raise ValueError(f"temperature must be > 0, got {temperature}")
 
 
+@dataclass(frozen=True)
+class LossPart:
+    """A term of a :class:`TokenLoss` with a reduction of its own, e.g. verl's SAPO,
+    whose policy term is ``seq-mean-token-mean`` while its KL and entropy terms follow
+    ``loss_agg_mode``. One ``forward_backward`` computes every part: the step
+    evaluates ``sum_k w[k] * l[k] + sum_parts sum_k w_part[k] * part(l)[k]``.
+
+    Args:
+        per_token: ``fn(logp [M], fields) -> [M]``, as :attr:`TokenLoss.per_token`.
+        reduction, scale, count_empty_sequences: as for :class:`TokenLoss` (the part
+            shares the loss's ``use_loss_mask`` and ``normalization``).
+    """
+
+    per_token: PerTokenFn
+    reduction: str = "token_mean"
+    scale: float = 1.0
+    count_empty_sequences: bool = False
+
+    def __post_init__(self) -> None:
+        check_loss_settings(self.reduction, self.scale, 1.0)
+
+
 @dataclass
 class TokenLoss:
     """A per-token loss with a reduction.
@@ -203,7 +230,12 @@ class TokenLoss:
             runtime averages over the loss tokens (mask-weighted) into
             ``StepOutput.metrics``; called without grad.
         count_empty_sequences: sequence-level reductions count sequences without a loss
-            token in the number of sequences (TRL); default: leave them out (verl).
+            token in the number of sequences (TRL, verl's trainer); default: leave them
+            out (verl's ``agg_loss`` without ``global_batch_size``).
+        parts: name -> :class:`LossPart`, further terms with reductions of their own
+            (``reduction``, ``scale`` and ``count_empty_sequences`` above apply to
+            ``per_token`` alone). A runtime evaluates them all in the same pass
+            (:meth:`prepare`, :meth:`evaluate`).
     """
 
     per_token: PerTokenFn
@@ -216,9 +248,21 @@ class TokenLoss:
     needs_entropy: bool = False
     metrics: MetricsFn | None = None
     count_empty_sequences: bool = False
+    parts: Mapping[str, LossPart] | None = None
 
     def __post_init__(self) -> None:
         check_loss_settings(self.reduction, self.scale, self.temperature)
+        for name, part in (self.parts or {}).items():
+            if not isinstance(part, LossPart):
+                raise TypeError(f"loss {self.name!r}: part {name!r} must be a dtree.losses.LossPart, got {part!r}")
+
+    @property
+    def field_names(self) -> tuple[str, ...]:
+        """The fields a step uploads for :meth:`evaluate`: ``required_fields``, plus each
+        part's weights (which :meth:`prepare` adds to the forest)."""
+        if not self.parts:
+            return self.required_fields
+        return self.required_fields + tuple(PART_WEIGHT + n for n in ("", *self.parts))
 
     def check_fields(
         self, forest: Forest, *, supports_temperature: bool = False, supports_entropy: bool = False
@@ -250,16 +294,44 @@ class TokenLoss:
     def weights(self, forest: Forest, norm: Normalization | None = None) -> np.ndarray:
         """[N] float64 weight of each linearized token's loss term (0 where not predicted).
 
-        ``loss = sum_k weights[k] * per_token(...)[k]`` over linearized tokens ``k``.
+        ``loss = sum_k weights[k] * per_token(...)[k]`` over linearized tokens ``k``
+        (the loss's ``parts`` have weights of their own: :meth:`prepare`).
         """
+        return self._reduced(self, forest, norm)
+
+    def _reduced(self, spec: "TokenLoss | LossPart", forest: Forest, norm: Normalization | None) -> np.ndarray:
+        """[N] weights of ``spec``'s reduction (this loss's or a part's) under this loss's mask."""
         return reduction_weights(
             forest,
-            self.reduction,
-            scale=self.scale,
+            spec.reduction,
+            scale=spec.scale,
             use_loss_mask=self.use_loss_mask,
-            count_empty_sequences=self.count_empty_sequences,
+            count_empty_sequences=spec.count_empty_sequences,
             norm=norm,
         )
+
+    def prepare(self, forest: Forest, norm: Normalization | None = None) -> tuple[Forest, np.ndarray]:
+        """What a step trains on: ``(forest, [N] weights)`` with ``loss = sum_k weights[k]
+        * evaluate(...)[k]``. Without parts, the forest as given and :meth:`weights`;
+        with parts, the forest with each part's weights as a field, and weights 1 on
+        every term any part weighs (:meth:`evaluate` applies the parts' own)."""
+        main = self.weights(forest, norm)
+        if not self.parts:
+            return forest, main
+        by_part = {PART_WEIGHT: main}
+        by_part.update({PART_WEIGHT + name: self._reduced(part, forest, norm) for name, part in self.parts.items()})
+        any_weight = np.logical_or.reduce([w != 0 for w in by_part.values()]).astype(np.float64)
+        return dataclasses.replace(forest, fields={**forest.fields, **by_part}), any_weight
+
+    def evaluate(self, logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """[M] what a step multiplies by :meth:`prepare`'s weights: ``per_token``, or,
+        with parts, every part's terms times its own weights (fields of :meth:`prepare`)."""
+        if not self.parts:
+            return self.per_token(logp, fields)
+        out = self.per_token(logp, fields) * fields[PART_WEIGHT]
+        for name, part in self.parts.items():
+            out = out + part.per_token(logp, fields) * fields[PART_WEIGHT + name]
+        return out
 
     def metric_mask(self, forest: Forest) -> np.ndarray:
         """[N] float64 weight of each linearized token in the metric averages: its loss
@@ -267,12 +339,12 @@ class TokenLoss:
         return prediction_mask(forest, self.use_loss_mask)
 
     def recording(self, sink: list) -> PerTokenFn:
-        """``per_token``, which also appends ``metrics(logp, fields)`` (detached) to
+        """:meth:`evaluate`, which also appends ``metrics(logp, fields)`` (detached) to
         ``sink`` on every call: how a runtime collects metrics without a second
         LM-head pass (it pairs each entry with the terms' :meth:`metric_mask`)."""
         if self.metrics is None:
-            return self.per_token
-        metrics, per_token = self.metrics, self.per_token
+            return self.evaluate
+        metrics, per_token = self.metrics, self.evaluate
 
         def recorded(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
             with torch.no_grad():

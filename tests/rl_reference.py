@@ -1,11 +1,17 @@
 """Ground truth for the RL losses: HF run on every sequence on its own, the per-token
-losses and aggregations written the way TRL (GRPOTrainer._compute_loss) and verl
-(core_algos) write them, on padded [S, T] tensors, independently of dtree."""
+losses and aggregations written the way TRL (GRPOTrainer._compute_loss) writes them,
+and verl's names through verl's own code (tests/verl_reference.py: ``core_algos`` when
+verl is installed, its written copy otherwise), on padded [S, T] tensors, independently
+of dtree. verl's whole actor loss is tests/test_losses_verl.py's."""
 
 from __future__ import annotations
 
 import torch
 from reference import path_logprobs
+from verl_reference import agg_loss as verl_agg_loss
+from verl_reference import kl_penalty as verl_kl_penalty
+
+VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def padded(rows: list[torch.Tensor], value: float = 0.0) -> torch.Tensor:
@@ -49,22 +55,12 @@ def batch_tensors(model, seqs, fields, temperature: float | None = None):
 
 
 def kl_estimate(lp, ref, estimator):
-    """verl's kl_penalty, written out, except that "k3" is TRL's unclamped one (verl's
-    clamped k3 is "low_var_kl")."""
-    base = estimator.rstrip("+")
-    if base == "k1":
-        value = lp - ref
-    elif base == "k2":
-        value = 0.5 * (lp - ref).square()
-    elif base == "abs":
-        value = (lp - ref).abs()
-    elif base == "low_var_kl":
-        kl = torch.clamp(ref - lp, min=-20, max=20)
-        value = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
-    elif base == "k3":
-        value = torch.exp(ref - lp) - (ref - lp) - 1
-    else:
-        raise ValueError(estimator)
+    """dtree's kl_estimator names: "k3" (and "k3+") is TRL's unclamped estimator,
+    written out; every other name is verl's, through verl's kl_penalty (verl's own
+    "k3" is dtree's "low_var_kl")."""
+    if estimator.rstrip("+") != "k3":
+        return verl_kl_penalty(lp, ref, estimator)
+    value = torch.exp(ref - lp) - (ref - lp) - 1
     if not estimator.endswith("+"):
         return value
     back = 0.5 * (lp - ref).square()
@@ -72,7 +68,7 @@ def kl_estimate(lp, ref, estimator):
 
 
 def loss_matrix(t: dict, variant: str, **kw) -> torch.Tensor:
-    """[S, T] per-token loss of ``variant`` (ppo, cispo_trl, cispo_verl, sapo, gspo)."""
+    """[S, T] per-token loss of ``variant`` (TRL's ppo, cispo_trl, sapo, gspo)."""
     lp, old, adv, mask = t["lp"], t["old"], t["adv"], t["mask"]
     log_ratio = lp - old
     if kw.get("log_ratio_clip"):
@@ -83,20 +79,12 @@ def loss_matrix(t: dict, variant: str, **kw) -> torch.Tensor:
     else:
         coef_1 = torch.exp(log_ratio)
     lo, hi = kw.get("eps_low", 0.2), kw.get("eps_high", kw.get("eps_low", 0.2))
-    if variant in ("ppo", "gspo") and kw.get("clip_ratio_c") is None:  # TRL
+    if variant in ("ppo", "gspo"):  # TRL (verl's vanilla and gspo: tests/test_losses_verl.py)
         coef_2 = torch.clamp(coef_1, 1 - lo, 1 + hi)
         c1 = torch.clamp(coef_1, max=kw["delta"]) if kw.get("delta") else coef_1
         per_token = -torch.min(c1 * adv, coef_2 * adv)
-    elif variant == "ppo":  # verl dual clip
-        pg1 = -adv * coef_1
-        pg2 = -adv * torch.clamp(coef_1, 1 - lo, 1 + hi)
-        clip1 = torch.maximum(pg1, pg2)
-        clip2 = torch.min(-adv * kw["clip_ratio_c"], clip1)
-        per_token = torch.where(adv < 0, clip2, clip1)
     elif variant == "cispo_trl":
         per_token = -torch.clamp(coef_1, max=kw["eps_high"]).detach() * adv * lp
-    elif variant == "cispo_verl":
-        per_token = -torch.clamp(coef_1, 1 - lo, 1 + hi).detach() * adv * lp
     elif variant == "sapo":
         temps = torch.where(adv > 0, kw.get("tau_pos", 1.0), kw.get("tau_neg", 1.05))
         per_token = -torch.sigmoid(temps * (coef_1 - 1)) * 4 / temps * adv
@@ -122,17 +110,8 @@ def aggregate(per_token: torch.Tensor, mask: torch.Tensor, name: str, constant: 
         return (per_token * mask).sum() / (per_token.size(0) * constant)
     if name == "luspo":
         return (per_token * mask).sum(-1).mean()
-    if name == "token-mean":  # verl
-        return (per_token * mask).sum() / mask.sum()
-    seq_tokens = mask.sum(-1)
-    active = (seq_tokens > 0).float()
-    if name == "seq-mean-token-mean":
-        seq = (per_token * mask).sum(-1) / (seq_tokens + 1e-8)
-        return (seq * active).sum() / active.sum()
-    if name == "seq-mean-token-sum":
-        return ((per_token * mask).sum(-1) * active).sum() / active.sum()
-    if name == "seq-mean-token-sum-norm":
-        return (per_token * mask).sum() / constant
+    if name in VERL_MODES:  # as verl's trainer calls it: global_batch_size = every row
+        return verl_agg_loss(per_token, mask, name, global_batch_size=per_token.size(0), loss_scale_factor=constant)
     raise ValueError(name)
 
 

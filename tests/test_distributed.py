@@ -2,7 +2,7 @@
 
 The multi-process tests spawn one gloo process group per world size (2 and 3) and
 run every scenario in it (spawning is the slow part on a small CPU;
-tests/distributed_spawn.py); each rank saves what it saw, and the tests below compare
+tests/spawn.py); each rank saves what it saw, and the tests below compare
 it with single-process dtree and with the HF per-path reference (tests/reference.py).
 Failures on every sync strategy: tests/test_distributed_failures.py.
 """
@@ -19,6 +19,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from spawn import spawn_gloo
 
 import dtree
 from dtree.distributed import (
@@ -35,7 +36,6 @@ from dtree.distributed.balance import makespan
 from dtree.distributed.cost_model import NOMINAL_SPEC
 from dtree.distributed.partition import split_forest
 from dtree.losses import TokenLoss
-from distributed_spawn import spawn_gloo
 
 FP32_TOL = 1e-5
 

@@ -20,7 +20,7 @@ import dtree
 from benchmarks.distributed_failures import FAILURES, failure_runs, summarize
 from dtree.distributed import SYNCS
 from dtree.workloads import make_workload
-from distributed_spawn import spawn_gloo
+from spawn import spawn_gloo
 
 FP32_TOL = 1e-5
 

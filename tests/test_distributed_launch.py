@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from distributed_spawn import free_port
+from spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TWO_NODES = ("torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint $MASTER_ADDR:29500 "

@@ -4,7 +4,7 @@ A baseline plans a step as a list of :class:`MicroBatch` (one model call each: a
 row of tokens, its attention layout, and the loss terms it computes). The step is then
 the same for both::
 
-    w = token_loss_weights(forest, loss, normalization)      (dtree.step, as the runtime)
+    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.step, as the runtime)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
         logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
@@ -202,7 +202,7 @@ class MicroBatchTrainer:
         t0 = time.perf_counter()
         check_training_call(self.module.parameters())
         self._check_forest(forest)
-        weights = token_loss_weights(forest, loss, normalization)
+        forest, weights = token_loss_weights(forest, loss, normalization)
         batches = self.plan(forest)
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
         lin = np.concatenate([c.term_lin for c in calls]) if calls else np.zeros(0, dtype=np.int64)
@@ -246,7 +246,7 @@ class MicroBatchTrainer:
         if not calls:
             return total, term_log
         output_layer = as_output_head(self.model.dtree_output_layer())
-        uploaded = self._upload(calls, forest, weights, loss.required_fields)
+        uploaded = self._upload(calls, forest, weights, loss.field_names)
         e0 = 0
         # the model's attention stays the adapter's through backward: HF gradient
         # checkpointing re-runs layers there

@@ -229,6 +229,21 @@ class FSDPSync(GradSync):
         for m in self.modules:
             m.reshard()
 
+    @contextlib.contextmanager
+    def unsharded(self):
+        """Every FSDP module's parameters gathered for an inference walk (log-probs: the
+        walk calls submodules, whose parameters FSDP's root hooks would not gather), then
+        resharded."""
+        if not self._ready:
+            self._setup()
+        for m in self.modules:
+            m.unshard()
+        try:
+            yield
+        finally:
+            for m in self.modules:
+                m.reshard()
+
     def abort(self) -> None:
         # The modules are still unsharded: their parameters are the unsharded ones,
         # holding this step's local gradients. Drop them; the sharded .grad was never

@@ -139,6 +139,8 @@ def distributed_forward_backward(
     group=None,
     sync: GradSync | None = None,
     sequence_ids: np.ndarray | None = None,
+    normalization: Normalization | None = None,
+    return_logprobs: bool = False,
 ) -> DistributedStepOutput:
     """Accumulate into ``param.grad`` this rank's share of the global step's gradient,
     synchronized once (see module docstring). Call it on every rank of ``group``.
@@ -153,6 +155,11 @@ def distributed_forward_backward(
             (plain all-reduce). Pass the trainer's DDP/FSDP strategy for wrapped models.
         sequence_ids: this rank's original sequence indices; only used to name the
             global sequence in error messages.
+        normalization: the global counts to divide by, when the caller has them (a
+            trainer's own, e.g. verl's ``batch_num_tokens`` / ``global_batch_size``);
+            default: this rank's counts summed over ``group``.
+        return_logprobs: this rank's ``local`` output carries the log-probs (and
+            entropies) the loss saw, as ``TreeRuntime.forward_backward`` returns them.
 
     Raises:
         DistributedStepError: on every rank, if any rank failed (out of memory,
@@ -161,8 +168,8 @@ def distributed_forward_backward(
     t0 = time.perf_counter()
     rank, world = _world(group)
     sync = sync or make_grad_sync(runtime.module, group)
-    norm = None
-    if isinstance(loss, (TokenLoss, SequenceLoss)):
+    norm = normalization
+    if norm is None and isinstance(loss, (TokenLoss, SequenceLoss)):
         norm = global_normalization(forest, group, loss.use_loss_mask)
     if isinstance(loss, SequenceLoss):  # the two-pass path takes its counts from the loss itself
         loss = loss.with_normalization(norm)
@@ -173,10 +180,8 @@ def distributed_forward_backward(
     t_walk = time.perf_counter()
     try:
         if forest is not None:
-            if isinstance(loss, TokenLoss):
-                local = runtime.forward_backward(forest, loss, normalization=norm)
-            else:
-                local = runtime.forward_backward(forest, loss)
+            kw = dict(normalization=norm) if isinstance(loss, TokenLoss) else {}
+            local = runtime.forward_backward(forest, loss, return_logprobs=return_logprobs, **kw)
     except torch.OutOfMemoryError as e:  # before Exception: free what the walk held first
         _free_memory(runtime)
         error = _describe(e)
