@@ -159,3 +159,16 @@ def test_deterministic_calls_run_the_split_backward(monkeypatch, deterministic):
     split = deterministic or sat.DEFAULT_BACKWARD == "split"
     assert ("_dq_kernel" in launched) == split
     assert fused == [not split]
+
+
+def test_lse_merge_kernel_compiles_once(monkeypatch):
+    """The flash-attn backend's merge: one variant whatever the call's region count and
+    length (the count, one more than the prefix levels, changes from call to call)."""
+    from dtree.ops import lse_merge_triton as lm
+
+    calls: list = []
+    monkeypatch.setattr(lm, "_lse_merge_kernel", _Recorder(lm._lse_merge_kernel, calls))
+    for c, t in [(2, 64), (3, 70), (7, 1001), (13, 4096), (16, 333)]:
+        lm.lse_merge_triton(torch.zeros(c, t, 12, 128, dtype=torch.bfloat16), torch.zeros(c, 12, t))
+    keys = _keys(calls)
+    assert len({repr(s) for s in keys["_lse_merge_kernel"]}) == 1
