@@ -8,8 +8,8 @@ backend makes one forward and one backward call per region per layer, a dozen re
 per call on agentic trees, so this Python is most of its host cost.
 
 A *call class* (forward or backward; causal or not; ragged (``seqused``) or not;
-deterministic; dtype, heads, head dims, softmax scale, device; more than 256 sequences
-or not) reaches the same compiled kernels on every call once the max lengths are
+deterministic; dtype, heads, head dims, softmax scale, device, broadcast (stride-0)
+modes; more than 256 sequences or not) reaches the same compiled kernels on every call once the max lengths are
 bucketed (:func:`bucket_len`: flash-attn-4 keys single-block variants on them). So the
 first call of a class runs the interface while its compile caches record what it
 launches (:func:`_recording`), and later calls launch the recorded kernels directly,
@@ -144,10 +144,13 @@ class Flash4Calls:
         self.kernels: dict = {}  # call class -> recorded compiled functions, or None: the interface
         self.hopper = None  # whether the rebuilt lists apply (SM90), decided at the first call
 
-    def _class(self, kind: str, q, k, v, tables: dict, scale: float, *flags) -> tuple:
+    def _class(self, kind: str, tensors: tuple, tables: dict, scale: float, *flags) -> tuple:
+        """``tensors``: q, k, v (and dout); their stride-0 (broadcast) modes are compiled in."""
+        q, k, v = tensors[:3]
         many = tables["cu_q"].shape[0] - 1 > _MANY_SEQS
+        broadcast = tuple(0 in x.stride() for x in tensors)
         return (kind, q.dtype, q.device, q.shape[1], k.shape[1], q.shape[2], v.shape[2], float(scale),
-                "used_q" in tables, many, *flags)
+                "used_q" in tables, many, broadcast, *flags)
 
     def _run(self, key: tuple, interface_call, rebuild) -> None:
         if self.hopper is None:
@@ -174,7 +177,7 @@ class Flash4Calls:
                 max_seqlen_q=max_q, max_seqlen_k=max_k,
             )
 
-        key = self._class("fwd", q, k, v, tables, scale, causal)
+        key = self._class("fwd", (q, k, v), tables, scale, causal)
         self._run(key, interface_call, lambda: _forward_steps(self.fi, q, k, v, out, lse, tables, scale))
 
     def backward(self, q, k, v, out, dout, lse, tables: dict, max_q: int, max_k: int, scale: float, causal: bool,
@@ -189,7 +192,7 @@ class Flash4Calls:
                 seqused_k=tables.get("used_k"), max_seqlen_q=max_q, max_seqlen_k=max_k,
             )
 
-        key = self._class("bwd", q, k, v, tables, scale, causal, deterministic)
+        key = self._class("bwd", (q, k, v, dout), tables, scale, causal, deterministic)
         self._run(key, interface_call, lambda: _backward_steps(
             self.fi, q, k, v, out, dout, lse, tables, max_q, max_k, scale, causal, deterministic, dq, dk, dv))
 
