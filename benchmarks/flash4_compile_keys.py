@@ -135,9 +135,10 @@ def main() -> None:
         "# flash-attn-4 compile keys of the flash-attn backend over fresh forests (CPU, from the plans)",
         "",
         f"{args.forests} forests per workload, {args.group_tokens} tokens per call, {args.heads} q / {args.kv_heads} kv "
-        f"heads of {args.head_dim}, deterministic {args.deterministic}. 'before': true max lengths; 'after': "
-        "bucket_len (the next power of two, at least 256). 'new per forest': keys a forest adds to the forests "
-        "before it (each one compiles inside that forest's step).",
+        f"heads of {args.head_dim}, deterministic {args.deterministic}. 'before': the true max lengths and the LSE "
+        "merge's region count as a constexpr; 'after': bucket_len (the next power of two, at least 256) and a "
+        "runtime count. 'new per forest': keys a forest adds to the forests before it (each one compiles inside "
+        "that forest's step). A region call is one flash-attn-4 forward and backward per layer.",
         "",
         *table(["workload", "max lengths", "region calls", "distinct keys", "by kernel", "new per forest"], lines),
         "",
