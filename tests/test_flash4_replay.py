@@ -61,6 +61,7 @@ class FakeInterface:
     def _fwd(self, q, k, v, softmax_scale, causal, out, lse, cu_seqlens_q, cu_seqlens_k, seqused_q,
                         seqused_k, max_seqlen_q, max_seqlen_k):
         self.calls["fwd"] += 1
+        q, k, v = (self.maybe_contiguous(x) for x in (q, k, v))
         cache = self._flash_attn_fwd.compile_cache
         key = (causal, seqused_q is None)
         if key not in cache:
@@ -74,6 +75,7 @@ class FakeInterface:
     def _bwd(self, q, k, v, out, dout, lse, softmax_scale, causal, deterministic, dq, dk, dv, cu_seqlens_q,
                         cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k):
         self.calls["bwd"] += 1
+        q, k, v, out, dout, lse = (self.maybe_contiguous(x) for x in (q, k, v, out, dout, lse))
         m, n = (64 if causal else 80) + self.skew, 128
         hq, d, hkv = q.shape[1], q.shape[2], k.shape[1]
         d_r = -(-d // 32) * 32
@@ -157,12 +159,15 @@ CASES = {  # (rows, keys, q_start, q_len, k_start, k_len, ragged, causal)
 }
 
 
-def _run(calls, name, hq=4, hkv=2, deterministic=False, seed=0):
+def _run(calls, name, hq=4, hkv=2, deterministic=False, seed=0, strided_q=False):
     """Forward and backward of case ``name`` through ``calls``; the results and the
-    same through the torch region kernel."""
+    same through the torch region kernel. ``strided_q``: a [T, H, D] view of [H, T, D],
+    which the stand-in's canonicalization copies."""
     rows, keys, qs, ql, ks, kl, ragged, causal = CASES[name]
     gen = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(n, h, 16, generator=gen) for n, h in ((rows, hq), (keys, hkv), (keys, hkv)))
+    if strided_q:
+        q = q.transpose(0, 1).contiguous().transpose(0, 1)
     tables = _tables(*(np.asarray(x) for x in (qs, ql, ks, kl)), ragged)
     got = [torch.zeros(rows, hq, 16), torch.zeros(hq, rows)]
     calls.forward(q, k, v, tables, bucket_len(max(ql)), bucket_len(max(kl)), 0.25, causal, *got)
@@ -178,12 +183,13 @@ def _run(calls, name, hq=4, hkv=2, deterministic=False, seed=0):
     return got + grads, want + want_grads
 
 
-@pytest.mark.parametrize("hq,hkv,deterministic", [(4, 2, False), (2, 2, False), (4, 2, True)])
-def test_replay_launches_the_recorded_kernels(hq, hkv, deterministic):
+@pytest.mark.parametrize("hq,hkv,deterministic,strided_q", [(4, 2, False, False), (2, 2, False, False),
+                                                              (4, 2, True, False), (4, 2, False, True)])
+def test_replay_launches_the_recorded_kernels(hq, hkv, deterministic, strided_q):
     fake = FakeInterface()
     calls = Flash4Calls(fake)
     for i, name in enumerate(["own", "level", "own2", "level", "own"]):
-        got, want = _run(calls, name, hq, hkv, deterministic, seed=i)
+        got, want = _run(calls, name, hq, hkv, deterministic, seed=i, strided_q=strided_q)
         for g, w in zip(got, want):
             torch.testing.assert_close(g, w)
     # one interface call per class (own: causal, level: ragged), the rest replayed

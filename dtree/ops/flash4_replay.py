@@ -203,22 +203,33 @@ class Flash4Calls:
 # sparsity; at most 256 sequences), in order.
 
 
-def _aligned(fi, x: torch.Tensor) -> torch.Tensor:
-    return fi.maybe_contiguous(x)  # the interface's own canonicalization (a copy only if misaligned)
+def _aligned(fi, x: torch.Tensor, copies: set[int], detach: bool = False) -> torch.Tensor:
+    """``x`` as the interface passes it (its own canonicalization: a copy only where the
+    pointer or strides are misaligned); a copy's id joins ``copies`` (compared by layout,
+    like scratch, since the recorded call made its own)."""
+    a = fi.maybe_contiguous(x)
+    copied = a is not x
+    a = a.detach() if detach else a
+    if copied:
+        copies.add(id(a))
+    return a
 
 
 def _forward_steps(fi, q, k, v, out, lse, tables: dict, scale: float) -> _Steps:
-    q, k, v = (_aligned(fi, x).detach() for x in (q, k, v))
+    copies: set[int] = set()
+    q, k, v = (_aligned(fi, x, copies, detach=True) for x in (q, k, v))
     args = [q, k, v, out.detach(), lse, scale, tables["cu_q"], tables["cu_k"], tables.get("used_q"),
             tables.get("used_k"), None, None, None, None, None, fi.AuxData(None, None), None, None]
-    return _Steps([args], set())
+    return _Steps([args], copies)
 
 
 def _backward_steps(fi, q, k, v, out, dout, lse, tables: dict, max_q: int, max_k: int, scale: float, causal: bool,
                     deterministic: bool, dq, dk, dv) -> _Steps:
     """Preprocess (delta, lse in base 2, dq accumulator zeroed), the main kernel, the
     dq postprocess and, with GQA, the dK and dV postprocesses."""
-    q, k, v, out, dout, lse = (_aligned(fi, x) for x in (q, k, v, out, dout, lse))
+    copies: set[int] = set()
+    out, dout, lse = (_aligned(fi, x, copies) for x in (out, dout, lse))
+    q, k, v = (_aligned(fi, x, copies, detach=True) for x in (q, k, v))
     hq, d = q.shape[1:]
     hkv, dvv = v.shape[1:]
     cfg = fi._tile_size_bwd_sm90(d, dvv, causal, False)
@@ -247,10 +258,10 @@ def _backward_steps(fi, q, k, v, out, dout, lse, tables: dict, max_q: int, max_k
         scratch += [s for s in sems if s is not None]
     args = [
         [out, dout, dpsum, lse, lse_log2, dq_accum, cu_q, used_q, None, None, None, 1.0, None, None],
-        [q.detach(), k.detach(), v.detach(), dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, cu_q, cu_k,
+        [q, k, v, dout, lse_log2, dpsum, dq_accum, dk_out, dv_out, scale, cu_q, cu_k,
          used_q, used_k, None, None, *sems, fi.AuxData(None, None), None, None],
         [dq_accum, dq, scale, cu_q, used_q, None, None],
     ]
     if gqa:
         args += [[dk_out, dk, scale, cu_k, used_k, None, None], [dv_out, dv, 1.0, cu_k, used_k, None, None]]
-    return _Steps(args, {id(x) for x in scratch})
+    return _Steps(args, {id(x) for x in scratch} | copies)
