@@ -9,9 +9,12 @@ equivalent dense batch.
 For each layout (``stack_attention_cases.py``) one call, every implementation on the
 same inputs:
 
-* ``triton``: ``dtree.ops.stack_attention_triton``, every segment in one launch,
-  ancestors read from the KV stack in place, prefix dK/dV added with float atomics;
-  ``triton det``: the same with ``deterministic=True`` (ordered adds);
+* ``triton fused``: ``dtree.ops.stack_attention_triton``, every segment in one launch,
+  ancestors read from the KV stack in place, prefix dK/dV added with float atomics, dq
+  added by the dK/dV kernel with float atomics (``backward="fused"``, 5 matmuls per
+  pair); ``triton split``: dq from a kernel of its own (``backward="split"``, 7
+  matmuls); ``triton det``: ``deterministic=True`` (the split backward, ordered prefix
+  adds); the report names the default (``DEFAULT_BACKWARD``);
 * ``flash-attn``: the ``flash-attn`` backend (``dtree.ops.stack_attention_flash4``):
   flash-attn-4 varlen calls per region, stack read in place, merged by log-sum-exp;
   ``flash-attn det``: its deterministic backward (when flash-attn-4 imports);
@@ -79,7 +82,8 @@ def parse_args() -> argparse.Namespace:
 def implementations(sat, smoke: bool, wanted: str) -> tuple[dict, dict]:
     """name -> stack attention fn (the backends' signature), and name -> why absent."""
     fns, absent = {
-        "triton": functools.partial(sat.stack_attention_triton, deterministic=False),
+        "triton fused": functools.partial(sat.stack_attention_triton, deterministic=False, backward="fused"),
+        "triton split": functools.partial(sat.stack_attention_triton, deterministic=False, backward="split"),
         "triton det": functools.partial(sat.stack_attention_triton, deterministic=True),
     }, {}
     if smoke:
@@ -312,6 +316,8 @@ def report(rows: list[dict], option_rows: list[dict], args, env: dict, absent: d
         "",
         *(f"- not run: {n}: {w}" for n, w in absent.items()),
         "",
+        f"The Triton backend's default backward (`DEFAULT_BACKWARD`) is `{args.default_backward}`.",
+        "",
         "TFLOP/s over the visible (query, key) pairs, the backward counted as 2.5x the forward. `bwd/fwd`: backward "
         "time over forward time (do_bench). `GPU ms`: the kernels' time per forward+backward (profiler). Errors: "
         "max |x - ref| / max |ref| against `stack_attention_reference` in float32, for "
@@ -356,6 +362,7 @@ def main() -> None:
     torch.manual_seed(0)
     start = time.time()
     fns, absent = implementations(sat, args.smoke, args.impls)
+    args.default_backward = sat.DEFAULT_BACKWARD
     rows, option_rows = [], []
     for case in cases([n for n in args.layouts.split(",") if n], 64 if args.smoke else 1):
         t0 = time.time()

@@ -6,12 +6,13 @@ per layout and head configuration.
 
 For each head configuration (``--head-configs``, ``Hq/Hkv``, head dim 128, bf16) and layout
 (``stack_attention_cases.py``): the time of ``_fwd_kernel``, ``_dq_kernel`` and
-``_dkdv_kernel`` (torch.profiler, one forward+backward) with each candidate
+``_dkdv_kernel`` of the split backward and the fused backward's ``_dkdv_kernel`` (which
+also adds dq: "fused") (torch.profiler, one forward+backward) with each candidate
 ``(inner tile, num_warps, num_stages)`` forced (``configs=``; a config that does not fit
-shared memory is reported as such), then the dK/dV kernel's time by
-``prefix_item_rows`` (query rows per prefix work item; ``auto``: chosen per call) with
-float atomics and in deterministic mode (ordered adds). Writes
-``triton_tuning_<gpu>.md`` with ``--out``.
+shared memory is reported as such; the first is the fixed default for plain calls),
+then the split dK/dV kernel's time by ``prefix_item_rows`` (query rows per prefix work
+item; ``auto``: chosen per call) with float atomics and in deterministic mode (ordered
+adds). Writes ``triton_tuning_<gpu>.md`` with ``--out``.
 """
 
 from __future__ import annotations
@@ -33,10 +34,13 @@ from stack_attention_cases import cases, environment, kernel_ms, stack_inputs, t
 # (inner tile, num_warps, num_stages) per kernel; the first is the fixed default
 CANDIDATES = {
     "fwd": [(128, 8, 3), (64, 8, 3), (64, 4, 3), (128, 8, 2)],
-    "dq": [(64, 8, 2), (32, 8, 3), (64, 8, 3), (128, 8, 2)],
-    "dkdv": [(32, 8, 2), (16, 8, 2), (64, 8, 2), (32, 8, 3)],
+    "dq": [(128, 8, 2), (64, 8, 3), (64, 8, 2), (32, 8, 3)],
+    "dkdv": [(64, 8, 2), (32, 8, 2), (32, 8, 3), (16, 8, 2)],
+    "fused": [(64, 8, 2), (32, 8, 2), (64, 8, 1), (32, 8, 3)],
 }
-KERNEL_NAMES = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel"}
+KERNEL_NAMES = {"fwd": "_fwd_kernel", "dq": "_dq_kernel", "dkdv": "_dkdv_kernel", "fused": "_dkdv_kernel"}
+# the backward that launches each kernel ("fused": the dK/dV kernel that also adds dq)
+BACKWARD = {"fwd": None, "dq": "split", "dkdv": "split", "fused": "fused"}
 ITEM_ROWS = [128, 256, 512, 1024, 4096, None]
 
 
@@ -44,7 +48,7 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--head-configs", default="32/8,12/2")
     p.add_argument("--layouts", default="grpo,agentic")
-    p.add_argument("--kernels", default="fwd,dq,dkdv")
+    p.add_argument("--kernels", default="fwd,dq,dkdv,fused")
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--out", default=None)
     return p.parse_args()
@@ -76,11 +80,11 @@ def sweep_case(sat, case, hq: int, hkv: int, kernels: list[str], device: str) ->
     for kernel in kernels:
         for config in CANDIDATES[kernel][: 2 if device == "cpu" else None]:
             row["configs"][(kernel, config)] = kernel_time(sat, case, stack, q, k, v, go, kernel,
-                                                           configs=((kernel, config),))
+                                                           configs=((kernel, config),), backward=BACKWARD[kernel])
     for rows in ITEM_ROWS:
         for det in (False, True):
             row["item_rows"][(rows, det)] = kernel_time(sat, case, stack, q, k, v, go, "dkdv", prefix_item_rows=rows,
-                                                        deterministic=det)
+                                                        deterministic=det, backward="split")
     return row
 
 
@@ -104,7 +108,7 @@ def report(results: dict, env: dict, kernels: list[str], seconds: float) -> str:
         lines = [[h, layout] + [cell(r["configs"].get((kernel, c), "-")) for c in CANDIDATES[kernel]]
                  for (h, layout), r in results.items()]
         out += table(header, lines)
-    out += ["", "## dK/dV kernel by prefix_item_rows (atomic / deterministic ms)", ""]
+    out += ["", "## dK/dV kernel (split backward) by prefix_item_rows (atomic / deterministic ms)", ""]
     header = ["heads", "layout"] + ["auto" if n is None else str(n) for n in ITEM_ROWS]
     lines = [[h, layout] + [f"{cell(r['item_rows'][(n, False)])} / {cell(r['item_rows'][(n, True)])}"
                             for n in ITEM_ROWS] for (h, layout), r in results.items()]

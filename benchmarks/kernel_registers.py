@@ -3,7 +3,8 @@
     python benchmarks/kernel_registers.py                 # default configs, every option set
     python benchmarks/kernel_registers.py --all-candidates
 
-Compiles each kernel of ``dtree.ops.stack_attention_triton`` for sm_90 through
+Compiles each kernel of ``dtree.ops.stack_attention_triton`` (``fused``: the dK/dV kernel
+with the fused backward's dq) for sm_90 through
 ``triton.compile`` (the PTX, then ``ptxas -v`` from Triton's bundled CUDA tools), with
 the argument attributes the JIT gives real calls (16-byte aligned pointers, strides
 divisible by 16), for bf16 head dims 64 and 128, the MLA shape 192/128, and fp32 64,
@@ -50,7 +51,7 @@ def compile_kernel(kernel: str, dtype: str, constexprs: dict, warps: int, stages
             signature[name] = "constexpr"
         elif name in INT_POINTERS:
             signature[name] = "*i32"
-        elif name in FP32_POINTERS:
+        elif name in FP32_POINTERS or (name == "DQ" and kernel in ("dkdv", "fused")):  # the fused dq accumulator
             signature[name] = "*fp32"
         elif name in FLOATS:
             signature[name] = "fp32"
@@ -81,7 +82,7 @@ def main() -> None:
     p.add_argument("--all-candidates", action="store_true", help="every autotuning candidate, not only the default")
     p.add_argument("--shapes", default="", help="comma-separated subset of dtype/Dk/Dv, e.g. bf16/128/128")
     p.add_argument("--options", default="", help="comma-separated subset of the option sets")
-    p.add_argument("--kernels", default="fwd,dq,dkdv")
+    p.add_argument("--kernels", default="fwd,dq,dkdv,fused")
     args = p.parse_args()
     shapes = [s for s in SHAPES if not args.shapes or f"{s[0]}/{s[1]}/{s[2]}" in args.shapes.split(",")]
     option_sets = {n: f for n, f in OPTION_SETS.items() if not args.options or n in args.options.split(",")}
@@ -100,7 +101,8 @@ def main() -> None:
                         "BLOCK_DV": triton.next_power_of_2(dv), "DOT_PREC": "ieee" if dtype == "fp32" else "tf32",
                         sat._TABLE_NAME[kernel]: table, sat._INNER_NAME[kernel]: inner,
                         **{f: flags.get(f, False) for f in sat._FLAGS[kernel]},
-                        **({"DETERMINISTIC": flags.get("DETERMINISTIC", False)} if kernel == "dkdv" else {}),
+                        **({"DETERMINISTIC": flags.get("DETERMINISTIC", False), "FUSED_DQ": kernel == "fused",
+                            "STACK_GRAD": True} if kernel in ("dkdv", "fused") else {}),
                     }
                     r = compile_kernel(kernel, dtype, constexprs, warps, stages)
                     print(f"| {dtype} | {dk}/{dv} | {table} | {options} | {kernel} | {inner}, {warps}, {stages} | "

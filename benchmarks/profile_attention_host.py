@@ -37,7 +37,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=2)
     p.add_argument("--layouts", default="grpo,agentic")
-    p.add_argument("--impls", default="triton,triton det,flash-attn,flash-attn det")
+    p.add_argument("--impls", default="triton fused,triton split,flash-attn,flash-attn det")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--out", default=None)
     return p.parse_args()

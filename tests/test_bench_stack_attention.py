@@ -30,7 +30,8 @@ def test_smoke_run_on_cpu(tmp_path):
     text = (tmp_path / "stack_attention_cpu_smoke.md").read_text()
     for case in ("## agentic", "window:", "softcap:", "sinks:"):
         assert case in text, text
-    for impl in ("triton", "triton det", "regions (torch)"):
+    assert "default backward (`DEFAULT_BACKWARD`) is `" in text, text
+    for impl in ("triton fused", "triton split", "triton det", "regions (torch)"):
         row = re.search(rf"^\| {re.escape(impl)} \|(.*)$", text, re.M).group(1).split("|")
         errors, bitwise = row[-3], row[-2].strip()
         assert max(float(e) for e in errors.split("/")) < 1e-5, text

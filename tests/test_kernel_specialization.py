@@ -60,10 +60,10 @@ def _keys(calls) -> dict[str, list]:
 
 
 def _stack_attention_calls(
-    monkeypatch, layout: SegmentLayout, used: int, options: AttentionOptions, deterministic: bool = False
+    monkeypatch, layout: SegmentLayout, used: int, options: AttentionOptions, deterministic: bool, backward: str
 ) -> list:
     calls: list = []
-    for name in ("fwd", "dq", "dkdv"):
+    for name in ("fwd", "dq", "dkdv", "fused"):
         monkeypatch.setitem(sat._KERNELS, name, _Recorder(sat._KERNELS[name], calls))
     monkeypatch.setattr(sat, "_delta_kernel", _Recorder(sat._delta_kernel, calls))
     t = int(layout.q_offsets[-1])
@@ -73,7 +73,7 @@ def _stack_attention_calls(
     q = torch.zeros(1, hq, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
     k = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
     v = torch.zeros(1, hkv, t, d, dtype=torch.bfloat16)[0].transpose(0, 1).requires_grad_()
-    tuning = sat._Tuning(deterministic=deterministic)
+    tuning = sat._Tuning(deterministic=deterministic, backward=backward)
     out = sat._StackAttention.apply(q, k, v, None, stack, 1, layout, d**-0.5, options, tuning)
     out.backward(torch.zeros_like(out))
     return calls
@@ -101,17 +101,22 @@ def _agentic(seed: int) -> tuple[SegmentLayout, int]:
 
 
 @pytest.mark.parametrize(
-    "options,deterministic", [(PLAIN, False), (AttentionOptions(window=4096), False), (PLAIN, True)],
-    ids=["plain", "window", "deterministic"],
+    "options,deterministic,backward",
+    [(PLAIN, False, "fused"), (AttentionOptions(window=4096), False, "fused"), (PLAIN, False, "split"),
+     (PLAIN, True, "split")],
+    ids=["plain", "window", "split", "deterministic"],
 )
-def test_stack_attention_kernels_compile_once(monkeypatch, options, deterministic):
+def test_stack_attention_kernels_compile_once(monkeypatch, options, deterministic, backward):
     layouts = [_grpo(2048, [512] * 8), _grpo(1999, [301, 77, 512, 9, 1000, 3, 40]), _agentic(0), _agentic(1)]
     keys: dict[str, list] = {}
     for layout, used in layouts:
-        calls = _stack_attention_calls(monkeypatch, layout, used, options, deterministic)
+        calls = _stack_attention_calls(monkeypatch, layout, used, options, deterministic, backward)
         for name, spec in _keys(calls).items():
             keys.setdefault(name, []).extend(spec)
-    assert set(keys) == {"_fwd_kernel", "_dkdv_kernel", "_dq_kernel"}  # dq stores delta: no delta launch
+    if backward == "split":  # dq stores delta: no delta launch
+        assert set(keys) == {"_fwd_kernel", "_dkdv_kernel", "_dq_kernel"}
+    else:  # the delta kernel zeroes the dq accumulator; the dK/dV kernel adds dq into it
+        assert set(keys) == {"_fwd_kernel", "_delta_kernel", "_dkdv_kernel"}
     for name, specs in keys.items():
         distinct = {repr(s) for s in specs}
         assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
@@ -133,3 +138,37 @@ def test_logprob_kernels_compile_once(monkeypatch):
     for name, specs in keys.items():
         distinct = {repr(s) for s in specs}
         assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_deterministic_calls_run_the_split_backward(monkeypatch, deterministic):
+    """``backward=None`` resolves to the split backward in deterministic mode (no float
+    atomics on dq) and to ``DEFAULT_BACKWARD`` otherwise."""
+    calls: list = []
+    for name in ("fwd", "dq", "dkdv", "fused"):
+        monkeypatch.setitem(sat._KERNELS, name, _Recorder(sat._KERNELS[name], calls))
+    monkeypatch.setattr(sat, "_delta_kernel", _Recorder(sat._delta_kernel, calls))
+    monkeypatch.setattr(sat, "require_triton", lambda device: None)  # records launches on CPU tensors
+    layout, used = _grpo(64, [16, 9])
+    stack = KVStack(1, used + 25, 1, 16, dtype=torch.bfloat16, device="cpu")
+    q, k, v = (torch.zeros(25, h, 16, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
+    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.25, deterministic=deterministic)
+    out.backward(torch.zeros_like(out))
+    launched = [kernel.fn.__name__ for kernel, _, kwargs in calls]
+    fused = [kwargs.get("FUSED_DQ") for kernel, _, kwargs in calls if kernel.fn.__name__ == "_dkdv_kernel"]
+    split = deterministic or sat.DEFAULT_BACKWARD == "split"
+    assert ("_dq_kernel" in launched) == split
+    assert fused == [not split]
+
+
+def test_lse_merge_kernel_compiles_once(monkeypatch):
+    """The flash-attn backend's merge: one variant whatever the call's region count and
+    length (the count, one more than the prefix levels, changes from call to call)."""
+    from dtree.ops import lse_merge_triton as lm
+
+    calls: list = []
+    monkeypatch.setattr(lm, "_lse_merge_kernel", _Recorder(lm._lse_merge_kernel, calls))
+    for c, t in [(2, 64), (3, 70), (7, 1001), (13, 4096), (16, 333)]:
+        lm.lse_merge_triton(torch.zeros(c, t, 12, 128, dtype=torch.bfloat16), torch.zeros(c, 12, t))
+    keys = _keys(calls)
+    assert len({repr(s) for s in keys["_lse_merge_kernel"]}) == 1

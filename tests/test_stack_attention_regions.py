@@ -287,6 +287,29 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(backend):
 
 
 @pytest.mark.gpu
+def test_gpu_flash_attn_replays_the_recorded_kernels(monkeypatch):
+    """After one interface call per call class, the flash-attn backend launches
+    flash-attn-4's compiled kernels itself (dtree/ops/flash4_replay.py): no interface
+    call, and results bitwise equal to the interface's (deterministic mode)."""
+    from dtree.ops import stack_attention_flash4 as sf
+
+    attn = functools.partial(_flash4(), deterministic=True)
+    calls = sf._calls()
+    monkeypatch.setattr(calls, "kernels", {})  # every class recorded anew here
+    layout, t = layout_of([700, 300, 513, 29], [[(0, 900)]] * 3 + [[(0, 50)]], 900)  # own, two levels
+    first = _grads_of_runs(attn, layout, t, 900, 8, 2, 128, runs=1)[0]
+    assert calls.kernels and all(k is not None for k in calls.kernels.values()), calls.kernels
+    called = []
+    for name in ("_flash_attn_fwd", "_flash_attn_bwd"):
+        monkeypatch.setattr(calls.fi, name, lambda *a, name=name, **k: called.append(name))
+    layout2, t2 = layout_of([700, 300, 513, 29], [[(0, 900)]] * 3 + [[(0, 50)]], 900)  # a fresh layout object
+    second = _grads_of_runs(attn, layout2, t2, 900, 8, 2, 128, runs=1)[0]
+    assert not called
+    for name, a, b in zip(["out", "dq", "dk", "dv", "stack dk", "stack dv"], first, second):
+        assert torch.equal(a, b), f"replayed {name} differs from the interface's"
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("option", ["plain", "all"])
 def test_gpu_triton_deterministic_flash_rule(option):
     from test_stack_attention_triton import GPU_OPTIONS

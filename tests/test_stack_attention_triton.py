@@ -105,32 +105,34 @@ def _check_against_float64(layout, t, used, hq, hkv, d, dv=None, **kw):
     return check_against_naive(_interpreted().stack_attention_triton, layout, t, used, hq, hkv, d, dv, **kw)
 
 
-def _tuned(tiles, prefix_item_rows):
-    """The interpreted kernel with the interpreter tiles ``TILES[tiles]`` and
-    ``prefix_item_rows`` query rows per prefix work item."""
+def _tuned(tiles, prefix_item_rows, backward=None):
+    """The interpreted kernel with the interpreter tiles ``TILES[tiles]``,
+    ``prefix_item_rows`` query rows per prefix work item and the ``backward`` scheme
+    (None: the default, "fused")."""
     sat = _interpreted()
     return functools.partial(
         sat.stack_attention_triton,
         interpreter_tiles=sat.InterpreterTiles(**TILES[tiles]),
         prefix_item_rows=prefix_item_rows,
+        backward=backward,
     )
 
 
-def _check_tuned(tiles, prefix_item_rows, layout, t, used, hq, hkv, d, **kw):
-    return check_against_naive(_tuned(tiles, prefix_item_rows), layout, t, used, hq, hkv, d, **kw)
+def _check_tuned(tiles, prefix_item_rows, layout, t, used, hq, hkv, d, backward=None, **kw):
+    return check_against_naive(_tuned(tiles, prefix_item_rows, backward), layout, t, used, hq, hkv, d, **kw)
 
 
-def _case_layout(name, tiles, prefix_item_rows):
+def _case_layout(name, tiles, prefix_item_rows, backward=None):
     layout, t = layout_of(*LAYOUTS[name])
-    _check_tuned(tiles, prefix_item_rows, layout, t, LAYOUTS[name][2], 2, 1, 24)
+    _check_tuned(tiles, prefix_item_rows, layout, t, LAYOUTS[name][2], 2, 1, 24, backward)
 
 
-def _case_options(option, name, tiles):
+def _case_options(option, name, tiles, backward=None):
     """Every option on the hand-built layouts (GQA 2, head dim 24), small prefix items
     so that windows cut items and tiles at many places."""
     layout, t = layout_of(*LAYOUTS[name])
     opts = OPTIONS[option](torch.Generator().manual_seed(1), 4)
-    _check_tuned(tiles, 20, layout, t, LAYOUTS[name][2], 4, 2, 24, options=opts)
+    _check_tuned(tiles, 20, layout, t, LAYOUTS[name][2], 4, 2, 24, backward, options=opts)
 
 
 def _case_value_heads_narrower(option):
@@ -177,11 +179,13 @@ def _case_existing_grads_strided_q():
     _check_against_float64(layout, t, 40, 4, 2, 24, grad_init=True, q_view=True)
 
 
-def _case_no_grad_buffers():
+def _case_no_grad_buffers(backward):
+    """A stack without gradient buffers: the prefix still counts for dq (the fused
+    backward runs its prefix items for dq alone)."""
     sat = _interpreted()
     layout, t = layout_of(*LAYOUTS["odd"])
     stack, q, k, v = make_problem(layout, t, 40, 4, 2, 24, with_grad=False)
-    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.2)
+    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.2, backward=backward)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     want = stack_attention_naive(qd, kd, vd, stack.k[0].double(), stack.v[0].double(), layout, 0.2)
@@ -267,6 +271,10 @@ def _case_errors():
         sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, prefix_item_rows=0)
     with pytest.raises(ValueError, match="interpreter_tiles.inner must be a power of two >= 16"):
         sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, interpreter_tiles=sat.InterpreterTiles(inner=24))
+    with pytest.raises(ValueError, match="backward must be one of"):
+        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, backward="atomic")
+    with pytest.raises(ValueError, match="deterministic calls take backward='split'"):
+        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, deterministic=True, backward="fused")
 
 
 def _worker_main():
@@ -323,13 +331,13 @@ def worker():
 
 
 @pytest.mark.parametrize(
-    "name,tiles",
-    [(name, "16/16") for name in LAYOUTS]
-    + [(name, tiles) for name in ("odd", "short_siblings") for tiles in ("32/16", "16/32")],
+    "name,tiles,backward",
+    [(name, "16/16", backward) for name in LAYOUTS for backward in ("fused", "split")]
+    + [(name, tiles, "fused") for name in ("odd", "short_siblings") for tiles in ("32/16", "16/32")],
 )
-def test_layouts_match_dense(worker, name, tiles):
+def test_layouts_match_dense(worker, name, tiles, backward):
     # few rows per prefix item: several items, hence atomic adds, per slot in one call
-    worker.run("layout", name=name, tiles=tiles, prefix_item_rows=24)
+    worker.run("layout", name=name, tiles=tiles, prefix_item_rows=24, backward=backward)
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -337,17 +345,19 @@ def test_random_layouts_match_dense(worker, seed):
     worker.run("random", seed=seed)
 
 
-OPTION_CASES = [(option, "odd", "16/16") for option in sorted(OPTIONS) if option != "plain"] + [
-    ("window", "short_siblings", "16/16"),
-    ("all", "short_siblings", "32/16"),
-    ("window", "chain", "16/16"),
-    ("all", "chain", "16/32"),
+OPTION_CASES = [(option, "odd", "16/16", "fused") for option in sorted(OPTIONS) if option != "plain"] + [
+    ("window", "short_siblings", "16/16", "fused"),
+    ("all", "short_siblings", "32/16", "fused"),
+    ("window", "chain", "16/16", "fused"),
+    ("all", "chain", "16/32", "fused"),
+    ("all", "odd", "16/16", "split"),
+    ("all", "short_siblings", "32/16", "split"),
 ]
 
 
-@pytest.mark.parametrize("option,name,tiles", OPTION_CASES)
-def test_options_match_naive(worker, option, name, tiles):
-    worker.run("options", option=option, name=name, tiles=tiles)
+@pytest.mark.parametrize("option,name,tiles,backward", OPTION_CASES)
+def test_options_match_naive(worker, option, name, tiles, backward):
+    worker.run("options", option=option, name=name, tiles=tiles, backward=backward)
 
 
 @pytest.mark.parametrize("option", ["all"])
@@ -368,8 +378,9 @@ def test_adds_into_existing_gradients_and_takes_strided_q(worker):
     worker.run("existing_grads_strided_q")
 
 
-def test_stack_without_gradient_buffers(worker):
-    worker.run("no_grad_buffers")
+@pytest.mark.parametrize("backward", ["fused", "split"])
+def test_stack_without_gradient_buffers(worker, backward):
+    worker.run("no_grad_buffers", backward=backward)
 
 
 def test_work_tables_cover_every_row_and_slot_once(worker):
@@ -485,13 +496,25 @@ GPU_CASES = [  # dtype, head dim, q heads, kv heads
 ]
 
 
+# the split backward (also the deterministic one, tested in test_stack_attention_regions)
+# on a GQA, an MQA and an fp32 case
+SPLIT_CASES = [GPU_CASES[i] for i in (0, 3, 5, 7)]
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype,d,hq,hkv", GPU_CASES, ids=lambda x: str(x).replace("torch.", ""))
-def test_gpu_flash_rule(dtype, d, hq, hkv):
+@pytest.mark.parametrize(
+    "dtype,d,hq,hkv,backward",
+    [(*c, "fused") for c in GPU_CASES] + [(*c, "split") for c in SPLIT_CASES],
+    ids=lambda x: str(x).replace("torch.", ""),
+)
+def test_gpu_flash_rule(dtype, d, hq, hkv, backward):
+    """Both backward schemes (dq added with atomics by the dK/dV kernel, or by a kernel
+    of its own), the stack's prefix dK/dV included."""
     from dtree.ops import stack_attention_triton as sat
 
+    attn = functools.partial(sat.stack_attention_triton, backward=backward)
     for name, layout, t, used in gpu_layouts(np.random.default_rng(d + hq)):
-        check_flash_rule(name, sat.stack_attention_triton, layout, t, used, hq, hkv, d, dtype)
+        check_flash_rule(name, attn, layout, t, used, hq, hkv, d, dtype)
 
 
 GPU_OPTIONS = {  # realistic magnitudes: Gemma2 caps at 50, GPT-OSS sinks ~N(0, 1), Bloom slopes 2^-k
@@ -509,17 +532,18 @@ GPU_OPTIONS = {  # realistic magnitudes: Gemma2 caps at 50, GPT-OSS sinks ~N(0, 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("option", sorted(GPU_OPTIONS))
+@pytest.mark.parametrize("option,backward", [(option, "fused") for option in sorted(GPU_OPTIONS)] + [("all", "split")])
 @pytest.mark.parametrize("dtype,d,dv", [(torch.bfloat16, 128, 128), (torch.bfloat16, 64, 64), (torch.bfloat16, 192, 128)],
                          ids=["bf16-128", "bf16-64", "bf16-mla192/128"])
-def test_gpu_options_flash_rule(option, dtype, d, dv):
+def test_gpu_options_flash_rule(option, backward, dtype, d, dv):
     """Softcap, sinks, ALiBi, windows (paths 4x the window in the chain) and all of
     them, by the flash rule; the MLA shapes of DeepSeek-V3 (192 / 128)."""
     from dtree.ops import stack_attention_triton as sat
 
+    attn = functools.partial(sat.stack_attention_triton, backward=backward)
     hq, hkv = 8, 2
     opts = GPU_OPTIONS[option](hq)
     chain, t = layout_of([1024], [[(0, 700), (700, 1024)]], 1024)  # depth 2048 = 8x the 256 window
     cases = [*gpu_layouts(np.random.default_rng(d + hq)), ("chain", chain, t, 1024)]
     for name, layout, t, used in cases:
-        check_flash_rule(name, sat.stack_attention_triton, layout, t, used, hq, hkv, d, dtype, dv=dv, options=opts)
+        check_flash_rule(name, attn, layout, t, used, hq, hkv, d, dtype, dv=dv, options=opts)

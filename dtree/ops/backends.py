@@ -27,7 +27,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Backend", "Target", "backend_names", "implementation", "resolve_backend"]
+__all__ = ["STACK_ATTENTION_PREFERS_FLASH_ATTN", "Backend", "Target", "backend_names", "implementation",
+           "resolve_backend"]
+
+# Whether "auto" stack attention on CUDA tries the flash-attn backend (flash-attn-4's
+# regions: Hopper or newer, flash-attn-4 installed, 16-bit) before Triton. The 64k
+# agentic step of H100 kernel session 4 decides (benchmarks/PERF_NOTES.md); the
+# prediction there keeps Triton.
+STACK_ATTENTION_PREFERS_FLASH_ATTN = False
 
 
 @dataclass(frozen=True)
@@ -91,7 +98,7 @@ _OPS: dict[str, _Op] = {
                 "flash-attn", "stack_attention_flash4:stack_attention_flash4", "stack_attention_flash4:flash4_unavailable"
             ),
         ],
-        {"cuda": ("triton", "sdpa"), "other": ("sdpa",)},
+        {"cuda": ("flash-attn",) * STACK_ATTENTION_PREFERS_FLASH_ATTN + ("triton", "sdpa"), "other": ("sdpa",)},
     ),
     "varlen_attention": _op(
         "varlen attention",

@@ -13,6 +13,11 @@ semaphore-ordered dQ (and GQA dK/dV) accumulation. The private entry points
 log-sum-exp, which the public ``flash_attn_varlen_func`` does not let a caller feed back;
 they are pinned with the ``flash`` extra (``flash-attn-4==4.0.0b36``).
 
+Host cost (:mod:`dtree.ops.flash4_replay`): the first call of each call class goes through
+those entry points, later ones launch the kernels they compiled directly; max lengths
+are bucketed so that fresh forests reuse the compiled kernels; the ``cu_seqlens`` /
+``seqused`` tables are 16-byte aligned, which the backward otherwise copies.
+
 Calls with attention options (softcap, sinks, ALiBi, a window) run the fused Triton
 kernel (:mod:`dtree.ops.stack_attention_triton`): the prefix level's query depths vary
 inside one varlen sequence, which flash-attn's position-based masks cannot express.
@@ -27,6 +32,7 @@ import torch
 from ..kv_stack import KVStack
 from .attention_options import AttentionOptions, check_stack_attention
 from .backends import Target
+from .flash4_replay import bucket_len
 from .segment_layout import SegmentLayout
 from .stack_attention_regions import RegionSeqs, stack_attention_regions
 
@@ -38,40 +44,38 @@ _INSTALL = "pip install 'dtree[flash]' (flash-attn-4, CuTe DSL wheels)"
 
 @functools.lru_cache(maxsize=None)
 def _flash4():
-    """flash-attn-4's ``(_flash_attn_fwd, _flash_attn_bwd)``, or the reason it cannot be imported."""
+    """flash-attn-4's launcher (:class:`dtree.ops.flash4_replay.Flash4Calls` over
+    ``flash_attn.cute.interface``), or the reason it cannot be imported."""
     try:
-        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd
-    except ImportError as e:  # also an older or newer package without these entry points
+        from flash_attn.cute import interface
+    except ImportError as e:
         return f"flash-attn-4 does not import ({e}); {_INSTALL}"
-    return _flash_attn_fwd, _flash_attn_bwd
+    missing = [name for name in ("_flash_attn_fwd", "_flash_attn_bwd") if not hasattr(interface, name)]
+    if missing:  # an older or newer package without these entry points
+        return f"flash-attn-4 lacks {', '.join(missing)} (the flash extra pins 4.0.0b36); {_INSTALL}"
+    from .flash4_replay import Flash4Calls
+
+    return Flash4Calls(interface)
 
 
-def _entry_points():
+def _calls():
     found = _flash4()
     if isinstance(found, str):
         raise RuntimeError(found)
     return found
 
 
-def _seq_args(seqs: RegionSeqs, layout: SegmentLayout, device: torch.device) -> dict:
-    t = seqs.device_tables(layout, device)
-    return {
-        "cu_seqlens_q": t["cu_q"], "cu_seqlens_k": t["cu_k"], "seqused_q": t.get("used_q"),
-        "seqused_k": t.get("used_k"), "max_seqlen_q": seqs.max_q, "max_seqlen_k": seqs.max_k,
-    }
-
-
 class _Flash4Regions:
     """:class:`dtree.ops.stack_attention_regions.RegionKernel` on flash-attn-4."""
 
     def forward(self, q, k, v, seqs, layout, scale, causal, out, lse) -> None:
-        fwd, _ = _entry_points()
-        fwd(q, k, v, softmax_scale=scale, causal=causal, out=out, lse=lse, **_seq_args(seqs, layout, q.device))
+        tables = seqs.device_tables(layout, q.device)
+        _calls().forward(q, k, v, tables, bucket_len(seqs.max_q), bucket_len(seqs.max_k), scale, causal, out, lse)
 
     def backward(self, q, k, v, out, dout, lse, seqs, layout, scale, causal, deterministic, dq, dk, dv) -> None:
-        _, bwd = _entry_points()
-        bwd(q, k, v, out, dout, lse, scale, causal, deterministic=deterministic, dq=dq, dk=dk, dv=dv,
-            **_seq_args(seqs, layout, q.device))
+        tables = seqs.device_tables(layout, q.device)
+        _calls().backward(q, k, v, out, dout, lse, tables, bucket_len(seqs.max_q), bucket_len(seqs.max_k), scale,
+                          causal, deterministic, dq, dk, dv)
 
     def merge(self, outs, lses):
         from .lse_merge_triton import lse_merge_triton

@@ -74,18 +74,20 @@ class RegionSeqs:
 
     def device_tables(self, layout: SegmentLayout, device: torch.device) -> dict[str, torch.Tensor]:
         """int32 ``cu_q [B+1]``, ``cu_k [B+1]`` and, when ragged, ``used_q [B]``,
-        ``used_k [B]`` (one upload, cached on ``layout``)."""
+        ``used_k [B]`` (one upload, cached on ``layout``). Each table starts on a 16-byte
+        boundary: flash-attn-4's backward copies a misaligned one on every call."""
 
         def build():
             cu_q = np.r_[self.q_start, self.q_start[-1] + self.q_len[-1]]
             cu_k = np.r_[self.k_start, self.k_start[-1] + self.k_len[-1]]
+            names = ["cu_q", "cu_k"] + (["used_q", "used_k"] if self.ragged else [])
             parts = [cu_q, cu_k] + ([self.q_len, self.k_len] if self.ragged else [])
-            t = upload(np.concatenate(parts).astype(np.int32), device)
-            b = len(self.q_start)
-            out = {"cu_q": t[: b + 1], "cu_k": t[b + 1 : 2 * b + 2]}
-            if self.ragged:
-                out["used_q"], out["used_k"] = t[2 * b + 2 : 3 * b + 2], t[3 * b + 2 :]
-            return out
+            starts = np.cumsum([0] + [-(-len(p) // 4) * 4 for p in parts])  # 4 int32 = 16 bytes
+            packed = np.zeros(int(starts[-1]), dtype=np.int32)
+            for p, start in zip(parts, starts):
+                packed[start : start + len(p)] = p
+            t = upload(packed, device)
+            return {name: t[start : start + len(p)] for name, p, start in zip(names, parts, starts)}
 
         return layout.cached(("regions", self.key, device), build)
 

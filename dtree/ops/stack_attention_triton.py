@@ -23,14 +23,22 @@ cross-segment blocks and the diagonal pay for masking. Saves ``q, k, v, out`` an
 base-2 log-sum-exp ``lse`` (fp32, ``[Hq, T]``), never a copy of the prefix: the
 ancestors stay on the stack until this call's backward has run.
 
-*Backward*: (1) a query-centric kernel for ``dq`` with the forward's iteration
-structure, which also stores ``delta = rowsum(dO * O)`` of its rows (no launch of its
-own); (2) a KV-centric kernel, one program per (work item, kv head), looping over the
-q heads of its GQA group and over the query rows that see its keys; a work item is
+*Backward*: a KV-centric kernel, one program per (work item, kv head), looping over
+the q heads of its GQA group and over the query rows that see its keys; a work item is
 either an own key block (dK/dV stored with plain stores; every own row belongs to
 exactly one item) or a prefix chunk of at most ``BLOCK_N`` stack slots inside one
 ``BLOCK_N``-slot cell of the stack together with at most ``prefix_item_rows`` query
-rows of the run (its dK/dV are added into the fp32 stack gradient).
+rows of the run (its dK/dV are added into the fp32 stack gradient). ``dq`` comes one
+of two ways (``backward=``):
+
+* ``"fused"`` (the default; FlashAttention-2's scheme): each row tile of the dK/dV
+  kernel also adds its ``ds @ k`` into an fp32 accumulator with float atomics (zeroed
+  by the small kernel that computes ``delta = rowsum(dO * O)`` first), cast to the
+  input dtype at the end: 5 matmuls per visible (row, key) pair.
+* ``"split"`` (always in deterministic mode: atomics add in a varying order): a
+  query-centric kernel for ``dq`` with the forward's iteration structure, launched
+  first, which also stores ``delta`` of its rows; it computes ``QK^T`` and ``dO V^T``
+  again, 7 matmuls per pair, but writes ``dq`` once with plain stores.
 
 *Prefix dK/dV: atomics, or ordered adds (``deterministic``).* A stack slot receives
 one add per prefix work item covering it: ``ceil(run_rows / prefix_item_rows)`` per
@@ -44,7 +52,8 @@ tile is held in registers: a load-add-store version spilled 300 bytes at head di
 prefix items are laid out split-major (every chunk's first row split, then the
 second...), so the items of one cell sit apart in the cost-sorted table and rarely
 wait. Measured on an H100 (``results/h100/kernel_session2``): the dK/dV kernel
-+1-4% against the atomics; own dK/dV and dq are deterministic in both modes. A
++1-4% against the atomics; own dK/dV and the split backward's dq are deterministic
+in both modes. A
 segmented reduction (partial tiles to scratch, summed per slot by a second launch)
 would cost scratch of (prefix items x BLOCK_N x Hkv x D x 2) fp32 per layer (67 MB for
 8 x 512 answers under a 2048-token prompt with 8 kv heads of dim 128) and a write
@@ -123,7 +132,10 @@ except ImportError as e:  # the runtime's "auto" backend catches this and falls 
         "(or pip install 'dtree[triton]'); attention='sdpa' works without it"
     ) from e
 
-__all__ = ["DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton", "stack_attention_triton"]
+__all__ = [
+    "BACKWARDS", "DEFAULT_BACKWARD", "DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton",
+    "stack_attention_triton",
+]
 
 # Read once, like triton.jit does when it decorates the kernels below.
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -161,6 +173,15 @@ _LOG2E = 1.4426950408889634
 # module docstring).
 PREFIX_ITEM_ROWS = 1024
 
+# The backward schemes (``backward=``): "fused" adds dq from the dK/dV kernel with
+# float atomics (5 matmuls per visible pair), "split" runs a dq kernel of its own (7
+# matmuls, no float atomics on dq). Deterministic calls always run "split".
+BACKWARDS = ("fused", "split")
+# The scheme of calls that name none (and are not deterministic). Predicted faster on
+# an H100 (benchmarks/PERF_NOTES.md, issue 17 kernel session 4); kernel_session.sh
+# times both, and this line follows the measurement.
+DEFAULT_BACKWARD = "fused"
+
 
 @dataclass(frozen=True)
 class InterpreterTiles:
@@ -177,12 +198,14 @@ class InterpreterTiles:
 class _Tuning:
     """The knobs of one call, for the autograd function. ``prefix_item_rows`` None:
     :func:`_auto_item_rows`. ``configs``: ``((kernel, (inner, warps, stages)), ...)``
-    forced instead of the fixed candidates (benchmarks sweep them)."""
+    forced instead of the fixed candidates (benchmarks sweep them). ``backward``: one of
+    :data:`BACKWARDS`, already resolved."""
 
     prefix_item_rows: int | None = None
     interpreter_tiles: InterpreterTiles = InterpreterTiles()
     deterministic: bool = False
     configs: tuple = ()
+    backward: str = "split"
 
 # Work item kinds of the dK/dV kernel.
 _OWN, _PREFIX = 0, 1
@@ -434,10 +457,13 @@ def _fwd_kernel(
 
 @triton.jit(do_not_specialize=["T"])
 def _delta_kernel(
-    O, DO, DELTA, stride_ot, stride_oh, stride_dot, stride_doh, T,
-    V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    O, DO, DELTA, DQ_ACC, stride_ot, stride_oh, stride_dot, stride_doh, stride_dqt, stride_dqh, T,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr, ZERO_DQ: tl.constexpr,
 ):
-    """delta[h, r] = sum_d O[r, h, d] * dO[r, h, d] in fp32. Grid (cdiv(T, BLOCK_M), Hq)."""
+    """delta[h, r] = sum_d O[r, h, d] * dO[r, h, d] in fp32. Grid (cdiv(T, BLOCK_M), Hq).
+    ZERO_DQ: also zero the fp32 dq accumulator ``DQ_ACC [T, Hq, HEAD_DIM]`` of the fused
+    backward (its rows are visited here anyway: no memset launch of its own)."""
     head = tl.program_id(1).to(tl.int64)
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < T
@@ -445,17 +471,24 @@ def _delta_kernel(
     o = _load_tile(O + head * stride_oh, rows, stride_ot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     tl.store(DELTA + head * T + rows, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=row_ok)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, BLOCK_D)
+        _store_tile(DQ_ACC + head * stride_dqh, rows, stride_dqt, row_ok, offs_d,
+                    tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32), HEAD_DIM)
 
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, Q, DO, LSE, DELTA, head, rows, row_ok, cols, col_seg_end, dist_t, masked,
-    stride_qt, stride_qh, stride_dot, stride_doh, T, offs_d, offs_dv, qk_scale, cap_in, cap_out, slope, window,
+    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, head, rows, row_ok, cols, col_ok, col_seg_end, is_prefix, dist_t, masked,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale,
+    cap_in, cap_out, slope, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
     """dK/dV (transposed: keys x rows) of one row tile of query head ``head``.
-    ``col_seg_end`` is 0 for prefix keys, whose mask is only the window."""
+    ``col_seg_end`` is 0 for prefix keys, whose mask is only the window. FUSED_DQ: also
+    add this tile's dq (ds @ k, scaled) into the fp32 accumulator ``DQ`` with atomics."""
     q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
     do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
@@ -467,7 +500,15 @@ def _dkdv_tile(
         visible = (rows[None, :] >= cols[:, None]) & (rows[None, :] < col_seg_end[:, None])
         # prefix items (col_seg_end 0) are masked only for a window or ALiBi's last tile;
         # the plain kernel keeps the two terms out of its registers
-        if HAS_WINDOW:
+        if FUSED_DQ:
+            # dq reads every key column of the tile: columns past the item's keys (k = 0,
+            # so p = exp2(-lse) there, which may overflow: inf * 0 in ds @ k) must be 0
+            visible = (visible | is_prefix) & col_ok[:, None]
+            if HAS_WINDOW:
+                visible = visible & row_ok[None, :] & (dist_t < window)
+            elif HAS_ALIBI:
+                visible = visible & row_ok[None, :]
+        elif HAS_WINDOW:
             visible = (visible | (col_seg_end[:, None] == 0)) & row_ok[None, :] & (dist_t < window)
         elif HAS_ALIBI:
             visible = (visible | (col_seg_end[:, None] == 0)) & row_ok[None, :]
@@ -477,20 +518,26 @@ def _dkdv_tile(
     ds_t = p_t * (dp_t - delta[None, :])
     if HAS_SOFTCAP:
         ds_t = ds_t * (1.0 - t_t * t_t)
-    dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PREC)
+    ds_t = ds_t.to(q.dtype)
+    dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
+    if FUSED_DQ:
+        dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)
+        dq_ptrs = DQ + head * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :]
+        tl.atomic_add(dq_ptrs, dq * sm_scale, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["T", "window", "ITEMS", "SEG_START", "SEG_END"])
 def _dkdv_kernel(
-    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES, TICKETS,
+    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, DQ, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES, TICKETS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_gkt, stride_gkh, stride_gvt,
-    stride_gvh,
+    stride_gvh, stride_dqt, stride_dqh,
     T, qk_scale, sm_scale, cap_in, cap_out, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, DETERMINISTIC: tl.constexpr,
+    FUSED_DQ: tl.constexpr, STACK_GRAD: tl.constexpr,
 ):
     """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1, kshift, plen, turn):
     keys ``[c0, c1)`` (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV``
@@ -498,6 +545,14 @@ def _dkdv_kernel(
     ``[q0, q1)`` that may see them (of a run with ``plen`` prefix slots). Own items store
     dK/dV into ``DK, DV``; prefix items add them into ``GK, GV`` with atomics. dK/dV
     are accumulated transposed (keys x rows), as in FlashAttention-2.
+
+    FUSED_DQ (the fused backward): every row tile also adds its dq = ds @ k into the
+    fp32 accumulator ``DQ [T, Hq, HEAD_DIM]`` (zeroed by the delta kernel) with float
+    atomics, as FlashAttention-2 does: 5 matmuls per (row, key) pair in one kernel
+    instead of the split backward's 4 here and 3 in the dq kernel, whose QK^T and
+    dO V^T are this kernel's again. Every tile with fewer than BLOCK_N keys is masked
+    then (see :func:`_dkdv_tile`). Without STACK_GRAD (a stack without gradient
+    buffers) the prefix items run only for their dq.
 
     DETERMINISTIC: the prefix items of one stack cell add one at a time, in their
     ``turn`` (0, 1, ... in work-table order): each waits until the cell's ticket in
@@ -551,6 +606,7 @@ def _dkdv_kernel(
     fb = tl.where(is_prefix, q1, tl.maximum(fa, c0 + (fb_end - c0) // BLOCK_M * BLOCK_M))
     k_first = c0 + kshift
     k_last = c1 - 1 + kshift
+    partial = c1 - c0 < BLOCK_N  # fused: masked tiles (unused otherwise)
 
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
@@ -566,6 +622,8 @@ def _dkdv_kernel(
             qpos = tl.where(is_prefix, plen + rows - row_seg_start, rows)
             dist_t = qpos[None, :] - kpos[:, None]
             masked = (start < fa) | (start >= fb)
+            if FUSED_DQ:
+                masked = masked | partial
             if HAS_ALIBI:
                 masked = masked | (start + BLOCK_M > q1)
             if HAS_WINDOW:
@@ -574,36 +632,50 @@ def _dkdv_kernel(
                 q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 30)), 0)
                 masked = masked | (q_hi - k_first >= window)
                 if q_lo - k_last < window:  # some row of the tile sees some key
-                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, head, rows, row_ok, cols, col_seg_end, dist_t,
-                                        masked, stride_qt, stride_qh, stride_dot, stride_doh, T, offs_d, offs_dv,
-                                        qk_scale, cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
-                                        DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, head, rows, row_ok, cols, col_ok,
+                                        col_seg_end, is_prefix, dist_t, masked, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale,
+                                        cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                        DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW, FUSED_DQ)
             else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, head, rows, row_ok, cols, col_seg_end, dist_t,
-                                    masked, stride_qt, stride_qh, stride_dot, stride_doh, T, offs_d, offs_dv,
-                                    qk_scale, cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
-                                    DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, head, rows, row_ok, cols, col_ok, col_seg_end,
+                                    is_prefix, dist_t, masked, stride_qt, stride_qh, stride_dot, stride_doh,
+                                    stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale, cap_in, cap_out,
+                                    slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, DOT_PREC, HAS_SOFTCAP,
+                                    HAS_ALIBI, HAS_WINDOW, FUSED_DQ)
     dk = dk * sm_scale
 
     if is_prefix:
-        # Other runs of this call, and later calls' descendants, add into the same slots.
-        gk_offs = cols.to(tl.int64)[:, None] * stride_gkt + kv_head * stride_gkh + offs_d[None, :]
-        gv_offs = cols.to(tl.int64)[:, None] * stride_gvt + kv_head * stride_gvh + offs_dv[None, :]
-        gk_mask = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
-        gv_mask = col_ok[:, None] & (offs_dv < V_DIM)[None, :]
-        if DETERMINISTIC:  # wait for this item's turn among the prefix items of its stack cell
-            ticket = TICKETS + (c0 // BLOCK_N) * tl.num_programs(1) + kv_head
-            turn = tl.load(ITEMS + 8 * item + 7)
-            while tl.atomic_cas(ticket, turn, turn, sem="acquire") != turn:
-                pass
-        tl.atomic_add(GK + gk_offs, dk.to(GK.dtype.element_ty), mask=gk_mask, sem="relaxed")
-        tl.atomic_add(GV + gv_offs, dv.to(GV.dtype.element_ty), mask=gv_mask, sem="relaxed")
-        if DETERMINISTIC:
-            tl.debug_barrier()  # every thread's adds are issued before the ticket moves on
-            tl.atomic_xchg(ticket, turn + 1, sem="release")
+        if STACK_GRAD:
+            _add_prefix_grads(GK, GV, TICKETS, ITEMS, item, c0, cols, col_ok, kv_head, offs_d, offs_dv, dk, dv,
+                              stride_gkt, stride_gkh, stride_gvt, stride_gvh, HEAD_DIM, V_DIM, BLOCK_N, DETERMINISTIC)
     else:
         _store_tile(DK + kv_head * stride_dkh, cols, stride_dkt, col_ok, offs_d, dk, HEAD_DIM)
         _store_tile(DV + kv_head * stride_dvh, cols, stride_dvt, col_ok, offs_dv, dv, V_DIM)
+
+
+@triton.jit
+def _add_prefix_grads(
+    GK, GV, TICKETS, ITEMS, item, c0, cols, col_ok, kv_head, offs_d, offs_dv, dk, dv,
+    stride_gkt, stride_gkh, stride_gvt, stride_gvh,
+    HEAD_DIM: tl.constexpr, V_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DETERMINISTIC: tl.constexpr,
+):
+    """Add a prefix item's dK/dV into the stack's fp32 gradients (see :func:`_dkdv_kernel`)."""
+    # Other runs of this call, and later calls' descendants, add into the same slots.
+    gk_offs = cols.to(tl.int64)[:, None] * stride_gkt + kv_head * stride_gkh + offs_d[None, :]
+    gv_offs = cols.to(tl.int64)[:, None] * stride_gvt + kv_head * stride_gvh + offs_dv[None, :]
+    gk_mask = col_ok[:, None] & (offs_d < HEAD_DIM)[None, :]
+    gv_mask = col_ok[:, None] & (offs_dv < V_DIM)[None, :]
+    if DETERMINISTIC:  # wait for this item's turn among the prefix items of its stack cell
+        ticket = TICKETS + (c0 // BLOCK_N) * tl.num_programs(1) + kv_head
+        turn = tl.load(ITEMS + 8 * item + 7)
+        while tl.atomic_cas(ticket, turn, turn, sem="acquire") != turn:
+            pass
+    tl.atomic_add(GK + gk_offs, dk.to(GK.dtype.element_ty), mask=gk_mask, sem="relaxed")
+    tl.atomic_add(GV + gv_offs, dv.to(GV.dtype.element_ty), mask=gv_mask, sem="relaxed")
+    if DETERMINISTIC:
+        tl.debug_barrier()  # every thread's adds are issued before the ticket moves on
+        tl.atomic_xchg(ticket, turn + 1, sem="release")
 
 
 @triton.jit
@@ -722,6 +794,12 @@ def _dq_kernel(
 # the smaller step's extra passes over the keys); with softcap or ALiBi they would
 # spill 340-620 bytes, so those calls keep the candidates below (dq's 64-key step with
 # 3 stages, no spill with every option, came second in the sweep).
+#
+# The fused backward's dK/dV kernel ("fused": FUSED_DQ, not yet timed on a GPU) takes the
+# dK/dV candidates, and the same 64-row step first for plain calls (ptxas, sm_90, head
+# dim 128: 255 registers and 220 bytes of spill, against 192 for the split one); the
+# 32-row step spills nothing (238 registers) but its dq product, 32 rows tall, is below
+# the warpgroup MMA's 64 and runs on mma.sync. bench_triton_tuning.py times both.
 _CANDIDATES = {
     ("fwd", 128): [(128, 8, 3), (64, 8, 3), (64, 8, 2), (32, 8, 2)],
     ("fwd", 64): [(64, 8, 2), (64, 4, 3), (32, 8, 2), (32, 4, 2)],
@@ -729,18 +807,23 @@ _CANDIDATES = {
     ("dq", 64): [(32, 8, 2), (32, 4, 3), (64, 4, 3), (32, 4, 2)],
     ("dkdv", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
     ("dkdv", 64): [(16, 8, 2), (16, 4, 2), (16, 4, 3), (32, 8, 2)],
+    ("fused", 128): [(32, 8, 2), (16, 8, 2), (16, 8, 3)],
+    ("fused", 64): [(16, 8, 2), (16, 4, 2), (16, 4, 3), (32, 8, 2)],
 }
-_PLAIN_FIRST = {("dq", 128): (128, 8, 2), ("dkdv", 128): (64, 8, 2)}
-_INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M"}
-_TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N"}
+_PLAIN_FIRST = {("dq", 128): (128, 8, 2), ("dkdv", 128): (64, 8, 2), ("fused", 128): (64, 8, 2)}
+_INNER_NAME = {"fwd": "BLOCK_N", "dq": "BLOCK_N", "dkdv": "BLOCK_M", "fused": "BLOCK_M"}
+_TABLE_NAME = {"fwd": "BLOCK_M", "dq": "BLOCK_M", "dkdv": "BLOCK_N", "fused": "BLOCK_N"}
 _FLAGS = {
     "fwd": ["HAS_SOFTCAP", "HAS_SINKS", "HAS_ALIBI", "HAS_WINDOW"],
     "dq": ["HAS_SOFTCAP", "HAS_ALIBI", "HAS_WINDOW"],
     "dkdv": ["HAS_SOFTCAP", "HAS_ALIBI", "HAS_WINDOW"],
+    "fused": ["HAS_SOFTCAP", "HAS_ALIBI", "HAS_WINDOW"],
 }
 
 
-_KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel}
+_KEYED_FLAGS = ("DETERMINISTIC", "STACK_GRAD")  # besides HAS_*: constexprs that change the config that fits
+# "fused" is the dK/dV kernel with FUSED_DQ (the fused backward), tuned on its own
+_KERNELS = {"fwd": _fwd_kernel, "dq": _dq_kernel, "dkdv": _dkdv_kernel, "fused": _dkdv_kernel}
 # (kernel, table tile, dtype, device, head dims, group, flags) -> index of the first
 # candidate that launched, so the fall-through below runs once per key
 _FITTING: dict = {}
@@ -771,7 +854,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
         inner, warps, stages = forced
         _KERNELS[kernel][grid](*args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
         return
-    flags = tuple(sorted((f, v) for f, v in meta.items() if f.startswith("HAS_") or f == "DETERMINISTIC"))
+    flags = tuple(sorted((f, v) for f, v in meta.items() if f.startswith("HAS_") or f in _KEYED_FLAGS))
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"], *flags)
     transform = meta.get("HAS_SOFTCAP", False) or meta.get("HAS_ALIBI", False)
     candidates = _fixed_candidates(kernel, table, dtype, transform)
@@ -1084,22 +1167,35 @@ class _StackAttention(torch.autograd.Function):
         t, hq, _ = q.shape
         opts = _Options(ctx.options, ctx.scale, lse)
         delta = torch.empty((hq, t), dtype=torch.float32, device=q.device)
-        dq = None
-        if ctx.needs_input_grad[0]:  # the dq kernel also stores delta
+        dq = dq_acc = None
+        if ctx.needs_input_grad[0] and ctx.tuning.backward == "split":  # the dq kernel also stores delta
             dq = _backward_dq(ctx, q, k, v, out, do, lse, delta, opts)
         else:
-            meta = _common_meta(q, k, v)
-            _delta_kernel[(triton.cdiv(t, 64), hq)](
-                out, do, delta, out.stride(0), out.stride(1), do.stride(0), do.stride(1), t,
-                V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"], BLOCK_M=64,
-            )
-        dk, dv = _backward_dkdv(ctx, q, k, v, do, lse, delta, opts)
+            if ctx.needs_input_grad[0]:  # fused: the dK/dV kernel adds dq into dq_acc, which the delta kernel zeroes
+                dq_acc = torch.empty(q.shape, dtype=torch.float32, device=q.device)
+            _delta(q, k, v, out, do, delta, dq_acc)
+        dk, dv = _backward_dkdv(ctx, q, k, v, do, lse, delta, opts, dq_acc)
+        if dq_acc is not None:
+            dq = dq_acc.to(q.dtype)
         dsinks = None
         if sinks is not None and ctx.needs_input_grad[3]:
             # d out_r / d sink = -p_sink(r) * out_r, so dL/dsink = -sum_r p_sink(r) * delta_r
             p_sink = torch.exp2(opts.sinks2[:, None] - lse)
             dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+
+def _delta(q, k, v, out, do, delta, dq_acc: torch.Tensor | None) -> None:
+    """``delta`` [Hq, T] of the backward; zeroes ``dq_acc`` [T, Hq, Dk] (fp32) unless None."""
+    t, hq, _ = q.shape
+    meta = _common_meta(q, k, v)
+    acc = delta if dq_acc is None else dq_acc  # unread without ZERO_DQ: any fp32 tensor
+    strides = (0, 0) if dq_acc is None else (dq_acc.stride(0), dq_acc.stride(1))
+    _delta_kernel[(triton.cdiv(t, 64), hq)](
+        out, do, delta, acc, out.stride(0), out.stride(1), do.stride(0), do.stride(1), *strides, t,
+        HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"],
+        BLOCK_M=64, ZERO_DQ=dq_acc is not None,
+    )
 
 
 def _backward_dq(ctx, q, k, v, out, do, lse, delta, opts: _Options) -> torch.Tensor:
@@ -1125,16 +1221,20 @@ def _backward_dq(ctx, q, k, v, out, do, lse, delta, opts: _Options) -> torch.Ten
     return dq
 
 
-def _backward_dkdv(ctx, q, k, v, do, lse, delta, opts: _Options) -> tuple[torch.Tensor, torch.Tensor]:
-    """The own dk, dv of :class:`_StackAttention`; adds the prefix dK/dV into the stack."""
+def _backward_dkdv(
+    ctx, q, k, v, do, lse, delta, opts: _Options, dq_acc: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The own dk, dv of :class:`_StackAttention`; adds the prefix dK/dV into the stack,
+    and, unless ``dq_acc`` is None (the fused backward), dq into ``dq_acc``."""
     stack, layer, layout, tuning = ctx.stack, ctx.layer, ctx.layout, ctx.tuning
     _, block_n = ctx.blocks
     device, hkv = q.device, k.shape[1]
     sk, sv = stack.k[layer], stack.v[layer]
-    with_prefix = stack.has_grad
-    if with_prefix:
+    fused, stack_grad = dq_acc is not None, stack.has_grad
+    with_prefix = stack_grad or fused  # prefix items: for the stack's dK/dV, or for dq
+    if stack_grad:
         gk, gv = stack.grad_k[layer], stack.grad_v[layer]
-    else:  # no prefix items are launched; any fp32 tensors stand in for the pointers
+    else:  # nothing is added into the stack; any fp32 tensors stand in for the pointers
         gk = torch.empty((1, hkv, k.shape[-1]), dtype=torch.float32, device=device)
         gv = torch.empty((1, hkv, v.shape[-1]), dtype=torch.float32, device=device)
     seg_start, seg_end = _row_tables(layout, device)
@@ -1145,23 +1245,25 @@ def _backward_dkdv(ctx, q, k, v, do, lse, delta, opts: _Options) -> tuple[torch.
         lambda: _auto_item_rows(_runs(layout), block_n, hkv, _sm_count(device)),
     )
     items = _kv_items(layout, device, block_n, with_prefix, ctx.options.window, item_rows)
-    deterministic = tuning.deterministic and with_prefix
+    deterministic = tuning.deterministic and stack_grad
     # one ticket per stack cell of BLOCK_N slots and kv head, zero at launch
     if deterministic:
         cells = max(1, -(-_runs(layout)["slots_end"] // block_n))
         tickets = torch.zeros((cells, hkv), dtype=torch.int32, device=device)
     else:  # unread: any int32 tensor
         tickets = items
+    dq_ptr = dq_acc if fused else gk  # unread without FUSED_DQ: any fp32 tensor
     args = (
-        q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, items, seg_start, seg_end, opts.slopes2, tickets,
+        q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, dq_ptr, items, seg_start, seg_end, opts.slopes2, tickets,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1),
+        gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1), dq_ptr.stride(0), dq_ptr.stride(1),
         q.shape[0], opts.qk_scale, ctx.scale, opts.cap_in, opts.cap_out, opts.window,
     )
-    meta = {"BLOCK_N": block_n, **_common_meta(q, k, v), **opts.flags_for("dkdv"), "DETERMINISTIC": deterministic}
-    _launch("dkdv", block_n, q.dtype, (items.shape[0], hkv), args, meta, tuning)
+    meta = {"BLOCK_N": block_n, **_common_meta(q, k, v), **opts.flags_for("dkdv"), "DETERMINISTIC": deterministic,
+            "FUSED_DQ": fused, "STACK_GRAD": stack_grad or not fused}  # split: one variant (no prefix items without)
+    _launch("fused" if fused else "dkdv", block_n, q.dtype, (items.shape[0], hkv), args, meta, tuning)
     return dk, dv
 
 
@@ -1206,6 +1308,13 @@ def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: 
 
 
 def _check_tuning(tuning: _Tuning) -> None:
+    if tuning.backward not in BACKWARDS:
+        raise ValueError(f"backward must be one of {BACKWARDS} (or None), got {tuning.backward!r}")
+    if tuning.backward == "fused" and tuning.deterministic:
+        raise ValueError(
+            "backward='fused' adds dq with float atomics, whose order varies between runs; deterministic "
+            "calls take backward='split' (or None)"
+        )
     rows = tuning.prefix_item_rows
     if rows is not None and (isinstance(rows, bool) or not isinstance(rows, int) or rows < 1):
         raise ValueError(f"prefix_item_rows must be an int >= 1 (or None: chosen per call), got {rows!r}")
@@ -1235,6 +1344,7 @@ def stack_attention_triton(
     prefix_item_rows: int | None = None,
     interpreter_tiles: InterpreterTiles = InterpreterTiles(),
     configs: tuple = (),
+    backward: str | None = None,
 ) -> torch.Tensor:
     """Fused attention of all packed segments over (stack prefix + own K/V).
 
@@ -1258,7 +1368,10 @@ def stack_attention_triton(
             docstring; None: chosen per call for the GPU's SMs; tests and benchmarks vary it).
         interpreter_tiles: the tiles under the Triton interpreter (tests vary them).
         configs: ``((kernel, (inner, num_warps, num_stages)), ...)`` forced for "fwd",
-            "dq", "dkdv" instead of the fixed ones (benchmarks sweep them).
+            "dq", "dkdv", "fused" instead of the fixed ones (benchmarks sweep them).
+        backward: "fused" (dq added by the dK/dV kernel with float atomics) or "split"
+            (a dq kernel of its own); None: "split" when deterministic, else
+            :data:`DEFAULT_BACKWARD`. "fused" with ``deterministic`` raises.
 
     Returns:
         [T, q_heads, Dv] in ``q.dtype``. Backward returns dq, dk, dv, dsinks and adds
@@ -1268,6 +1381,8 @@ def stack_attention_triton(
     _check(q, k, v, stack, layer, layout, options)
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
-    tuning = _Tuning(prefix_item_rows, interpreter_tiles, bool(deterministic), tuple(configs))
+    if backward is None:
+        backward = "split" if deterministic else DEFAULT_BACKWARD
+    tuning = _Tuning(prefix_item_rows, interpreter_tiles, bool(deterministic), tuple(configs), backward)
     _check_tuning(tuning)
     return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options, tuning)
