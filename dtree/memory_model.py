@@ -35,6 +35,8 @@ from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
 from .models.protocol import ModelSpec
 from .schedule import FORWARD, Schedule
 
+SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
+
 __all__ = [
     "StepShape", "head_bytes", "layer_activation_bytes", "layer_input_bytes", "peak_of", "simulate_peak",
     "stack_slot_bytes",
@@ -134,7 +136,10 @@ def simulate_peak(
 
 def call_count(unique: int, group_tokens: int) -> float:
     """Model calls a schedule makes for ``unique`` tokens at a budget (groups are not
-    full: 1.25x the ideal count, plus the group that holds the trunk)."""
+    full: 1.25x the ideal count, plus the group that holds the trunk); a budget of 0 (one
+    segment per call) counts as the policy's small call."""
+    if group_tokens <= 0:
+        group_tokens = SMALL_CALL_TOKENS
     if unique <= group_tokens:
         return 1.0
     return math.ceil(1.25 * unique / group_tokens) + 1.0

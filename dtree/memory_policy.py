@@ -52,8 +52,8 @@ Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~38 us each 
 qwen2.5-1.5b on an H100): a model call's CPU work (eager layers: ~90 ms to launch its
 kernels forward and backward) is hidden behind the GPU unless the call's own GPU work is
 shorter, so a call of ``T`` tokens costs :data:`CALL_FIXED_TOKENS` plus ``max(0,
-CALL_CPU_TOKENS - T)`` (an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an
-H200: ~700 tokens); re-running a layer (a checkpointed layer, a recomputed group) costs
+CALL_CPU_TOKENS - T)`` (on an H100 a call cost 43-110 ms beyond its tokens' work on
+the agentic trees, where every call's attention also re-reads the path's K/V; an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an H200); re-running a layer (a checkpointed layer, a recomputed group) costs
 its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
 on qwen2.5-1.5b (0.28 for all 28); LM-head chunks of 1,024 rows re-read the float32
 weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
@@ -71,7 +71,7 @@ from typing import Iterable
 import torch
 
 from .memory_model import (
-    StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes, simulate_peak,
+    SMALL_CALL_TOKENS, StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes, simulate_peak,
     stack_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
@@ -105,9 +105,9 @@ LOW_LOGPROB_CHUNK = 1024
 # Cost model constants (see the module docstring), for qwen2.5-1.5b on an H100 in eager
 # mode; both scale with layers per unit of per-token compute.
 CALL_CPU_TOKENS = 2600.0
-CALL_FIXED_TOKENS = 150.0
+CALL_FIXED_TOKENS = 1500.0  # H100, qwen2.5-1.5b, 64k agentic tree: 20 calls of 4,096 tokens took 4.22 s a step, ~6
+# calls of up to 14.9k tokens 2.65 s (kernel sessions 3, 4); session B measured ~43 ms (1,300) a call
 _CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
-SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
 

@@ -88,10 +88,14 @@ def test_a_cap_is_honored_with_the_fastest_plan_under_it():
         assert total(p) <= cap * GIB * (1 - mp.CAP_MARGIN) + 1
         assert p.predicted_cost >= fastest / (1 + mp.SLACK)  # less memory is never predicted much faster
     # between all and nothing: part of the layers checkpointed where the calls do not fit whole
-    mid = plan(setting=16)
-    assert 0 < mid.checkpoint_layers < QWEN_1_5B.num_layers
-    lean_mid = plan(setting=16, call_bytes=LEAN)  # lean layers: fewer layers re-run at the same cap
-    assert lean_mid.checkpoint_layers < mid.checkpoint_layers and lean_mid.predicted_cost < mid.predicted_cost
+    caps = (12, 13, 14, 15, 16, 17, 18)
+    eager = {c: plan(setting=c) for c in caps}
+    lean = {c: plan(setting=c, call_bytes=LEAN) for c in caps}  # lean layers keep fewer bytes per token
+    assert any(0 < p.checkpoint_layers < QWEN_1_5B.num_layers for p in eager.values())
+    # at the same cap, lean layers are never predicted slower (beyond the SLACK within which the
+    # leanest plan is taken), and somewhere re-run fewer layers
+    assert all(lean[c].predicted_cost <= eager[c].predicted_cost * (1 + mp.SLACK) for c in caps)
+    assert any(lean[c].checkpoint_layers < eager[c].checkpoint_layers for c in caps)
 
 
 def test_the_path_is_retained_checkpointed_and_recomputed_only_when_that_does_not_fit():
@@ -113,10 +117,13 @@ def test_the_path_is_retained_checkpointed_and_recomputed_only_when_that_does_no
 
 
 def test_small_calls_cost_their_unhidden_cpu_time():
-    """A call's CPU time is hidden behind the GPU when the call is large: 8k-token calls
-    cost little more than one big call; 1k-token calls pay their launch time."""
+    """Every call costs a fixed amount beyond its tokens (fitted on the H100's 64k agentic
+    step: 4,096-token calls were ~60% slower than 14.9k-token ones), and small calls also
+    pay the CPU time their GPU work does not hide: one big call < 8k-token calls (within
+    25%) < 1k-token calls (several times the big call)."""
     big, mid, small = (plan(group_tokens=g, checkpoint_layers=0, mode="recompute") for g in (32768, 8192, 1024))
-    assert mid.predicted_cost < 1.05 * big.predicted_cost < small.predicted_cost
+    assert big.predicted_cost < mid.predicted_cost < 1.25 * big.predicted_cost
+    assert small.predicted_cost > 3 * big.predicted_cost
 
 
 def test_fragmentation_margin_without_expandable_segments():
