@@ -153,7 +153,7 @@ def layer_input_bytes(spec: ModelSpec, itemsize: int) -> float:
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
     """One KV-stack slot: K/V values in the model dtype and their float32 gradients."""
-    return spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.value_head_dim) * (itemsize + 4)
+    return spec.kv_elements_per_token() * (itemsize + 4)  # the attending layers, each with its own shape
 
 
 def head_bytes(spec: ModelSpec, itemsize: int, chunk: int, rows: int, fused: bool) -> float:

@@ -65,12 +65,13 @@ from . import memory_policy
 from .checkpointing import decoder_layers
 from .checks import check_trainable, model_placement, validate_forest
 from .config import RuntimeConfig
-from .kv_stack import KVStack
 from .losses import Normalization, SequenceLoss, TokenLoss
 from .models import TreeModule, adapt, unwrap
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
-from .step_plan import hf_checkpointing, new_stack, pick_backend, plan_memory, retain_budget, stack_fits
+from .stacks import StepStacks
+from .state_plan import plan_states
+from .step_plan import hf_checkpointing, new_stack, pick_backend, pick_recurrence, plan_memory, retain_budget, stack_fits
 from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
 from .tree import Forest
 from .two_pass import (
@@ -103,6 +104,8 @@ class TreeRuntime:
                 (2048 to 32768).
             attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
                 ``"triton"``, ``"sdpa"`` or ``"reference"``.
+            recurrence: recurrent layers' kernels: ``"auto"`` (``fla`` on CUDA when
+                installed, else ``reference``), ``"fla"`` or ``"reference"``.
             logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); None
                 (default): the memory policy's choice (4096 on CPU).
             checkpoint_layers: run every decoder layer of a call under non-reentrant
@@ -138,7 +141,8 @@ class TreeRuntime:
             decoder_layers(unwrap(model))  # raises now, naming the fix, if the layers cannot be found
         self._placement: tuple[torch.device, torch.dtype] | None = None
         self._attention: str | None = None
-        self._stack: KVStack | None = None
+        self._recurrence: str | None = None
+        self._stack: StepStacks | None = None
         self._step: memory_policy.MemoryPlan | None = None  # the last planned step
         if not any(p.device.type == "meta" for p in model.parameters()):
             self._sync_placement()  # an explicit attention backend that cannot run fails here
@@ -177,9 +181,10 @@ class TreeRuntime:
         return self._step
 
     @property
-    def stack(self) -> KVStack | None:
-        """The KV stack kept between steps (None before the first call or after
-        :meth:`release_memory`). Read-only: the runtime reallocates it when needed."""
+    def stack(self) -> StepStacks | None:
+        """The KV stacks (one per attention shape) and state stack kept between steps (None
+        before the first call or after :meth:`release_memory`). Read-only: the runtime
+        reallocates them when needed."""
         return self._stack
 
     def _sync_placement(self) -> tuple[torch.device, torch.dtype]:
@@ -190,6 +195,7 @@ class TreeRuntime:
         if placement != self._placement:
             self._placement = placement
             self._attention = pick_backend(self.config.attention, placement, self.spec)
+            self._recurrence = pick_recurrence(self.config.recurrence, placement, self.spec)
         return placement
 
     def _check_call(self, training: bool) -> None:
@@ -231,11 +237,11 @@ class TreeRuntime:
             )
         return sched
 
-    def _get_stack(self, capacity: int, with_grad: bool) -> KVStack:
+    def _get_stack(self, capacity: int, with_grad: bool, state_slots: int = 0) -> StepStacks:
         capacity = max(capacity, self.config.stack_capacity or 0)
-        if not stack_fits(self._stack, self.spec, self._placement, capacity, with_grad):
+        if not stack_fits(self._stack, self.spec, self._placement, capacity, with_grad, state_slots):
             self._stack = None  # free the old buffers before allocating new ones
-            self._stack = new_stack(self.spec, self._placement, capacity, with_grad)
+            self._stack = new_stack(self.spec, self._placement, capacity, with_grad, state_slots)
         return self._stack
 
     def release_memory(self) -> None:
@@ -253,12 +259,13 @@ class TreeRuntime:
         device, dtype = self._placement
         training = weights is not None
         checkpoint = training and self._step.checkpoint_layers and not hf_checkpointing(self.module)
+        states = plan_states(sched) if self.spec.recurrent_states else None
         return StepWalk(
             model=self.model,
             sched=sched,
             terms=terms,
             arrays=StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype),
-            stack=self._get_stack(sched.stack_tokens, with_grad=training),
+            stack=self._get_stack(sched.stack_tokens, training, states.capacity if states is not None else 0),
             head=self._head(),
             attention=self._attention,
             logprob_chunk=self.logprob_chunk,
@@ -268,6 +275,8 @@ class TreeRuntime:
             randomness=any(m.training for m in self.module.modules()),
             checkpoint_root=unwrap(self.module) if checkpoint else None,
             progress=self.config.progress,
+            states=states,
+            recurrence=self._recurrence,
         )
 
     # ------------------------------------------------------------------ training

@@ -1,5 +1,6 @@
-"""What :class:`dtree.TreeRuntime` decides before a step walks: the attention backend for
-the model's placement, the memory plan, the retain budget and the KV stack.
+"""What :class:`dtree.TreeRuntime` decides before a step walks: the attention and
+recurrence backends for the model's placement, the memory plan, the retain budget and the
+stacks (KV and, for recurrent layers, states).
 
 Each is a function of the model's state now (device, dtype, training flags, HF
 gradient checkpointing), the :class:`~dtree.config.RuntimeConfig` and the step's
@@ -13,14 +14,16 @@ import torch
 from . import memory_policy
 from .checkpointing import decoder_layers
 from .config import RuntimeConfig
-from .kv_stack import KVStack
 from .models import ModelSpec, unwrap
 from .ops.backends import resolve_backend
 from .ops.logprobs import OutputHead, fused_head_kernel
 from .schedule import Schedule
+from .stacks import StepStacks
 from .tree import Forest
 
-__all__ = ["pick_backend", "hf_checkpointing", "plan_memory", "retain_budget", "stack_fits", "new_stack"]
+__all__ = [
+    "pick_backend", "pick_recurrence", "hf_checkpointing", "plan_memory", "retain_budget", "stack_fits", "new_stack",
+]
 
 Placement = tuple[torch.device, torch.dtype]
 
@@ -31,7 +34,18 @@ def pick_backend(attention: str, placement: Placement, spec: ModelSpec) -> str:
     it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256), else
     SDPA. An explicit backend that cannot run here raises a ValueError saying why."""
     device, dtype = placement
-    return resolve_backend("stack_attention", attention, device, dtype, head_dim=spec.head_dim)
+    head_dim = max((spec.kv_shape(i)[1] for i in spec.attention_layers), default=spec.head_dim)
+    return resolve_backend("stack_attention", attention, device, dtype, head_dim=head_dim)
+
+
+def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec) -> str | None:
+    """The ``linear_recurrence`` backend for a model with recurrent layers (None without):
+    ``auto`` takes flash-linear-attention's kernels on CUDA where installed, else the
+    float32 reference. An explicit backend that cannot run here raises a ValueError."""
+    if not spec.recurrent_states:
+        return None
+    device, dtype = placement
+    return resolve_backend("linear_recurrence", recurrence, device, dtype)
 
 
 def hf_checkpointing(module: torch.nn.Module) -> bool:
@@ -54,11 +68,11 @@ def plan_memory(
     head: OutputHead,
     config: RuntimeConfig,
     placement: Placement,
-    stack: KVStack | None,
+    stack: StepStacks | None,
     forest: Forest,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.memory_policy`);
-    ``stack``: the KV stack the runtime holds now (its bytes are already allocated)."""
+    ``stack``: the stacks the runtime holds now (their bytes are already allocated)."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
     lengths = forest.sequence_lengths()
@@ -96,23 +110,22 @@ def retain_budget(plan: memory_policy.MemoryPlan, spec: ModelSpec, config: Runti
     )
 
 
-def _stack_shape(spec: ModelSpec, capacity: int) -> tuple[int, int, int, int]:
-    return spec.num_layers, max(capacity, 1), spec.num_kv_heads, spec.head_dim
-
-
-def stack_fits(stack: KVStack | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool) -> bool:
-    """Whether ``stack`` serves a step needing ``capacity`` slots (shape, dtype, device,
-    gradient buffers)."""
+def stack_fits(
+    stack: StepStacks | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool, state_slots: int = 0
+) -> bool:
+    """Whether ``stack`` serves a step needing ``capacity`` KV slots and ``state_slots``
+    state slots (shapes, dtype, device, gradient buffers)."""
     device, dtype = placement
-    return stack is not None and stack.fits(*_stack_shape(spec, capacity), dtype, device, with_grad, spec.v_head_dim)
+    return stack is not None and stack.fits(spec, max(capacity, 1), state_slots, dtype, device, with_grad)
 
 
-def new_stack(spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool) -> KVStack:
-    """A KV stack of ``capacity`` slots for the model (free the old one first)."""
+def new_stack(
+    spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool, state_slots: int = 0
+) -> StepStacks:
+    """The KV stacks (and state stack) of ``capacity`` tokens (``state_slots`` states) for
+    the model (free the old ones first)."""
     device, dtype = placement
     # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept
     # for reuse, would make every later training step fail.
     with torch.inference_mode(False):
-        return KVStack(
-            *_stack_shape(spec, capacity), v_head_dim=spec.v_head_dim, dtype=dtype, device=device, with_grad=with_grad
-        )
+        return StepStacks(spec, max(capacity, 1), state_slots, dtype=dtype, device=device, with_grad=with_grad)

@@ -1,4 +1,5 @@
-"""StepWalk: one step's depth-first walk over a schedule's groups, with a KV stack.
+"""StepWalk: one step's depth-first walk over a schedule's groups, with a KV stack (and a
+state stack for recurrent layers).
 
 The walk (docs/design.md section 4), over the groups of a :class:`~dtree.schedule.Schedule`::
 
@@ -14,6 +15,12 @@ The walk (docs/design.md section 4), over the groups of a :class:`~dtree.schedul
                  own segments sent their in-call ancestors) to dK_g, dV_g where the
                  attention consumed them, and g's attention backward adds its prefix
                  gradients into the ancestors' slots, complete when they pop
+
+Recurrent layers do the same with their states (:mod:`dtree.ops.segment_states`):
+forward(g) stores the final states of g's segments with children in later groups in
+g's state slots and reads its segments' initial states from the ancestors' slots;
+backward(g) seeds those final states with the gradients the children left in g's
+slots, and the reads add g's own initial-state gradients into the ancestors' slots.
 
 A group with children is retained (its graph lives from forward(g) to backward(g))
 while the retained tokens fit the budget, else recomputed (forward(g) runs without
@@ -36,12 +43,14 @@ import torch
 
 from . import rng
 from .checkpointing import checkpointed_layers
-from .kv_stack import KVStack
 from .losses import weighted_terms
 from .models import TreeModule
 from .ops.logprobs import OutputHead, compute_dtype, token_logprobs
+from .ops.segment_states import LayerStates, StateLayout
 from .ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
 from .schedule import FORWARD, LossTerms, Schedule
+from .stacks import StepStacks
+from .state_plan import StatePlan
 from .transfer import upload
 from .tree import Forest
 
@@ -135,17 +144,32 @@ class GroupAttention:
     """The ``attend`` callable handed to the model for one group's call.
 
     ``push``: write the call's K/V into its stack slots ``[lo, hi)`` (every time a
-    layer runs, also when a checkpointed layer re-runs in backward: the same values).
-    ``seed``: pass the call's K/V through :func:`seed_from_stack` (groups whose slots
-    collect gradients: groups with children, and calls with in-call ancestors)."""
+    layer runs, also when a checkpointed layer re-runs in backward: the same values),
+    and the final recurrent states of its segments with children in later calls into
+    their state slots. ``seed``: pass the call's K/V through :func:`seed_from_stack`
+    (groups whose slots collect gradients: groups with children, and calls with
+    in-call ancestors). Recurrent layers get their :class:`LayerStates` from
+    :meth:`states` (``state_layout``: the call's segments' state slots)."""
 
     def __init__(
-        self, stack: KVStack, lo: int, hi: int, layout: SegmentLayout, backend: str, push: bool, seed: bool
+        self,
+        stacks: StepStacks,
+        lo: int,
+        hi: int,
+        layout: SegmentLayout,
+        backend: str,
+        push: bool,
+        seed: bool,
+        state_layout: StateLayout | None = None,
+        recurrence: str | None = None,
     ):
-        self.stack, self.lo, self.hi, self.layout, self.backend = stack, lo, hi, layout, backend
+        self.stacks, self.lo, self.hi, self.layout, self.backend = stacks, lo, hi, layout, backend
         self.push, self.seed = push, seed
-        self.called = [False] * stack.num_layers
-        self.pattern: list[tuple[bool, bool] | None] = [None] * stack.num_layers
+        self.state_layout, self.recurrence = state_layout, recurrence
+        num_layers = stacks.spec.num_layers
+        self.called = [False] * num_layers
+        self.recurred = [False] * num_layers
+        self.pattern: list[tuple[bool, bool] | None] = [None] * num_layers
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
@@ -153,13 +177,33 @@ class GroupAttention:
         """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
         of :func:`dtree.ops.stack_attention.stack_attention`."""
         self.called[layer] = True
+        stack, local = self.stacks.kv_of(layer)
         if self.push:
-            self.stack.store_kv(layer, self.lo, k.detach(), v.detach())
+            stack.store_kv(local, self.lo, k.detach(), v.detach())
         if torch.is_grad_enabled():
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.seed:
-                k, v = seed_from_stack(k, v, self.stack, layer, self.lo, self.hi)
-        return stack_attention(q, k, v, self.stack, layer, self.layout, scale, self.backend, **options)
+                k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi)
+        return stack_attention(q, k, v, stack, local, self.layout, scale, self.backend, **options)
+
+    def states(self, layer: int) -> LayerStates:
+        """The recurrent states of ``layer`` for this call (:mod:`dtree.ops.segment_states`)."""
+        if self.state_layout is None:
+            raise ValueError(f"layer {layer} is recurrent but the model's spec declares no recurrent states")
+        self.recurred[layer] = True
+        return LayerStates(self.state_layout, self.stacks.states, layer, push=self.push, backend=self.recurrence)
+
+    def check_layers(self) -> None:
+        """Raise unless every attending layer called attend() and every recurrent layer
+        asked for its states (custom modules; the HF adapter's guard checks its own)."""
+        spec = self.stacks.spec
+        missing = [i for i in spec.attention_layers if not self.called[i]]
+        missing += [i for i in spec.recurrent_layers if not self.recurred[i]]
+        if missing:
+            raise RuntimeError(
+                f"layers {sorted(missing)} never called attend() (attention) or attend.states() (recurrent); "
+                "every layer of the spec must"
+            )
 
 
 @dataclass
@@ -210,7 +254,7 @@ class StepWalk:
     sched: Schedule
     terms: LossTerms
     arrays: StepArrays
-    stack: KVStack
+    stack: StepStacks
     head: OutputHead
     attention: str
     logprob_chunk: int
@@ -219,6 +263,8 @@ class StepWalk:
     randomness: bool
     checkpoint_root: torch.nn.Module | None = None
     progress: bool = False
+    states: StatePlan | None = None  # the state slots, for models with recurrent layers
+    recurrence: str | None = None  # their linear_recurrence backend
 
     def events(self):
         if not self.progress:
@@ -233,14 +279,25 @@ class StepWalk:
         plan = self.sched.groups[g]
         lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
         seed = self.stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
-        attend = GroupAttention(self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed)
+        attend = GroupAttention(
+            self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed,
+            None if self.states is None else self.states.layouts[g], self.recurrence,
+        )
         checkpoint = self.checkpoint_root is not None and torch.is_grad_enabled()
         with checkpointed_layers(self.checkpoint_root) if checkpoint else contextlib.nullcontext():
             hidden = self.model.dtree_hidden_states(self.arrays.input_ids[r0:r1], self.arrays.positions[r0:r1], attend)
-        if push and not all(attend.called):
-            missing = [layer for layer, called in enumerate(attend.called) if not called]
-            raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
+        if push:
+            attend.check_layers()
         return hidden, attend
+
+    def zero_grad(self, g: int) -> None:
+        """Clear group ``g``'s gradient slots: its K/V tokens and its state slots."""
+        plan = self.sched.groups[g]
+        s_lo = s_hi = 0
+        if self.states is not None:
+            s_lo = int(self.states.slot_start[g])
+            s_hi = s_lo + int(self.states.num_slots[g])
+        self.stack.zero_grad(plan.stack_start, plan.stack_start + plan.num_tokens, s_lo, s_hi)
 
     # ------------------------------------------------------------------ training
     def _group_loss(self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list) -> torch.Tensor | None:
@@ -286,23 +343,22 @@ class StepWalk:
         with scope() if scope is not None else contextlib.nullcontext():
             for kind, g in self.events():
                 plan = self.sched.groups[g]
-                lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
                 if kind == FORWARD:
                     calls += 1
                     seed = rng.next_seed() if self.randomness else None  # one draw per group in every mode
                     if plan.is_leaf:  # once, with grad, and backward at once
                         if plan.in_call_ancestors:  # its segments read each other through the stack
-                            self.stack.zero_grad(lo, hi)
+                            self.zero_grad(g)
                         state = run(g, push=plan.in_call_ancestors, seed=seed)
                         peak = max(peak, live_tokens + plan.num_tokens)
                         total = _finish_group(state, total)
                     elif live_tokens + plan.num_tokens <= retain_budget:
-                        self.stack.zero_grad(lo, hi)
+                        self.zero_grad(g)
                         live[g] = run(g, push=True, seed=seed)
                         live_tokens += plan.num_tokens
                         peak = max(peak, live_tokens)
                     else:
-                        self.stack.zero_grad(lo, hi)
+                        self.zero_grad(g)
                         seeds[g] = seed
                         with torch.no_grad(), rng.seeded(seed, self.device):
                             self.hidden(g, push=True)

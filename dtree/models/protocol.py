@@ -71,10 +71,41 @@ class ModelSpec:
     sliding_window: int | None = None
     name: str = "model"
     v_head_dim: int | None = None  # value head dim when it differs from head_dim (MLA)
+    # Hybrid models and per-layer attention shapes. ``layer_kv``: per decoder layer, the
+    # (kv_heads, head_dim, v_head_dim) its attention receives, or None for a layer without
+    # attention; None (the default): every layer attends with the fields above.
+    # ``recurrent_states``: (layer, name, shape) of every state a recurrent layer carries
+    # along the sequence (a conv window, a recurrent or SSM state; dtree.state_stack).
+    layer_kv: tuple[tuple[int, int, int] | None, ...] | None = None
+    recurrent_states: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 
     @property
     def value_head_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def kv_shape(self, layer: int) -> tuple[int, int, int] | None:
+        """(kv_heads, head_dim, v_head_dim) of ``layer``'s attention; None: no attention."""
+        if self.layer_kv is None:
+            return self.num_kv_heads, self.head_dim, self.value_head_dim
+        return self.layer_kv[layer]
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (every layer unless ``layer_kv`` says otherwise)."""
+        return tuple(i for i in range(self.num_layers) if self.kv_shape(i) is not None)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that carry recurrent states, in order."""
+        return tuple(sorted({layer for layer, _, _ in self.recurrent_states}))
+
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token leaves on the KV stack, over every attending layer."""
+        return sum(h * (d + dv) for h, d, dv in (self.kv_shape(i) for i in self.attention_layers))
+
+    def state_elements(self) -> int:
+        """Elements of one segment's recurrent states, over every recurrent layer."""
+        return sum(int(torch.Size(shape).numel()) for _, _, shape in self.recurrent_states)
 
     def forward_flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, excluding attention scores."""
@@ -84,8 +115,9 @@ class ModelSpec:
         return self.num_layers * (attn_proj + mlp) + 2 * h * self.vocab_size
 
     def forward_attention_flops_per_key(self) -> float:
-        """FLOPs of one (query, key) pair in the forward: QK^T and PV over all layers."""
-        return self.num_layers * 2 * self.num_heads * (self.head_dim + self.value_head_dim)
+        """FLOPs of one (query, key) pair in the forward: QK^T and PV over the attending
+        layers (every query head reads its K/V group's head dims)."""
+        return sum(2 * self.num_heads * (d + dv) for _, d, dv in (self.kv_shape(i) for i in self.attention_layers))
 
     def activation_bytes_per_token(self, itemsize: int = 2) -> float:
         """Estimated bytes autograd keeps per token for the backward of eager decoder
