@@ -104,8 +104,7 @@ class TreeRuntime:
                 (2048 to 32768).
             attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
                 ``"triton"``, ``"sdpa"`` or ``"reference"``.
-            recurrence: recurrent layers' kernels: ``"auto"`` (``fla`` on CUDA when
-                installed, else ``reference``), ``"fla"`` or ``"reference"``.
+            recurrence: recurrent layers' kernels: ``"auto"`` (``fla`` on CUDA where installed), ``"fla"``, ``"reference"``.
             logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); None
                 (default): the memory policy's choice (4096 on CPU).
             checkpoint_layers: run every decoder layer of a call under non-reentrant
@@ -260,6 +259,7 @@ class TreeRuntime:
         training = weights is not None
         checkpoint = training and self._step.checkpoint_layers and not hf_checkpointing(self.module)
         states = plan_states(sched) if self.spec.recurrent_states else None
+        grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepWalk(
             model=self.model,
             sched=sched,
@@ -277,6 +277,7 @@ class TreeRuntime:
             progress=self.config.progress,
             states=states,
             recurrence=self._recurrence,
+            state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )
 
     # ------------------------------------------------------------------ training

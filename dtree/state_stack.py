@@ -22,8 +22,9 @@ Life of a slot (one segment with children in later calls, docs/design.md section
     pop       the segment's backward adds the slot's gradient to its final state's
               (:mod:`dtree.ops.segment_states`), after every child's backward ran.
 
-``store`` also records whether the stored state required grad, so a child's read takes
-a gradient exactly when its parent's state has one (a frozen layer's states take none).
+Whether a child's read takes a gradient is decided per layer by what is trainable (see
+``LayerStates``), not by the stored value: a recomputed parent stores its states
+without grad and computes them with grad only at its backward, after its children ran.
 """
 
 from __future__ import annotations
@@ -66,7 +67,6 @@ class StateStack:
         self.grad = (
             {key: torch.zeros_like(v) for key, v in self.value.items()} if with_grad else None
         )
-        self.requires = {key: np.zeros(capacity, dtype=bool) for key in self.shapes}
         self.device = torch.empty(0, device=device).device
 
     @property
@@ -108,16 +108,11 @@ class StateStack:
         key = self._key(layer, name, states.shape[1:])
         index = self.index(slots) if index is None else index
         self.value[key].index_copy_(0, index, states.detach().to(self.dtype))
-        self.requires[key][slots] = states.requires_grad
 
     def read(self, layer: int, name: str, slots: np.ndarray, index=None) -> torch.Tensor:
         """[n, *shape] float32 copy of ``slots`` [n] (repeats allowed)."""
         key = self._key(layer, name)
         return self.value[key].index_select(0, self.index(slots) if index is None else index)
-
-    def requires_grad(self, layer: int, name: str, slots: np.ndarray) -> bool:
-        """Whether any of the states stored at ``slots`` required grad."""
-        return bool(self.requires[self._key(layer, name)][slots].any())
 
     def accumulate(self, layer: int, name: str, slots: np.ndarray, grad: torch.Tensor, index=None) -> None:
         """Add ``grad`` [n, *shape] into the gradient slots (repeats: every one is added)."""
@@ -130,8 +125,7 @@ class StateStack:
         return self.grad[key].index_select(0, self.index(slots) if index is None else index)
 
     def zero_grad(self, lo: int, hi: int) -> None:
-        """Clear the gradient slots ``[lo, hi)`` (and their requires-grad flags) of every state."""
-        for key in self.shapes:
-            self.requires[key][lo:hi] = False
-            if self.has_grad:
+        """Clear the gradient slots ``[lo, hi)`` of every state."""
+        if self.has_grad:
+            for key in self.shapes:
                 self.grad[key][lo:hi].zero_()

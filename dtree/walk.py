@@ -162,10 +162,11 @@ class GroupAttention:
         seed: bool,
         state_layout: StateLayout | None = None,
         recurrence: str | None = None,
+        state_grads: tuple[bool, ...] | None = None,
     ):
         self.stacks, self.lo, self.hi, self.layout, self.backend = stacks, lo, hi, layout, backend
         self.push, self.seed = push, seed
-        self.state_layout, self.recurrence = state_layout, recurrence
+        self.state_layout, self.recurrence, self.state_grads = state_layout, recurrence, state_grads
         num_layers = stacks.spec.num_layers
         self.called = [False] * num_layers
         self.recurred = [False] * num_layers
@@ -191,7 +192,10 @@ class GroupAttention:
         if self.state_layout is None:
             raise ValueError(f"layer {layer} is recurrent but the model's spec declares no recurrent states")
         self.recurred[layer] = True
-        return LayerStates(self.state_layout, self.stacks.states, layer, push=self.push, backend=self.recurrence)
+        grad_reads = True if self.state_grads is None else self.state_grads[layer]
+        return LayerStates(
+            self.state_layout, self.stacks.states, layer, push=self.push, backend=self.recurrence, grad_reads=grad_reads
+        )
 
     def check_layers(self) -> None:
         """Raise unless every attending layer called attend() and every recurrent layer
@@ -265,6 +269,7 @@ class StepWalk:
     progress: bool = False
     states: StatePlan | None = None  # the state slots, for models with recurrent layers
     recurrence: str | None = None  # their linear_recurrence backend
+    state_grads: tuple[bool, ...] | None = None  # per layer: its states' stack reads take gradients
 
     def events(self):
         if not self.progress:
@@ -281,7 +286,7 @@ class StepWalk:
         seed = self.stack.has_grad and (not plan.is_leaf or plan.in_call_ancestors)
         attend = GroupAttention(
             self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed,
-            None if self.states is None else self.states.layouts[g], self.recurrence,
+            None if self.states is None else self.states.layouts[g], self.recurrence, self.state_grads,
         )
         checkpoint = self.checkpoint_root is not None and torch.is_grad_enabled()
         with checkpointed_layers(self.checkpoint_root) if checkpoint else contextlib.nullcontext():

@@ -203,12 +203,24 @@ class LayerStates:
         layer: the decoder layer.
         push: store final states (False when a recomputed call runs again in backward).
         backend: the ``linear_recurrence`` backend (:mod:`dtree.ops.backends`).
+        grad_reads: states read from the stack take a gradient (in a training walk):
+            True when a trainable parameter feeds the layer's states (the runtime decides
+            per layer from the model, :meth:`dtree.models.hf.HFTreeModel.dtree_state_grads`;
+            a parent recomputed in backward stores its states without grad, so their own
+            ``requires_grad`` cannot tell).
     """
 
     def __init__(
-        self, layout: StateLayout, stack: StateStack | None, layer: int, push: bool = True, backend: str = "reference"
+        self,
+        layout: StateLayout,
+        stack: StateStack | None,
+        layer: int,
+        push: bool = True,
+        backend: str = "reference",
+        grad_reads: bool = True,
     ) -> None:
         self.layout, self.stack, self.layer, self.push_states, self.backend = layout, stack, layer, push, backend
+        self.grad_reads = grad_reads
         self._seeds: list[tuple[torch.Tensor, str, np.ndarray, torch.Tensor]] = []
 
     def _slots_index(self, kind: str, slots: np.ndarray, device) -> torch.Tensor:
@@ -221,7 +233,7 @@ class LayerStates:
             raise RuntimeError(f"segments {segments.tolist()} have no state-stack slot to read (layer {self.layer})")
         index = self._slots_index("read", slots, device)
         stack = self.stack
-        if stack.has_grad and torch.is_grad_enabled() and stack.requires_grad(self.layer, name, slots):
+        if stack.has_grad and torch.is_grad_enabled() and self.grad_reads:
             anchor = torch.empty(0, device=device, requires_grad=True)
             values = _StateRead.apply(anchor, stack, self.layer, name, slots, index)
         else:
