@@ -73,6 +73,13 @@ class StepStacks:
         stack, local = self._where[layer]
         return self.kv[stack], local
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer: K/V values and gradients of each KV stack, states and their gradients."""
+        out = [t for s in self.kv for t in (s.k, s.v, s.grad_k, s.grad_v) if t is not None]
+        if self.states is not None:
+            out += list(self.states.value.values()) + list((self.states.grad or {}).values())
+        return out
+
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.kv) + (self.states.nbytes() if self.states is not None else 0)
 
