@@ -78,6 +78,13 @@ def _refuse_arguments(adapter: MixerAdapter, bound: inspect.BoundArguments) -> N
             )
 
 
+# torch.compile'd decoder layers run the mixer eagerly (a graph break, as at the
+# attention): its ops build host tables per call and read and write the state stack.
+@torch._dynamo.disable
+def _run(adapter: MixerAdapter, module: torch.nn.Module, states, hidden: torch.Tensor) -> torch.Tensor:
+    return adapter.forward(module, states, hidden)
+
+
 def _install_on_class(cls: type, adapter: MixerAdapter) -> None:
     current = cls.__dict__.get("forward")
     if getattr(current, "__dtree_mixer__", None) is adapter:
@@ -95,7 +102,7 @@ def _install_on_class(cls: type, adapter: MixerAdapter) -> None:
         hidden = bound.arguments["hidden_states"]
         if hidden.dim() != 3 or hidden.shape[0] != 1:
             raise ValueError(f"dtree runs one packed row per model call, got hidden states of shape {tuple(hidden.shape)}")
-        out = adapter.forward(self, calls.states(self), hidden[0]).unsqueeze(0)
+        out = _run(adapter, self, calls.states(self), hidden[0]).unsqueeze(0)
         return (out, None) if adapter.returns_tuple else out
 
     dispatch.__dtree_mixer__ = adapter
