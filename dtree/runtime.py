@@ -71,7 +71,8 @@ from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
 from .stacks import StepStacks
 from .state_plan import plan_states
-from .step_plan import hf_checkpointing, new_stack, pick_backend, pick_recurrence, plan_memory, retain_budget, stack_fits
+from .step_plan import hf_checkpointing, new_stack, pick_backend, pick_recurrence, plan_memory, retain_budget
+from .step_plan import stack_fits
 from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
 from .tree import Forest
 from .two_pass import (
@@ -104,7 +105,7 @@ class TreeRuntime:
                 (2048 to 32768).
             attention: ``"auto"`` (``triton`` on CUDA when available, else ``sdpa``),
                 ``"triton"``, ``"sdpa"`` or ``"reference"``.
-            recurrence: recurrent layers' kernels: ``"auto"`` (``fla`` on CUDA where installed), ``"fla"``, ``"reference"``.
+            recurrence: ``"auto"`` (``fla`` on CUDA where installed), ``"fla"`` or ``"reference"``.
             logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); None
                 (default): the memory policy's choice (4096 on CPU).
             checkpoint_layers: run every decoder layer of a call under non-reentrant
@@ -187,9 +188,8 @@ class TreeRuntime:
         return self._stack
 
     def _sync_placement(self) -> tuple[torch.device, torch.dtype]:
-        """Read the model's device and dtype; when they changed since the last call
-        (``model.to(...)``, a materialized meta model), pick the attention backend
-        again. The KV stack is reallocated by :meth:`_get_stack`, which checks both."""
+        """Read the model's device and dtype; when they changed since the last call (``model.to(...)``,
+        a materialized meta model), pick the backends again (:meth:`_get_stack` reallocates the stacks)."""
         placement = model_placement(self.module.parameters())
         if placement != self._placement:
             self._placement = placement

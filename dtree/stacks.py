@@ -52,7 +52,9 @@ class StepStacks:
             for local, layer in enumerate(layers):
                 self._where[layer] = (len(self.kv), local)
             self.kv.append(
-                KVStack(len(layers), tokens, heads, dim, v_head_dim=v_dim, dtype=dtype, device=device, with_grad=with_grad)
+                KVStack(
+                    len(layers), tokens, heads, dim, v_head_dim=v_dim, dtype=dtype, device=device, with_grad=with_grad
+                )
             )
         self.states = (
             StateStack(spec.recurrent_states, state_slots, device=device, with_grad=with_grad, dtype=state_dtype(dtype))

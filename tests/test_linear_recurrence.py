@@ -95,7 +95,8 @@ def test_reference_backend_equals_naive_per_sequence():
 def test_conv_over_segments_matches_paths():
     gen = torch.Generator().manual_seed(2)
     channels, kernel = 3, 4
-    x = {n: torch.randn(m, channels, generator=gen, dtype=torch.float64).requires_grad_(True) for n, m in LENGTHS.items()}
+    x = {n: torch.randn(m, channels, generator=gen, dtype=torch.float64) for n, m in LENGTHS.items()}
+    x = {n: t.requires_grad_(True) for n, t in x.items()}
     weight = torch.randn(channels, kernel, generator=gen, dtype=torch.float64).requires_grad_(True)
     bias = torch.randn(channels, generator=gen, dtype=torch.float64).requires_grad_(True)
     w = {n: torch.randn(m, channels, generator=gen, dtype=torch.float64) for n, m in LENGTHS.items()}

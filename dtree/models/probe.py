@@ -185,7 +185,7 @@ def check_model(adapter: "HFTreeModel", head: OutputHead) -> None:
     n0, n = len(first), len(ids)
     with torch.no_grad(), _eval_mode(model):
         logits, base_hidden = _own_forward(adapter, ids)
-        tol = _tolerance(logits.dtype)
+        tol = _tolerance(next(model.parameters()).dtype)  # some models upcast their logits
         positions = torch.arange(n, device=device)
         alone = adapter.dtree_hidden_states(ids, positions, SegmentAttention([n]))
         err, diff = _head_error(head, logits, alone, ids)

@@ -66,8 +66,10 @@ def recurrence_naive(
     initial: torch.Tensor | None,
     scale: float,
     qk_l2norm: bool = False,
+    dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One sequence, token by token, in float32.
+    """One sequence, token by token, in float32 (or ``dtype``: the all-bf16 form is the
+    low-precision reference a fast kernel is held to).
 
     Args:
         q, k: [T, Hk, K]; v: [T, H, V] with ``H`` a multiple of ``Hk`` (query/key head
@@ -78,8 +80,9 @@ def recurrence_naive(
         scale: multiplies q (after the optional L2 normalization of q and k).
 
     Returns:
-        ([T, H, V] outputs, [H, K, V] final state), float32 (float64 for float64 inputs)."""
-    heads, dtype = v.shape[1], state_dtype(v.dtype)
+        ([T, H, V] outputs, [H, K, V] final state) in the compute dtype: float32 (float64
+        for float64 inputs) unless ``dtype`` says."""
+    heads, dtype = v.shape[1], dtype or state_dtype(v.dtype)
     q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
     if q.shape[1] != heads:
         q, k = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (q, k))
@@ -102,7 +105,9 @@ def recurrence_naive(
     return torch.stack(out) if out else v.new_zeros(0, heads, v.shape[2]), state
 
 
-def recurrence_reference(q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tensor, scale: float, qk_l2norm: bool):
+def recurrence_reference(
+    q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tensor, scale: float, qk_l2norm: bool
+):
     """The ``reference`` backend: :func:`recurrence_naive` per sequence of a varlen call.
 
     ``cu_seqlens`` [N+1] (host), ``initial`` [N, H, K, V]; returns ([T, H, V] in

@@ -48,7 +48,8 @@ def fla_unavailable(target: Target) -> str | None:
 def recurrence_fla(q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tensor, scale: float, qk_l2norm: bool):
     """Signature and shapes of :func:`dtree.ops.linear_recurrence.recurrence_reference`."""
     dtype = v.dtype
-    cu = torch.as_tensor(np.asarray(cu_seqlens, dtype=np.int64), device=v.device)
+    cu_cpu = torch.as_tensor(np.asarray(cu_seqlens, dtype=np.int64))
+    cu = cu_cpu.to(v.device, non_blocking=True)
     q, k = q.to(dtype), k.to(dtype)
     heads = v.shape[1]
     per_key = g.dim() == 3
@@ -59,7 +60,10 @@ def recurrence_fla(q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tens
 
         q, k = l2norm(q.float()).to(dtype), l2norm(k.float()).to(dtype)
     q, k, v, g = (x.unsqueeze(0) for x in (q, k, v, g.float()))
-    common = dict(scale=scale, initial_state=initial.float(), output_final_state=True, cu_seqlens=cu)
+    # the host copy spares the kernels' launch code a device sync
+    common = dict(
+        scale=scale, initial_state=initial.float(), output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu
+    )
     if beta is not None:
         beta = beta.unsqueeze(0)
         if per_key:

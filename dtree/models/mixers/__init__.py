@@ -101,7 +101,7 @@ def _install_on_class(cls: type, adapter: MixerAdapter) -> None:
         _refuse_arguments(adapter, bound)
         hidden = bound.arguments["hidden_states"]
         if hidden.dim() != 3 or hidden.shape[0] != 1:
-            raise ValueError(f"dtree runs one packed row per model call, got hidden states of shape {tuple(hidden.shape)}")
+            raise ValueError(f"dtree runs one packed row per call, got hidden states of shape {tuple(hidden.shape)}")
         out = _run(adapter, self, calls.states(self), hidden[0]).unsqueeze(0)
         return (out, None) if adapter.returns_tuple else out
 

@@ -1,0 +1,449 @@
+"""Hybrid models through dtree's state stack on one GPU: kernel and model checks in bf16,
+then a benchmark against linearized training. One run, about 5 minutes on an H100.
+
+    mkdir -p wheels && pip download fla-core==0.6.0 einops==0.8.1 --no-deps -d wheels   # with network
+    python benchmarks/hybrid_gpu.py --wheels wheels --out "$OUT"                        # on the GPU, offline
+    SMOKE=1 python benchmarks/hybrid_gpu.py --out /tmp/hybrid                          # CPU, tiny (CI)
+
+1. **Kernels.** flash-linear-attention's chunked kernels (dtree's ``fla`` recurrence
+   backend) against the float64 token-by-token recurrence, on a varlen call of three
+   segments with random initial states: outputs, final states and every gradient
+   (inputs and initial states) within the flash-attention rule (at most 2x the forward,
+   3x the gradient error of the all-bf16 torch recurrence, plus a floor). The delta rule
+   with per-head decay (gated DeltaNet) and decayed linear attention (Mamba2's SSD);
+   ``--all-kernels`` adds the per-key decays (Kimi, Mamba).
+2. **Models.** bf16 Qwen3.5-shaped (gated DeltaNet + gated attention, 3:1) and
+   Nemotron-H-shaped (Mamba2, MLP and attention layers) models, trained by dtree on a
+   branching forest (default settings, and node by node), against the same HF model
+   run on each path: the loss within 2x and every parameter gradient within 3x of the
+   bf16 HF model's error against the float32 one, plus a floor. transformers' modeling
+   modules are imported before the wheels are on ``sys.path``, so HF runs its own torch
+   recurrences (the reference), while dtree runs fla's kernels.
+3. **Benchmark.** A Qwen3.5-shaped hybrid of about 2B parameters (random bf16 weights) on
+   the agentic (one tool-use tree) and grpo (prompt 2048 + 8 x 512, two groups) workloads:
+   dtree's default against linearized training (packed varlen, the same fla kernels),
+   step time, tokens/s, MFU and peak memory. Tree-mask training (mask-based: AReaL's
+   tree mode, Tree Packing) cannot express a recurrent state and is reported as not
+   applicable, with its refusal.
+
+Reports: ``$OUT/hybrid_gpu.md`` and ``$OUT/hybrid_gpu.json``; a summary is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+
+
+def load_wheels(folder: str | None) -> list[dict]:
+    """Unpack every wheel in ``folder`` (pure-Python: fla-core, einops) into a temporary
+    directory at the front of ``sys.path``; returns their names and sizes."""
+    if not folder or not Path(folder).is_dir():
+        return []
+    target = Path(tempfile.mkdtemp(prefix="dtree_wheels_"))
+    found = []
+    for wheel in sorted(Path(folder).glob("*.whl")):
+        with zipfile.ZipFile(wheel) as z:
+            z.extractall(target)
+        found.append({"wheel": wheel.name, "MB": round(wheel.stat().st_size / 2**20, 2)})
+    sys.path.insert(0, str(target))
+    return found
+
+
+def import_hf_references() -> None:
+    """Import transformers' modeling modules now, so their recurrences bind the torch
+    paths (transformers swaps in fla's kernels when fla is importable at import time)."""
+    import transformers.models.nemotron_h.modeling_nemotron_h  # noqa: F401
+    import transformers.models.qwen3_5.modeling_qwen3_5  # noqa: F401
+
+
+# ---------------------------------------------------------------------------- models
+def qwen35_config(size: str):
+    """Qwen3.5's text architecture (3 gated-DeltaNet layers per gated-attention layer,
+    grouped value heads): ``2b`` (~2.2B params, tied 248k vocab), ``check`` (small) or ``tiny``."""
+    from transformers import AutoConfig
+
+    dims = {
+        "2b": dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=6144, num_attention_heads=16,
+                   num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                   linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
+        "check": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
+                      num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                      linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=4096),
+        "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
+                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                     linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=256),
+    }[size]
+    layers = dims["num_hidden_layers"]
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    return AutoConfig.for_model(
+        "qwen3_5_text", layer_types=types, tie_word_embeddings=True, max_position_embeddings=65536,
+        attention_dropout=0.0, **dims,
+    )
+
+
+def nemotron_config(size: str):
+    """Nemotron-H's architecture (Mamba2 layers, squared-ReLU MLP layers, attention): ``check`` or ``tiny``."""
+    from transformers import AutoConfig
+
+    dims = {
+        "check": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=64, mamba_num_heads=16, mamba_head_dim=32, ssm_state_size=64, n_groups=2,
+                      chunk_size=128, vocab_size=4096),
+        "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
+                     chunk_size=16, vocab_size=256),
+    }[size]
+    return AutoConfig.for_model(
+        "nemotron_h", num_hidden_layers=4, hybrid_override_pattern="M-M*", tie_word_embeddings=False,
+        max_position_embeddings=65536, attention_dropout=0.0, **dims,
+    )
+
+
+def build(config, device, dtype=torch.float32, seed: int = 0):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config.use_cache = False
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+# ---------------------------------------------------------------------------- 1. kernels
+def _kernel_inputs(kind: str, device, gen) -> tuple:
+    """(q, k, v, g, beta, initial, cu_seqlens, scale, l2norm) in float64, three segments."""
+    h, hk, dk, dv = (8, 4, 64, 64) if kind in ("gdn", "kda") else (8, 8, 64, 32)
+    cu = np.array([0, 37, 150, 213])
+    t = int(cu[-1])
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device)
+
+    q, k, v = rand(t, hk, dk), rand(t, hk, dk), rand(t, h, dv)
+    if kind in ("kda", "gla"):
+        g = -torch.rand(t, h, dk, generator=gen, dtype=torch.float64).to(device) * 0.2
+    else:
+        g = -torch.rand(t, h, generator=gen, dtype=torch.float64).to(device) * 0.5
+    beta = torch.rand(t, h, generator=gen, dtype=torch.float64).to(device) if kind in ("gdn", "kda") else None
+    if kind in ("ssd", "gla"):
+        q, k = q * dk**-0.5, k * dk**-0.5
+    initial = rand(3, h, dk, dv, scale=0.1)
+    return q, k, v, g, beta, initial, cu, dk**-0.5 if beta is not None else 1.0, beta is not None
+
+
+def _run_kernel(fn, inputs, weights):
+    q, k, v, g, beta, initial, cu, scale, l2 = inputs
+    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, initial)]
+    b = None if beta is None else beta.detach().requires_grad_(True)
+    out, final = fn(*leaves[:4], b, cu, leaves[4], scale, l2)
+    loss = (out.double() * weights[0]).sum() + (final.double() * weights[1]).sum()
+    grads = torch.autograd.grad(loss, leaves + ([b] if b is not None else []))
+    return [out.double(), final.double()] + [x.double() for x in grads]
+
+
+def check_kernels(device, kinds, backend: str) -> list[dict]:
+    """Each recurrence: ``backend`` in bf16 against float64, held to the all-bf16 torch recurrence."""
+    from dtree.ops.backends import implementation
+    from dtree.ops.linear_recurrence import recurrence_naive
+
+    kernel = implementation("linear_recurrence", backend)
+
+    def torch_in(dtype):
+        def fn(q, k, v, g, beta, cu, initial, scale, l2):
+            outs, finals = [], []
+            for n in range(len(cu) - 1):
+                a, b = int(cu[n]), int(cu[n + 1])
+                o, s = recurrence_naive(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b],
+                                        initial[n], scale, l2, dtype=dtype)
+                outs.append(o)
+                finals.append(s)
+            return torch.cat(outs), torch.stack(finals)
+
+        return fn
+
+    rows = []
+    for kind in kinds:
+        gen = torch.Generator().manual_seed(0)
+        x64 = _kernel_inputs(kind, device, gen)
+        weights = _output_weights(x64, gen, device)
+        exact = _run_kernel(torch_in(torch.float64), x64, weights)
+        # as the adapters give them: q, k, v (and beta) in the model dtype, gates and states in float32
+        q, k, v, g, beta, initial = x64[:6]
+        low = (*(x.to(torch.bfloat16) for x in (q, k, v)), g.float(), None if beta is None else beta.to(torch.bfloat16),
+               initial.float(), *x64[6:])
+        ref = _run_kernel(torch_in(torch.bfloat16), low, weights)
+        got = _run_kernel(kernel, low, weights)
+        names = ["out", "final", "dq", "dk", "dv", "dg", "dinitial"] + (["dbeta"] if beta is not None else [])
+        for i, name in enumerate(names):
+            e_got = (got[i] - exact[i]).abs().max().item()
+            e_ref = (ref[i] - exact[i]).abs().max().item()
+            bound = (2 if i < 2 else 3) * e_ref + 1e-3 * max(1e-3, exact[i].abs().max().item())
+            rows.append({"kernel": kind, "tensor": name, "err": e_got, "bf16_torch_err": e_ref, "bound": bound,
+                         "ok": e_got <= bound})
+    return rows
+
+
+def _output_weights(x64, gen, device) -> list[torch.Tensor]:
+    """Random weights of the outputs and final states in the checked loss."""
+    t, h, dv = x64[2].shape
+    n, dk = len(x64[6]) - 1, x64[0].shape[2]
+    return [torch.randn(t, h, dv, generator=gen, dtype=torch.float64).to(device),
+            torch.randn(n, h, dk, dv, generator=gen, dtype=torch.float64).to(device)]
+
+
+# ---------------------------------------------------------------------------- 2. models
+def branching_sequences(vocab: int, scale: int, seed: int = 0) -> list[list[int]]:
+    """A forest with branches at several depths, a 3-token node (shorter than the
+    convolution windows), a prefix of another path and a second tree; ``scale``
+    multiplies the lengths (segments cross fla's 64-token chunks at odd offsets)."""
+    rng = np.random.default_rng(seed)
+
+    def tokens(n):
+        return rng.integers(3, vocab, max(1, n * scale // 10)).tolist()
+
+    prompt, mid, short, other = tokens(200), tokens(70), tokens(3), tokens(90)
+    return [prompt + mid + short + tokens(60), prompt + mid + short + tokens(45), prompt + mid + other,
+            prompt + tokens(130), prompt + mid, tokens(150) + tokens(40)]
+
+
+def per_path(model, seqs: list[list[int]]) -> tuple[float, dict[str, torch.Tensor]]:
+    """HF on each sequence alone: token-mean NLL over every prediction, and every
+    parameter's gradient (float32)."""
+    device = next(model.parameters()).device
+    model.zero_grad(set_to_none=True)
+    count = sum(len(s) - 1 for s in seqs)
+    total = 0.0
+    for s in seqs:
+        x = torch.tensor([s], device=device)
+        logits = model(input_ids=x).logits[0, :-1].float()
+        nll = -torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).sum() / count
+        nll.backward()
+        total += nll.item()
+    return total, {n: p.grad.float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def check_model(name: str, config, device, seqs, settings: dict) -> list[dict]:
+    """dtree in bf16 against HF per path: the loss within 2x, every gradient within 3x of
+    the bf16 HF model's error against the float32 one, plus a floor."""
+    import dtree
+
+    base = build(config, device)
+    loss_exact, grads_exact = per_path(copy.deepcopy(base), seqs)
+    loss_bf16, grads_bf16 = per_path(copy.deepcopy(base).to(torch.bfloat16), seqs)
+    forest = dtree.Forest.from_sequences(seqs)
+    rows = []
+    for label, kw in settings.items():
+        model = copy.deepcopy(base).to(torch.bfloat16)
+        rt = dtree.TreeRuntime(model, **kw)
+        t0 = time.perf_counter()
+        out = rt.forward_backward(forest, dtree.losses.nll())
+        seconds = time.perf_counter() - t0
+        loss_ok = abs(out.loss - loss_exact) <= 2 * abs(loss_bf16 - loss_exact) + 1e-3 * max(1.0, abs(loss_exact))
+        worst, worst_ratio, bad = None, 0.0, []
+        for pname, p in model.named_parameters():
+            exact = grads_exact[pname]
+            err = (p.grad.float() - exact).abs().max().item()
+            base_err = (grads_bf16[pname] - exact).abs().max().item()
+            floor = 1e-3 * max(1e-3, exact.abs().max().item())
+            ratio = err / (3 * base_err + floor)
+            if ratio > worst_ratio:
+                worst, worst_ratio = pname, ratio
+            if ratio > 1:
+                bad.append(pname)
+        rows.append({
+            "model": name, "setting": label, "options": kw, "recurrence": rt._recurrence, "attention": rt.attention,
+            "loss": out.loss, "loss_fp32": loss_exact, "loss_bf16_hf": loss_bf16, "loss_ok": loss_ok,
+            "worst_param": worst, "worst_ratio_to_bound": worst_ratio, "bad_params": bad,
+            "ok": loss_ok and not bad, "seconds": seconds, "model_calls": out.num_model_calls,
+        })
+    return rows
+
+
+# ---------------------------------------------------------------------------- 3. benchmark
+def hybrid_flops(model) -> tuple[float, float]:
+    """(forward FLOPs per token, forward FLOPs per attended key) of a Qwen3.5-shaped model:
+    2 x every decoder and head matmul weight; the gated delta rule's state read, update
+    and readout (6 H_v D_k D_v per token per layer); 4 H D per key in attention layers."""
+    config = model.config
+    linears = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
+    per_token = 2.0 * (linears + model.get_output_embeddings().weight.numel())
+    types = config.layer_types
+    recurrent = sum(t == "linear_attention" for t in types)
+    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
+    per_token += recurrent * 6.0 * state
+    per_key = (len(types) - recurrent) * 4.0 * config.num_attention_heads * config.head_dim
+    return per_token, per_key
+
+
+def unique_training_flops(forest, per_token: float, per_key: float) -> float:
+    """fwd + bwd (3x forward) FLOPs of the forest's unique tokens (a token at depth d attends to d + 1 keys)."""
+    keys = float((forest.positions.astype(np.float64) + 1).sum())
+    return 3.0 * (forest.num_unique_tokens * per_token + keys * per_key)
+
+
+def workloads(vocab: int, smoke: bool) -> dict:
+    from dtree.workloads import make_workload
+
+    if smoke:
+        return {"agentic": make_workload("agentic", tiny=True, vocab_size=vocab, num_trees=1),
+                "grpo": make_workload("grpo", tiny=True, vocab_size=vocab, num_prompts=1)}
+    return {
+        "agentic": make_workload("agentic", num_trees=1, target_unique_tokens=16384, vocab_size=vocab),
+        "grpo": make_workload("grpo", num_prompts=2, prompt_len=2048, group_size=8, answer_len=512, vocab_size=vocab),
+    }
+
+
+_UNUSED = {"first_step_s", "second_step_s", "steady_max_s", "steady_steps", "step_losses", "step_peak_mem_gib",
+           "step_calls", "speedup_vs_linearized", "ideal_speedup", "fraction_of_ideal", "metrics"}
+
+
+def benchmark(device, smoke: bool, deadline: float) -> dict:
+    import dtree
+    from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
+    from dtree.bench.measure import measure_method, peak_tflops
+
+    model = build(qwen35_config("tiny" if smoke else "2b"), device, dtype=torch.float32 if smoke else torch.bfloat16)
+    params = sum(p.numel() for p in model.parameters())
+    per_token, per_key = hybrid_flops(model)
+    peak = peak_tflops(device, next(model.parameters()).dtype)
+    try:
+        TreeMaskTrainer(model)
+        mask = "ran (unexpected)"
+    except ValueError as error:
+        mask = f"not applicable: {error}"
+    loss = dtree.losses.nll()
+    runs = []
+    for wname, forest in workloads(model.config.vocab_size, smoke).items():
+        flops = unique_training_flops(forest, per_token, per_key)
+        methods = {"dtree": lambda: dtree.TreeRuntime(model), "linearized": lambda: LinearizedTrainer(model)}
+        for method, make in methods.items():
+            if time.perf_counter() > deadline:
+                runs.append({"workload": wname, "method": method, "status": "skipped (time budget)"})
+                continue
+            r = measure_method(method, make, forest, loss, model, device=device, warmup=0 if smoke else 1,
+                               repeats=1 if smoke else 2, unique_flops=flops, peak=peak)
+            runs.append({"workload": wname, "unique_tokens": forest.num_unique_tokens,
+                         "linearized_tokens": forest.num_linearized_tokens,
+                         "flop_compression": forest.flop_compression_ratio(per_token, per_key),
+                         **{k: v for k, v in r.as_dict().items() if k not in _UNUSED}})
+    return {"params": params, "flops_per_token": per_token, "flops_per_key": per_key, "tree_mask": mask,
+            "runs": runs}
+
+
+# ---------------------------------------------------------------------------- report, main
+def _fmt(x, spec=".3g"):
+    return "" if x is None else format(x, spec)
+
+
+def environment(device, wheels: list[dict]) -> dict:
+    import transformers
+
+    import dtree.bench.measure as measure
+
+    env = {"device": measure.device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
+           "wheels": wheels}
+    for name in ("triton", "fla"):
+        try:
+            env[name] = getattr(__import__(name), "__version__", "?")
+        except Exception as error:  # noqa: BLE001 (reported)
+            env[name] = f"unavailable ({type(error).__name__})"
+    env["cuda"] = torch.version.cuda
+    return env
+
+
+def report(results: dict) -> str:
+    env, lines = results["environment"], ["# Hybrid models through dtree's state stack", ""]
+    lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
+    lines += ["## 1. Kernels (fla vs the float64 recurrence; bound: 2x/3x the all-bf16 torch recurrence + floor)", "",
+              "| kernel | tensor | error | bf16 torch error | bound | ok |", "|---|---|---|---|---|---|"]
+    lines += [f"| {r['kernel']} | {r['tensor']} | {_fmt(r['err'])} | {_fmt(r['bf16_torch_err'])} | {_fmt(r['bound'])} "
+              f"| {'PASS' if r['ok'] else 'FAIL'} |" for r in results.get("kernels", [])]
+    lines += [results.get("kernels_note", ""), "", "## 2. Models (bf16 dtree vs HF per path; bound: 2x loss / 3x "
+              "gradient error of HF bf16 vs fp32 + floor)", "",
+              "| model | setting | recurrence | loss (fp32 HF) | worst gradient / bound | ok |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['setting']} | {r['recurrence']} | {r['loss']:.5f} ({r['loss_fp32']:.5f}) | "
+              f"{r['worst_param']}: {r['worst_ratio_to_bound']:.2f} | {'PASS' if r['ok'] else 'FAIL'} |"
+              for r in results.get("models", [])]
+    bench = results.get("benchmark") or {}
+    lines += ["", f"## 3. Benchmark: Qwen3.5-shaped hybrid, {bench.get('params', 0) / 1e9:.2f}B params, random bf16",
+              "", "| workload | method | unique / linearized tokens | FLOP compression | step s | tokens/s (unique) "
+              "| effective tokens/s | MFU | peak GiB | status |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in bench.get("runs", []):
+        lines.append(
+            f"| {r['workload']} | {r['method']} | {r.get('unique_tokens', '')} / {r.get('linearized_tokens', '')} | "
+            f"{_fmt(r.get('flop_compression'))} | {_fmt(r.get('step_time_s'))} | "
+            f"{_fmt(r.get('tokens_per_s'), '.0f')} | "
+            f"{_fmt(r.get('effective_tokens_per_s'), '.0f')} | {_fmt(r.get('mfu'), '.1%')} | "
+            f"{_fmt(r.get('peak_mem_gib'), '.1f')} | {r.get('status')} {r.get('error') or ''} |"
+        )
+    lines += ["", f"Tree mask (mask-based methods): {bench.get('tree_mask', '')}", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hybrid"))
+    parser.add_argument("--wheels", default=os.environ.get("DTREE_WHEELS"), help="folder of wheels to put on sys.path")
+    parser.add_argument("--smoke", action="store_true", default=os.environ.get("SMOKE") == "1")
+    parser.add_argument("--all-kernels", action="store_true", help="also check the per-key decays (Kimi, Mamba)")
+    parser.add_argument("--budget-s", type=float, default=450.0, help="no benchmark case starts after this")
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    import_hf_references()
+    wheels = load_wheels(args.wheels)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if device.type == "cuda":
+        from dtree.bench.measure import use_expandable_segments
+
+        use_expandable_segments()
+    from dtree.ops.linear_recurrence_fla import fla_unavailable
+    from dtree.ops.backends import Target
+
+    results: dict = {"environment": environment(device, wheels)}
+    why = fla_unavailable(Target(device))
+    backend = "reference" if why else "fla"
+    kinds = ["gdn", "ssd"] + (["kda", "gla"] if args.all_kernels else [])
+    results["kernels"] = check_kernels(device, kinds, backend)
+    results["kernels_note"] = f"backend: {backend}" + (f" (fla {why})" if why else "")
+    size, scale = ("tiny", 1) if args.smoke else ("check", 10)
+    settings = {"default": {}, "calls": dict(group_tokens=0, chunk_size=64),
+                "recompute": dict(mode="recompute", group_tokens=256, chunk_size=64)}
+    results["models"] = []
+    for name, config in (("qwen3.5", qwen35_config(size)), ("nemotron_h", nemotron_config(size))):
+        seqs = branching_sequences(config.vocab_size, scale)
+        results["models"] += check_model(name, config, device, seqs, settings)
+    if backend == "fla" or args.smoke:
+        results["benchmark"] = benchmark(device, args.smoke, start + args.budget_s)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "hybrid_gpu.md").write_text(report(results))
+    (out / "hybrid_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+    checks = results["kernels"] + results["models"]
+    failed = [c for c in checks if not c["ok"]]
+    print(f"hybrid_gpu: {len(checks) - len(failed)}/{len(checks)} checks pass ({results['kernels_note']}); "
+          f"{time.perf_counter() - start:.0f} s; reports in {out}")
+    for r in (results.get("benchmark") or {}).get("runs", []):
+        print(f"  {r['workload']:8s} {r['method']:10s} {r.get('status')} step {_fmt(r.get('step_time_s'))} s, "
+              f"MFU {_fmt(r.get('mfu'), '.1%')}, peak {_fmt(r.get('peak_mem_gib'), '.1f')} GiB")
+    for c in failed:
+        print("  FAIL", {k: c[k] for k in c if k in ("kernel", "tensor", "model", "setting", "worst_param")})
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(HERE.parent))
+    raise SystemExit(main())
