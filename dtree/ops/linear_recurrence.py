@@ -38,11 +38,13 @@ scale, qk_l2norm) -> (o, final)``:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from .backends import implementation
-from .segment_states import LayerStates
+from .segment_states import LayerStates, StateLayout
 
 __all__ = ["linear_recurrence", "recurrence_reference", "recurrence_naive", "l2norm", "state_dtype"]
 
@@ -123,23 +125,63 @@ def recurrence_reference(
     return torch.cat(outs).to(v.dtype), torch.stack(finals)
 
 
+@dataclass(frozen=True)
+class _Level:
+    """One level of a call's segments (all their in-call parents ran in the level before).
+
+    ``rows`` [n_rows] the call rows of the level's segments in order (None: the whole
+    call, a single level); ``cu`` [n+1] their varlen offsets; ``from_stack`` and
+    ``in_call`` the positions (in the level) of the segments whose initial state comes
+    from the stack or from a parent of the previous level, ``parent_pos`` those parents'
+    positions there; ``pushing`` the positions of the segments that store their state."""
+
+    segments: np.ndarray
+    rows: np.ndarray | None
+    cu: np.ndarray
+    from_stack: np.ndarray
+    in_call: np.ndarray
+    parent_pos: np.ndarray
+    pushing: np.ndarray
+
+
+def _level_plan(layout: StateLayout) -> tuple[list[_Level], np.ndarray | None]:
+    """The levels of a call and the inverse of their row order (None for one level);
+    built once per call, shared by its layers."""
+    levels = layout.levels()
+    position = np.zeros(layout.num_segments, dtype=np.int64)
+    plan, order = [], []
+    for segments in levels:
+        position[segments] = np.arange(len(segments))
+        lengths = layout.q_offsets[segments + 1] - layout.q_offsets[segments]
+        rows = None if len(levels) == 1 else layout.rows_of(segments)
+        if rows is not None:
+            order.append(rows)
+        in_call = np.flatnonzero(layout.call_parent[segments] >= 0)
+        plan.append(_Level(
+            segments, rows, np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+            np.flatnonzero(layout.read_slot[segments] >= 0), in_call,
+            position[layout.call_parent[segments[in_call]]], np.flatnonzero(layout.push_slot[segments] >= 0),
+        ))
+    if len(levels) == 1:
+        return plan, None
+    inverse = np.empty(layout.num_rows, dtype=np.int64)
+    inverse[np.concatenate(order)] = np.arange(layout.num_rows)
+    return plan, inverse
+
+
 def _initial_states(
-    states: LayerStates, name: str, segments: np.ndarray, shape, finals: dict, dtype, device
+    states: LayerStates, name: str, li: int, level: _Level, previous: torch.Tensor | None, shape, dtype, device
 ) -> torch.Tensor:
-    """[n, *shape] initial states of one level's ``segments``: zeros at roots, the stack's
-    slot, or the in-call parent's final state (``finals``: segment -> (tensor, row))."""
-    layout = states.layout
-    initial = torch.zeros((len(segments), *shape), dtype=dtype, device=device)
-    from_stack = np.flatnonzero(layout.read_slot[segments] >= 0)
-    if len(from_stack):
-        read = states.read(name, segments[from_stack], dtype, device)
-        initial = initial.index_copy(0, torch.as_tensor(from_stack, device=device), read)
-    in_call = np.flatnonzero(layout.call_parent[segments] >= 0)
-    if len(in_call):
-        parents = layout.call_parent[segments[in_call]]
-        source, _ = finals[int(parents[0])]  # a level's parents all ran in the level before
-        rows = torch.as_tensor(np.array([finals[int(p)][1] for p in parents]), device=device)
-        initial = initial.index_copy(0, torch.as_tensor(in_call, device=device), source.index_select(0, rows))
+    """[n, *shape] initial states of level ``li``: zeros at roots, the stack's slot, or the
+    in-call parent's final state (a row of ``previous``, the last level's final states)."""
+    initial = torch.zeros((len(level.segments), *shape), dtype=dtype, device=device)
+    index = states.layout.device_index
+    if len(level.from_stack):
+        read = states.read(name, level.segments[level.from_stack], dtype, device)
+        initial = initial.index_copy(0, index(("level_stack", li), lambda: level.from_stack, device), read)
+    if len(level.in_call):
+        parents = previous.index_select(0, index(("level_parents", li), lambda: level.parent_pos, device))
+        initial = initial.index_copy(0, index(("level_in_call", li), lambda: level.in_call, device), parents)
     return initial
 
 
@@ -166,39 +208,22 @@ def linear_recurrence(
         [T, H, V] in ``v.dtype``."""
     layout = states.layout
     kernel = implementation("linear_recurrence", states.backend)
-    heads, shape = v.shape[1], (v.shape[1], k.shape[2], v.shape[2])
-    levels = layout.levels()
-    finals: dict[int, tuple[torch.Tensor, int]] = {}
-    outs, order = [], []
-    for segments in levels:
-        initial = _initial_states(states, name, segments, shape, finals, state_dtype(v.dtype), v.device)
-        if len(levels) == 1:
-            inputs, cu = (q, k, v, g, beta), layout.q_offsets
-        else:
-            rows_np = layout.rows_of(segments)
-            rows = torch.as_tensor(rows_np, device=v.device)
-            inputs = tuple(None if x is None else x.index_select(0, rows) for x in (q, k, v, g, beta))
-            lengths = layout.q_offsets[segments + 1] - layout.q_offsets[segments]
-            cu = np.concatenate([[0], np.cumsum(lengths)])
-            order.append(rows_np)
-        out, final = kernel(*inputs, cu, initial, scale, qk_l2norm)
+    heads, shape, dev = v.shape[1], (v.shape[1], k.shape[2], v.shape[2]), v.device
+    plan, inverse = layout.cached("recurrence_levels", lambda: _level_plan(layout))
+    final, outs = None, []
+    for li, level in enumerate(plan):
+        initial = _initial_states(states, name, li, level, final, shape, state_dtype(v.dtype), dev)
+        inputs = (q, k, v, g, beta)
+        if level.rows is not None:
+            rows = layout.device_index(("level_rows", li), lambda: level.rows, dev)
+            inputs = tuple(None if x is None else x.index_select(0, rows) for x in inputs)
+        out, final = kernel(*inputs, level.cu, initial, scale, qk_l2norm)
         if out.shape[1] != heads:
             raise AssertionError(f"backend {states.backend!r} returned {out.shape[1]} heads for {heads}")
         outs.append(out)
-        finals.update({int(s): (final, i) for i, s in enumerate(segments)})
-    if len(levels) == 1:
-        o = outs[0]
-    else:
-        inverse = np.empty(layout.num_rows, dtype=np.int64)
-        inverse[np.concatenate(order)] = np.arange(layout.num_rows)
-        o = torch.cat(outs).index_select(0, torch.as_tensor(inverse, device=v.device))
-    pushing = layout.pushing()
-    if len(pushing):
-        by_source: dict[int, list[int]] = {}
-        for s in pushing:
-            by_source.setdefault(id(finals[int(s)][0]), []).append(int(s))
-        for group in by_source.values():
-            source = finals[group[0]][0]
-            rows = torch.as_tensor([finals[s][1] for s in group], device=v.device)
-            states.push(name, np.array(group, dtype=np.int64), source.index_select(0, rows))
-    return states.tie(o)
+        if len(level.pushing):
+            pushed = final.index_select(0, layout.device_index(("level_push", li), lambda: level.pushing, dev))
+            states.push(name, level.segments[level.pushing], pushed)
+    if inverse is not None:
+        outs = [torch.cat(outs).index_select(0, layout.device_index("inverse", lambda: inverse, dev))]
+    return states.tie(outs[0])
