@@ -186,3 +186,20 @@ def test_ppo_loss_on_hybrid_matches_per_path():
     rt = dtree.TreeRuntime(tree_model, chunk_size=3, group_tokens=8, mode="recompute")
     out = rt.forward_backward(forest.with_fields(**fields), dtree.losses.ppo_clip(clip_eps=0.2))
     assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+@pytest.mark.parametrize("settings", [dict(group_tokens=0), dict(mode="recompute", group_tokens=6), dict()])
+def test_custom_module_with_a_recurrent_layer(settings):
+    """The protocol for custom modules: ``layer_kv`` and ``recurrent_states`` in the spec,
+    ``attend.states(layer)`` handed to dtree's ops; against the module's own forward per path."""
+    from nanogpt import NanoHybrid
+    from test_runtime_exact import _per_path_nll_backward
+
+    torch.manual_seed(0)
+    model = NanoHybrid()
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    rt = dtree.TreeRuntime(tree_model, chunk_size=2, **settings)
+    out = rt.forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll("sum"))
+    total = _per_path_nll_backward(ref_model, SEQS)
+    assert_exact(tree_model, ref_model)
+    assert abs(out.loss - total) < 1e-4 * max(1.0, abs(total))

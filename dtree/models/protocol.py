@@ -19,6 +19,14 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
             # alibi_slopes=[q_heads] tensor, window=int (sliding window)
             return final_hidden  # [T, hidden] after the final norm
 
+        # recurrent layers (hybrid models): declare them in the spec (layer_kv: None for a
+        # layer without attention; recurrent_states: (layer, name, shape) of each state)
+        # and run their token mixing through dtree's ops with the call's states:
+        #     states = attend.states(layer_idx)
+        #     y = dtree.ops.short_conv.causal_conv1d_segments(x, weight, bias, states)
+        #     o = dtree.ops.linear_recurrence.linear_recurrence(q, k, v, g, beta, states, scale=...)
+        # each packed segment then starts from its parent's state (tests/nanogpt.py: NanoHybrid)
+
         def dtree_output_layer(self):
             return OutputHead(weight=self.lm_head.weight)  # fused: [vocab, hidden] (+ bias)
             # or OutputHead(module=self.lm_head): any nn.Module [N, hidden] -> [N, vocab],
@@ -28,6 +36,10 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
 
         # optional: refuse a state the module cannot run in, before any compute
         def dtree_check(self, training: bool) -> None: ...
+
+        # optional (recurrent layers): per layer, whether its states can need a gradient
+        # now (a trainable parameter feeds them); default: every state read takes one
+        def dtree_state_grads(self) -> tuple[bool, ...]: ...
 
         # optional: a context manager the runtime holds over a whole training step,
         # backward included (the HF adapter keeps its attention switched to dtree's

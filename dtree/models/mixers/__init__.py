@@ -37,10 +37,10 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable
 
 import torch
 
+from ..families import adapted_classes
 from ..guard import active_call
 from .adapter import MixerAdapter
 from .delta import DELTA_ADAPTERS
@@ -48,7 +48,7 @@ from .lightning import LIGHTNING_ADAPTERS
 from .mamba import MAMBA_ADAPTERS
 from .short_conv import SHORT_CONV_ADAPTERS
 
-__all__ = ["MixerAdapter", "ADAPTERS", "ADAPTED_MIXERS", "adapter_of", "install", "mixer_layer", "state_shapes"]
+__all__ = ["MixerAdapter", "ADAPTERS", "ADAPTED_MIXERS", "adapter_of", "install", "state_shapes"]
 
 ADAPTERS: tuple[MixerAdapter, ...] = DELTA_ADAPTERS + MAMBA_ADAPTERS + SHORT_CONV_ADAPTERS + LIGHTNING_ADAPTERS
 _BY_CLASS = {(a.module, a.cls): a for a in ADAPTERS}
@@ -112,18 +112,7 @@ def _install_on_class(cls: type, adapter: MixerAdapter) -> None:
 def install(model: torch.nn.Module) -> list[str]:
     """Install the adapter of every adapted mixer class in ``model`` (once per class).
     Returns the adapted class names found."""
-    found: dict[str, tuple[type, MixerAdapter]] = {}
-    for module in model.modules():
-        adapter = adapter_of(module)
-        if adapter is not None:
-            found[adapter.cls] = (type(module), adapter)
+    found = adapted_classes(model, adapter_of)
     for cls, adapter in found.values():
         _install_on_class(cls, adapter)
     return sorted(found)
-
-
-def mixer_layer(module: torch.nn.Module, layer_of: Callable[[torch.nn.Module], int | None]) -> int | None:
-    """The decoder layer of a mixer module: its ``layer_idx`` when it has an integer one,
-    else where it sits."""
-    layer = getattr(module, "layer_idx", None)
-    return layer if isinstance(layer, int) and not isinstance(layer, bool) else layer_of(module)
