@@ -17,14 +17,13 @@ then a benchmark against linearized training. One run, about 5 minutes on an H10
    branching forest (default settings, and node by node), against the same HF model
    run on each path: the loss within 2x and every parameter gradient within 3x of the
    bf16 HF model's error against the float32 one, plus a floor. transformers' modeling
-   modules are imported before the wheels are on ``sys.path``, so HF runs its own torch
-   recurrences (the reference), while dtree runs fla's kernels.
-3. **Benchmark.** A Qwen3.5-shaped hybrid of about 2B parameters (random bf16 weights) on
-   the agentic (one tool-use tree) and grpo (prompt 2048 + 8 x 512, two groups) workloads:
-   dtree's default against linearized training (packed varlen, the same fla kernels),
-   step time, tokens/s, MFU and peak memory. Tree-mask training (mask-based: AReaL's
-   tree mode, Tree Packing) cannot express a recurrent state and is reported as not
-   applicable, with its refusal.
+   modules are imported before the wheels are on ``sys.path``: HF runs its own torch
+   recurrences (the reference), dtree fla's kernels.
+3. **Benchmark.** A Qwen3.5-shaped ~2B hybrid (random bf16 weights) on the agentic (one
+   tool-use tree) and grpo (prompt 2048 + 8 x 512, two groups) workloads: dtree against
+   linearized training (packed varlen, the same fla kernels): step time, tokens/s, MFU,
+   peak memory. Tree-mask training (AReaL's tree mode, Tree Packing) cannot express a
+   recurrent state: reported as not applicable, with its refusal.
 
 Reports: ``$OUT/hybrid_gpu.md`` and ``$OUT/hybrid_gpu.json``; a summary is printed.
 """
@@ -118,8 +117,7 @@ def build(config, device, dtype=torch.float32, seed: int = 0):
     torch.manual_seed(seed)
     config.use_cache = False
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    return model.eval()
+        return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
 
 
 # ---------------------------------------------------------------------------- 1. kernels
@@ -129,15 +127,13 @@ def _kernel_inputs(kind: str, device, gen) -> tuple:
     cu = np.array([0, 37, 150, 213])
     t = int(cu[-1])
 
-    def rand(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=gen, dtype=torch.float64) * scale).to(device)
+    def rand(*shape, scale=1.0, draw=torch.randn):
+        return (draw(*shape, generator=gen, dtype=torch.float64) * scale).to(device)
 
     q, k, v = rand(t, hk, dk), rand(t, hk, dk), rand(t, h, dv)
-    if kind in ("kda", "gla"):
-        g = -torch.rand(t, h, dk, generator=gen, dtype=torch.float64).to(device) * 0.2
-    else:
-        g = -torch.rand(t, h, generator=gen, dtype=torch.float64).to(device) * 0.5
-    beta = torch.rand(t, h, generator=gen, dtype=torch.float64).to(device) if kind in ("gdn", "kda") else None
+    g = -rand(t, h, dk, scale=0.2, draw=torch.rand) if kind in ("kda", "gla") else -rand(t, h, scale=0.5,
+                                                                                        draw=torch.rand)
+    beta = rand(t, h, draw=torch.rand) if kind in ("gdn", "kda") else None
     if kind in ("ssd", "gla"):
         q, k = q * dk**-0.5, k * dk**-0.5
     initial = rand(3, h, dk, dv, scale=0.1)
@@ -164,12 +160,10 @@ def check_kernels(device, kinds, backend: str) -> list[dict]:
     def torch_in(dtype):
         def fn(q, k, v, g, beta, cu, initial, scale, l2):
             outs, finals = [], []
-            for n in range(len(cu) - 1):
-                a, b = int(cu[n]), int(cu[n + 1])
-                o, s = recurrence_naive(q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b],
-                                        initial[n], scale, l2, dtype=dtype)
-                outs.append(o)
-                finals.append(s)
+            for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+                bn = None if beta is None else beta[a:b]
+                o, st = recurrence_naive(q[a:b], k[a:b], v[a:b], g[a:b], bn, initial[n], scale, l2, dtype=dtype)
+                outs, finals = outs + [o], finals + [st]
             return torch.cat(outs), torch.stack(finals)
 
         return fn
@@ -328,8 +322,16 @@ def benchmark(device, smoke: bool, deadline: float) -> dict:
     runs = []
     for wname, forest in workloads(model.config.vocab_size, smoke).items():
         flops = unique_training_flops(forest, per_token, per_key)
-        methods = {"dtree": lambda: dtree.TreeRuntime(model), "linearized": lambda: LinearizedTrainer(model)}
+        methods = {
+            "dtree": lambda: dtree.TreeRuntime(model),
+            # only when the default plan ran out of memory (the memory policy's activation
+            # estimates are an attention model's; the recurrent layers keep other tensors)
+            "dtree memory=low": lambda: dtree.TreeRuntime(model, memory="low"),
+            "linearized": lambda: LinearizedTrainer(model),
+        }
         for method, make in methods.items():
+            if method == "dtree memory=low" and runs[-1]["status"] != "oom":
+                continue
             if time.perf_counter() > deadline:
                 runs.append({"workload": wname, "method": method, "status": "skipped (time budget)"})
                 continue
@@ -339,8 +341,7 @@ def benchmark(device, smoke: bool, deadline: float) -> dict:
                          "linearized_tokens": forest.num_linearized_tokens,
                          "flop_compression": forest.flop_compression_ratio(per_token, per_key),
                          **{k: v for k, v in r.as_dict().items() if k not in _UNUSED}})
-    return {"params": params, "flops_per_token": per_token, "flops_per_key": per_key, "tree_mask": mask,
-            "runs": runs}
+    return {"params": params, "flops_per_token": per_token, "flops_per_key": per_key, "tree_mask": mask, "runs": runs}
 
 
 # ---------------------------------------------------------------------------- report, main
