@@ -203,3 +203,34 @@ def test_custom_module_with_a_recurrent_layer(settings):
     total = _per_path_nll_backward(ref_model, SEQS)
     assert_exact(tree_model, ref_model)
     assert abs(out.loss - total) < 1e-4 * max(1.0, abs(total))
+
+
+@pytest.mark.slow
+def test_compiled_hybrid_layers():
+    """torch.compile'd decoder layers run the mixers eagerly (a graph break) and stay exact."""
+    model = build("qwen3_5_text")
+    ref_model, ref_loss = reference(model)
+    compiled = copy.deepcopy(model)
+    dtree.compile_layers(compiled)
+    out, tree_model = run_dtree(compiled, copy_model=False, group_tokens=8, mode="recompute")
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind", ["qwen3.5", "nemotron_h"])
+def test_bf16_hybrid_on_cuda_by_the_flash_rule(kind):
+    """bf16 on CUDA with flash-linear-attention's kernels (skipped without them): the loss
+    within 2x and every gradient within 3x of the bf16 HF model's error per path, plus a
+    floor (benchmarks/hybrid_gpu.py's check, on its tiny models)."""
+    from benchmarks.hybrid_gpu import branching_sequences, check_model, nemotron_config, qwen35_config
+
+    from dtree.ops.backends import Target
+    from dtree.ops.linear_recurrence_fla import fla_unavailable
+
+    device = torch.device("cuda")
+    if fla_unavailable(Target(device)):
+        pytest.skip(fla_unavailable(Target(device)))
+    config = (qwen35_config if kind == "qwen3.5" else nemotron_config)("tiny")
+    rows = check_model(kind, config, device, branching_sequences(config.vocab_size, 3), {"calls": dict(group_tokens=0)})
+    assert all(r["ok"] and r["recurrence"] == "fla" for r in rows), rows

@@ -384,14 +384,9 @@ def _install_on_class(cls: type, adapter: _Adapter) -> None:
 
 
 def adapted_classes(model: torch.nn.Module, adapter_of: Callable) -> dict[str, tuple[type, object]]:
-    """Class name -> (the class, its adapter) for every module of ``model`` that
-    ``adapter_of`` gives an adapter (this module's, or the recurrent mixers')."""
-    found = {}
-    for module in model.modules():
-        adapter = adapter_of(module)
-        if adapter is not None:
-            found[adapter.cls] = (type(module), adapter)
-    return found
+    """Class name -> (class, adapter) of ``model``'s modules that ``adapter_of`` adapts (also the mixers')."""
+    adapters = ((type(m), adapter_of(m)) for m in model.modules())
+    return {adapter.cls: (cls, adapter) for cls, adapter in adapters if adapter is not None}
 
 
 def install(model: torch.nn.Module) -> list[str]:
