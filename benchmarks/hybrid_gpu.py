@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import sys
@@ -69,27 +70,26 @@ def import_hf_references() -> None:
 
 
 # ---------------------------------------------------------------------------- models
+_QWEN35 = ("hidden_size", "num_hidden_layers", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+           "head_dim", "linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "vocab_size")
+_QWEN35_SIZES = {"2b": (2048, 24, 6144, 16, 4, 256, 16, 32, 128, 248320),
+                 "check": (512, 4, 1536, 8, 2, 64, 4, 8, 64, 4096), "tiny": (64, 4, 128, 4, 2, 16, 2, 4, 8, 256)}
+_NEMOTRON = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "chunk_size", "vocab_size")
+_NEMOTRON_SIZES = {"check": (512, 1536, 8, 2, 64, 16, 32, 64, 2, 128, 4096),
+                   "tiny": (64, 128, 4, 2, 16, 4, 16, 8, 2, 16, 256)}
+
+
 def qwen35_config(size: str):
     """Qwen3.5's text architecture (3 gated-DeltaNet layers per gated-attention layer,
     grouped value heads): ``2b`` (~2.2B params, tied 248k vocab), ``check`` (small) or ``tiny``."""
     from transformers import AutoConfig
 
-    dims = {
-        "2b": dict(hidden_size=2048, num_hidden_layers=24, intermediate_size=6144, num_attention_heads=16,
-                   num_key_value_heads=4, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
-                   linear_key_head_dim=128, linear_value_head_dim=128, vocab_size=248320),
-        "check": dict(hidden_size=512, num_hidden_layers=4, intermediate_size=1536, num_attention_heads=8,
-                      num_key_value_heads=2, head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-                      linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=4096),
-        "tiny": dict(hidden_size=64, num_hidden_layers=4, intermediate_size=128, num_attention_heads=4,
-                     num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
-                     linear_key_head_dim=8, linear_value_head_dim=8, vocab_size=256),
-    }[size]
-    layers = dims["num_hidden_layers"]
-    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
+    dims = dict(zip(_QWEN35, _QWEN35_SIZES[size]))
+    types = ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(dims["num_hidden_layers"])]
     return AutoConfig.for_model(
         "qwen3_5_text", layer_types=types, tie_word_embeddings=True, max_position_embeddings=65536,
-        attention_dropout=0.0, **dims,
+        attention_dropout=0.0, linear_value_head_dim=dims["linear_key_head_dim"], **dims,
     )
 
 
@@ -97,17 +97,9 @@ def nemotron_config(size: str):
     """Nemotron-H's architecture (Mamba2 layers, squared-ReLU MLP layers, attention): ``check`` or ``tiny``."""
     from transformers import AutoConfig
 
-    dims = {
-        "check": dict(hidden_size=512, intermediate_size=1536, num_attention_heads=8, num_key_value_heads=2,
-                      head_dim=64, mamba_num_heads=16, mamba_head_dim=32, ssm_state_size=64, n_groups=2,
-                      chunk_size=128, vocab_size=4096),
-        "tiny": dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=16, mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=2,
-                     chunk_size=16, vocab_size=256),
-    }[size]
     return AutoConfig.for_model(
         "nemotron_h", num_hidden_layers=4, hybrid_override_pattern="M-M*", tie_word_embeddings=False,
-        max_position_embeddings=65536, attention_dropout=0.0, **dims,
+        max_position_embeddings=65536, attention_dropout=0.0, **dict(zip(_NEMOTRON, _NEMOTRON_SIZES[size])),
     )
 
 
@@ -121,8 +113,9 @@ def build(config, device, dtype=torch.float32, seed: int = 0):
 
 
 # ---------------------------------------------------------------------------- 1. kernels
-def _kernel_inputs(kind: str, device, gen) -> tuple:
-    """(q, k, v, g, beta, initial, cu_seqlens, scale, l2norm) in float64, three segments."""
+def _kernel_inputs(kind: str, device, gen) -> tuple[tuple, list[torch.Tensor]]:
+    """((q, k, v, g, beta, initial, cu_seqlens, scale, l2norm) in float64, three segments;
+    random weights of the outputs and final states in the checked loss)."""
     h, hk, dk, dv = (8, 4, 64, 64) if kind in ("gdn", "kda") else (8, 8, 64, 32)
     cu = np.array([0, 37, 150, 213])
     t = int(cu[-1])
@@ -137,7 +130,8 @@ def _kernel_inputs(kind: str, device, gen) -> tuple:
     if kind in ("ssd", "gla"):
         q, k = q * dk**-0.5, k * dk**-0.5
     initial = rand(3, h, dk, dv, scale=0.1)
-    return q, k, v, g, beta, initial, cu, dk**-0.5 if beta is not None else 1.0, beta is not None
+    inputs = (q, k, v, g, beta, initial, cu, dk**-0.5 if beta is not None else 1.0, beta is not None)
+    return inputs, [rand(t, h, dv), rand(3, h, dk, dv)]
 
 
 def _run_kernel(fn, inputs, weights):
@@ -153,31 +147,23 @@ def _run_kernel(fn, inputs, weights):
 def check_kernels(device, kinds, backend: str) -> list[dict]:
     """Each recurrence: ``backend`` in bf16 against float64, held to the all-bf16 torch recurrence."""
     from dtree.ops.backends import implementation
-    from dtree.ops.linear_recurrence import recurrence_naive
+    from dtree.ops.linear_recurrence import recurrence_reference
 
     kernel = implementation("linear_recurrence", backend)
 
     def torch_in(dtype):
-        def fn(q, k, v, g, beta, cu, initial, scale, l2):
-            outs, finals = [], []
-            for n, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
-                bn = None if beta is None else beta[a:b]
-                o, st = recurrence_naive(q[a:b], k[a:b], v[a:b], g[a:b], bn, initial[n], scale, l2, dtype=dtype)
-                outs, finals = outs + [o], finals + [st]
-            return torch.cat(outs), torch.stack(finals)
-
-        return fn
+        return functools.partial(recurrence_reference, dtype=dtype)
 
     rows = []
     for kind in kinds:
-        gen = torch.Generator().manual_seed(0)
-        x64 = _kernel_inputs(kind, device, gen)
-        weights = _output_weights(x64, gen, device)
+        x64, weights = _kernel_inputs(kind, device, torch.Generator().manual_seed(0))
         exact = _run_kernel(torch_in(torch.float64), x64, weights)
-        # as the adapters give them: q, k, v (and beta) in the model dtype, gates and states in float32
+        # as the adapters give them: gated DeltaNet's q, k, v, beta in the model dtype, Mamba2's
+        # (x dt, B, C) in float32; gates and states in float32
         q, k, v, g, beta, initial = x64[:6]
-        low = (*(x.to(torch.bfloat16) for x in (q, k, v)), g.float(), None if beta is None else beta.to(torch.bfloat16),
-               initial.float(), *x64[6:])
+        cast = torch.float32 if kind in ("ssd", "gla") else torch.bfloat16
+        low = (*(x.to(cast) for x in (q, k, v)), g.float(), None if beta is None else beta.to(cast), initial.float(),
+               *x64[6:])
         ref = _run_kernel(torch_in(torch.bfloat16), low, weights)
         got = _run_kernel(kernel, low, weights)
         names = ["out", "final", "dq", "dk", "dv", "dg", "dinitial"] + (["dbeta"] if beta is not None else [])
@@ -188,14 +174,6 @@ def check_kernels(device, kinds, backend: str) -> list[dict]:
             rows.append({"kernel": kind, "tensor": name, "err": e_got, "bf16_torch_err": e_ref, "bound": bound,
                          "ok": e_got <= bound})
     return rows
-
-
-def _output_weights(x64, gen, device) -> list[torch.Tensor]:
-    """Random weights of the outputs and final states in the checked loss."""
-    t, h, dv = x64[2].shape
-    n, dk = len(x64[6]) - 1, x64[0].shape[2]
-    return [torch.randn(t, h, dv, generator=gen, dtype=torch.float64).to(device),
-            torch.randn(n, h, dk, dv, generator=gen, dtype=torch.float64).to(device)]
 
 
 # ---------------------------------------------------------------------------- 2. models
@@ -258,7 +236,8 @@ def check_model(name: str, config, device, seqs, settings: dict) -> list[dict]:
             if ratio > 1:
                 bad.append(pname)
         rows.append({
-            "model": name, "setting": label, "options": kw, "recurrence": rt._recurrence, "attention": rt.attention,
+            "model": name, "setting": label, "options": kw, "recurrence": out.metrics["recurrence"],
+            "attention": out.metrics["attention"],
             "loss": out.loss, "loss_fp32": loss_exact, "loss_bf16_hf": loss_bf16, "loss_ok": loss_ok,
             "worst_param": worst, "worst_ratio_to_bound": worst_ratio, "bad_params": bad,
             "ok": loss_ok and not bad, "seconds": seconds, "model_calls": out.num_model_calls,
@@ -354,45 +333,59 @@ def environment(device, wheels: list[dict]) -> dict:
 
     import dtree.bench.measure as measure
 
-    env = {"device": measure.device_name(device), "torch": torch.__version__, "transformers": transformers.__version__,
-           "wheels": wheels}
+    env = {"device": measure.device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "transformers": transformers.__version__, "wheels": wheels}
     for name in ("triton", "fla"):
         try:
             env[name] = getattr(__import__(name), "__version__", "?")
         except Exception as error:  # noqa: BLE001 (reported)
             env[name] = f"unavailable ({type(error).__name__})"
-    env["cuda"] = torch.version.cuda
     return env
 
 
+def _table(rows: list[dict], columns: str) -> list[str]:
+    """Markdown of ``rows``: ``columns`` is ``"header:key:format, ..."`` (format ``ok``:
+    PASS/FAIL); a row that raised shows its error instead."""
+    cols = [c.strip().split(":") for c in columns.split(",")]
+
+    def cell(r, key, spec):
+        value = r.get(key)
+        return "" if value is None else {True: "PASS", False: "FAIL"}[value] if spec == "ok" else format(value, spec)
+
+    out = ["| " + " | ".join(c[0] for c in cols) + " |", "|" + "---|" * len(cols)]
+    for r in rows:
+        cells = [str(r["error"])] if r.get("error") and "ok" in r else [cell(r, key, spec) for _, key, spec in cols]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def report(results: dict) -> str:
-    env, lines = results["environment"], ["# Hybrid models through dtree's state stack", ""]
-    lines += [f"- {k}: {v}" for k, v in env.items()] + [""]
-    lines += ["## 1. Kernels (fla vs the float64 recurrence; bound: 2x/3x the all-bf16 torch recurrence + floor)", "",
-              "| kernel | tensor | error | bf16 torch error | bound | ok |", "|---|---|---|---|---|---|"]
-    lines += [f"| {r['kernel']} | {r['tensor']} | {_fmt(r['err'])} | {_fmt(r['bf16_torch_err'])} | {_fmt(r['bound'])} "
-              f"| {'PASS' if r['ok'] else 'FAIL'} |" for r in results.get("kernels", [])]
-    lines += [results.get("kernels_note", ""), "", "## 2. Models (bf16 dtree vs HF per path; bound: 2x loss / 3x "
-              "gradient error of HF bf16 vs fp32 + floor)", "",
-              "| model | setting | recurrence | loss (fp32 HF) | worst gradient / bound | ok |",
-              "|---|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['setting']} | {r['recurrence']} | {r['loss']:.5f} ({r['loss_fp32']:.5f}) | "
-              f"{r['worst_param']}: {r['worst_ratio_to_bound']:.2f} | {'PASS' if r['ok'] else 'FAIL'} |"
-              for r in results.get("models", [])]
+    lines = ["# Hybrid models through dtree's state stack", ""]
+    lines += [f"- {k}: {v}" for k, v in results["environment"].items()]
+    lines += ["", "## 1. Kernels (fla vs the float64 recurrence; bound 2x/3x the all-bf16 torch one + floor)", ""]
+    lines += _table(results.get("kernels", []), "kernel:kernel:, tensor:tensor:, error:err:.3g, "
+                    "bf16 torch error:bf16_torch_err:.3g, bound:bound:.3g, ok:ok:ok")
+    lines += [results.get("kernels_note", ""), "", "## 2. Models (bf16 dtree vs HF per path; bound 2x loss / 3x "
+              "gradient error of HF bf16 vs fp32 + floor)", ""]
+    lines += _table(results.get("models", []), "model:model:, setting:setting:, recurrence:recurrence:, "
+                    "loss:loss:.5f, loss fp32 HF:loss_fp32:.5f, worst gradient:worst_param:, "
+                    "its error / bound:worst_ratio_to_bound:.2f, ok:ok:ok")
     bench = results.get("benchmark") or {}
-    lines += ["", f"## 3. Benchmark: Qwen3.5-shaped hybrid, {bench.get('params', 0) / 1e9:.2f}B params, random bf16",
-              "", "| workload | method | unique / linearized tokens | FLOP compression | step s | tokens/s (unique) "
-              "| effective tokens/s | MFU | peak GiB | status |", "|---|---|---|---|---|---|---|---|---|---|"]
-    for r in bench.get("runs", []):
-        lines.append(
-            f"| {r['workload']} | {r['method']} | {r.get('unique_tokens', '')} / {r.get('linearized_tokens', '')} | "
-            f"{_fmt(r.get('flop_compression'))} | {_fmt(r.get('step_time_s'))} | "
-            f"{_fmt(r.get('tokens_per_s'), '.0f')} | "
-            f"{_fmt(r.get('effective_tokens_per_s'), '.0f')} | {_fmt(r.get('mfu'), '.1%')} | "
-            f"{_fmt(r.get('peak_mem_gib'), '.1f')} | {r.get('status')} {r.get('error') or ''} |"
-        )
-    lines += ["", f"Tree mask (mask-based methods): {bench.get('tree_mask', '')}", ""]
-    return "\n".join(lines)
+    lines += ["", f"## 3. Benchmark: Qwen3.5-shaped hybrid, {bench.get('params', 0) / 1e9:.2f}B params, random", ""]
+    lines += _table(bench.get("runs", []), "workload:workload:, method:method:, unique tokens:unique_tokens:, "
+                    "linearized tokens:linearized_tokens:, FLOP compression:flop_compression:.3g, "
+                    "step s:step_time_s:.3g, tokens/s (unique):tokens_per_s:.0f, "
+                    "effective tokens/s:effective_tokens_per_s:.0f, MFU:mfu:.1%, peak GiB:peak_mem_gib:.1f, "
+                    "status:status:, error:error:")
+    return "\n".join(lines + ["", f"Tree mask (mask-based methods): {bench.get('tree_mask', '')}", ""])
+
+
+def _safely(run, what: dict) -> list[dict]:
+    """``run()``'s rows, or one failed row saying what raised (the other parts still run)."""
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 (reported in the row)
+        return [{**what, "ok": False, "error": f"{type(error).__name__}: {str(error)[:500]}"}]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -418,7 +411,7 @@ def main(argv: list[str] | None = None) -> int:
     why = fla_unavailable(Target(device))
     backend = "reference" if why else "fla"
     kinds = ["gdn", "ssd"] + (["kda", "gla"] if args.all_kernels else [])
-    results["kernels"] = check_kernels(device, kinds, backend)
+    results["kernels"] = _safely(lambda: check_kernels(device, kinds, backend), {"kernel": "all", "tensor": "-"})
     results["kernels_note"] = f"backend: {backend}" + (f" (fla {why})" if why else "")
     size, scale = ("tiny", 1) if args.smoke else ("check", 10)
     settings = {"default": {}, "calls": dict(group_tokens=0, chunk_size=64),
@@ -426,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     results["models"] = []
     for name, config in (("qwen3.5", qwen35_config(size)), ("nemotron_h", nemotron_config(size))):
         seqs = branching_sequences(config.vocab_size, scale)
-        results["models"] += check_model(name, config, device, seqs, settings)
+        results["models"] += _safely(lambda: check_model(name, config, device, seqs, settings), {"model": name})
     if backend == "fla" or args.smoke:
         results["benchmark"] = benchmark(device, args.smoke, start + args.budget_s)
     out = Path(args.out)

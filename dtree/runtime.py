@@ -389,7 +389,7 @@ class TreeRuntime:
             kept.term_log = res.term_log
             metrics = {
                 "mode": self.mode,
-                "attention": self._attention,
+                "attention": self._attention, "recurrence": self._recurrence,
                 "groups": sched.num_groups,
                 "group_tokens": sched.group_tokens,
                 "recomputed_tokens": res.recomputed_tokens,

@@ -108,9 +108,10 @@ def recurrence_naive(
 
 
 def recurrence_reference(
-    q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tensor, scale: float, qk_l2norm: bool
+    q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tensor, scale: float, qk_l2norm: bool, dtype=None
 ):
-    """The ``reference`` backend: :func:`recurrence_naive` per sequence of a varlen call.
+    """The ``reference`` backend: :func:`recurrence_naive` per sequence of a varlen call
+    (``dtype``: its compute dtype).
 
     ``cu_seqlens`` [N+1] (host), ``initial`` [N, H, K, V]; returns ([T, H, V] in
     ``v.dtype``, [N, H, K, V] in :func:`state_dtype`)."""
@@ -118,7 +119,7 @@ def recurrence_reference(
     for n in range(len(cu_seqlens) - 1):
         a, b = int(cu_seqlens[n]), int(cu_seqlens[n + 1])
         o, s = recurrence_naive(
-            q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b], initial[n], scale, qk_l2norm
+            q[a:b], k[a:b], v[a:b], g[a:b], None if beta is None else beta[a:b], initial[n], scale, qk_l2norm, dtype
         )
         outs.append(o)
         finals.append(s)
