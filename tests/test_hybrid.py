@@ -234,3 +234,32 @@ def test_bf16_hybrid_on_cuda_by_the_flash_rule(kind):
     config = (qwen35_config if kind == "qwen3.5" else nemotron_config)("tiny")
     rows = check_model(kind, config, device, branching_sequences(config.vocab_size, 3), {"calls": dict(group_tokens=0)})
     assert all(r["ok"] and r["recurrence"] == "fla" for r in rows), rows
+
+
+def test_lora_on_every_linear_layer():
+    """PEFT LoRA on every linear layer, the mixers' projections included (the adapters call
+    the projections as modules); the base weights frozen."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules="all-linear")
+    model = peft.get_peft_model(build("qwen3_5_text"), config)
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, mode="recompute", group_tokens=8)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+    assert all(p.grad is not None for p in tree_model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize(
+    "name, targets, what",
+    [("qwen3_5_text", ["conv1d"], "convolution"), ("jamba", ["dt_proj"], "dt_proj")],
+)
+def test_lora_on_weights_a_mixer_reads_directly_is_refused(name, targets, what):
+    """Weights the adapters read directly, as transformers does (a mixer's convolution,
+    Jamba's dt_proj), cannot carry a LoRA adapter unseen: refused by name."""
+    peft = pytest.importorskip("peft")
+    model = build(name)
+    rank = 64 if what == "convolution" else 2  # PEFT needs a rank divisible by the conv's groups
+    model = peft.get_peft_model(model, peft.LoraConfig(r=rank, init_lora_weights=False, target_modules=targets))
+    with pytest.raises(ValueError, match=rf"{what} is a .*not a plain torch\.nn\..*target modules"):
+        dtree.TreeRuntime(model).forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
+    assert all(p.grad is None for p in model.parameters())

@@ -10,7 +10,7 @@ import torch
 
 from ...ops.segment_states import LayerStates
 
-__all__ = ["MixerAdapter", "conv_weights", "activation", "transformers_version"]
+__all__ = ["MixerAdapter", "conv_weights", "activation", "plain", "transformers_version"]
 
 #: The transformers releases the adapters were tested against (tests/test_families.py in CI).
 TESTED_TRANSFORMERS = ("5.10.4", "5.24.0")
@@ -71,12 +71,28 @@ def conv_weights(module: torch.nn.Module, *names: str) -> tuple[torch.Tensor, to
     convs = [getattr(module, n) for n in names if hasattr(module, n)]
     if not convs:
         raise AttributeError(f"{type(module).__name__} has none of the convolutions {names}")
+    for conv in convs:
+        plain(module, conv, torch.nn.Conv1d, "convolution")
     weight = torch.cat([c.weight.squeeze(1) for c in convs])
     biases = [c.bias for c in convs]
     bias = None if all(b is None for b in biases) else torch.cat(
         [b if b is not None else c.weight.new_zeros(c.weight.shape[0]) for b, c in zip(biases, convs)]
     )
     return weight, bias
+
+
+def plain(owner: torch.nn.Module, sub: torch.nn.Module, cls: type, what: str) -> torch.nn.Module:
+    """``sub`` itself, after checking that it is a plain ``cls`` without hooks: the adapter
+    reads its weight directly (as transformers does), so an adapter (LoRA) or a hook on it
+    would be skipped silently; refused by name instead."""
+    if not isinstance(sub, cls) or sub._forward_hooks or sub._forward_pre_hooks:
+        raise ValueError(
+            f"{type(owner).__name__}'s {what} is a {type(sub).__module__}.{type(sub).__name__} (or carries hooks), "
+            f"not a plain torch.nn.{cls.__name__}: dtree's recurrent adapter reads its weight directly, as "
+            "transformers does, so an adapter (LoRA) or a hook on it would be skipped; leave it out of the adapter's "
+            "target modules"
+        )
+    return sub
 
 
 def activation(module: torch.nn.Module, default: str = "silu") -> Callable[[torch.Tensor], torch.Tensor]:

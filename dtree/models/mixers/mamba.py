@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from ...ops.linear_recurrence import linear_recurrence
 from ...ops.segment_states import LayerStates
 from ...ops.short_conv import causal_conv1d_segments
-from .adapter import MixerAdapter, activation, conv_weights
+from .adapter import MixerAdapter, activation, conv_weights, plain
 
 __all__ = ["MAMBA_ADAPTERS"]
 
@@ -82,8 +82,9 @@ def _jamba_forward(m, states: LayerStates, x: torch.Tensor) -> torch.Tensor:
     xs = activation(m)(causal_conv1d_segments(xs, weight, bias, states, "conv"))
     time_step, b, c = torch.split(m.x_proj(xs), [m.time_step_rank, m.ssm_state_size, m.ssm_state_size], dim=-1)
     time_step, b, c = m.dt_layernorm(time_step), m.b_layernorm(b), m.c_layernorm(c)
-    dt = F.linear(time_step, m.dt_proj.weight)
-    dt = F.softplus(dt + m.dt_proj.bias.float().to(dt.dtype)).float()  # [T, channels]
+    dt_proj = plain(m, m.dt_proj, torch.nn.Linear, "dt_proj")  # transformers 5.24 reads its weight directly
+    dt = F.linear(time_step, dt_proj.weight)
+    dt = F.softplus(dt + dt_proj.bias.float().to(dt.dtype)).float()  # [T, channels]
     a = -torch.exp(m.A_log.float())  # [channels, state_size]
     channels = xs.shape[1]
     q, k = (y.float()[:, None, :].expand(t, channels, m.ssm_state_size) for y in (c, b))
