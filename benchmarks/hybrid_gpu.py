@@ -1,29 +1,26 @@
-"""Hybrid models through dtree's state stack on one GPU: kernel and model checks in bf16,
-then a benchmark against linearized training. One run, about 5 minutes on an H100.
+"""Hybrid models through dtree's state stack on one GPU: bf16 checks, then a benchmark
+against linearized training. One run, about 5 minutes on an H100.
 
     mkdir -p wheels && pip download fla-core==0.6.0 einops==0.8.1 --no-deps -d wheels   # with network
     python benchmarks/hybrid_gpu.py --wheels wheels --out "$OUT"                        # on the GPU, offline
     SMOKE=1 python benchmarks/hybrid_gpu.py --out /tmp/hybrid                          # CPU, tiny (CI)
 
-1. **Kernels.** flash-linear-attention's chunked kernels (dtree's ``fla`` recurrence
-   backend) against the float64 token-by-token recurrence, on a varlen call of three
-   segments with random initial states: outputs, final states and every gradient
-   (inputs and initial states) within the flash-attention rule (at most 2x the forward,
-   3x the gradient error of the all-bf16 torch recurrence, plus a floor). The delta rule
-   with per-head decay (gated DeltaNet) and decayed linear attention (Mamba2's SSD);
-   ``--all-kernels`` adds the per-key decays (Kimi, Mamba).
-2. **Models.** bf16 Qwen3.5-shaped (gated DeltaNet + gated attention, 3:1) and
-   Nemotron-H-shaped (Mamba2, MLP and attention layers) models, trained by dtree on a
-   branching forest (default settings, and node by node), against the same HF model
-   run on each path: the loss within 2x and every parameter gradient within 3x of the
-   bf16 HF model's error against the float32 one, plus a floor. transformers' modeling
-   modules are imported before the wheels are on ``sys.path``: HF runs its own torch
-   recurrences (the reference), dtree fla's kernels.
-3. **Benchmark.** A Qwen3.5-shaped ~2B hybrid (random bf16 weights) on the agentic (one
-   tool-use tree) and grpo (prompt 2048 + 8 x 512, two groups) workloads: dtree against
-   linearized training (packed varlen, the same fla kernels): step time, tokens/s, MFU,
-   peak memory. Tree-mask training (AReaL's tree mode, Tree Packing) cannot express a
-   recurrent state: reported as not applicable, with its refusal.
+1. **Kernels** (``benchmarks/bench_linear_recurrence.py``). flash-linear-attention's kernels
+   (the ``fla`` backend) against the float64 recurrence, a varlen call with initial states:
+   outputs, final states and every gradient within the flash-attention rule (2x forward,
+   3x gradient error of the all-bf16 torch recurrence, plus a floor): gated DeltaNet's
+   delta rule and Mamba2's SSD (``--all-kernels``: also Kimi's and Mamba's per-key decays).
+   And a GRPO-shaped call's recurrence timed packed (one varlen call for 16 answers that
+   start from one prompt's state) against one call per answer.
+2. **Models.** bf16 Qwen3.5-shaped (gated DeltaNet, gated attention 3:1) and Nemotron-H-shaped
+   (Mamba2, MLP, attention) models trained by dtree on a branching forest (default, node by
+   node, recompute) against HF on each path: the loss within 2x and every gradient within 3x
+   of the bf16 HF model's error against float32, plus a floor. transformers' modeling modules
+   are imported before the wheels are on the path, so HF runs its torch recurrences.
+3. **Benchmark.** A Qwen3.5-shaped ~2B hybrid (random bf16 weights), agentic (one tool-use
+   tree) and grpo (prompt 2048 + 8 x 512, two groups): dtree against linearized training
+   (packed varlen, the same kernels): step time, tokens/s, MFU, peak memory. Tree-mask
+   training cannot express a recurrent state: reported as not applicable, with its refusal.
 
 Reports: ``$OUT/hybrid_gpu.md`` and ``$OUT/hybrid_gpu.json``; a summary is printed.
 """
@@ -32,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import functools
 import json
 import os
 import sys
@@ -110,70 +106,6 @@ def build(config, device, dtype=torch.float32, seed: int = 0):
     config.use_cache = False
     with torch.device(device):
         return AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-
-
-# ---------------------------------------------------------------------------- 1. kernels
-def _kernel_inputs(kind: str, device, gen) -> tuple[tuple, list[torch.Tensor]]:
-    """((q, k, v, g, beta, initial, cu_seqlens, scale, l2norm) in float64, three segments;
-    random weights of the outputs and final states in the checked loss)."""
-    h, hk, dk, dv = (8, 4, 64, 64) if kind in ("gdn", "kda") else (8, 8, 64, 32)
-    cu = np.array([0, 37, 150, 213])
-    t = int(cu[-1])
-
-    def rand(*shape, scale=1.0, draw=torch.randn):
-        return (draw(*shape, generator=gen, dtype=torch.float64) * scale).to(device)
-
-    q, k, v = rand(t, hk, dk), rand(t, hk, dk), rand(t, h, dv)
-    g = -rand(t, h, dk, scale=0.2, draw=torch.rand) if kind in ("kda", "gla") else -rand(t, h, scale=0.5,
-                                                                                        draw=torch.rand)
-    beta = rand(t, h, draw=torch.rand) if kind in ("gdn", "kda") else None
-    if kind in ("ssd", "gla"):
-        q, k = q * dk**-0.5, k * dk**-0.5
-    initial = rand(3, h, dk, dv, scale=0.1)
-    inputs = (q, k, v, g, beta, initial, cu, dk**-0.5 if beta is not None else 1.0, beta is not None)
-    return inputs, [rand(t, h, dv), rand(3, h, dk, dv)]
-
-
-def _run_kernel(fn, inputs, weights):
-    q, k, v, g, beta, initial, cu, scale, l2 = inputs
-    leaves = [x.detach().requires_grad_(True) for x in (q, k, v, g, initial)]
-    b = None if beta is None else beta.detach().requires_grad_(True)
-    out, final = fn(*leaves[:4], b, cu, leaves[4], scale, l2)
-    loss = (out.double() * weights[0]).sum() + (final.double() * weights[1]).sum()
-    grads = torch.autograd.grad(loss, leaves + ([b] if b is not None else []))
-    return [out.double(), final.double()] + [x.double() for x in grads]
-
-
-def check_kernels(device, kinds, backend: str) -> list[dict]:
-    """Each recurrence: ``backend`` in bf16 against float64, held to the all-bf16 torch recurrence."""
-    from dtree.ops.backends import implementation
-    from dtree.ops.linear_recurrence import recurrence_reference
-
-    kernel = implementation("linear_recurrence", backend)
-
-    def torch_in(dtype):
-        return functools.partial(recurrence_reference, dtype=dtype)
-
-    rows = []
-    for kind in kinds:
-        x64, weights = _kernel_inputs(kind, device, torch.Generator().manual_seed(0))
-        exact = _run_kernel(torch_in(torch.float64), x64, weights)
-        # as the adapters give them: gated DeltaNet's q, k, v, beta in the model dtype, Mamba2's
-        # (x dt, B, C) in float32; gates and states in float32
-        q, k, v, g, beta, initial = x64[:6]
-        cast = torch.float32 if kind in ("ssd", "gla") else torch.bfloat16
-        low = (*(x.to(cast) for x in (q, k, v)), g.float(), None if beta is None else beta.to(cast), initial.float(),
-               *x64[6:])
-        ref = _run_kernel(torch_in(torch.bfloat16), low, weights)
-        got = _run_kernel(kernel, low, weights)
-        names = ["out", "final", "dq", "dk", "dv", "dg", "dinitial"] + (["dbeta"] if beta is not None else [])
-        for i, name in enumerate(names):
-            e_got = (got[i] - exact[i]).abs().max().item()
-            e_ref = (ref[i] - exact[i]).abs().max().item()
-            bound = (2 if i < 2 else 3) * e_ref + 1e-3 * max(1e-3, exact[i].abs().max().item())
-            rows.append({"kernel": kind, "tensor": name, "err": e_got, "bf16_torch_err": e_ref, "bound": bound,
-                         "ok": e_got <= bound})
-    return rows
 
 
 # ---------------------------------------------------------------------------- 2. models
@@ -365,7 +297,9 @@ def report(results: dict) -> str:
     lines += ["", "## 1. Kernels (fla vs the float64 recurrence; bound 2x/3x the all-bf16 torch one + floor)", ""]
     lines += _table(results.get("kernels", []), "kernel:kernel:, tensor:tensor:, error:err:.3g, "
                     "bf16 torch error:bf16_torch_err:.3g, bound:bound:.3g, ok:ok:ok")
-    lines += [results.get("kernels_note", ""), "", "## 2. Models (bf16 dtree vs HF per path; bound 2x loss / 3x "
+    pack = results.get("packing", {})
+    lines += [results.get("kernels_note", ""), "", f"Packed siblings: {pack}", "",
+              "## 2. Models (bf16 dtree vs HF per path; bound 2x loss / 3x "
               "gradient error of HF bf16 vs fp32 + floor)", ""]
     lines += _table(results.get("models", []), "model:model:, setting:setting:, recurrence:recurrence:, "
                     "loss:loss:.5f, loss fp32 HF:loss_fp32:.5f, worst gradient:worst_param:, "
@@ -389,6 +323,8 @@ def _safely(run, what: dict) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.bench_linear_recurrence import check_kernels, time_packing
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hybrid"))
     parser.add_argument("--wheels", default=os.environ.get("DTREE_WHEELS"), help="folder of wheels to put on sys.path")
@@ -413,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
     kinds = ["gdn", "ssd"] + (["kda", "gla"] if args.all_kernels else [])
     results["kernels"] = _safely(lambda: check_kernels(device, kinds, backend), {"kernel": "all", "tensor": "-"})
     results["kernels_note"] = f"backend: {backend}" + (f" (fla {why})" if why else "")
+    results["packing"] = _safely(lambda: [time_packing(device, backend, args.smoke)], {"what": "packing"})[0]
     size, scale = ("tiny", 1) if args.smoke else ("check", 10)
     settings = {"default": {}, "calls": dict(group_tokens=0, chunk_size=64),
                 "recompute": dict(mode="recompute", group_tokens=256, chunk_size=64)}

@@ -21,6 +21,7 @@ def test_smoke_run_checks_and_reports(tmp_path, capsys):
         (m, s) for m in ("qwen3.5", "nemotron_h") for s in ("default", "calls", "recompute")
     }
     assert all(r["ok"] for r in results["kernels"] + results["models"])
+    assert results["packing"]["packed_ms"] > 0 and results["packing"]["per_segment_ms"] > 0
     runs = results["benchmark"]["runs"]
     assert {(r["workload"], r["method"]) for r in runs} == {
         (w, m) for w in ("agentic", "grpo") for m in ("dtree", "linearized")
