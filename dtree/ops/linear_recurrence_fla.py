@@ -59,13 +59,14 @@ def recurrence_fla(q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tens
         from .linear_recurrence import l2norm
 
         q, k = l2norm(q.float()).to(dtype), l2norm(k.float()).to(dtype)
-    q, k, v, g = (x.unsqueeze(0) for x in (q, k, v, g.float()))
+    # the kernels index [B, T, H, D] by its shape: the adapters' splits are strided views
+    q, k, v, g = (x.contiguous().unsqueeze(0) for x in (q, k, v, g.float()))
     # the host copy spares the kernels' launch code a device sync
     common = dict(
         scale=scale, initial_state=initial.float(), output_final_state=True, cu_seqlens=cu, cu_seqlens_cpu=cu_cpu
     )
     if beta is not None:
-        beta = beta.unsqueeze(0)
+        beta = beta.contiguous().unsqueeze(0)
         if per_key:
             from fla.ops.kda import chunk_kda
 
