@@ -54,9 +54,10 @@ class StepShape:
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
     """One KV-stack slot: K/V values in the model dtype and their gradients in the
-    compute dtype (float32; float64 for a float64 model)."""
+    compute dtype (float32; float64 for a float64 model), over the attending layers,
+    each with its own K/V shape."""
     grad_itemsize = 8 if itemsize == 8 else 4
-    return spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.value_head_dim) * (itemsize + grad_itemsize)
+    return spec.kv_elements_per_token() * (itemsize + grad_itemsize)
 
 
 def head_bytes(spec: ModelSpec, itemsize: int, chunk: int, rows: int, fused: bool) -> float:

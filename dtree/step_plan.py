@@ -1,5 +1,6 @@
-"""What :class:`dtree.TreeRuntime` decides before a step walks: the attention backend for
-the model's placement, the memory plan, the retain budget and the KV stack.
+"""What :class:`dtree.TreeRuntime` decides before a step walks: the attention and
+recurrence backends for the model's placement, the memory plan, the retain budget and the
+stacks (KV and, for recurrent layers, states).
 
 Each is a function of the model's state now (device, dtype, training flags, HF
 gradient checkpointing), the :class:`~dtree.config.RuntimeConfig` and the step's
@@ -15,16 +16,16 @@ from . import memory_policy
 from .memory_probe import CallBytes, measure_call_bytes
 from .checkpointing import decoder_layers
 from .config import RuntimeConfig
-from .kv_stack import KVStack
 from .models import ModelSpec, TreeModule, unwrap
 from .ops.backends import resolve_backend
-from .ops.logprobs import OutputHead, compute_dtype, fused_head_kernel
+from .ops.logprobs import OutputHead, fused_head_kernel
 from .schedule import Schedule
+from .stacks import StepStacks
 from .tree import Forest
 
 __all__ = [
-    "checkpoint_root", "hf_checkpointing", "measured_call_bytes", "new_stack", "pick_backend", "plan_memory",
-    "refine_plan", "retain_budget", "stack_fits", "step_shape",
+    "checkpoint_root", "hf_checkpointing", "measured_call_bytes", "new_stack", "pick_backend", "pick_recurrence",
+    "plan_memory", "refine_plan", "retain_budget", "stack_fits", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -38,9 +39,20 @@ def pick_backend(attention: str, placement: Placement, spec: ModelSpec, determin
     explicit backend that cannot run here raises a ValueError saying why; one that cannot
     run deterministically in deterministic mode raises a RuntimeError, as torch does."""
     device, dtype = placement
+    head_dim = max((spec.kv_shape(i)[1] for i in spec.attention_layers), default=spec.head_dim)
     return resolve_backend(
-        "stack_attention", attention, device, dtype, head_dim=spec.head_dim, deterministic=deterministic
+        "stack_attention", attention, device, dtype, head_dim=head_dim, deterministic=deterministic
     )
+
+
+def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec) -> str | None:
+    """The ``linear_recurrence`` backend for a model with recurrent layers (None without):
+    ``auto`` takes flash-linear-attention's kernels on CUDA where installed, else the
+    float32 reference. An explicit backend that cannot run here raises a ValueError."""
+    if not spec.recurrent_states:
+        return None
+    device, dtype = placement
+    return resolve_backend("linear_recurrence", recurrence, device, dtype)
 
 
 def hf_checkpointing(module: torch.nn.Module) -> bool:
@@ -81,12 +93,12 @@ def plan_memory(
     head: OutputHead,
     config: RuntimeConfig,
     placement: Placement,
-    stack: KVStack | None,
+    stack: StepStacks | None,
     forest: Forest,
     call_bytes: CallBytes | None = None,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.memory_policy`);
-    ``stack``: the KV stack the runtime holds now (its bytes are already allocated);
+    ``stack``: the stacks the runtime holds now (their bytes are already allocated);
     ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate)."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -110,22 +122,23 @@ def plan_memory(
 
 
 def measured_call_bytes(
-    module: torch.nn.Module, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str, cache: dict
+    module: torch.nn.Module, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str, cache: dict,
+    recurrence: str | None = None,
 ) -> CallBytes | None:
     """The model's per-token call figures (:func:`dtree.memory_probe.measure_call_bytes`),
     measured once per model state (its modules and which of them have a patched
-    ``forward``, frozen parameters, HF checkpointing, placement, attention backend) and
-    kept in ``cache``. None off CUDA (no plan needs them), and under
+    ``forward``, frozen parameters, HF checkpointing, placement, attention and recurrence
+    backends) and kept in ``cache``. None off CUDA (no plan needs them), and under
     ``torch.inference_mode()`` before a first measurement (no graph to measure there)."""
     if placement[0].type != "cuda":
         return None
     key = (
-        placement, attention, hf_checkpointing(module),
+        placement, attention, recurrence, hf_checkpointing(module),
         tuple((type(m).__name__, "forward" in vars(m)) for m in module.modules()),
         tuple(p.requires_grad for p in module.parameters()),
     )
     if key not in cache and not torch.is_inference_mode_enabled():
-        cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module))
+        cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module), recurrence)
     return cache.get(key)
 
 
@@ -138,7 +151,7 @@ def retain_budget(plan: memory_policy.MemoryPlan, config: RuntimeConfig) -> floa
 
 
 def refine_plan(
-    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: KVStack | None
+    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: StepStacks | None
 ) -> memory_policy.MemoryPlan:
     """The plan with its peak predicted from ``sched`` (the calls it makes, the path it
     retains, the stack slots it writes beyond the ``stack`` held)."""
@@ -149,26 +162,23 @@ def refine_plan(
     return memory_policy.refine(plan, sched, rows, retain_budget(plan, config), float(grow))
 
 
-def _stack_shape(spec: ModelSpec, capacity: int) -> tuple[int, int, int, int]:
-    return spec.num_layers, max(capacity, 1), spec.num_kv_heads, spec.head_dim
-
-
-def stack_fits(stack: KVStack | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool) -> bool:
-    """Whether ``stack`` serves a step needing ``capacity`` slots (shape, dtype, device,
-    gradient buffers)."""
+def stack_fits(
+    stack: StepStacks | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool, state_slots: int = 0
+) -> bool:
+    """Whether ``stack`` serves a step needing ``capacity`` KV slots and ``state_slots``
+    state slots (shapes, dtype, device, gradient buffers)."""
     device, dtype = placement
-    return stack is not None and stack.fits(*_stack_shape(spec, capacity), dtype, device, with_grad, spec.v_head_dim)
+    return stack is not None and stack.fits(spec, max(capacity, 1), state_slots, dtype, device, with_grad)
 
 
-def new_stack(spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool) -> KVStack:
-    """A KV stack of ``capacity`` slots for the model (free the old one first)."""
+def new_stack(
+    spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool, state_slots: int = 0
+) -> StepStacks:
+    """The KV stacks (and state stack) of ``capacity`` tokens (``state_slots`` states) for
+    the model (free the old ones first)."""
     device, dtype = placement
     # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept
     # for reuse, would make every later training step fail. Gradient slots in the
-    # compute dtype: float32 sums for 16-bit and float32 models, float64 for float64
-    # ones (a float32 sum would cap a float64 model at float32 accuracy).
+    # compute dtype (StepStacks).
     with torch.inference_mode(False):
-        return KVStack(
-            *_stack_shape(spec, capacity), v_head_dim=spec.v_head_dim, dtype=dtype, device=device,
-            grad_dtype=compute_dtype(dtype), with_grad=with_grad,
-        )
+        return StepStacks(spec, max(capacity, 1), state_slots, dtype=dtype, device=device, with_grad=with_grad)
