@@ -70,7 +70,7 @@ from .ops import determinism, stack_ops
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
 from .stacks import StepStacks
-from .state_plan import plan_states
+from .state_plan import StatePlan, plan_states
 from .step_plan import (
     checkpoint_root, measured_call_bytes, new_stack, pick_backend, pick_recurrence, plan_memory, refine_plan,
     retain_budget, stack_fits,
@@ -138,6 +138,7 @@ class TreeRuntime:
         self._stack: StepStacks | None = None
         self._step: memory_policy.MemoryPlan | None = None  # the last planned step
         self._call_bytes: dict = {}  # measured per-token call figures, per model state (step_plan)
+        self._states: tuple[Schedule, StatePlan | None] | None = None  # the last schedule's state slots
         if not any(p.device.type == "meta" for p in model.parameters()):
             self._sync_placement()  # an explicit attention backend that cannot run fails here
 
@@ -230,8 +231,15 @@ class TreeRuntime:
             raise ValueError(
                 f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
             )
-        self._step = refine_plan(self._step, sched, self.config, self._stack)
+        states = self._state_plan(sched)
+        self._step = refine_plan(self._step, sched, self.config, self._stack, states.capacity if states else 0)
         return sched
+
+    def _state_plan(self, sched: Schedule) -> StatePlan | None:
+        """The state slots of ``sched`` (None for a model without recurrent layers), planned once per schedule."""
+        if self._states is None or self._states[0] is not sched:
+            self._states = (sched, plan_states(sched) if self.spec.recurrent_states else None)
+        return self._states[1]
 
     def _get_stack(self, capacity: int, with_grad: bool, state_slots: int = 0) -> StepStacks:
         capacity = max(capacity, self.config.stack_capacity or 0)
@@ -257,7 +265,7 @@ class TreeRuntime:
         device, dtype = self._placement
         training = weights is not None
         root = checkpoint_root(self.module) if training else None
-        states = plan_states(sched) if self.spec.recurrent_states else None
+        states = self._state_plan(sched)
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepWalk(
             model=self.model,

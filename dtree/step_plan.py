@@ -69,13 +69,18 @@ def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
     return True
 
 
-def step_shape(forest: Forest) -> memory_policy.StepShape:
+def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
     """The forest's unique tokens, longest path and shared tokens (of trie nodes with
-    children) for the memory policy."""
+    children) for the memory policy; for a model with recurrent layers (``recurrent``),
+    its segments of at most ``chunk_size`` tokens that have children (the most state
+    slots a schedule can push)."""
     lengths = forest.sequence_lengths()
     inner = np.diff(forest.child_offsets) > 0
+    chunks = np.maximum(1, -(-forest.node_length // chunk_size))
+    state_slots = int((chunks - 1).sum() + inner.sum()) if recurrent else 0
     return memory_policy.StepShape(
-        forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum())
+        forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum()),
+        state_slots,
     )
 
 
@@ -113,8 +118,9 @@ def plan_memory(
             missing_grads=memory_policy.missing_grad_bytes(module.parameters()),
             fused_head=fused_head_kernel(head, dtype, device),
         )
+    shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
     return memory_policy.plan_step(
-        spec, itemsize, step_shape(forest), on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
+        spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
         group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
         logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module),
         can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, **kw,
@@ -151,14 +157,18 @@ def retain_budget(plan: memory_policy.MemoryPlan, config: RuntimeConfig) -> floa
 
 
 def refine_plan(
-    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: StepStacks | None
+    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: StepStacks | None,
+    state_slots: int = 0,
 ) -> memory_policy.MemoryPlan:
     """The plan with its peak predicted from ``sched`` (the calls it makes, the path it
-    retains, the stack slots it writes beyond the ``stack`` held)."""
+    retains, the KV-stack slots it writes and its ``state_slots`` state-stack slots
+    (:attr:`dtree.state_plan.StatePlan.capacity`) beyond those of the ``stack`` held)."""
     rows = np.diff(sched.terms.pred_offsets).tolist()
-    held = stack.capacity if stack is not None else 0
-    slot = memory_policy.stack_slot_bytes(plan.spec, plan.itemsize) if plan.spec is not None else 0.0
-    grow = max(0, sched.stack_tokens - held) * slot
+    held, held_states = (stack.capacity, stack.state_slots) if stack is not None else (0, 0)
+    grow = 0.0
+    if plan.spec is not None:
+        grow = max(0, sched.stack_tokens - held) * memory_policy.stack_slot_bytes(plan.spec, plan.itemsize)
+        grow += max(0, state_slots - held_states) * memory_policy.state_slot_bytes(plan.spec, plan.itemsize)
     return memory_policy.refine(plan, sched, rows, retain_budget(plan, config), float(grow))
 
 

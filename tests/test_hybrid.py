@@ -110,6 +110,23 @@ def test_hybrid_stacks_hold_only_their_layers():
     assert set(rt.stack.states.shapes) == {(0, "conv"), (0, "recurrent")}
 
 
+def test_runtime_plans_the_state_slots_once_and_counts_them(monkeypatch):
+    """The memory policy's refined peak gets the step's state slots (the state stack's
+    bytes), and the walk uses the same state plan, with a state stack of that size."""
+    import dtree.runtime
+
+    seen = []
+    refine = dtree.runtime.refine_plan
+    monkeypatch.setattr(dtree.runtime, "refine_plan", lambda *a: seen.append(a[-1]) or refine(*a))
+    calls = []
+    monkeypatch.setattr(dtree.runtime, "plan_states", lambda sched: calls.append(sched) or plan_states(sched))
+    rt = dtree.TreeRuntime(build("nemotron_h"), group_tokens=0, chunk_size=2)
+    forest = dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9]])
+    rt.forward_backward(forest, dtree.losses.nll())
+    assert seen == [3] and len(calls) == 1  # test_state_plan_slots: 3 slots
+    assert rt.stack.state_slots == rt.stack.states.capacity == 3
+
+
 def test_state_plan_slots():
     """Slots of segments with children in later calls, stacked like K/V tokens; reads
     from the stack, in-call parents, roots."""
