@@ -235,7 +235,7 @@ def _candidate(
         cost += shared * s * (1 + knobs.checkpoint / L) + reruns * _call_tokens(spec, min(call, shared))
     else:
         cost += shared * s * knobs.path / L
-    calls = call_count(u, knobs.group_tokens)
+    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
     cost += calls * _call_tokens(spec, u / calls)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
     return sum(parts.values()), cost, parts
