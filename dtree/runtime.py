@@ -190,7 +190,7 @@ class TreeRuntime:
         if placement != self._placement or deterministic != self._deterministic:
             self._placement, self._deterministic = placement, deterministic
             self._attention = pick_backend(self.config.attention, placement, self.spec, deterministic)
-            self._recurrence = pick_recurrence(self.config.recurrence, placement, self.spec)
+            self._recurrence = pick_recurrence(self.config.recurrence, placement, self.spec, deterministic)
             if deterministic:
                 stack_ops.note_missing_extension(placement[0])
         return placement

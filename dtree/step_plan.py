@@ -17,6 +17,7 @@ from .memory_probe import CallBytes, measure_call_bytes
 from .checkpointing import decoder_layers
 from .config import RuntimeConfig
 from .models import ModelSpec, TreeModule, unwrap
+from .ops import determinism
 from .ops.backends import resolve_backend
 from .ops.logprobs import OutputHead, fused_head_kernel
 from .schedule import Schedule
@@ -45,14 +46,23 @@ def pick_backend(attention: str, placement: Placement, spec: ModelSpec, determin
     )
 
 
-def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec) -> str | None:
+def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str | None:
     """The ``linear_recurrence`` backend for a model with recurrent layers (None without):
-    ``auto`` takes flash-linear-attention's kernels on CUDA where installed, else the
-    float32 reference. An explicit backend that cannot run here raises a ValueError."""
+    ``auto`` takes flash-linear-attention's kernels on CUDA where installed (not in
+    deterministic mode), else the float32 reference. An explicit backend that cannot run
+    here raises a ValueError. In deterministic mode on CUDA, the state ops' gathers and
+    depthwise convolutions are torch ops that sum in a fixed order only under
+    ``torch.use_deterministic_algorithms(True)``: without it, a RuntimeError (as torch raises)."""
     if not spec.recurrent_states:
         return None
     device, dtype = placement
-    return resolve_backend("linear_recurrence", recurrence, device, dtype)
+    if deterministic and device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        determinism.alert_nondeterministic(
+            "recurrent layers on CUDA without torch.use_deterministic_algorithms(True)",
+            "their state ops' gathers and depthwise convolutions sum in a fixed order on CUDA only in torch's own "
+            "mode: call torch.use_deterministic_algorithms(True)",
+        )
+    return resolve_backend("linear_recurrence", recurrence, device, dtype, deterministic=deterministic)
 
 
 def hf_checkpointing(module: torch.nn.Module) -> bool:
@@ -173,7 +183,8 @@ def refine_plan(
 
 
 def stack_fits(
-    stack: StepStacks | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool, state_slots: int = 0
+    stack: StepStacks | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool,
+    state_slots: int = 0,
 ) -> bool:
     """Whether ``stack`` serves a step needing ``capacity`` KV slots and ``state_slots``
     state slots (shapes, dtype, device, gradient buffers)."""

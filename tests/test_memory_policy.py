@@ -309,7 +309,8 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
         assert step_shape(forest, chunk).state_slots == 0
         capacities = [plan_states(build_schedule(forest, chunk, g)).capacity for g in (0, 3, 5, 8192)]
         assert max(capacities) <= bound and max(capacities) > 0, (chunk, capacities, bound)
-    assert step_shape(forest, 3, recurrent=True).state_slots == 2 + 2  # 4- and 6-token nodes in 2 chunks; 2 branch points
+    # the 4- and 6-token nodes in 2 chunks each, and 2 branch points
+    assert step_shape(forest, 3, recurrent=True).state_slots == 2 + 2
 
     monkeypatch.setattr(mp, "available_bytes", lambda device: (5 * GIB, 1 * GIB))
     cuda = (torch.device("cuda", 0), torch.float32)

@@ -123,7 +123,12 @@ _OPS: dict[str, _Op] = {
         "recurrence",
         [
             Backend("reference", "linear_recurrence:recurrence_reference"),
-            Backend("fla", "linear_recurrence_fla:recurrence_fla", "linear_recurrence_fla:fla_unavailable"),
+            Backend(
+                "fla",
+                "linear_recurrence_fla:recurrence_fla",
+                "linear_recurrence_fla:fla_unavailable",
+                "linear_recurrence_fla:fla_nondeterministic",
+            ),
         ],
         {"cuda": ("fla", "reference"), "other": ("reference",)},
         option="recurrence",

@@ -29,7 +29,7 @@ import torch
 
 from .backends import Target
 
-__all__ = ["recurrence_fla", "fla_unavailable", "FLA_INSTALL"]
+__all__ = ["recurrence_fla", "fla_nondeterministic", "fla_unavailable", "FLA_INSTALL"]
 
 FLA_INSTALL = "pip install 'dtree[hybrid]'"
 
@@ -43,6 +43,12 @@ def fla_unavailable(target: Target) -> str | None:
     except Exception as error:  # ImportError, or a Triton/CUDA mismatch at import
         return f"needs flash-linear-attention ({FLA_INSTALL}): {type(error).__name__}: {error}"
     return None
+
+
+def fla_nondeterministic(target: Target) -> str | None:
+    """Why the ``fla`` backend does not count as deterministic (:mod:`dtree.ops.determinism`):
+    dtree has not checked its kernels for a fixed summation order."""
+    return "runs flash-linear-attention's Triton kernels, whose summation order dtree does not check"
 
 
 def recurrence_fla(q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tensor, scale: float, qk_l2norm: bool):
