@@ -222,6 +222,22 @@ def test_probe_measures_what_a_call_keeps():
     assert no_ckpt.checkpointed == no_ckpt.full
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h"])
+def test_probe_measures_a_hybrid(name):
+    """The probe's chain runs a hybrid's recurrent layers from zeros (its stacks have no
+    state slot: nothing is read or stored) with the recurrence backend given; checkpointed
+    layers keep less."""
+    from test_families import build
+
+    model = build(name)
+    adapter = adapt(model)
+    spec = adapter.dtree_spec()
+    placement = (torch.device("cpu"), torch.float32)
+    cb = measure_call_bytes(adapter, spec, placement, "sdpa", model, "reference")
+    assert 0 < cb.checkpointed < cb.full and cb.backward(0) > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_runtime_plans_every_step_on_cpu():
     model = make_model("qwen2")
     rt = dtree.TreeRuntime(model, chunk_size=3)
