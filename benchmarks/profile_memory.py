@@ -142,17 +142,25 @@ def _storages(tensors) -> dict[int, int]:
 
 
 def _stack_tensors(runner) -> dict[str, torch.Tensor]:
-    """The runtime's KV-stack tensors by attribute name (none for the baselines)."""
-    stack = getattr(runner, "_stack", None)
-    return {k: v for k, v in vars(stack).items() if isinstance(v, torch.Tensor)} if stack is not None else {}
+    """The runtime's stack tensors by name: each KV stack's (one per attention shape) and the
+    recurrent states' (none for the baselines)."""
+    stacks = getattr(runner, "_stack", None)
+    if stacks is None:
+        return {}
+    out = {f"{k}{i}": v for i, kv in enumerate(stacks.kv) for k, v in vars(kv).items() if isinstance(v, torch.Tensor)}
+    if stacks.states is not None:
+        out.update({f"state {key}": t for key, t in stacks.states.value.items()})
+        out.update({f"grad state {key}": t for key, t in (stacks.states.grad or {}).items()})
+    return out
 
 
 def stack_storages(runner) -> dict[int, tuple[str, int]]:
-    """``{storage address: (category, bytes)}`` of the KV stack: K/V values and their gradients."""
+    """``{storage address: (category, bytes)}`` of the stacks: K/V values, recurrent states, their gradients."""
     out = {}
     for name, t in _stack_tensors(runner).items():
-        what = "gradients" if name.startswith("grad") else "K/V"
-        out[t.untyped_storage().data_ptr()] = (f"KV stack: {what} ({str(t.dtype).replace('torch.', '')})",
+        what = "gradients" if name.startswith("grad") else "states" if name.startswith("state") else "K/V"
+        owner = "state stack" if "state" in name else "KV stack"
+        out[t.untyped_storage().data_ptr()] = (f"{owner}: {what} ({str(t.dtype).replace('torch.', '')})",
                                                t.untyped_storage().nbytes())
     return out
 

@@ -14,14 +14,17 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from . import memory_policy
+from .ops.backends import backend_names
 from .ops.stack_attention import BACKENDS
 
-__all__ = ["RuntimeConfig", "Mode", "Attention", "MODES", "ATTENTIONS"]
+__all__ = ["RuntimeConfig", "Mode", "Attention", "Recurrence", "MODES", "ATTENTIONS", "RECURRENCES"]
 
 Mode = Literal["auto", "retain", "recompute"]
 Attention = Literal["auto", "triton", "flash-attn", "sdpa", "reference"]
+Recurrence = Literal["auto", "reference", "fla"]
 MODES: tuple[str, ...] = get_args(Mode)
 ATTENTIONS: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
+RECURRENCES: tuple[str, ...] = ("auto",) + backend_names("linear_recurrence")
 
 
 def _is_int(value: Any) -> bool:
@@ -38,6 +41,7 @@ class RuntimeConfig:
         group_tokens: token budget of one packed model call (>= 0; 0: one segment per
             call); None: the memory policy's choice.
         attention: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
+        recurrence: ``"auto"``, ``"reference"`` or ``"fla"`` (recurrent layers' kernels).
         logprob_chunk: rows per LM-head chunk (>= 1); None: the memory policy's choice.
         stack_capacity: fixed KV-stack size in tokens (>= 1); None sizes it per step.
         progress: a progress bar over each step's model calls.
@@ -62,6 +66,7 @@ class RuntimeConfig:
     chunk_size: int = 2048
     group_tokens: int | None = None
     attention: Attention = "auto"
+    recurrence: Recurrence = "auto"
     logprob_chunk: int | None = None
     stack_capacity: int | None = None
     progress: bool = False
@@ -76,6 +81,8 @@ class RuntimeConfig:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be 'auto' or one of {tuple(BACKENDS)}, got {self.attention!r}")
+        if self.recurrence not in RECURRENCES:
+            raise ValueError(f"recurrence must be one of {RECURRENCES}, got {self.recurrence!r}")
         _check_count("chunk_size", self.chunk_size, minimum=1, optional=False)
         _check_count("group_tokens", self.group_tokens, minimum=0)
         _check_count("logprob_chunk", self.logprob_chunk, minimum=1)

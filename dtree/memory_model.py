@@ -9,7 +9,8 @@ What is alive at a moment of the walk, on top of what the process held when the 
 started (weights, optimizer state, the KV stack kept from the last step):
 
 * the gradients the step allocates (trainable parameters whose ``.grad`` is None);
-* the KV stack's growth: :func:`stack_slot_bytes` per slot the schedule writes;
+* the stacks' growth: :func:`stack_slot_bytes` per KV slot the schedule writes, and for
+  a model with recurrent layers :func:`state_slot_bytes` per state slot;
 * the retained groups with children on the current path (their graphs live from
   their forward to their backward): ``tokens x CallBytes.call(path_checkpoint)``;
 * the running call: ``tokens x CallBytes.call(checkpoint)``, and on top, at its
@@ -39,26 +40,36 @@ SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segmen
 
 __all__ = [
     "StepShape", "head_bytes", "layer_activation_bytes", "layer_input_bytes", "peak_of", "simulate_peak",
-    "stack_slot_bytes",
+    "stack_slot_bytes", "state_slot_bytes",
 ]
 
 
 @dataclass(frozen=True)
 class StepShape:
-    """What the policy needs to know of a forest: unique tokens, the longest path, and
-    the tokens of trie nodes with children (shared prefixes: about what the groups
-    with children hold)."""
+    """What the policy needs to know of a forest: unique tokens, the longest path, the
+    tokens of trie nodes with children (shared prefixes: about what the groups with
+    children hold), and the segments with children (each may store its recurrent
+    states in a state-stack slot: a bound on the state stack's slots; 0 for a model
+    without recurrent layers)."""
 
     unique_tokens: int
     longest_path: int
     shared_tokens: int = 0
+    state_slots: int = 0
 
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
     """One KV-stack slot: K/V values in the model dtype and their gradients in the
-    compute dtype (float32; float64 for a float64 model)."""
+    compute dtype (float32; float64 for a float64 model), over the attending layers,
+    each with its own K/V shape."""
     grad_itemsize = 8 if itemsize == 8 else 4
-    return spec.num_layers * spec.num_kv_heads * (spec.head_dim + spec.value_head_dim) * (itemsize + grad_itemsize)
+    return spec.kv_elements_per_token() * (itemsize + grad_itemsize)
+
+
+def state_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
+    """One state-stack slot: every recurrent layer's states and their gradients, in the
+    state dtype (float32; float64 for a float64 model: :class:`dtree.state_stack.StateStack`)."""
+    return spec.state_elements() * (8 if itemsize == 8 else 4) * 2
 
 
 def head_bytes(spec: ModelSpec, itemsize: int, chunk: int, rows: int, fused: bool) -> float:

@@ -71,8 +71,8 @@ from typing import Iterable
 import torch
 
 from .memory_model import (
-    SMALL_CALL_TOKENS, StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes, simulate_peak,
-    stack_slot_bytes,
+    SMALL_CALL_TOKENS, StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes,
+    simulate_peak, stack_slot_bytes, state_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
 from .models.protocol import ModelSpec
@@ -80,6 +80,7 @@ from .models.protocol import ModelSpec
 __all__ = [
     "MemoryPlan", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
     "layer_input_bytes", "missing_grad_bytes", "plan_step", "refine", "retain_budget", "stack_slot_bytes",
+    "state_slot_bytes",
 ]
 
 SETTINGS = ("auto", "low")
@@ -216,7 +217,8 @@ def _candidate(
     path = min(shape.longest_path, shape.shared_tokens, u)
     cb = fig.call_bytes
     retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
-    stack = max(0.0, min(u, shape.longest_path + call) * stack_slot_bytes(spec, fig.itemsize) - fixed["stack_held"])
+    kv = min(u, shape.longest_path + call) * stack_slot_bytes(spec, fig.itemsize)
+    stack = max(0.0, kv + shape.state_slots * state_slot_bytes(spec, fig.itemsize) - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
     parts = {
         "gradients": fixed["missing_grads"],
@@ -233,7 +235,7 @@ def _candidate(
         cost += shared * s * (1 + knobs.checkpoint / L) + reruns * _call_tokens(spec, min(call, shared))
     else:
         cost += shared * s * knobs.path / L
-    calls = call_count(u, knobs.group_tokens)
+    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
     cost += calls * _call_tokens(spec, u / calls)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
     return sum(parts.values()), cost, parts
@@ -275,7 +277,7 @@ def plan_step(
         group_tokens, checkpoint_layers, logprob_chunk: fixed by the user (None: decide;
             ``checkpoint_layers``: True is every layer, False none, an int that many).
         fused_head: the LM head runs the fused Triton op (its chunk is leaner).
-        stack_held: bytes of the KV stack kept from earlier steps (reused or freed).
+        stack_held: bytes of the stacks (KV, states) kept from earlier steps (reused or freed).
         missing_grads: bytes of the gradients the step will allocate.
         hf_checkpointing: the model checkpoints its own layers (HF gradient
             checkpointing; ``call_bytes`` measured so): dtree adds no checkpoint.
@@ -404,7 +406,7 @@ def retain_budget(plan: MemoryPlan, mode: str) -> float:
 def refine(plan: MemoryPlan, sched, rows: list[int], budget_tokens: float, stack_bytes: float) -> MemoryPlan:
     """``plan`` with its predicted peak from the schedule (:func:`dtree.memory_model.simulate_peak`):
     the actual calls, the path graphs the walk retains under ``budget_tokens``, the
-    stack's growth ``stack_bytes`` (slots written, less what was held)."""
+    stacks' growth ``stack_bytes`` (KV and state slots written, less what was held)."""
     if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
         return plan
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)

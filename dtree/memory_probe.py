@@ -27,9 +27,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .checkpointing import checkpointed_layers
-from .kv_stack import KVStack
 from .models import ModelSpec, TreeModule
 from .ops.segment_layout import SegmentLayout
+from .ops.segment_states import StateLayout
+from .stacks import StepStacks
 from .walk import GroupAttention
 
 __all__ = [
@@ -154,24 +155,27 @@ def _input_embeddings(model) -> torch.nn.Module | None:
     return None
 
 
-def _probe_stack(spec: ModelSpec, placement, tokens: int) -> KVStack:
+def _probe_stack(spec: ModelSpec, placement, tokens: int) -> StepStacks:
     device, dtype = placement
-    return KVStack(spec.num_layers, tokens, spec.num_kv_heads, spec.head_dim, v_head_dim=spec.v_head_dim,
-                   dtype=dtype, device=device, with_grad=False)
+    return StepStacks(spec, tokens, 0, dtype=dtype, device=device, with_grad=False)
 
 
 def _probe_call(
     model: TreeModule, spec: ModelSpec, placement, attention: str, tokens: int, leaves: list,
-    stack: KVStack | None = None,
+    stack: StepStacks | None = None, recurrence: str | None = None,
 ):
     """One chain of ``tokens`` random tokens through the model, with grad: its hidden
     states. The embedding output becomes a leaf that requires grad (appended to
     ``leaves``), so a backward to it computes every activation gradient and no parameter
-    gradient. ``stack``: a KV stack of at least ``tokens`` slots (None: a new one)."""
+    gradient. ``stack``: KV stacks of at least ``tokens`` slots (None: new ones); a
+    recurrent layer starts the chain from zeros with the ``recurrence`` backend."""
     device = placement[0]
     stack = stack if stack is not None else _probe_stack(spec, placement, tokens)
     layout = SegmentLayout(q_offsets=np.array([0, tokens]), own_slot=np.array([0]), prefix_ranges=[()])
-    attend = GroupAttention(stack, 0, tokens, layout, attention, push=False, seed=False)
+    attend = GroupAttention(
+        stack, 0, tokens, layout, attention, push=False, seed=False, state_layout=StateLayout.roots([0, tokens]),
+        recurrence=recurrence or "reference",
+    )
     ids = torch.randint(0, spec.vocab_size, (tokens,), device=device)
     positions = torch.arange(tokens, device=device)
     emb = _input_embeddings(model)
@@ -225,7 +229,9 @@ def _backward_peak(hidden: torch.Tensor, leaf: torch.Tensor, now) -> int:
     return peak - base
 
 
-def _kept(model, spec, placement, attention, tokens: int, root: torch.nn.Module | None) -> tuple[int, int | None]:
+def _kept(
+    model, spec, placement, attention, tokens: int, root: torch.nn.Module | None, recurrence: str | None = None
+) -> tuple[int, int | None]:
     """(bytes a probe call of ``tokens`` holds after its forward, the most its backward
     adds above that, or None when the model has no embedding module to stop at)."""
     device = placement[0]
@@ -236,12 +242,12 @@ def _kept(model, spec, placement, attention, tokens: int, root: torch.nn.Module 
         torch.cuda.synchronize(device)
         before = torch.cuda.memory_allocated(device)
         with ctx:
-            out = _probe_call(model, spec, placement, attention, tokens, leaves, stack)
+            out = _probe_call(model, spec, placement, attention, tokens, leaves, stack, recurrence)
             kept = torch.cuda.memory_allocated(device) - before
             extra = _backward_peak(out, leaves[0], lambda: torch.cuda.memory_allocated(device)) if leaves else None
     else:
         with LiveBytes() as live, ctx:
-            out = _probe_call(model, spec, placement, attention, tokens, leaves, stack)
+            out = _probe_call(model, spec, placement, attention, tokens, leaves, stack, recurrence)
             kept = live.now()
             extra = _backward_peak(out, leaves[0], live.now) if leaves else None
     del out, leaves
@@ -258,18 +264,20 @@ class _Null:
 
 def measure_call_bytes(
     model: TreeModule, spec: ModelSpec, placement, attention: str, checkpoint_root: torch.nn.Module | None,
-    tokens: tuple[int, int] = PROBE_TOKENS,
+    recurrence: str | None = None, tokens: tuple[int, int] = PROBE_TOKENS,
 ) -> CallBytes:
     """Measure :class:`CallBytes` for ``model`` at ``placement`` (device, dtype) with the
-    ``attention`` backend; ``checkpoint_root``: the module whose decoder layers
+    ``attention`` backend (and, for recurrent layers, the ``recurrence`` one; None:
+    ``reference``); ``checkpoint_root``: the module whose decoder layers
     :func:`dtree.checkpointing.checkpointed_layers` wraps (None: the layers cannot be
-    checkpointed, and ``checkpointed`` is the full figure)."""
+    checkpointed, and ``checkpointed`` is the full figure). The stacks are the policy's
+    to count, not the call's: a recurrent layer's probe chain starts from zeros."""
     device, dtype = placement
     t1, t2 = tokens
     per = float(t2 - t1)
 
     def slopes(root):
-        (k1, b1), (k2, b2) = (_kept(model, spec, placement, attention, t, root) for t in (t1, t2))
+        (k1, b1), (k2, b2) = (_kept(model, spec, placement, attention, t, root, recurrence) for t in (t1, t2))
         return (k2 - k1) / per, (None if b1 is None or b2 is None else max(0.0, (b2 - b1) / per))
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):

@@ -64,14 +64,16 @@ from .checkpointing import decoder_layers
 from .checks import check_forest, check_loss_argument, check_normalization, check_training_call
 from .checks import model_placement, validate_forest
 from .config import RuntimeConfig
-from .kv_stack import KVStack
 from .losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from .models import TreeModule, adapt, unwrap
 from .ops import determinism, stack_ops
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
+from .stacks import StepStacks
+from .state_plan import StatePlan, plan_states
 from .step_plan import (
-    checkpoint_root, measured_call_bytes, new_stack, pick_backend, plan_memory, refine_plan, retain_budget, stack_fits,
+    checkpoint_root, measured_call_bytes, new_stack, pick_backend, pick_recurrence, plan_memory, refine_plan,
+    retain_budget, stack_fits,
 )
 from .step_memory import released
 from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
@@ -103,6 +105,8 @@ class TreeRuntime:
             ``chunk_size`` (longest segment), ``group_tokens`` (tokens per model call; 0:
             one segment per call; None: 8192 on CPU, the memory policy's choice on CUDA),
             ``attention`` (``"auto"``: ``triton`` on CUDA where it runs, else ``sdpa``),
+            ``recurrence`` (recurrent layers' kernels; ``"auto"``: ``fla`` on CUDA where
+            installed, else ``reference``),
             ``logprob_chunk`` (LM-head rows per chunk), ``checkpoint_layers`` (True, False or
             how many decoder layers to checkpoint in every call; None: the policy's
             choice), ``memory`` (``"auto"``, ``"low"`` or a cap in GiB on the step's peak),
@@ -130,9 +134,11 @@ class TreeRuntime:
         self._placement: tuple[torch.device, torch.dtype] | None = None
         self._deterministic = False  # deterministic mode as the backend was picked for
         self._attention: str | None = None
-        self._stack: KVStack | None = None
+        self._recurrence: str | None = None
+        self._stack: StepStacks | None = None
         self._step: memory_policy.MemoryPlan | None = None  # the last planned step
         self._call_bytes: dict = {}  # measured per-token call figures, per model state (step_plan)
+        self._states: tuple[Schedule, StatePlan | None] | None = None  # the last schedule's state slots
         if not any(p.device.type == "meta" for p in model.parameters()):
             self._sync_placement()  # an explicit attention backend that cannot run fails here
 
@@ -170,20 +176,21 @@ class TreeRuntime:
         return self._step
 
     @property
-    def stack(self) -> KVStack | None:
-        """The KV stack kept between steps (None before the first call or after
-        :meth:`release_memory`). Read-only: the runtime reallocates it when needed."""
+    def stack(self) -> StepStacks | None:
+        """The KV stacks (one per attention shape) and state stack kept between steps (None
+        before the first call or after :meth:`release_memory`). Read-only: the runtime
+        reallocates them when needed."""
         return self._stack
 
     def _sync_placement(self) -> tuple[torch.device, torch.dtype]:
-        """Read the model's device and dtype; when they changed since the last call
-        (``model.to(...)``, a materialized meta model), pick the attention backend
-        again. The KV stack is reallocated by :meth:`_get_stack`, which checks both."""
+        """Read the model's device and dtype; when they changed since the last call (``model.to(...)``,
+        a materialized meta model), pick the backends again (:meth:`_get_stack` reallocates the stacks)."""
         placement = model_placement(self.module.parameters())
         deterministic = determinism.requested(self.config.deterministic)  # torch's mode may change between calls
         if placement != self._placement or deterministic != self._deterministic:
             self._placement, self._deterministic = placement, deterministic
             self._attention = pick_backend(self.config.attention, placement, self.spec, deterministic)
+            self._recurrence = pick_recurrence(self.config.recurrence, placement, self.spec, deterministic)
             if deterministic:
                 stack_ops.note_missing_extension(placement[0])
         return placement
@@ -206,7 +213,7 @@ class TreeRuntime:
         self._sync_placement()
         validate_forest(forest, self.spec)
         call_bytes = measured_call_bytes(
-            self.module, self.model, self.spec, self._placement, self._attention, self._call_bytes
+            self.module, self.model, self.spec, self._placement, self._attention, self._call_bytes, self._recurrence
         )
         self._step = plan_memory(
             self.module, self.spec, self._head(), self.config, self._placement, self._stack, forest, call_bytes
@@ -224,14 +231,21 @@ class TreeRuntime:
             raise ValueError(
                 f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
             )
-        self._step = refine_plan(self._step, sched, self.config, self._stack)
+        states = self._state_plan(sched)
+        self._step = refine_plan(self._step, sched, self.config, self._stack, states.capacity if states else 0)
         return sched
 
-    def _get_stack(self, capacity: int, with_grad: bool) -> KVStack:
+    def _state_plan(self, sched: Schedule) -> StatePlan | None:
+        """The state slots of ``sched`` (None for a model without recurrent layers), planned once per schedule."""
+        if self._states is None or self._states[0] is not sched:
+            self._states = (sched, plan_states(sched) if self.spec.recurrent_states else None)
+        return self._states[1]
+
+    def _get_stack(self, capacity: int, with_grad: bool, state_slots: int = 0) -> StepStacks:
         capacity = max(capacity, self.config.stack_capacity or 0)
-        if not stack_fits(self._stack, self.spec, self._placement, capacity, with_grad):
+        if not stack_fits(self._stack, self.spec, self._placement, capacity, with_grad, state_slots):
             self._stack = None  # free the old buffers before allocating new ones
-            self._stack = new_stack(self.spec, self._placement, capacity, with_grad)
+            self._stack = new_stack(self.spec, self._placement, capacity, with_grad, state_slots)
         return self._stack
 
     def release_memory(self) -> None:
@@ -251,12 +265,14 @@ class TreeRuntime:
         device, dtype = self._placement
         training = weights is not None
         root = checkpoint_root(self.module) if training else None
+        states = self._state_plan(sched)
+        grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepWalk(
             model=self.model,
             sched=sched,
             terms=terms,
             arrays=StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype),
-            stack=self._get_stack(sched.stack_tokens, with_grad=training),
+            stack=self._get_stack(sched.stack_tokens, training, states.capacity if states is not None else 0),
             head=self._head(),
             attention=self._attention,
             logprob_chunk=self.logprob_chunk,
@@ -269,6 +285,9 @@ class TreeRuntime:
             path_checkpoint_layers=max(0, self._step.path_checkpoint_layers) if root is not None else 0,
             progress=self.config.progress,
             deterministic=self._deterministic,
+            states=states,
+            recurrence=self._recurrence,
+            state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )
 
     # ------------------------------------------------------------------ training
@@ -408,7 +427,7 @@ class TreeRuntime:
             kept.term_log = res.term_log
             metrics = {
                 "mode": self.mode,
-                "attention": self._attention,
+                "attention": self._attention, "recurrence": self._recurrence,
                 "groups": sched.num_groups,
                 "group_tokens": sched.group_tokens,
                 "recomputed_tokens": res.recomputed_tokens,

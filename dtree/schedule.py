@@ -111,10 +111,11 @@ class LossTerms:
 class Schedule:
     """The plan for one forest (see module docstring).
 
-    Concatenated per-group arrays (``G`` groups, ``U`` unique tokens):
+    Concatenated per-group arrays (``G`` groups, ``U`` unique tokens, ``S`` segments):
         row_unique:  [U] unique-token index of every row, group after group
         row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
         terms:       every prediction and every loss term (:class:`LossTerms`)
+        segment_parent: [S] parent segment of every segment, -1 at a root
     ``stack_tokens``: the KV-stack slots the step writes (its stack capacity).
     """
 
@@ -127,6 +128,7 @@ class Schedule:
     row_offsets: np.ndarray
     terms: LossTerms
     num_segments: int
+    segment_parent: np.ndarray
 
     @property
     def num_groups(self) -> int:
@@ -431,10 +433,8 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         chunk_size: longest segment; longer nodes are split into chains.
         group_tokens: token budget of one model call; 0 runs one segment per call.
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if group_tokens < 0:
-        raise ValueError(f"group_tokens must be >= 0, got {group_tokens}")
+    if chunk_size < 1 or group_tokens < 0:
+        raise ValueError(f"chunk_size must be >= 1 and group_tokens >= 0, got {chunk_size} and {group_tokens}")
     segs = _split_segments(forest, chunk_size)
     packer, events = _walk_groups(segs, group_tokens)
     seg_slot = np.array([packer.groups[g].stack_start for g in packer.seg_group], dtype=np.int64) + packer.seg_row
@@ -445,4 +445,5 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
         chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
         terms=_every_term(forest, row_unique, row_offsets), num_segments=segs.num_segments,
+        segment_parent=segs.parent,
     )

@@ -1,4 +1,5 @@
-"""StepWalk: one step's depth-first walk over a schedule's groups, with a KV stack.
+"""StepWalk: one step's depth-first walk over a schedule's groups, with a KV stack (and a
+state stack for recurrent layers).
 
 The walk (docs/design.md section 4), over the groups of a :class:`~dtree.schedule.Schedule`::
 
@@ -14,6 +15,12 @@ The walk (docs/design.md section 4), over the groups of a :class:`~dtree.schedul
                  own segments sent their in-call ancestors) to dK_g, dV_g where the
                  attention consumed them, and g's attention backward adds its prefix
                  gradients into the ancestors' slots, complete when they pop
+
+Recurrent layers do the same with their states (:mod:`dtree.ops.segment_states`):
+forward(g) stores the final states of g's segments with children in later groups in
+g's state slots and reads its segments' initial states from the ancestors' slots;
+backward(g) seeds those final states with the gradients the children left in g's
+slots, and the reads add g's own initial-state gradients into the ancestors' slots.
 
 A group with children is retained (its graph lives from forward(g) to backward(g))
 while the retained tokens fit the budget, else recomputed (forward(g) runs without
@@ -36,12 +43,14 @@ import torch
 
 from . import rng
 from .checkpointing import checkpointed_layers
-from .kv_stack import KVStack
 from .losses import weighted_terms
 from .models import TreeModule
 from .ops.logprobs import OutputHead, compute_dtype, token_logprobs
+from .ops.segment_states import LayerStates, StateLayout
 from .ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
 from .schedule import FORWARD, LossTerms, Schedule
+from .stacks import StepStacks
+from .state_plan import StatePlan
 from .transfer import upload
 from .tree import Forest
 
@@ -139,15 +148,18 @@ class GroupAttention:
     """The ``attend`` callable handed to the model for one group's call.
 
     ``push``: write the call's K/V into its stack slots ``[lo, hi)`` (every time a
-    layer runs, also when a checkpointed layer re-runs in backward: the same values).
-    ``seed``: pass the call's K/V through :func:`seed_from_stack` (groups whose slots
-    collect gradients: groups with children, and calls with in-call ancestors).
-    ``device_lo``: ``lo`` on the device, for the stack's CUDA ops. ``deterministic``:
-    the attention's backward sums in a fixed order (:mod:`dtree.ops.determinism`)."""
+    layer runs, also when a checkpointed layer re-runs in backward: the same values),
+    and the final recurrent states of its segments with children in later calls into
+    their state slots. ``seed``: pass the call's K/V through :func:`seed_from_stack`
+    (groups whose slots collect gradients: groups with children, and calls with
+    in-call ancestors). ``device_lo``: ``lo`` on the device, for the stack's CUDA ops.
+    ``deterministic``: the attention's backward sums in a fixed order
+    (:mod:`dtree.ops.determinism`). Recurrent layers get their :class:`LayerStates` from
+    :meth:`states` (``state_layout``: the call's segments' state slots)."""
 
     def __init__(
         self,
-        stack: KVStack,
+        stacks: StepStacks,
         lo: int,
         hi: int,
         layout: SegmentLayout,
@@ -156,11 +168,17 @@ class GroupAttention:
         seed: bool,
         device_lo: torch.Tensor | None = None,
         deterministic: bool = False,
+        state_layout: StateLayout | None = None,
+        recurrence: str | None = None,
+        state_grads: tuple[bool, ...] | None = None,
     ):
-        self.stack, self.lo, self.hi, self.layout, self.backend = stack, lo, hi, layout, backend
+        self.stacks, self.lo, self.hi, self.layout, self.backend = stacks, lo, hi, layout, backend
         self.push, self.seed, self.device_lo, self.deterministic = push, seed, device_lo, deterministic
-        self.called = [False] * stack.num_layers
-        self.pattern: list[tuple[bool, bool] | None] = [None] * stack.num_layers
+        self.state_layout, self.recurrence, self.state_grads = state_layout, recurrence, state_grads
+        num_layers = stacks.spec.num_layers
+        self.called = [False] * num_layers
+        self.recurred = [False] * num_layers
+        self.pattern: list[tuple[bool, bool] | None] = [None] * num_layers
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
@@ -168,15 +186,38 @@ class GroupAttention:
         """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
         of :func:`dtree.ops.stack_attention.stack_attention`."""
         self.called[layer] = True
+        stack, local = self.stacks.kv_of(layer)
         if self.push:
-            self.stack.store_kv(layer, self.lo, k.detach(), v.detach(), device_lo=self.device_lo)
+            stack.store_kv(local, self.lo, k.detach(), v.detach(), device_lo=self.device_lo)
         if torch.is_grad_enabled():
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.seed:
-                k, v = seed_from_stack(k, v, self.stack, layer, self.lo, self.hi, device_lo=self.device_lo)
+                k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi, device_lo=self.device_lo)
         return stack_attention(
-            q, k, v, self.stack, layer, self.layout, scale, self.backend, deterministic=self.deterministic, **options
+            q, k, v, stack, local, self.layout, scale, self.backend, deterministic=self.deterministic, **options
         )
+
+    def states(self, layer: int) -> LayerStates:
+        """The recurrent states of ``layer`` for this call (:mod:`dtree.ops.segment_states`)."""
+        if self.state_layout is None:
+            raise ValueError(f"layer {layer} is recurrent but the model's spec declares no recurrent states")
+        self.recurred[layer] = True
+        grad_reads = True if self.state_grads is None else self.state_grads[layer]
+        return LayerStates(
+            self.state_layout, self.stacks.states, layer, push=self.push, backend=self.recurrence, grad_reads=grad_reads
+        )
+
+    def check_layers(self) -> None:
+        """Raise unless every attending layer called attend() and every recurrent layer
+        asked for its states (custom modules; the HF adapter's guard checks its own)."""
+        spec = self.stacks.spec
+        missing = [i for i in spec.attention_layers if not self.called[i]]
+        missing += [i for i in spec.recurrent_layers if not self.recurred[i]]
+        if missing:
+            raise RuntimeError(
+                f"layers {sorted(missing)} never called attend() (attention) or attend.states() (recurrent); "
+                "every layer of the spec must"
+            )
 
 
 @dataclass
@@ -229,7 +270,7 @@ class StepWalk:
     sched: Schedule
     terms: LossTerms
     arrays: StepArrays
-    stack: KVStack
+    stack: StepStacks
     head: OutputHead
     attention: str
     logprob_chunk: int
@@ -241,6 +282,9 @@ class StepWalk:
     path_checkpoint_layers: int = 0
     progress: bool = False
     deterministic: bool = False
+    states: StatePlan | None = None  # the state slots, for models with recurrent layers
+    recurrence: str | None = None  # their linear_recurrence backend
+    state_grads: tuple[bool, ...] | None = None  # per layer: its states' stack reads take gradients
 
     def events(self):
         if not self.progress:
@@ -258,22 +302,30 @@ class StepWalk:
         seed = self.stack.has_grad and plan.writes_stack
         attend = GroupAttention(
             self.stack, lo, hi, _group_layout(self.sched, g), self.attention, push, seed, self._device_lo(g),
-            self.deterministic,
+            self.deterministic, None if self.states is None else self.states.layouts[g], self.recurrence,
+            self.state_grads,
         )
         checkpointed = self.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
         with checkpointed_layers(self.checkpoint_root, checkpoint) if checkpointed else contextlib.nullcontext():
             hidden = self.model.dtree_hidden_states(self.arrays.input_ids[r0:r1], self.arrays.positions[r0:r1], attend)
-        if push and not all(attend.called):
-            missing = [layer for layer, called in enumerate(attend.called) if not called]
-            raise RuntimeError(f"layers {missing} never called attend(); every attention layer must")
+        if push:
+            attend.check_layers()
         return hidden, attend
 
     def _device_lo(self, g: int) -> torch.Tensor | None:
         starts = self.arrays.stack_starts
         return None if starts is None else starts[g : g + 1]
 
-    def _zero_grad(self, g: int, lo: int, hi: int) -> None:
-        self.stack.zero_grad(lo, hi, device_lo=self._device_lo(g))
+    def zero_grad(self, g: int) -> None:
+        """Clear group ``g``'s gradient slots: its K/V tokens and its state slots."""
+        plan = self.sched.groups[g]
+        s_lo = s_hi = 0
+        if self.states is not None:
+            s_lo = int(self.states.slot_start[g])
+            s_hi = s_lo + int(self.states.num_slots[g])
+        self.stack.zero_grad(
+            plan.stack_start, plan.stack_start + plan.num_tokens, s_lo, s_hi, device_lo=self._device_lo(g)
+        )
 
     # ------------------------------------------------------------------ training
     def _group_loss(self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list) -> torch.Tensor | None:
@@ -321,23 +373,22 @@ class StepWalk:
         with scope() if scope is not None else contextlib.nullcontext():
             for kind, g in self.events():
                 plan = self.sched.groups[g]
-                lo, hi = plan.stack_start, plan.stack_start + plan.num_tokens
                 if kind == FORWARD:
                     calls += 1
                     seed = rng.next_seed() if self.randomness else None  # one draw per group in every mode
                     if plan.is_leaf:  # once, with grad, and backward at once
                         if plan.in_call_ancestors:  # its segments read each other through the stack
-                            self._zero_grad(g, lo, hi)
+                            self.zero_grad(g)
                         state = run(g, push=plan.in_call_ancestors, seed=seed, checkpoint=self.checkpoint_layers)
                         peak = max(peak, live_tokens + plan.num_tokens)
                         total = _finish_group(state, total)
                     elif live_tokens + plan.num_tokens <= retain_budget:
-                        self._zero_grad(g, lo, hi)
+                        self.zero_grad(g)
                         live[g] = run(g, push=True, seed=seed, checkpoint=self.path_checkpoint_layers)
                         live_tokens += plan.num_tokens
                         peak = max(peak, live_tokens)
                     else:
-                        self._zero_grad(g, lo, hi)
+                        self.zero_grad(g)
                         seeds[g] = seed
                         with torch.no_grad(), rng.seeded(seed, self.device):
                             self.hidden(g, push=True)

@@ -13,9 +13,11 @@ encoder-decoder models, multimodal wrappers), with the reason.
 
 from __future__ import annotations
 
+import transformers
 from transformers import AutoConfig
 
 VOCAB = 97
+_TRANSFORMERS = tuple(int(x) for x in transformers.__version__.split(".")[:2])
 
 SMALL = dict(
     vocab_size=VOCAB,
@@ -108,6 +110,43 @@ OVERRIDES: dict[str, dict] = {
     ),
     "mamba2": dict(num_heads=8, head_dim=16, n_groups=1),
     "zaya": dict(num_experts_per_tok=1),
+    # hybrids: attention and recurrent layers side by side, several recurrent heads (fewer
+    # key than value heads where the family allows), small states, and transformers'
+    # chunked paths crossing chunk boundaries on these short paths
+    **{
+        name: dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=8)
+        for name in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
+    },
+    "kimi_linear": dict(linear_num_heads=2, linear_head_dim=8),
+    "minimax": dict(block_size=4),
+    # transformers before 5.17 runs Nemotron-H's SSD in an older torch form whose chunked
+    # result differs from its own one-chunk result (A_log's gradient by 16% in float64 at
+    # chunk_size=4): the reference runs one chunk there
+    "nemotron_h": dict(
+        mamba_num_heads=4, mamba_head_dim=8, ssm_state_size=8, n_groups=2,
+        chunk_size=4 if _TRANSFORMERS >= (5, 17) else 64,
+    ),
+    "granitemoehybrid": dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=2,
+        mamba_chunk_size=4,
+    ),
+    "bamba": dict(
+        layer_types=DROP, num_hidden_layers=2, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16,
+        mamba_d_state=8, mamba_n_groups=2, mamba_chunk_size=4,
+    ),
+    "falcon_h1": dict(
+        layer_types=DROP, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=2,
+        mamba_chunk_size=4,
+    ),
+    "jamba": dict(
+        layer_types=DROP, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+        mamba_d_state=8, mamba_dt_rank=4,
+    ),
+    # global layers with a head dim of their own (32 against the sliding layers' 16)
+    **{
+        name: dict(head_dim=16, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, global_head_dim=32)
+        for name in ("gemma4_text", "gemma4_unified_text")
+    },
 }
 
 # extra configurations of a family, tested like families: name -> (model_type, overrides)
@@ -118,6 +157,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "falcon:alibi_mq": ("falcon", dict(alibi=True, attn_implementation="sdpa")),
     "gpt_bigcode:mha": ("gpt_bigcode", dict(multi_query=False, n_head=4)),
     # the last two layers reuse the K/V of earlier ones
+    # Falcon-H1 with its gated RMSNorm after the SSM (the default gates with silu alone)
+    "falcon_h1:rms_norm": ("falcon_h1", dict(mamba_rms_norm=True)),
     "gemma3n_text:kv_shared": (
         "gemma3n_text",
         dict(num_hidden_layers=4, num_kv_shared_layers=2, activation_sparsity_pattern=[0.0] * 4,

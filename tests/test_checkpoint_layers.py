@@ -194,8 +194,7 @@ def test_checkpoint_layers_keeps_the_layer_inputs_only():
         rt = dtree.TreeRuntime(model, mode="retain", group_tokens=4096, checkpoint_layers=checkpoint)
         rt.forward_backward(forest, dtree.losses.nll("sum"))  # allocates the stack, so it can be excluded
         model.zero_grad(set_to_none=True)
-        stack = rt.stack
-        tracker = SavedBytes(list(model.parameters()) + [stack.k, stack.v, stack.grad_k, stack.grad_v])
+        tracker = SavedBytes(list(model.parameters()) + rt.stack.tensors())
         with torch.autograd.graph.saved_tensors_hooks(tracker.pack, tracker.unpack):
             out = rt.forward_backward(forest, dtree.losses.nll("sum"))
         model.zero_grad(set_to_none=True)

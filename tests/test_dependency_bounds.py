@@ -52,7 +52,7 @@ def test_installed_dependencies_are_within_bounds():
 
 
 def test_every_dependency_has_an_upper_bound():
-    for extra in (None, "test", "trl", "fused", "flash", "triton", "verl"):
+    for extra in (None, "test", "trl", "fused", "flash", "triton", "verl", "hybrid"):
         for req in _requirements(extra):
             operators = {s.operator for s in req.specifier}
             assert operators & {"<", "<=", "=="}, f"{req.name} ({extra or 'core'}) has no upper bound: {req.specifier}"

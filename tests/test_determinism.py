@@ -127,6 +127,50 @@ def test_deterministic_runs_give_identical_gradients_equal_to_the_default(how, t
             assert torch.equal(run[name], g), name
 
 
+def test_recurrent_layers_in_deterministic_mode(monkeypatch, torch_mode):
+    """Hybrid models: fla's kernels (not checked for a fixed order) are skipped by auto and
+    refused when named; on CUDA the state ops need torch's own mode, else a RuntimeError."""
+    from dtree.models import ModelSpec
+    from dtree.ops import linear_recurrence_fla
+    from dtree.step_plan import pick_recurrence
+
+    monkeypatch.setattr(linear_recurrence_fla, "fla_unavailable", lambda target: None)  # as if installed on a GPU
+    dense = ModelSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11)
+    hybrid = ModelSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11,
+                       layer_kv=(None, (1, 4, 4)), recurrent_states=((0, "recurrent", (2, 4, 4)),))
+    cuda = (torch.device("cuda", 0), torch.bfloat16)
+    assert pick_recurrence("auto", cuda, hybrid) == "fla"
+    assert pick_recurrence("auto", cuda, dense, deterministic=True) is None  # nothing recurrent: nothing to refuse
+    with pytest.raises(RuntimeError, match=r"recurrent layers on CUDA without torch.use_deterministic_algorithms"
+                       r"\(True\) does not have a deterministic implementation"):
+        pick_recurrence("auto", cuda, hybrid, deterministic=True)
+    assert pick_recurrence("auto", (torch.device("cpu"), torch.float32), hybrid, deterministic=True) == "reference"
+    torch.use_deterministic_algorithms(True)
+    assert pick_recurrence("auto", cuda, hybrid, deterministic=True) == "reference"
+    with pytest.raises(RuntimeError, match=r"recurrence='fla' does not have a deterministic implementation.*"
+                       r"summation order.*use recurrence='auto'"):
+        pick_recurrence("fla", cuda, hybrid, deterministic=True)
+
+
+def test_deterministic_hybrid_runs_give_identical_gradients(torch_mode):
+    """CPU: a hybrid (its state stack, recurrences and convolutions) gives the same bits in
+    deterministic runs as in the default run."""
+    from test_families import build
+
+    grads = []
+    forest = dtree.Forest.from_sequences(SEQS)
+    for deterministic in (False, True, True):
+        model = build("qwen3_5_text")
+        config = dtree.RuntimeConfig(chunk_size=CHUNK, group_tokens=8, retain_budget_tokens=4)
+        dtree.TreeRuntime(model, config=config.replace(deterministic=deterministic)).forward_backward(
+            forest, dtree.losses.nll()
+        )
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0]
+    for run in grads[1:]:
+        assert run.keys() == grads[0].keys() and all(torch.equal(run[n], g) for n, g in grads[0].items())
+
+
 @pytest.mark.gpu
 def test_gpu_deterministic_runs_are_bitwise_identical_with_and_without_the_extension():
     """bf16 on CUDA, packed calls with in-call subtrees and recompute: two deterministic

@@ -120,7 +120,8 @@ def test_stack_gradient_slots_follow_the_model_dtype():
     for dtype, want in ((torch.float64, torch.float64), (torch.float32, torch.float32)):
         rt = dtree.TreeRuntime(make_model("llama", dtype=dtype), mode="retain")
         rt.forward_backward(forest, dtree.losses.nll())
-        assert rt.stack.grad_k.dtype == rt.stack.grad_v.dtype == want
+        (kv,) = rt.stack.kv  # one KV stack: every layer has one K/V shape
+        assert kv.grad_k.dtype == kv.grad_v.dtype == want
 
 
 def test_fields_keep_their_precision():

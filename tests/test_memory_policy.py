@@ -150,6 +150,9 @@ def test_explicit_options_are_kept():
     assert plan(setting="low", checkpoint_layers=False).checkpoint_layers == 0
     assert plan(hf_checkpointing=True).checkpoint_layers == 0  # HF checkpoints the layers itself
     assert plan(can_checkpoint=False, setting="low").checkpoint_layers == 0
+    # one segment per call (group_tokens=0) is planned as calls of SMALL_CALL_TOKENS
+    one = plan(group_tokens=0)
+    assert one.group_tokens == 0 and one.predicted_cost == plan(group_tokens=mp.SMALL_CALL_TOKENS).predicted_cost
 
 
 def test_a_bigger_model_takes_smaller_calls_or_checkpoints():
@@ -226,6 +229,22 @@ def test_probe_measures_what_a_call_keeps():
     assert no_ckpt.checkpointed == no_ckpt.full
 
 
+@pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h"])
+def test_probe_measures_a_hybrid(name):
+    """The probe's chain runs a hybrid's recurrent layers from zeros (its stacks have no
+    state slot: nothing is read or stored) with the recurrence backend given; checkpointed
+    layers keep less."""
+    from test_families import build
+
+    model = build(name)
+    adapter = adapt(model)
+    spec = adapter.dtree_spec()
+    placement = (torch.device("cpu"), torch.float32)
+    cb = measure_call_bytes(adapter, spec, placement, "sdpa", model, "reference")
+    assert 0 < cb.checkpointed < cb.full and cb.backward(0) > 0
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_runtime_plans_every_step_on_cpu():
     model = make_model("qwen2")
     rt = dtree.TreeRuntime(model, chunk_size=3)
@@ -287,3 +306,52 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     model.gradient_checkpointing_enable()
     model.train()
     assert plan_on_cuda(RuntimeConfig(chunk_size=3)).checkpoint_layers == 0  # HF checkpoints: dtree adds none
+
+
+def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
+    """A hybrid's state stack (slots x every recurrent layer's states, float32, with
+    gradients) is part of the stack figure: before scheduling, at most one slot per
+    segment with children; after it, the state plan's slots beyond the stacks held."""
+    from test_families import build
+
+    from dtree.stacks import StepStacks
+    from dtree.state_plan import plan_states
+    from dtree.step_plan import refine_plan, step_shape
+
+    model = build("qwen3_5_text")
+    adapted = adapt(model)
+    spec = adapted.dtree_spec()
+    assert spec.recurrent_states and mm.state_slot_bytes(spec, 4) == spec.state_elements() * 4 * 2
+    assert mm.state_slot_bytes(spec, 8) == spec.state_elements() * 8 * 2  # float64 states for a float64 model
+    assert mm.state_slot_bytes(QWEN_1_5B, 2) == 0  # no recurrent layers
+
+    # the bound holds for every schedule (calls of every size, nodes split into chunks)
+    forest = dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 9], [1, 2, 8, 8, 8], [4, 4, 4, 4, 4, 1]])
+    for chunk in (1, 2, 3, 2048):
+        bound = step_shape(forest, chunk, recurrent=True).state_slots
+        assert step_shape(forest, chunk).state_slots == 0
+        capacities = [plan_states(build_schedule(forest, chunk, g)).capacity for g in (0, 3, 5, 8192)]
+        assert max(capacities) <= bound and max(capacities) > 0, (chunk, capacities, bound)
+    # the 4- and 6-token nodes in 2 chunks each, and 2 branch points
+    assert step_shape(forest, 3, recurrent=True).state_slots == 2 + 2
+
+    monkeypatch.setattr(mp, "available_bytes", lambda device: (5 * GIB, 1 * GIB))
+    cuda = (torch.device("cuda", 0), torch.float32)
+    cb = CallBytes(5000.0, 800.0, spec.num_layers, 144.0)
+    config = RuntimeConfig(chunk_size=3, group_tokens=3)
+    head = as_output_head(adapted.dtree_output_layer())
+    plan_ = plan_memory(model, spec, head, config, cuda, None, forest, cb)
+    shape = step_shape(forest, 3, recurrent=True)
+    kv = min(shape.unique_tokens, shape.longest_path + 3) * mm.stack_slot_bytes(spec, 4)
+    assert plan_.parts["kv_stack"] == pytest.approx(kv + shape.state_slots * mm.state_slot_bytes(spec, 4))
+
+    sched = build_schedule(forest, 3, 3)
+    slots = plan_states(sched).capacity
+    refined = refine_plan(plan_, sched, config, None, slots)
+    want = sched.stack_tokens * mm.stack_slot_bytes(spec, 4) + slots * mm.state_slot_bytes(spec, 4)
+    assert refined.parts["kv_stack"] == pytest.approx(want)
+    held = StepStacks(spec, sched.stack_tokens, slots - 1, dtype=torch.float32, device="cpu", with_grad=True)
+    assert held.capacity == sched.stack_tokens
+    assert refine_plan(plan_, sched, config, held, slots).parts["kv_stack"] == pytest.approx(
+        mm.state_slot_bytes(spec, 4)  # only the one state slot the stacks held lack
+    )

@@ -18,6 +18,7 @@ import torch
 
 from ..models import AttendFn
 from ..ops.backends import resolve_backend
+from ..ops.segment_states import LayerStates, StateLayout
 from ..ops.varlen_attention import VarlenLayout, varlen_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
@@ -88,9 +89,19 @@ class LinearizedTrainer(MicroBatchTrainer):
         return batches
 
     def _attend(self, layout: VarlenLayout) -> AttendFn:
-        backend = self.attention
+        return _VarlenAttend(layout, self.attention, self.recurrence)
 
-        def attend(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-            return varlen_attention(q, k, v, layout, scale, backend)
 
-        return attend
+class _VarlenAttend:
+    """Causal attention within each packed sequence; a recurrent layer starts each
+    sequence from zeros (:meth:`states`), as it does on a sequence alone."""
+
+    def __init__(self, layout: VarlenLayout, backend: str, recurrence: str | None) -> None:
+        self.layout, self.backend, self.recurrence = layout, backend, recurrence
+        self.state_layout = StateLayout.roots(layout.cu_seqlens)
+
+    def __call__(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        return varlen_attention(q, k, v, self.layout, scale, self.backend)
+
+    def states(self, layer: int) -> LayerStates:
+        return LayerStates(self.state_layout, None, layer, backend=self.recurrence or "reference")

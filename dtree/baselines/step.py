@@ -47,6 +47,7 @@ from ..checks import (
 )
 from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
+from ..ops.backends import resolve_backend
 from ..ops.logprobs import as_output_head, compute_dtype
 from ..step import StepOutput, StepRun, run_token_step, token_loss_weights
 from ..transfer import upload
@@ -84,6 +85,8 @@ def _plain_causal(attend: AttendFn, method: str) -> AttendFn:
             )
         return attend(layer, q, k, v, scale)
 
+    if hasattr(attend, "states"):  # recurrent layers' states (the linearized baseline)
+        call.states = attend.states
     return call
 
 
@@ -159,6 +162,13 @@ class MicroBatchTrainer:
     @property
     def dtype(self) -> torch.dtype:
         return model_placement(self.module.parameters())[1]
+
+    @property
+    def recurrence(self) -> str | None:
+        """The kernels of the model's recurrent layers (None without), as the runtime's ``auto``."""
+        if not self.spec.recurrent_states:
+            return None
+        return resolve_backend("linear_recurrence", "auto", self.device, self.dtype)
 
     def plan(self, forest: Forest) -> list[MicroBatch]:
         raise NotImplementedError

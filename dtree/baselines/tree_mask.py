@@ -121,6 +121,12 @@ class TreeMaskTrainer(MicroBatchTrainer):
         checkpoint: bool = False,
     ) -> None:
         super().__init__(model, logprob_chunk, checkpoint)
+        if self.spec.recurrent_states:
+            raise ValueError(
+                f"{self.spec.name} has recurrent layers (layers {list(self.spec.recurrent_layers)}): tree-mask training "
+                "cannot express them (a mask removes keys from attention, but a recurrent state flows through every "
+                "earlier token of the packed row); train it with dtree.TreeRuntime or the linearized baseline"
+            )
         if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be None or >= 1, got {max_tokens_per_batch}")
         self.max_tokens_per_batch = max_tokens_per_batch

@@ -58,7 +58,7 @@ import torch.nn.functional as F
 
 from .guard import AttentionCalls, active_call
 
-__all__ = ["install", "check", "attention_dropout", "spec_overrides", "call_kwargs", "ADAPTED_CLASSES"]
+__all__ = ["install", "check", "attention_dropout", "spec_overrides", "call_kwargs", "adapted_classes", "ADAPTED_CLASSES"]
 
 
 def _tokens(x: torch.Tensor) -> torch.Tensor:
@@ -383,16 +383,18 @@ def _install_on_class(cls: type, adapter: _Adapter) -> None:
     setattr(cls, adapter.method, dispatch)
 
 
+def adapted_classes(model: torch.nn.Module, adapter_of: Callable) -> dict[str, tuple[type, object]]:
+    """Class name -> (class, adapter) of ``model``'s modules that ``adapter_of`` adapts (also the mixers')."""
+    adapters = ((type(m), adapter_of(m)) for m in model.modules())
+    return {adapter.cls: (cls, adapter) for cls, adapter in adapters if adapter is not None}
+
+
 def install(model: torch.nn.Module) -> list[str]:
     """Install the adapters of every adapted attention class in ``model`` (once per
     class; see the module docstring). Returns the adapted class names found. Raises a
     ``ValueError`` naming the family and the transformers versions when an adapted
     method changed in the installed transformers."""
-    found = {}
-    for module in model.modules():
-        adapter = _adapter_of(module)
-        if adapter is not None:
-            found[adapter.cls] = (type(module), adapter)
+    found = adapted_classes(model, _adapter_of)
     for cls, adapter in found.values():
         _install_on_class(cls, adapter)
     return sorted(found)

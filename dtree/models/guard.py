@@ -82,8 +82,9 @@ def describe_layer(layer: torch.nn.Module) -> str:
     attention = _attention_modules(layer)
     if attention and any(k in type(attention[0]).__name__.lower() for k in _LINEAR_ATTENTION):
         return (
-            f"{type(attention[0]).__name__} is a linear-attention (recurrent) layer: it carries state along the "
-            "sequence instead of a KV cache, which dtree cannot split at tree branches"
+            f"{type(attention[0]).__name__} is a linear-attention (recurrent) layer that dtree has no adapter for: it "
+            "carries state along the sequence, and dtree carries the states only of the recurrent layers it knows "
+            "(dtree/models/mixers)"
         )
     if attention:
         return (
@@ -93,8 +94,8 @@ def describe_layer(layer: torch.nn.Module) -> str:
     children = sorted({type(m).__name__ for m in layer.children()})
     return (
         f"{type(layer).__name__} has no attention module: its token mixer (one of {children}) is a recurrent, "
-        "state-space or convolution layer, which carries state along the sequence instead of a KV cache; dtree "
-        "cannot split such a layer at tree branches"
+        "state-space or convolution layer that dtree has no adapter for; dtree carries the states only of the "
+        "recurrent layers it knows (dtree/models/mixers)"
     )
 
 
@@ -102,8 +103,10 @@ class AttentionCalls:
     """The attention callback of one model call: forwards to ``attend`` and keeps count.
 
     Args:
-        attend: the runtime's (or a baseline's) ``attend(layer, q, k, v, scale, **options)``.
-        spec: the shapes the KV stack was built for.
+        attend: the runtime's (or a baseline's) ``attend(layer, q, k, v, scale, **options)``;
+            for recurrent layers, its ``attend.states(layer)`` (absent: the method cannot
+            carry recurrent states).
+        spec: the shapes the stacks were built for (which layers attend, which are recurrent).
         model_name: the model class, for error messages.
         layer_of: maps an attention module without an integer ``layer_idx`` to its
             decoder layer index (None when it is not inside a decoder layer).
@@ -118,6 +121,7 @@ class AttentionCalls:
     ) -> None:
         self.attend, self.spec, self.model_name, self._layer_of = attend, spec, model_name, layer_of
         self.counts = [0] * spec.num_layers
+        self.recurrent_counts = [0] * spec.num_layers
 
     def layer_index(self, module: torch.nn.Module) -> int:
         layer = getattr(module, "layer_idx", None)
@@ -136,9 +140,13 @@ class AttentionCalls:
     ) -> torch.Tensor:
         """q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] of ``module``'s layer -> [T, Hq, Dv]."""
         layer = self.layer_index(module)
-        spec = self.spec
-        expected_k = (spec.num_kv_heads, spec.head_dim)
-        expected_v = (spec.num_kv_heads, spec.value_head_dim)
+        shape = self.spec.kv_shape(layer)
+        if shape is None:
+            raise ValueError(
+                f"{self.model_name}: {type(module).__name__} of layer {layer} called dtree's attention, but dtree "
+                "found no attention module in that layer (it sized no K/V stack for it)"
+            )
+        expected_k, expected_v = shape[:2], (shape[0], shape[2])
         if tuple(k.shape[1:]) != expected_k or tuple(v.shape[1:]) != expected_v:
             raise ValueError(
                 f"{self.model_name}: the attention of layer {layer} ({type(module).__name__}) gives K of "
@@ -154,21 +162,49 @@ class AttentionCalls:
     # call this from inside the compiled layer.
     __call__ = torch._dynamo.disable(__call__)
 
-    def check_every_layer(self, layers: list[torch.nn.Module]) -> None:
-        """Raise a ValueError unless every decoder layer called the attention exactly once."""
-        bad = [i for i, n in enumerate(self.counts) if n != 1]
-        if not bad:
-            return
-        i = bad[0]
-        if self.counts[i] > 1:
+    @torch._dynamo.disable
+    def states(self, module: torch.nn.Module):
+        """The recurrent states of ``module``'s layer for this call (a recurrent mixer
+        adapter asks once per layer; :mod:`dtree.models.mixers`)."""
+        layer = self.layer_index(module)
+        if layer not in self.spec.recurrent_layers:
             raise ValueError(
-                f"{self.model_name}: layer index {i} called dtree's attention {self.counts[i]} times in one model call "
-                "(attention modules sharing a layer_idx, or a layer that attends twice); dtree keeps one K/V per layer "
-                "and cannot run this model"
+                f"{self.model_name}: {type(module).__name__} of layer {layer} asked for recurrent states, but dtree "
+                "sized no state stack for that layer"
             )
-        why = describe_layer(layers[i]) if i < len(layers) else "its attention did not go through dtree's"
-        missing = [j for j in bad if self.counts[j] == 0]
-        raise ValueError(
-            f"{self.model_name}: decoder layer {i} ran without dtree's attention (layers {missing} of "
-            f"{self.spec.num_layers}): {why}. dtree refuses rather than run that layer's own attention unmasked"
-        )
+        states = getattr(self.attend, "states", None)
+        if states is None:
+            raise ValueError(
+                f"{self.model_name}: layer {layer} is a recurrent layer ({type(module).__name__}), and this method's "
+                "attention cannot carry recurrent states (a tree mask cannot express a state that flows along each "
+                "path); train it with dtree.TreeRuntime or the linearized baseline"
+            )
+        self.recurrent_counts[layer] += 1
+        return states(layer)
+
+    def check_every_layer(self, layers: list[torch.nn.Module]) -> None:
+        """Raise a ValueError unless every attending layer called the attention exactly
+        once and every recurrent layer ran its adapted mixer exactly once."""
+        spec = self.spec
+        for i in range(spec.num_layers):
+            expected = int(spec.kv_shape(i) is not None)
+            if self.counts[i] > 1 or self.recurrent_counts[i] > 1:
+                what = "attention" if self.counts[i] > 1 else "recurrent states"
+                times = max(self.counts[i], self.recurrent_counts[i])
+                raise ValueError(
+                    f"{self.model_name}: layer index {i} called dtree's {what} {times} times in one model call "
+                    "(modules sharing a layer_idx, or a layer that attends twice); dtree keeps one K/V and one set of "
+                    "states per layer and cannot run this model"
+                )
+            if self.recurrent_counts[i] != int(i in spec.recurrent_layers):
+                raise ValueError(
+                    f"{self.model_name}: decoder layer {i} ran its recurrent mixer without dtree's adapter: dtree "
+                    "refuses rather than let it mix the packed sequences"
+                )
+            if self.counts[i] != expected:
+                bad = [j for j in range(spec.num_layers) if self.counts[j] != int(spec.kv_shape(j) is not None)]
+                why = describe_layer(layers[i]) if i < len(layers) else "its attention did not go through dtree's"
+                raise ValueError(
+                    f"{self.model_name}: decoder layer {i} ran without dtree's attention (layers {bad} of "
+                    f"{spec.num_layers}): {why}. dtree refuses rather than run that layer's own attention unmasked"
+                )

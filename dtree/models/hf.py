@@ -27,9 +27,10 @@ from typing import Callable, Iterator
 import torch
 
 from ..ops.logprobs import OutputHead
-from . import families
+from . import families, mixers
 from .attention_function import ATTENTION_NAME, register_attention_function
 from .guard import AttentionCalls, activate, decoder_layers
+from .layer_kinds import layer_fields, state_grads
 from .protocol import AttendFn, ModelSpec
 
 __all__ = ["HFTreeModel", "ATTENTION_NAME"]
@@ -182,28 +183,31 @@ class HFTreeModel:
                     "model carries state along the sequence instead of a KV cache, which dtree cannot split at tree "
                     "branches"
                 )
-            self.spec = self._spec(model, config)
+            self.spec = self._spec(model, config, self.base)
         except Exception as error:  # heterogeneous configs refuse global reads of per-layer sizes
             if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
                 raise
             raise ValueError(
-                f"{self.name}: its layers have different attention shapes (per-layer config: {error}); dtree's KV "
-                "stack holds one K/V shape for all layers"
+                f"{self.name}: its layers have different attention shapes and the config refuses a global read the "
+                f"spec needs ({error}); dtree cannot size its stacks"
             ) from error
-        self.adapted = families.install(model)
+        self.adapted = families.install(model) + mixers.install(model)
         self._layer_of_module: dict[int, int] | None = None
         self._probed: set = set()
         self._own_attention: dict[int, str] = {}  # config id -> the model's attention implementation
         register_attention_function()
 
     @staticmethod
-    def _spec(model: torch.nn.Module, config) -> ModelSpec:
-        """Shapes from the config's standard names (with the corrections of
-        :data:`_RECEIVED_KV` and :func:`families.spec_overrides`); the K/V shapes are
-        checked against what each layer's attention receives at every call."""
-        heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-        kv_heads, v_head_dim = getattr(config, "num_key_value_heads", None) or heads, None
+    def _config_kv(config, heads: int) -> tuple[int, int, int | None] | None:
+        """(kv_heads, head_dim, v_head_dim or None) from the config's standard names; None
+        when the config keeps them per layer and refuses a global read (Gemma 4)."""
+        try:
+            head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+            kv_heads, v_head_dim = getattr(config, "num_key_value_heads", None) or heads, None
+        except Exception as error:
+            if type(error).__name__ != "AmbiguousGlobalPerLayerAttributeError":
+                raise
+            return None
         if getattr(config, "v_head_dim", None) and config.v_head_dim != head_dim:  # values narrower (MiMo)
             v_head_dim = config.v_head_dim
         if getattr(config, "qk_nope_head_dim", None) and getattr(config, "v_head_dim", None):
@@ -211,6 +215,17 @@ class HFTreeModel:
             # expanded from the latent to every query head, keys nope + rope wide, values narrower
             head_dim = config.qk_nope_head_dim + config.qk_rope_head_dim
             kv_heads, v_head_dim = heads, config.v_head_dim
+        return kv_heads, head_dim, v_head_dim
+
+    @staticmethod
+    def _spec(model: torch.nn.Module, config, base: torch.nn.Module) -> ModelSpec:
+        """Shapes from the config's standard names (with the corrections of
+        :data:`_RECEIVED_KV` and :func:`families.spec_overrides`), and per layer which
+        attend with which K/V shape and which carry recurrent states
+        (:func:`dtree.models.layer_kinds.layer_fields`); the K/V shapes are checked
+        against what each layer's attention receives at every call."""
+        heads = config.num_attention_heads
+        kv_heads, head_dim, v_head_dim = HFTreeModel._config_kv(config, heads) or (None, None, None)
         fields = dict(
             num_layers=config.num_hidden_layers,
             num_heads=heads,
@@ -225,7 +240,15 @@ class HFTreeModel:
             name=getattr(config, "model_type", type(model).__name__),
         )
         fields.update(_RECEIVED_KV.get(fields["name"], lambda c: {})(config))
-        return ModelSpec(**{**fields, **families.spec_overrides(model, config)})
+        fields.update(families.spec_overrides(model, config))
+        known = fields["head_dim"] is not None
+        kv = (fields["num_kv_heads"], fields["head_dim"], fields["v_head_dim"] or fields["head_dim"]) if known else None
+        layers = decoder_layers(base, config.num_hidden_layers)
+        fields.update(layer_fields(layers, config, heads, kv, type(model).__name__))
+        if not known:  # the first attending layer's shape stands for the model in global reads
+            fields["num_kv_heads"], fields["head_dim"], v_dim = next(s for s in fields["layer_kv"] if s is not None)
+            fields["v_head_dim"] = v_dim if v_dim != fields["head_dim"] else None
+        return ModelSpec(**fields)
 
     def _configs(self) -> list:
         return list({id(c): c for c in (self.model.config, self.config)}.values())
@@ -336,6 +359,11 @@ class HFTreeModel:
             check_model(self, head)
             self._probed.add(key)
         return head
+
+    def dtree_state_grads(self) -> tuple[bool, ...]:
+        """Per decoder layer, whether its recurrent states can need a gradient now (read at
+        every step: parameters are frozen and unfrozen; :func:`layer_kinds.state_grads`)."""
+        return state_grads(self.model.get_input_embeddings(), self.decoder_layers())
 
     def dtree_check(self, training: bool) -> None:
         """Raise a ValueError for a model state dtree cannot run, before any compute.

@@ -15,8 +15,13 @@ catches it on a short probe, against the model's own ``forward`` with its own at
    Gemma's final soft-capping are configured; anything else is refused) or the decoder;
 2. **packed**: dtree's hidden states of the probe sequence packed after another one in
    one call, as the runtime packs segments, equal those of the probe alone: a
-   recurrent or convolution layer, or a model that ignores ``position_ids``, leaks the
-   first sequence into the second.
+   recurrent or convolution layer without dtree's adapter, or a model that ignores
+   ``position_ids``, leaks the first sequence into the second;
+3. **split** (models with recurrent layers): the probe sequence run as a branch point,
+   its first tokens in one call that leaves its K/V and recurrent states on the stacks
+   and the rest in a second call that starts from them, equals the sequence alone: a
+   mixer adapter that mishandles a state it takes or gives is caught on the model at
+   hand.
 
 The model's own forward runs with its own attention implementation even inside
 :meth:`HFTreeModel.dtree_scope` (:meth:`HFTreeModel.own_attention`).
@@ -38,6 +43,7 @@ import numpy as np
 import torch
 
 from ..ops.logprobs import OutputHead, token_logprobs_reference
+from ..ops.segment_states import LayerStates, StateLayout
 from ..ops.stack_attention import AttentionOptions, attend_math
 
 if TYPE_CHECKING:
@@ -51,13 +57,57 @@ _TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
 _TOLERANCE_16BIT = 5e-2
 
 
+class SplitAttention:
+    """``attend`` for the split probe: one segment at stack slots ``[lo, lo + T)`` whose
+    ancestors' K/V (slots ``[0, lo)``) and recurrent states (state slot 0) are on
+    ``stacks``; it pushes its own K/V, and its final states when ``push_state``."""
+
+    def __init__(self, stacks, lo: int, length: int, push_state: bool) -> None:
+        from ..ops.stack_attention import SegmentLayout
+
+        self.stacks, self.lo = stacks, lo
+        self.layout = SegmentLayout(np.array([0, length]), np.array([lo]), [((0, lo),) if lo else ()])
+        one = np.array([-1], dtype=np.int64)
+        self.states_layout = StateLayout(
+            np.array([0, length]), one, np.array([0 if lo else -1]), np.array([0 if push_state else -1])
+        )
+
+    def __call__(self, layer: int, q, k, v, scale: float, **options) -> torch.Tensor:
+        from ..ops.stack_attention import stack_attention
+
+        stack, local = self.stacks.kv_of(layer)
+        stack.store_kv(local, self.lo, k, v)
+        return stack_attention(q, k, v, stack, local, self.layout, scale, "reference", **options)
+
+    def states(self, layer: int) -> LayerStates:
+        return LayerStates(self.states_layout, self.stacks.states, layer)
+
+
+def _split_hidden(adapter: "HFTreeModel", ids: torch.Tensor, at: int) -> torch.Tensor:
+    """[T, hidden]: ``ids[:at]`` in one call, ``ids[at:]`` in a second one that starts
+    from the first one's K/V and recurrent states (see :class:`SplitAttention`)."""
+    from ..stacks import StepStacks
+
+    param = next(adapter.model.parameters())
+    stacks = StepStacks(adapter.spec, len(ids), 1, dtype=param.dtype, device=ids.device, with_grad=False)
+    positions = torch.arange(len(ids), device=ids.device)
+    first = adapter.dtree_hidden_states(ids[:at], positions[:at], SplitAttention(stacks, 0, at, True))
+    rest = adapter.dtree_hidden_states(ids[at:], positions[at:], SplitAttention(stacks, at, len(ids) - at, False))
+    return torch.cat([first, rest])
+
+
 class SegmentAttention:
     """``attend`` for the probe: plain per-segment causal attention (no stack), each
     segment on its own, with the layer's options. q [T, Hq, Dk], k [T, Hkv, Dk],
-    v [T, Hkv, Dv] -> [T, Hq, Dv]."""
+    v [T, Hkv, Dv] -> [T, Hq, Dv]. Recurrent layers start every segment from zeros
+    (:meth:`states`)."""
 
     def __init__(self, lengths: list[int]) -> None:
         self.offsets = np.concatenate([[0], np.cumsum(lengths)]).tolist()
+        self.layout = StateLayout.roots(self.offsets)
+
+    def states(self, layer: int) -> LayerStates:
+        return LayerStates(self.layout, None, layer)
 
     def __call__(self, layer: int, q, k, v, scale: float, **options) -> torch.Tensor:
         opts = AttentionOptions(**options)
@@ -140,7 +190,7 @@ def check_model(adapter: "HFTreeModel", head: OutputHead) -> None:
     # what is computed, at the tightest tolerance the dtype allows
     with torch.no_grad(), _eval_mode(model), torch.autocast(device.type, enabled=False):
         logits, base_hidden = _own_forward(adapter, ids)
-        tol = _tolerance(logits.dtype)
+        tol = _tolerance(next(model.parameters()).dtype)  # some models upcast their logits
         positions = torch.arange(n, device=device)
         alone = adapter.dtree_hidden_states(ids, positions, SegmentAttention([n]))
         err, diff = _head_error(head, logits, alone, ids)
@@ -171,3 +221,12 @@ def check_model(adapter: "HFTreeModel", head: OutputHead) -> None:
                 f"{adapter.mixer_hint()}. dtree packs sequences and splits them at tree branches, so it cannot run "
                 "this model exactly"
             )
+        if adapter.spec.recurrent_states:
+            err = _relative_error(_split_hidden(adapter, ids, 3), alone)
+            if err > tol:
+                raise ValueError(
+                    f"{adapter.name}: dtree's forward of a probe sequence split at a branch point (the second part "
+                    f"starting from the first part's K/V and recurrent states) differs from the sequence alone "
+                    f"(relative error {err:.2e}): a recurrent layer's adapter mishandles its states"
+                    f"{adapter.mixer_hint()}; dtree cannot run this model exactly"
+                )

@@ -19,6 +19,14 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
             # alibi_slopes=[q_heads] tensor, window=int (sliding window)
             return final_hidden  # [T, hidden] after the final norm
 
+        # recurrent layers (hybrid models): declare them in the spec (layer_kv: None for a
+        # layer without attention; recurrent_states: (layer, name, shape) of each state)
+        # and run their token mixing through dtree's ops with the call's states:
+        #     states = attend.states(layer_idx)
+        #     y = dtree.ops.short_conv.causal_conv1d_segments(x, weight, bias, states)
+        #     o = dtree.ops.linear_recurrence.linear_recurrence(q, k, v, g, beta, states, scale=...)
+        # each packed segment then starts from its parent's state (tests/nanogpt.py: NanoHybrid)
+
         def dtree_output_layer(self):
             return OutputHead(weight=self.lm_head.weight)  # fused: [vocab, hidden] (+ bias)
             # or OutputHead(module=self.lm_head): any nn.Module [N, hidden] -> [N, vocab],
@@ -28,6 +36,10 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
 
         # optional: refuse a state the module cannot run in, before any compute
         def dtree_check(self, training: bool) -> None: ...
+
+        # optional (recurrent layers): per layer, whether its states can need a gradient
+        # now (a trainable parameter feeds them); default: every state read takes one
+        def dtree_state_grads(self) -> tuple[bool, ...]: ...
 
         # optional: a context manager the runtime holds over a whole training step,
         # backward included (the HF adapter keeps its attention switched to dtree's
@@ -71,10 +83,41 @@ class ModelSpec:
     sliding_window: int | None = None
     name: str = "model"
     v_head_dim: int | None = None  # value head dim when it differs from head_dim (MLA)
+    # Hybrid models and per-layer attention shapes. ``layer_kv``: per decoder layer, the
+    # (kv_heads, head_dim, v_head_dim) its attention receives, or None for a layer without
+    # attention; None (the default): every layer attends with the fields above.
+    # ``recurrent_states``: (layer, name, shape) of every state a recurrent layer carries
+    # along the sequence (a conv window, a recurrent or SSM state; dtree.state_stack).
+    layer_kv: tuple[tuple[int, int, int] | None, ...] | None = None
+    recurrent_states: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 
     @property
     def value_head_dim(self) -> int:
         return self.head_dim if self.v_head_dim is None else self.v_head_dim
+
+    def kv_shape(self, layer: int) -> tuple[int, int, int] | None:
+        """(kv_heads, head_dim, v_head_dim) of ``layer``'s attention; None: no attention."""
+        if self.layer_kv is None:
+            return self.num_kv_heads, self.head_dim, self.value_head_dim
+        return self.layer_kv[layer]
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """The layers that attend (every layer unless ``layer_kv`` says otherwise)."""
+        return tuple(i for i in range(self.num_layers) if self.kv_shape(i) is not None)
+
+    @property
+    def recurrent_layers(self) -> tuple[int, ...]:
+        """The layers that carry recurrent states, in order."""
+        return tuple(sorted({layer for layer, _, _ in self.recurrent_states}))
+
+    def kv_elements_per_token(self) -> int:
+        """K and V elements one token leaves on the KV stack, over every attending layer."""
+        return sum(h * (d + dv) for h, d, dv in (self.kv_shape(i) for i in self.attention_layers))
+
+    def state_elements(self) -> int:
+        """Elements of one segment's recurrent states, over every recurrent layer."""
+        return sum(int(torch.Size(shape).numel()) for _, _, shape in self.recurrent_states)
 
     def forward_flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, excluding attention scores."""
@@ -84,8 +127,9 @@ class ModelSpec:
         return self.num_layers * (attn_proj + mlp) + 2 * h * self.vocab_size
 
     def forward_attention_flops_per_key(self) -> float:
-        """FLOPs of one (query, key) pair in the forward: QK^T and PV over all layers."""
-        return self.num_layers * 2 * self.num_heads * (self.head_dim + self.value_head_dim)
+        """FLOPs of one (query, key) pair in the forward: QK^T and PV over the attending
+        layers (every query head reads its K/V group's head dims)."""
+        return sum(2 * self.num_heads * (d + dv) for _, d, dv in (self.kv_shape(i) for i in self.attention_layers))
 
     def training_flops(self, positions: torch.Tensor | list[int] | int) -> float:
         """Forward + backward FLOPs (3x forward) of tokens at the given positions.

@@ -9,6 +9,8 @@ Ops and their backends (each backend has the signature of its op's dispatcher):
   linearized baseline): ``reference``, ``sdpa``, ``flash``, ``flash-attn``.
 * ``tree_mask_attention`` (:func:`dtree.ops.tree_mask_attention.tree_mask_attention`,
   the tree-mask baseline): ``sdpa``, ``flex``.
+* ``linear_recurrence`` (:func:`dtree.ops.linear_recurrence.linear_recurrence`, the
+  recurrent layers of hybrid models): ``reference``, ``fla``.
 
 Implementations and their availability checks are named ``"module:function"`` inside
 :mod:`dtree.ops` and imported at the call: the registry imports no op module (the ops
@@ -76,10 +78,11 @@ class _Op:
     label: str  # in messages: "unknown {label} backend"
     backends: dict[str, Backend]
     auto: dict[str, tuple[str, ...]]  # device type -> preference order ("other": any other type)
+    option: str = "attention"  # the runtime option that names the backend, in messages
 
 
-def _op(label: str, backends: list[Backend], auto: dict[str, tuple[str, ...]]) -> _Op:
-    return _Op(label, {b.name: b for b in backends}, auto)
+def _op(label: str, backends: list[Backend], auto: dict[str, tuple[str, ...]], option: str = "attention") -> _Op:
+    return _Op(label, {b.name: b for b in backends}, auto, option)
 
 
 _OPS: dict[str, _Op] = {
@@ -122,6 +125,20 @@ _OPS: dict[str, _Op] = {
             Backend("flex", "tree_mask_attention:tree_mask_attention_flex", "tree_mask_attention:flex_unavailable"),
         ],
         {"other": ("flex", "sdpa")},
+    ),
+    "linear_recurrence": _op(
+        "recurrence",
+        [
+            Backend("reference", "linear_recurrence:recurrence_reference"),
+            Backend(
+                "fla",
+                "linear_recurrence_fla:recurrence_fla",
+                "linear_recurrence_fla:fla_unavailable",
+                "linear_recurrence_fla:fla_nondeterministic",
+            ),
+        ],
+        {"cuda": ("fla", "reference"), "other": ("reference",)},
+        option="recurrence",
     ),
 }
 
@@ -193,16 +210,17 @@ def resolve_backend(
                 return candidate
         raise AssertionError(f"no {spec.label} backend runs on {target.device}")  # every op has a portable one
     if name not in spec.backends:
-        raise ValueError(f"attention must be 'auto' or one of {backend_names(op)}, got {name!r}")
+        raise ValueError(f"{spec.option} must be 'auto' or one of {backend_names(op)}, got {name!r}")
     reason = _unavailable(spec.backends[name], target)
     if reason is not None:
-        raise ValueError(f"attention={name!r} {reason}")
+        raise ValueError(f"{spec.option}={name!r} {reason}")
     if deterministic:
         why = _unavailable(spec.backends[name], target, deterministic=True)
         if why is not None:
             from .determinism import alert_nondeterministic
 
             alert_nondeterministic(
-                f"attention={name!r}", f"it {why.removeprefix('is not deterministic here: it ')}; use attention='auto'"
+                f"{spec.option}={name!r}",
+                f"it {why.removeprefix('is not deterministic here: it ')}; use {spec.option}='auto'",
             )
     return name

@@ -15,7 +15,14 @@ a ``RuntimeError`` the way torch's own nondeterministic ops do (a warning instea
 * the KV-stack ops (:mod:`dtree.ops.stack_ops`, CUDA extension or torch): no float
   atomics; repeated slots are summed by a fixed-order segmented reduction;
 * the LM-head log-prob kernels (:mod:`dtree.ops.logprobs_triton`): no atomics (every
-  output element is written by one program; dW/db are cuBLAS matmuls and reductions).
+  output element is written by one program; dW/db are cuBLAS matmuls and reductions);
+* recurrent layers (hybrid models, :mod:`dtree.ops.segment_states`): the ``reference``
+  recurrence, the state stack and the short convolution are torch ops (gathers whose
+  backward adds repeated rows, ``index_add_``, depthwise ``conv1d``) that sum in a fixed
+  order on CUDA only under ``torch.use_deterministic_algorithms(True)``: deterministic
+  mode on CUDA without it raises (:func:`dtree.step_plan.pick_recurrence`); ``fla``
+  (flash-linear-attention's kernels, not checked for a fixed order) is skipped by
+  ``recurrence="auto"`` and refused when named.
 
 torch's ops inside the model (matmuls, norms, the embedding backward) follow
 ``torch.use_deterministic_algorithms``; on one GPU the usual ones are deterministic
