@@ -128,7 +128,7 @@ def reduction_weights(
     norm: Normalization | None = None,
 ) -> np.ndarray:
     """[N] float64 weight of each linearized token's loss term (0 where not predicted):
-    ``loss = sum_k weights[k] * l[k]`` is the reduction (see module docstring)."""
+    ``loss = sum_k weights[k] * l[k]`` is the reduction (see :mod:`dtree.losses`)."""
     mask = prediction_mask(forest, use_loss_mask)
     norm = norm or local_normalization(forest, use_loss_mask)
     if reduction == "sum":
