@@ -34,36 +34,22 @@ from typing import Any, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
+from .models.layer_list import LAYER_LIST_PATHS, find_decoder_layers
 
-# Where decoder layers live: transformers causal LMs keep them at
-# ``<base_model>.layers`` (OPT at ``<base_model>.decoder.layers``); custom TreeModules
-# (e.g. tests/nanogpt.py) at one of these.
-_LAYER_LIST_NAMES = ("layers", "blocks", "h", "decoder.layers")
+__all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
-    """The ``ModuleList`` of ``model``'s decoder layers.
-
-    transformers models: ``<base model>.layers`` (or ``.h``, ``.decoder.layers``), the
-    base model at ``model.base_model_prefix``, else ``model.model`` or
-    ``model.transformer`` (Llama4ForCausalLM names a prefix it does not use); other
-    modules: a ``ModuleList`` attribute named ``layers``, ``blocks`` or ``h``.
-    """
-    prefix = getattr(model, "base_model_prefix", None)
-    owners = [getattr(model, name, None) for name in (prefix, "model", "transformer") if name]
-    owners = [o for o in owners if isinstance(o, torch.nn.Module)] + [model]
-    for owner in owners:
-        for path in _LAYER_LIST_NAMES:
-            layers = owner
-            for name in path.split("."):
-                layers = getattr(layers, name, None)
-            if isinstance(layers, torch.nn.ModuleList) and len(layers):
-                return layers
-    raise ValueError(
-        f"checkpoint=True needs {type(model).__name__}'s decoder layers as a torch.nn.ModuleList attribute named "
-        f"one of {_LAYER_LIST_NAMES} (on the model or its base model); rename it, or run with checkpoint=False"
-    )
+    """The ``ModuleList`` of ``model``'s decoder layers
+    (:func:`dtree.models.layer_list.find_decoder_layers`); a ValueError naming the fix
+    if there is none."""
+    layers = find_decoder_layers(model)
+    if layers is None:
+        raise ValueError(
+            f"checkpoint=True needs {type(model).__name__}'s decoder layers as a torch.nn.ModuleList attribute named "
+            f"one of {LAYER_LIST_PATHS} (on the model or its base model); rename it, or run with checkpoint=False"
+        )
+    return layers
 
 
 def _attention_configs(model: torch.nn.Module) -> list[Any]:

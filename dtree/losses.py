@@ -65,22 +65,24 @@ from .policy_losses import (
     ppo_clip,
     sapo,
 )
+from .loss_reduction import (
+    REDUCTIONS,
+    LossPart,
+    Normalization,
+    PerTokenFn,
+    local_normalization,
+    prediction_mask,
+    reduction_weights,
+)
 from .sequence_loss import LogprobLoss, SequenceBatch, SequenceLoss, gspo
 from .token_loss import (
     PART_WEIGHT,
-    REDUCTIONS,
-    LossPart,
     MetricsFn,
-    Normalization,
-    PerTokenFn,
     TokenLoss,
     add_metric_sums,
-    local_normalization,
     masked_metric_sums,
     metric_means,
     nll,
-    prediction_mask,
-    reduction_weights,
     weighted_terms,
 )
 

@@ -127,7 +127,7 @@ def _check_loss_mask(loss_mask: np.ndarray, real: np.ndarray, where: str) -> Non
 
 def padded_rows(input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> Rows:
     """The sequences and fields of a padded ``[B, L]`` batch; row ``b`` is sequence ``b``.
-    Arguments as :func:`dtree.integrations.padded.from_padded`.
+    Arguments as :meth:`dtree.Forest.from_padded`.
 
     Returns:
         ``(sequences, fields)``: the rows' real tokens in row order, and per field one
@@ -161,7 +161,7 @@ def prompt_completion_rows(
     """The sequences and fields of separate prompt and completion tensors (TRL's
     layout), as :func:`padded_rows` returns them; row ``b`` is sequence ``b``: its
     prompt tokens, then its completion tokens. Arguments as
-    :func:`dtree.integrations.padded.from_prompt_completion`."""
+    :meth:`dtree.Forest.from_prompt_completion`."""
     p_ids = _ids("prompt_ids", prompt_ids)
     c_ids = _ids("completion_ids", completion_ids)
     if c_ids.shape[0] != p_ids.shape[0]:

@@ -37,7 +37,8 @@ from typing import Any, Callable, Mapping
 import torch
 
 from .aggregation import TRL_LOSS_TYPES, VERL_LOSS_AGG_MODES, aggregation
-from .token_loss import LossPart, TokenLoss
+from .loss_reduction import LossPart
+from .token_loss import TokenLoss
 
 __all__ = [
     "KL_ESTIMATORS",

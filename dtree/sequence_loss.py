@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .token_loss import Normalization, check_loss_settings, prediction_mask, reduction_weights
+from .loss_reduction import Normalization, check_loss_settings, prediction_mask, reduction_weights
 from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from .tree import Forest
 

@@ -12,18 +12,31 @@ maps a decoder layer to both.
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
 from .kv_stack import KVStack
-from .models.protocol import ModelSpec
 from .ops.logprobs import compute_dtype
 from .ops.linear_recurrence import state_dtype
 from .state_stack import StateStack
 
-__all__ = ["StepStacks"]
+__all__ = ["StackShapes", "StepStacks"]
 
 
-def kv_groups(spec: ModelSpec) -> dict[tuple[int, int, int], list[int]]:
+class StackShapes(Protocol):
+    """What the stacks read of a model's shapes (:class:`dtree.models.ModelSpec` is one)."""
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]: ...
+
+    @property
+    def recurrent_states(self) -> tuple[tuple[int, str, tuple[int, ...]], ...]: ...
+
+    def kv_shape(self, layer: int) -> tuple[int, int, int] | None: ...
+
+
+def kv_groups(spec: StackShapes) -> dict[tuple[int, int, int], list[int]]:
     """Attention shape -> the decoder layers of that shape, in layer order."""
     groups: dict[tuple[int, int, int], list[int]] = {}
     for layer in spec.attention_layers:
@@ -47,7 +60,7 @@ class StepStacks:
     """
 
     def __init__(
-        self, spec: ModelSpec, tokens: int, state_slots: int, *, dtype: torch.dtype, device, with_grad: bool
+        self, spec: StackShapes, tokens: int, state_slots: int, *, dtype: torch.dtype, device, with_grad: bool
     ) -> None:
         self.spec, self.tokens, self.state_slots, self.dtype = spec, tokens, state_slots, dtype
         self.kv: list[KVStack] = []
@@ -96,7 +109,7 @@ class StepStacks:
         return sum(s.nbytes() for s in self.kv) + (self.states.nbytes() if self.states is not None else 0)
 
     def fits(
-        self, spec: ModelSpec, tokens: int, state_slots: int, dtype: torch.dtype, device, with_grad: bool
+        self, spec: StackShapes, tokens: int, state_slots: int, dtype: torch.dtype, device, with_grad: bool
     ) -> bool:
         """Whether these stacks serve a step needing ``tokens`` KV slots and ``state_slots``."""
         return (

@@ -182,19 +182,57 @@ class Forest(TrieLayout):
 
     @classmethod
     def from_padded(cls, /, input_ids: Any, attention_mask: Any, loss_mask: Any = None, **fields: Any) -> "Forest":
-        """Sequences from a padded ``[B, L]`` batch (verl / OpenRLHF / AReaL layout); see
-        :func:`dtree.integrations.padded.from_padded`."""
+        """A forest from a padded ``[B, L]`` batch (verl / OpenRLHF / AReaL layout); row
+        ``b`` is sequence ``b`` (:mod:`dtree.integrations.padded` describes the layouts).
+
+        Args:
+            input_ids: [B, L] integer token ids.
+            attention_mask: [B, L] 0/1; each row's ones are one contiguous run (left
+                and/or right padding), with at least one token.
+            loss_mask: [B, L] weights aligned with ``input_ids`` (e.g. verl's response
+                mask placed at the response columns); 0 wherever ``attention_mask`` is 0.
+                Default: every token counts (dtree never counts a sequence's first token).
+            **fields: each [B, L] aligned with ``input_ids`` (the value at column ``c``
+                belongs to the prediction of the token at column ``c``), or [B], one
+                number per row.
+
+        Returns:
+            A :class:`Forest` over the rows' real tokens, in row order.
+        """
         sequences, per_row = padded_rows(input_ids, attention_mask, loss_mask, **fields)
         return cls._build(sequences, per_row)
 
     @classmethod
     def from_prompt_completion(
-        cls, /, prompt_ids: Any, prompt_mask: Any, completion_ids: Any, completion_mask: Any, **completion_fields: Any
+        cls,
+        /,
+        prompt_ids: Any,
+        prompt_mask: Any,
+        completion_ids: Any,
+        completion_mask: Any,
+        *,
+        loss_mask: Any = None,
+        **completion_fields: Any,
     ) -> "Forest":
-        """Sequences from separate prompt and completion tensors (TRL's layout); see
-        :func:`dtree.integrations.padded.from_prompt_completion`."""
+        """A forest from separate prompt and completion tensors (TRL's layout); row ``b``
+        is sequence ``b``: its prompt tokens, then its completion tokens.
+
+        Args:
+            prompt_ids, prompt_mask: [B, P]; the prompt's real tokens are one contiguous
+                run (TRL left-pads them). May be empty for a row whose completion is not.
+            completion_ids, completion_mask: [B, R]; one contiguous run (right-padded). A
+                row may have no completion token (TRL's ``mask_truncated_completions``
+                zeroes a whole row): the sequence is then its prompt, with no loss token,
+                and still counts as a sequence (``Normalization.num_sequences``).
+            loss_mask: [B, R] aligned with the completion, 0 where ``completion_mask`` is
+                0 (TRL: ``completion_mask * tool_mask``). Default: ``completion_mask``.
+                Prompt tokens never count.
+            **completion_fields: each [B, R] aligned with the completion tokens
+                (``advantages``, ``old_logprobs``, ...; 0 is put on the prompt tokens),
+                or [B], one number per row, broadcast to the whole sequence.
+        """
         sequences, per_row = prompt_completion_rows(
-            prompt_ids, prompt_mask, completion_ids, completion_mask, **completion_fields
+            prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask=loss_mask, **completion_fields
         )
         return cls._build(sequences, per_row)
 

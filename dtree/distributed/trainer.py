@@ -131,6 +131,32 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _local_walk(
+    runtime: TreeRuntime,
+    forest: Forest | None,
+    loss: TokenLoss | Callable,
+    norm: Normalization | None,
+    sequence_ids: np.ndarray | None,
+    return_logprobs: bool,
+) -> tuple[StepOutput | None, str, float]:
+    """Step 3, this rank's walk: (its output, None without a forest; the error text, ""
+    when it ran; its seconds). A failure is caught, never raised: it must reach the
+    other ranks in step 4, or they hang."""
+    local: StepOutput | None = None
+    error = ""
+    t_walk = time.perf_counter()
+    try:
+        if forest is not None:
+            kw = dict(normalization=norm) if isinstance(loss, TokenLoss) else {}
+            local = runtime.forward_backward(forest, loss, return_logprobs=return_logprobs, **kw)
+    except torch.OutOfMemoryError as e:  # before Exception: free what the walk held first
+        _free_memory(runtime)
+        error = _describe(e)
+    except Exception as e:
+        error = _globalize(_describe(e), sequence_ids)
+    return local, error, time.perf_counter() - t_walk
+
+
 def distributed_forward_backward(
     runtime: TreeRuntime,
     forest: Forest | None,
@@ -175,20 +201,7 @@ def distributed_forward_backward(
         loss = loss.with_normalization(norm)
     sync.begin()
 
-    local: StepOutput | None = None
-    error = ""
-    t_walk = time.perf_counter()
-    try:
-        if forest is not None:
-            kw = dict(normalization=norm) if isinstance(loss, TokenLoss) else {}
-            local = runtime.forward_backward(forest, loss, return_logprobs=return_logprobs, **kw)
-    except torch.OutOfMemoryError as e:  # before Exception: free what the walk held first
-        _free_memory(runtime)
-        error = _describe(e)
-    except Exception as e:  # any local failure must reach the other ranks, or they hang
-        error = _globalize(_describe(e), sequence_ids)
-    walk_seconds = time.perf_counter() - t_walk
-
+    local, error, walk_seconds = _local_walk(runtime, forest, loss, norm, sequence_ids, return_logprobs)
     status = [0.0] * (1 + 2 * world)
     status[0] = local.loss if local is not None else 0.0
     status[1 + rank] = 1.0 if error else 0.0

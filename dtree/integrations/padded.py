@@ -42,54 +42,9 @@ from ..tree import Forest
 __all__ = ["from_padded", "to_padded", "from_prompt_completion", "to_padded_completion"]
 
 
-def from_padded(input_ids: Any, attention_mask: Any, /, loss_mask: Any = None, **fields: Any) -> Forest:
-    """A forest from a padded ``[B, L]`` batch; row ``b`` is sequence ``b``.
-
-    Args:
-        input_ids: [B, L] integer token ids.
-        attention_mask: [B, L] 0/1; each row's ones are one contiguous run (left and/or
-            right padding), with at least one token.
-        loss_mask: [B, L] weights aligned with ``input_ids`` (e.g. verl's response mask
-            placed at the response columns); 0 wherever ``attention_mask`` is 0. Default:
-            every token counts (dtree never counts a sequence's first token).
-        **fields: each [B, L] aligned with ``input_ids`` (the value at column ``c`` belongs
-            to the prediction of the token at column ``c``), or [B], one number per row.
-
-    Returns:
-        A :class:`Forest` over the rows' real tokens, in row order.
-    """
-    return Forest.from_padded(input_ids, attention_mask, loss_mask, **fields)
-
-
-def from_prompt_completion(
-    prompt_ids: Any,
-    prompt_mask: Any,
-    completion_ids: Any,
-    completion_mask: Any,
-    *,
-    loss_mask: Any = None,
-    **completion_fields: Any,
-) -> Forest:
-    """A forest from separate prompt and completion tensors (TRL's layout); row ``b``
-    is sequence ``b``: its prompt tokens, then its completion tokens.
-
-    Args:
-        prompt_ids, prompt_mask: [B, P]; the prompt's real tokens are one contiguous run
-            (TRL left-pads them). May be empty for a row whose completion is not.
-        completion_ids, completion_mask: [B, R]; one contiguous run (right-padded). A
-            row may have no completion token (TRL's ``mask_truncated_completions`` zeroes
-            a whole row): the sequence is then its prompt, with no loss token, and still
-            counts as a sequence (``Normalization.num_sequences``).
-        loss_mask: [B, R] aligned with the completion, 0 where ``completion_mask`` is 0
-            (TRL: ``completion_mask * tool_mask``). Default: ``completion_mask``. Prompt
-            tokens never count.
-        **completion_fields: each [B, R] aligned with the completion tokens
-            (``advantages``, ``old_logprobs``, ...; 0 is put on the prompt tokens), or
-            [B], one number per row, broadcast to the whole sequence.
-    """
-    return Forest.from_prompt_completion(
-        prompt_ids, prompt_mask, completion_ids, completion_mask, loss_mask=loss_mask, **completion_fields
-    )
+# the constructors are Forest's own, under this module's names beside their inverses
+from_padded = Forest.from_padded
+from_prompt_completion = Forest.from_prompt_completion
 
 
 def _scatter(

@@ -30,12 +30,9 @@ import torch
 
 from .protocol import AttendFn, ModelSpec
 
-__all__ = ["AttentionCalls", "activate", "active_call", "decoder_layers", "describe_layer"]
+__all__ = ["AttentionCalls", "activate", "active_call", "describe_layer"]
 
 _ACTIVE: contextvars.ContextVar["AttentionCalls | None"] = contextvars.ContextVar("dtree_attention_call", default=None)
-
-# names of the decoder-layer list in transformers models (Llama-style, GPT-2-style, OPT)
-_LAYER_LIST_PATHS = ("layers", "h", "blocks", "decoder.layers", "transformer.h")
 
 
 def active_call() -> "AttentionCalls | None":
@@ -50,22 +47,6 @@ def activate(calls: "AttentionCalls") -> Iterator[None]:
         yield
     finally:
         _ACTIVE.reset(token)
-
-
-def decoder_layers(base: torch.nn.Module, num_layers: int) -> list[torch.nn.Module]:
-    """The decoder layers of a transformers base model: the ``ModuleList`` at one of
-    the usual paths, else the first ``ModuleList`` of ``num_layers`` modules; [] if
-    none (then errors name layers by index only)."""
-    for path in _LAYER_LIST_PATHS:
-        owner = base
-        for part in path.split("."):
-            owner = getattr(owner, part, None)
-        if isinstance(owner, torch.nn.ModuleList) and len(owner) == num_layers:
-            return list(owner)
-    for module in base.modules():
-        if isinstance(module, torch.nn.ModuleList) and len(module) == num_layers:
-            return list(module)
-    return []
 
 
 def _attention_modules(layer: torch.nn.Module) -> list[torch.nn.Module]:

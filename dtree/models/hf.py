@@ -29,8 +29,9 @@ import torch
 from ..ops.logprobs import OutputHead
 from . import families, mixers
 from .attention_function import ATTENTION_NAME, register_attention_function
-from .guard import AttentionCalls, activate, decoder_layers
+from .guard import AttentionCalls, activate
 from .layer_kinds import layer_fields, state_grads
+from .layer_list import find_decoder_layers
 from .protocol import AttendFn, ModelSpec
 
 __all__ = ["HFTreeModel", "ATTENTION_NAME"]
@@ -243,7 +244,7 @@ class HFTreeModel:
         fields.update(families.spec_overrides(model, config))
         known = fields["head_dim"] is not None
         kv = (fields["num_kv_heads"], fields["head_dim"], fields["v_head_dim"] or fields["head_dim"]) if known else None
-        layers = decoder_layers(base, config.num_hidden_layers)
+        layers = list(find_decoder_layers(base, config.num_hidden_layers) or [])
         fields.update(layer_fields(layers, config, heads, kv, type(model).__name__))
         if not known:  # the first attending layer's shape stands for the model in global reads
             fields["num_kv_heads"], fields["head_dim"], v_dim = next(s for s in fields["layer_kv"] if s is not None)
@@ -294,7 +295,7 @@ class HFTreeModel:
 
     def decoder_layers(self) -> list[torch.nn.Module]:
         """The model's decoder layers (read at every call: adapters may wrap them)."""
-        return decoder_layers(self.base, self.spec.num_layers)
+        return list(find_decoder_layers(self.base, self.spec.num_layers) or [])
 
     def _layer_of(self, module: torch.nn.Module) -> int | None:
         """Decoder layer index of an attention module without an integer ``layer_idx``."""

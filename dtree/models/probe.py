@@ -37,7 +37,7 @@ relative to the reference's size: 1e-4 in float32 (exact runs agree to about 1e-
 from __future__ import annotations
 
 import contextlib
-from typing import TYPE_CHECKING, Iterator
+from typing import ContextManager, Iterator, Protocol
 
 import numpy as np
 import torch
@@ -45,9 +45,7 @@ import torch
 from ..ops.logprobs import OutputHead, token_logprobs_reference
 from ..ops.segment_states import LayerStates, StateLayout
 from ..ops.stack_attention import AttentionOptions, attend_math
-
-if TYPE_CHECKING:
-    from .hf import HFTreeModel
+from .protocol import AttendFn, ModelSpec
 
 __all__ = ["check_model", "PROBE_LENGTHS"]
 
@@ -55,6 +53,25 @@ PROBE_LENGTHS = (5, 7)  # the packed-before sequence, the probe sequence
 
 _TOLERANCE = {torch.float64: 1e-5, torch.float32: 1e-4}
 _TOLERANCE_16BIT = 5e-2
+
+
+class ProbedModel(Protocol):
+    """What the probe reads of a model's adapter (:class:`dtree.models.hf.HFTreeModel`)."""
+
+    model: torch.nn.Module  # the ``*ForCausalLM``
+    base: torch.nn.Module  # its base model, whose output is what dtree's head is applied to
+    name: str
+    spec: ModelSpec
+
+    def dtree_hidden_states(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor, attend: AttendFn
+    ) -> torch.Tensor: ...
+
+    def own_attention(self) -> ContextManager[None]: ...
+
+    def head_transform(self) -> str: ...
+
+    def mixer_hint(self) -> str: ...
 
 
 class SplitAttention:
@@ -83,7 +100,7 @@ class SplitAttention:
         return LayerStates(self.states_layout, self.stacks.states, layer)
 
 
-def _split_hidden(adapter: "HFTreeModel", ids: torch.Tensor, at: int) -> torch.Tensor:
+def _split_hidden(adapter: ProbedModel, ids: torch.Tensor, at: int) -> torch.Tensor:
     """[T, hidden]: ``ids[:at]`` in one call, ``ids[at:]`` in a second one that starts
     from the first one's K/V and recurrent states (see :class:`SplitAttention`)."""
     from ..stacks import StepStacks
@@ -135,7 +152,7 @@ def _probe_tokens(vocab: int, device: torch.device) -> tuple[torch.Tensor, torch
     return first.to(device), probe.to(device)
 
 
-def _own_forward(adapter: "HFTreeModel", ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _own_forward(adapter: ProbedModel, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's own forward on one row: ([T, V] logits, [T, H] hidden states its
     base model returned, i.e. what dtree's head is applied to; None when the forward
     does not call the base model as a whole, e.g. OPT calls its decoder)."""
@@ -179,7 +196,7 @@ def _head_error(head: OutputHead, logits: torch.Tensor, hidden: torch.Tensor, id
     return err, float((lp - ref_lp).abs().max())
 
 
-def check_model(adapter: "HFTreeModel", head: OutputHead) -> None:
+def check_model(adapter: ProbedModel, head: OutputHead) -> None:
     """Raise a ValueError if dtree's view of ``adapter``'s model differs from the model's
     own forward on the probe (see the module docstring)."""
     model = adapter.model

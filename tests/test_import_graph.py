@@ -1,0 +1,84 @@
+"""dtree's modules import one another in one direction: no import cycle between its
+files, counting every import (module level, inside a function, and the annotation-only
+ones under ``TYPE_CHECKING``): a cycle that only type checkers see still ties two
+modules into one."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import dtree
+
+ROOT = pathlib.Path(dtree.__file__).parent
+
+
+def _module_file(module: str) -> pathlib.Path | None:
+    path = ROOT.parent.joinpath(*module.split("."))
+    for candidate in (path.with_suffix(".py"), path / "__init__.py"):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def _imports(path: pathlib.Path) -> set[pathlib.Path]:
+    """The dtree files ``path`` imports anywhere in its body; ``from pkg import name``
+    points at ``pkg/name.py`` when that is a module, else at ``pkg``."""
+    package = list(path.relative_to(ROOT.parent).parent.parts)
+    found: set[pathlib.Path] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join(base + ([node.module] if node.module else []))
+            targets = [_module_file(f"{module}.{a.name}") or _module_file(module) for a in node.names]
+        elif isinstance(node, ast.Import):
+            targets = [_module_file(a.name) for a in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t is not None and t != path)
+    return found
+
+
+def _cycles(graph: dict[pathlib.Path, set[pathlib.Path]]) -> list[list[str]]:
+    """The strongly connected components of more than one file (Tarjan)."""
+    index: dict = {}
+    low: dict = {}
+    stack: list = []
+    out: list[list[str]] = []
+
+    def visit(v) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(str(w.relative_to(ROOT.parent)))
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_import_graph_reads_imports():
+    """The graph sees what the code imports (else the test below could not fail)."""
+    graph = {p: _imports(p) for p in ROOT.rglob("*.py")}
+    assert ROOT / "loss_reduction.py" in graph[ROOT / "token_loss.py"]
+    assert ROOT / "models" / "layer_list.py" in graph[ROOT / "checkpointing.py"]
+    assert _cycles({ROOT / "a.py": {ROOT / "b.py"}, ROOT / "b.py": {ROOT / "a.py"}}) == [["dtree/a.py", "dtree/b.py"]]
+
+
+def test_no_import_cycle():
+    graph = {p: _imports(p) for p in ROOT.rglob("*.py")}
+    assert _cycles(graph) == [], "import cycles between these dtree files (break them with a lower module)"
