@@ -31,7 +31,7 @@ from .models import ModelSpec, TreeModule
 from .ops.segment_layout import SegmentLayout
 from .ops.segment_states import StateLayout
 from .stacks import StepStacks
-from .walk import GroupAttention
+from .group_attention import GroupAttention
 
 __all__ = [
     "CallBytes", "LiveBytes", "estimated_call_bytes", "layer_activation_bytes", "layer_input_bytes", "measure_call_bytes",

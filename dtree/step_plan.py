@@ -1,32 +1,44 @@
-"""What :class:`dtree.TreeRuntime` decides before a step walks: the attention and
-recurrence backends for the model's placement, the memory plan, the retain budget and the
-stacks (KV and, for recurrent layers, states).
+"""The plan of a step: what :class:`dtree.TreeRuntime` decides before the walk, built once.
+
+A *step* is one call of the runtime (``forward_backward``, ``logprobs``, ...); it reads
+check -> weights -> plan -> walk -> finish. :class:`StepPlanner` builds the plan, a
+:class:`StepPlan` value the walk (:mod:`dtree.walk`) only reads: the attention and
+recurrence backends for the model's placement, the memory plan, the schedule, the loss
+terms, the retain budget, the stacks (KV and, for recurrent layers, states) sized by the
+slots the schedule writes, and the step's arrays on the device.
 
 Each is a function of the model's state now (device, dtype, training flags, HF
 gradient checkpointing), the :class:`~dtree.config.RuntimeConfig` and the step's
-forest or schedule, so the runtime reads them at every call, not at construction.
+forest or schedule, so the planner reads them at every call, not at construction.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import numpy as np
 import torch
 
 from . import memory_policy
-from .memory_probe import CallBytes, measure_call_bytes
 from .checkpointing import decoder_layers
+from .checks import model_placement
 from .config import RuntimeConfig
+from .memory_probe import CallBytes, measure_call_bytes
 from .models import ModelSpec, TreeModule, unwrap
-from .ops import determinism
+from .ops import determinism, stack_ops
 from .ops.backends import resolve_backend
-from .ops.logprobs import OutputHead, fused_head_kernel
-from .schedule import Schedule
+from .ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
+from .schedule import LossTerms, Schedule, all_predictions, build_schedule, select_loss_terms
 from .stacks import StepStacks
+from .state_plan import StatePlan, plan_states
+from .transfer import upload_arrays
 from .tree import Forest
 
 __all__ = [
-    "checkpoint_root", "hf_checkpointing", "measured_call_bytes", "new_stack", "pick_backend", "pick_recurrence",
-    "plan_memory", "refine_plan", "retain_budget", "stack_fits", "step_shape",
+    "StepArrays", "StepPlan", "StepPlanner", "check_stack_capacity", "checkpoint_root", "hf_checkpointing",
+    "measured_call_bytes", "new_stack", "pick_backend", "pick_recurrence",
+    "plan_memory", "refine_plan", "stack_fits", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -158,14 +170,6 @@ def measured_call_bytes(
     return cache.get(key)
 
 
-def retain_budget(plan: memory_policy.MemoryPlan, config: RuntimeConfig) -> float:
-    """Tokens of groups with children whose graphs may be alive at once: the config's
-    ``retain_budget_tokens``, else :func:`dtree.memory_policy.retain_budget`."""
-    if config.retain_budget_tokens is not None:
-        return float(config.retain_budget_tokens)
-    return memory_policy.retain_budget(plan, config.mode)
-
-
 def refine_plan(
     plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: StepStacks | None,
     state_slots: int = 0,
@@ -179,7 +183,8 @@ def refine_plan(
     if plan.spec is not None:
         grow = max(0, sched.stack_tokens - held) * memory_policy.stack_slot_bytes(plan.spec, plan.itemsize)
         grow += max(0, state_slots - held_states) * memory_policy.state_slot_bytes(plan.spec, plan.itemsize)
-    return memory_policy.refine(plan, sched, rows, retain_budget(plan, config), float(grow))
+    budget = memory_policy.retain_budget(plan, config.mode, config.retain_budget_tokens)
+    return memory_policy.refine(plan, sched, rows, budget, float(grow))
 
 
 def stack_fits(
@@ -203,3 +208,202 @@ def new_stack(
     # compute dtype (StepStacks).
     with torch.inference_mode(False):
         return StepStacks(spec, max(capacity, 1), state_slots, dtype=dtype, device=device, with_grad=with_grad)
+
+
+@dataclass(frozen=True)
+class StepArrays:
+    """Every per-step array the walk slices, on the device (int64 unless noted), in one
+    upload per kind (:func:`dtree.transfer.upload_arrays`).
+
+    Attributes:
+        input_ids, positions: [U] token id and position of every row, group after group.
+        pred_hidden_row: [P] row (local to its group) whose hidden state predicts.
+        pred_unique: [P] unique token each prediction predicts.
+        labels: [P] its token id.
+        loss_pred: [E] index (local to its group's predictions) of each term's log-prob.
+        weights: [E] compute-dtype weight of each loss term (None in a log-prob walk).
+        fields: name -> [E] compute-dtype per-token field of each loss term.
+        stack_starts: [G] first stack slot of each group: the device-side slot offsets
+            the KV stack's CUDA ops read (:mod:`dtree.ops.stack_ops`).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    pred_hidden_row: torch.Tensor
+    pred_unique: torch.Tensor
+    labels: torch.Tensor
+    loss_pred: torch.Tensor
+    weights: torch.Tensor | None = None
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    stack_starts: torch.Tensor | None = None
+
+    @classmethod
+    def upload(
+        cls, forest: Forest, sched: Schedule, terms: LossTerms, weights: np.ndarray | None,
+        field_names: Sequence[str], device: torch.device, dtype: torch.dtype,
+    ) -> "StepArrays":
+        """``weights``: [N] per linearized token (None: a log-prob walk, no terms)."""
+        per_term = [] if weights is None else [weights[terms.loss_lin]]
+        ints, floats = upload_arrays(
+            [forest.tokens[sched.row_unique], forest.positions[sched.row_unique], terms.pred_hidden_row,
+             terms.pred_unique, forest.tokens[terms.pred_unique], terms.loss_pred,
+             np.array([g.stack_start for g in sched.groups])],
+            per_term + [forest.fields[n][terms.loss_lin] for n in field_names],
+            device, compute_dtype(dtype),
+        )
+        w = None if weights is None else floats.pop(0)
+        return cls(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's plan, built once by :meth:`StepPlanner.make_plan`; the walk only reads it.
+
+    ``memory``: the memory policy's decisions; ``sched``: the groups and calls; ``terms``:
+    the predictions and loss terms of each group (every prediction in a log-prob walk);
+    ``arrays``: their device arrays; ``stack``: the KV (and state) stacks, with gradient
+    slots in a training plan; ``states``: the state slots (recurrent layers, else None);
+    ``retain_budget``: tokens of groups with children whose graphs may be alive at once.
+    The rest say how the model runs: ``checkpoint_root`` (None: no layer checkpointing)
+    with ``checkpoint_layers`` of its decoder layers checkpointed in the calls of groups
+    without children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in
+    retained groups with children; ``randomness``: every group runs under its own RNG
+    seed (a module is in training mode, :mod:`dtree.rng`); ``state_grads``: per layer,
+    whether its states' stack reads take gradients (None: all)."""
+
+    forest: Forest
+    memory: memory_policy.MemoryPlan
+    sched: Schedule
+    terms: LossTerms
+    arrays: StepArrays
+    stack: StepStacks
+    states: StatePlan | None
+    retain_budget: float
+    model: TreeModule
+    head: OutputHead
+    attention: str
+    recurrence: str | None
+    logprob_chunk: int
+    device: torch.device
+    dtype: torch.dtype
+    randomness: bool
+    checkpoint_root: torch.nn.Module | None
+    checkpoint_layers: int
+    path_checkpoint_layers: int
+    progress: bool
+    deterministic: bool
+    state_grads: tuple[bool, ...] | None
+
+
+class StepPlanner:
+    """Builds every step's :class:`StepPlan` from the model's state now and keeps what
+    steps share: the backends for the model's placement, the stacks (reused while they
+    fit), the measured call figures per model state, the last schedule's state slots and
+    the last memory plan."""
+
+    def __init__(self, module: torch.nn.Module, model: TreeModule, spec: ModelSpec, config: RuntimeConfig) -> None:
+        self.module, self.model, self.spec, self.config = module, model, spec, config
+        self.placement: Placement | None = None
+        self.deterministic = False  # deterministic mode as the backends were picked for
+        self.attention: str | None = None
+        self.recurrence: str | None = None
+        self.stack: StepStacks | None = None
+        self.memory_plan: memory_policy.MemoryPlan | None = None  # the last planned step's
+        self._call_bytes: dict = {}
+        self._states: tuple[Schedule, StatePlan | None] | None = None
+
+    def sync(self) -> Placement:
+        """Read the model's device and dtype; when they (or torch's deterministic mode)
+        changed since the last call, pick the backends again (the stacks are reallocated
+        when they no longer fit)."""
+        placement = model_placement(self.module.parameters())
+        deterministic = determinism.requested(self.config.deterministic)
+        if placement != self.placement or deterministic != self.deterministic:
+            self.placement, self.deterministic = placement, deterministic
+            self.attention = pick_backend(self.config.attention, placement, self.spec, deterministic)
+            self.recurrence = pick_recurrence(self.config.recurrence, placement, self.spec, deterministic)
+            if deterministic:
+                stack_ops.note_missing_extension(placement[0])
+        return placement
+
+    @property
+    def logprob_chunk(self) -> int:
+        if self.config.logprob_chunk is not None:
+            return self.config.logprob_chunk
+        return self.memory_plan.logprob_chunk if self.memory_plan is not None else memory_policy.DEFAULT_LOGPROB_CHUNK
+
+    def schedule(self, forest: Forest) -> Schedule:
+        """The memory plan for ``forest``, then its schedule (calls of the plan's size), then
+        the plan's peak predicted from the schedule. ``forest`` was validated."""
+        self.sync()
+        head = as_output_head(self.model.dtree_output_layer())
+        call_bytes = measured_call_bytes(
+            self.module, self.model, self.spec, self.placement, self.attention, self._call_bytes, self.recurrence
+        )
+        memory = plan_memory(self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes)
+        sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
+        check_stack_capacity(forest, sched, self.config.stack_capacity)
+        states = self._state_plan(sched)
+        self.memory_plan = refine_plan(memory, sched, self.config, self.stack, states.capacity if states else 0)
+        return sched
+
+    def _state_plan(self, sched: Schedule) -> StatePlan | None:
+        """The state slots of ``sched`` (None without recurrent layers), planned once per schedule."""
+        if self._states is None or self._states[0] is not sched:
+            self._states = (sched, plan_states(sched) if self.spec.recurrent_states else None)
+        return self._states[1]
+
+    def make_plan(
+        self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
+        sched: Schedule | None = None,
+    ) -> StepPlan:
+        """The plan of a step over ``forest``: a training plan with its [N] ``weights`` and the
+        loss's fields, else a log-prob plan (every prediction, no gradient slots); over
+        ``sched`` when given (the two-pass path's second pass), else a new schedule."""
+        sched = self.schedule(forest) if sched is None else sched
+        memory = self.memory_plan
+        training = weights is not None
+        terms = select_loss_terms(sched, weights) if training else all_predictions(sched)
+        states = self._state_plan(sched)
+        device, dtype = self.placement
+        root = checkpoint_root(self.module) if training else None
+        grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
+        return StepPlan(
+            forest=forest, memory=memory, sched=sched, terms=terms,
+            arrays=StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype),
+            stack=self._stack(sched.stack_tokens, training, states.capacity if states is not None else 0),
+            states=states,
+            retain_budget=memory_policy.retain_budget(memory, self.config.mode, self.config.retain_budget_tokens),
+            model=self.model, head=as_output_head(self.model.dtree_output_layer()), attention=self.attention,
+            recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device, dtype=dtype,
+            # model calls may draw random numbers (dropout) when any module is in training mode
+            randomness=any(m.training for m in self.module.modules()),
+            checkpoint_root=root,
+            checkpoint_layers=memory.checkpoint_layers if root is not None else 0,
+            path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
+            progress=self.config.progress, deterministic=self.deterministic,
+            state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
+        )
+
+    def _stack(self, capacity: int, with_grad: bool, state_slots: int) -> StepStacks:
+        """The stacks for ``capacity`` KV slots (at least the config's ``stack_capacity``):
+        the ones held when they fit, else new ones (the old ones freed first)."""
+        capacity = max(capacity, self.config.stack_capacity or 0)
+        if not stack_fits(self.stack, self.spec, self.placement, capacity, with_grad, state_slots):
+            self.stack = None
+            self.stack = new_stack(self.spec, self.placement, capacity, with_grad, state_slots)
+        return self.stack
+
+
+def check_stack_capacity(forest: Forest, sched: Schedule, capacity: int | None) -> None:
+    """Raise a ValueError when ``sched`` writes more KV-stack slots than the config's ``stack_capacity``."""
+    if capacity is None or sched.stack_tokens <= capacity:
+        return
+    lengths = forest.sequence_lengths()
+    s = int(np.argmax(lengths))
+    hint = (
+        f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
+        if lengths[s] > capacity
+        else "lower group_tokens or raise stack_capacity"
+    )
+    raise ValueError(f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}")

@@ -3,44 +3,44 @@
 A :class:`~dtree.losses.SequenceLoss` (``gspo``), any callable
 ``fn(logprobs, forest) -> 0-d tensor``, or a :class:`LogprobLoss` (such a function at a
 temperature, optionally of the entropies too) is trained in two passes over one
-schedule::
+schedule, two plain calls in :meth:`dtree.TreeRuntime.forward_backward`::
 
     pass 1   log-probs (and entropies) of every prediction (no grad), per sequence [len-1]
     host     value = fn(logprobs[, entropy]); w = d value / d logprobs (w_H = d value / d entropy)
-    pass 2   one DFS training step of the surrogate sum_k w[k] * logp[k] (+ w_H[k] * H[k])
+             (:func:`logprob_grads`)
+    pass 2   one DFS training walk of the surrogate sum_k w[k] * logp[k] (+ w_H[k] * H[k])
+             (:func:`surrogate`)
 
 Pass 2's gradient is that of ``fn`` because it replays pass 1's random draws (the
 runtime restores the generator state), so it differentiates the log-probs ``fn`` saw.
+This module holds the host part; the passes are the runtime's walks.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
 import torch
 
-from . import rng
 from .losses import LogprobLoss, SequenceLoss, TokenLoss
-from .schedule import Schedule
-from .step import StepOutput
 from .tree import Forest
 
 __all__ = [
+    "LogprobGrads",
     "SequenceLossFn",
     "check_temperature",
     "logprob_entropy_surrogate",
     "logprob_grad_weights",
+    "logprob_grads",
     "logprob_surrogate",
-    "two_pass_step",
+    "needs_entropy",
+    "surrogate",
 ]
 
 SequenceLossFn = Callable[[list[torch.Tensor], Forest], torch.Tensor]
-# (forest, schedule, with_entropy, temperature) -> (per sequence log-probs, entropies or None)
-LogprobsFn = Callable[[Forest, Schedule, bool, float], tuple[list[torch.Tensor], list[torch.Tensor] | None]]
-# (forest, schedule, [N] d loss / d logp, loss value, temperature, [N] d loss / d entropy or None) -> the output
-BackwardFn = Callable[[Forest, Schedule, np.ndarray, float, float, np.ndarray | None], StepOutput]
 
 
 def check_temperature(temperature: float) -> float:
@@ -120,22 +120,23 @@ def _evaluate(
     return value, leaves, ent_leaves
 
 
-def two_pass_step(
-    forest: Forest,
-    sched: Schedule,
-    loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn,
-    temperature: float,
-    return_logprobs: bool,
-    *,
-    logprobs: LogprobsFn,
-    backward: BackwardFn,
-    device: torch.device,
-) -> StepOutput:
-    """Both passes over one schedule (the same calls, the same random draws)."""
-    start = rng.capture(device)
-    with_entropy = isinstance(loss_fn, (SequenceLoss, LogprobLoss)) and loss_fn.needs_entropy
-    with torch.no_grad():
-        lps, ents = logprobs(forest, sched, with_entropy, temperature)
+@dataclass(frozen=True)
+class LogprobGrads:
+    """The host step between the two passes: the loss's value and its [N] gradients per
+    linearized token w.r.t. the log-probs (``logp``) and the entropies (``entropy``,
+    None when the loss does not read them)."""
+
+    value: float
+    logp: np.ndarray
+    entropy: np.ndarray | None
+
+
+def logprob_grads(
+    loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn, forest: Forest, lps: list[torch.Tensor],
+    ents: list[torch.Tensor] | None, temperature: float,
+) -> LogprobGrads:
+    """Evaluate ``loss_fn`` on pass 1's per sequence log-probs (and entropies) and
+    differentiate it: a ValueError when it is not finite or does not depend on them."""
     value, leaves, ent_leaves = _evaluate(loss_fn, forest, lps, ents, temperature)
     loss_value = float(value.detach())
     if not np.isfinite(loss_value):
@@ -149,10 +150,20 @@ def two_pass_step(
     grads = torch.autograd.grad(value.reshape(()), leaves + ent_leaves, allow_unused=True)
     w = logprob_grad_weights(forest, list(grads[: len(leaves)]))
     w_entropy = logprob_grad_weights(forest, list(grads[len(leaves) :])) if ent_leaves else None
-    rng.restore(start, device)  # pass 2 replays pass 1's draws (dropout masks)
-    out = backward(forest, sched, w, loss_value, temperature, w_entropy)
-    if isinstance(loss_fn, SequenceLoss):
-        out.metrics.update(loss_fn.metric_values(lps, forest, entropy=ents))
-    if return_logprobs:
-        out.logprobs, out.entropy = lps, ents
-    return out
+    return LogprobGrads(loss_value, w, w_entropy)
+
+
+def needs_entropy(loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> bool:
+    """Whether pass 1 computes the entropies too."""
+    return isinstance(loss_fn, (SequenceLoss, LogprobLoss)) and loss_fn.needs_entropy
+
+
+def surrogate(
+    forest: Forest, grads: LogprobGrads, temperature: float
+) -> tuple[Forest, TokenLoss, np.ndarray]:
+    """Pass 2's token loss, whose gradient is the loss's: ``sum_k w[k] * logp[k]`` (plus
+    ``w_H[k] * H[k]`` when the loss read the entropies), with the forest it trains on and
+    its [N] weights."""
+    if grads.entropy is None or not grads.entropy.any():
+        return forest, logprob_surrogate(temperature), grads.logp
+    return logprob_entropy_surrogate(forest, grads.logp, grads.entropy, temperature)

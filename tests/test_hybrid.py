@@ -113,13 +113,13 @@ def test_hybrid_stacks_hold_only_their_layers():
 def test_runtime_plans_the_state_slots_once_and_counts_them(monkeypatch):
     """The memory policy's refined peak gets the step's state slots (the state stack's
     bytes), and the walk uses the same state plan, with a state stack of that size."""
-    import dtree.runtime
+    import dtree.step_plan
 
     seen = []
-    refine = dtree.runtime.refine_plan
-    monkeypatch.setattr(dtree.runtime, "refine_plan", lambda *a: seen.append(a[-1]) or refine(*a))
+    refine = dtree.step_plan.refine_plan
+    monkeypatch.setattr(dtree.step_plan, "refine_plan", lambda *a: seen.append(a[-1]) or refine(*a))
     calls = []
-    monkeypatch.setattr(dtree.runtime, "plan_states", lambda sched: calls.append(sched) or plan_states(sched))
+    monkeypatch.setattr(dtree.step_plan, "plan_states", lambda sched: calls.append(sched) or plan_states(sched))
     rt = dtree.TreeRuntime(build("nemotron_h"), group_tokens=0, chunk_size=2)
     forest = dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9]])
     rt.forward_backward(forest, dtree.losses.nll())

@@ -155,22 +155,30 @@ def test_after_step_releases_and_reports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 9 * gib)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=state["allocated"]))
-    dropped = []
+    rt = dtree.TreeRuntime(make_model("qwen2"))
+    sentinel = object()
+
+    def call(placement, free: bool, fail: bool = False):
+        """A call of ``rt`` on ``placement`` holding a stack; its report in a StepOutput-like value."""
+        rt._planner.placement, rt._planner.stack = placement, sentinel
+        rt.config = rt.config.replace(free_after_step=free)
+        with rt._released() as after:
+            if fail:
+                raise RuntimeError("boom")
+        return step_memory.with_report(SimpleNamespace(metrics={}), after, None)
+
     cuda = (torch.device("cuda", 0), torch.bfloat16)
-    out = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(1), True, lambda: None)
-    assert dropped == [1]
+    out = call(cuda, True)
+    assert rt.stack is None
     assert out.metrics["memory"] == {
         "predicted_total_gib": None, "allocated_after_gib": 4.0, "reserved_after_gib": 4.0, "released_gib": 6.0,
         "peak_since_reset_gib": 9.0, "freed_after_step": True,
     }
     state["reserved"] = 10 * gib
-    kept = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(2), False,
-                                lambda: None)
-    assert dropped == [1] and kept.metrics["memory"]["reserved_after_gib"] == 10.0
+    kept = call(cuda, False)
+    assert rt.stack is sentinel and kept.metrics["memory"]["reserved_after_gib"] == 10.0
     with pytest.raises(RuntimeError, match="boom"):
-        step_memory.released(lambda: (_ for _ in ()).throw(RuntimeError("boom")), cuda, lambda: dropped.append(3), True,
-                             lambda: None)
-    assert dropped == [1, 3]  # released after a failed step too
-    cpu = step_memory.released(lambda: SimpleNamespace(metrics={}), (torch.device("cpu"), torch.float32),
-                               lambda: dropped.append(4), True, lambda: None)
-    assert cpu.metrics == {} and dropped == [1, 3]
+        call(cuda, True, fail=True)
+    assert rt.stack is None  # released after a failed step too
+    cpu = call((torch.device("cpu"), torch.float32), True)
+    assert cpu.metrics == {} and rt.stack is sentinel
