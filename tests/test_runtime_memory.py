@@ -182,3 +182,32 @@ def test_after_step_releases_and_reports(monkeypatch):
     assert rt.stack is None  # released after a failed step too
     cpu = call((torch.device("cpu"), torch.float32), True)
     assert cpu.metrics == {} and rt.stack is sentinel
+
+
+def test_stack_sized_by_the_slots_written_saves_on_qwen_1_5b():
+    """Issue 20's figure, counted without allocating (meta tensors): a GRPO step, one
+    2,048-token prompt and 16 answers of 1,024, on qwen2.5-1.5b's shape (28 layers, 2 KV
+    heads of 128, bf16 K/V and float32 gradient slots). Its answers' calls write no slot,
+    so the stack holds the prompt's 2,048 slots: 0.70 GB (8,192-token calls) and 1.41 GB
+    (16,384-token calls) less than a stack with slots for every call's tokens."""
+    from dtree.models import ModelSpec
+    from dtree.schedule import build_schedule
+    from dtree.stacks import StepStacks
+
+    spec = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
+                     vocab_size=151936, intermediate_size=8960)
+    prompt = list(range(2048))
+    forest = dtree.Forest.from_sequences([prompt + [3000 + a] * 1024 for a in range(16)])
+
+    def nbytes(slots: int) -> int:
+        return StepStacks(spec, slots, 0, dtype=torch.bfloat16, device="meta", with_grad=True).nbytes()
+
+    assert nbytes(1) == 28 * 2 * 128 * 2 * (2 + 4)  # one slot: K and V in bf16, their gradients in float32
+    for group_tokens, every_call in ((8192, 10240), (16384, 18432)):
+        sched = build_schedule(forest, chunk_size=2048, group_tokens=group_tokens)
+        # every call's tokens: the prompt, then the largest leaf call
+        assert max(g.stack_start + g.num_tokens for g in sched.groups) == every_call
+        assert sched.stack_tokens == 2048
+        saved = nbytes(every_call) - nbytes(sched.stack_tokens)
+        assert saved == (every_call - 2048) * 86016
+        assert round(saved / 1e9, 2) == {8192: 0.70, 16384: 1.41}[group_tokens]
