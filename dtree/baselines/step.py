@@ -9,7 +9,7 @@ the same for both::
         hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
         logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
         (loss.per_token(logp[loss_pred], fields (+ entropy H)) * w).sum().backward()
-    around it, :func:`dtree.step.run_token_step`: one device sync for the loss value;
+    around it, :class:`dtree.step.TokenStep`: one device sync for the loss value;
     if it is not finite, param.grad is restored and a ValueError names the first bad
     (sequence, position); the loss's metrics (mask-weighted means over the loss
     tokens) go into ``StepOutput.metrics``
