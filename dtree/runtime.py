@@ -68,7 +68,6 @@ from typing import Iterator, Sequence
 
 import torch
 
-from . import rng
 from .checkpointing import decoder_layers
 from .checks import check_forest, check_loss_argument, check_normalization, check_training_call
 from .checks import checked_step_loss, validate_forest
@@ -82,8 +81,8 @@ from .step import StepOutput, TokenStep
 from .step_memory import after_step, drops_stack, with_report
 from .step_plan import StepPlan, StepPlanner
 from .tree import Forest
-from .two_pass import LogprobGrads, SequenceLossFn, check_temperature, logprob_grad_weights, logprob_grads
-from .two_pass import needs_entropy, surrogate
+from .two_pass import LogprobGrads, SequenceLossFn, check_temperature, logprob_grad_weights, logprob_pass
+from .two_pass import surrogate, two_pass_output
 from .walk import PerToken, TreeWalk
 
 __all__ = ["TreeRuntime", "StepOutput", "RuntimeConfig"]
@@ -259,26 +258,12 @@ class TreeRuntime:
             if isinstance(loss, TokenLoss):
                 forest, weights = loss.prepare(forest, normalization)
                 out = self._train(self._planner.make_plan(forest, weights, loss.field_names), loss, return_logprobs)
-            else:
-                out = self._two_pass(forest, loss, return_logprobs)
+            else:  # two passes over one schedule (dtree.two_pass)
+                first = logprob_pass(self._planner.make_plan(forest), loss)
+                forest, surrogate_loss, weights = surrogate(forest, first.grads)
+                plan = self._planner.make_plan(forest, weights, surrogate_loss.field_names, same_schedule=True)
+                out = two_pass_output(self._train(plan, surrogate_loss), loss, first, return_logprobs)
         return with_report(out, after, self.memory_plan)
-
-    def _two_pass(self, forest: Forest, loss, return_logprobs: bool) -> StepOutput:
-        """Pass 1 (log-probs), the loss and its gradients on the host, pass 2 (a training
-        walk of the surrogate) over the same schedule (:mod:`dtree.two_pass`)."""
-        temperature = getattr(loss, "temperature", 1.0)  # a plain callable's log-probs are at 1
-        plan = self._planner.make_plan(forest)
-        start = rng.capture(plan.device)
-        with torch.no_grad():
-            lps, ents = TreeWalk(plan).logprobs(temperature, needs_entropy(loss))
-        grads = logprob_grads(loss, forest, lps, ents, temperature)
-        rng.restore(start, plan.device)  # pass 2 replays pass 1's draws (dropout masks)
-        out = self._backward(forest, grads, temperature, plan.sched)
-        if isinstance(loss, SequenceLoss):
-            out.metrics.update(loss.metric_values(lps, forest, entropy=ents))
-        if return_logprobs:
-            out.logprobs, out.entropy = lps, ents
-        return out
 
     def backward_from_logprob_grads(
         self,
@@ -305,18 +290,11 @@ class TreeRuntime:
             w = logprob_grad_weights(forest, grads)
             w_entropy = None if entropy_grads is None else logprob_grad_weights(forest, entropy_grads)
             validate_forest(forest, self.spec)
-            out = self._backward(forest, LogprobGrads(float(loss_value), w, w_entropy), check_temperature(temperature))
+            grads = LogprobGrads(float(loss_value), check_temperature(temperature), w, w_entropy)
+            forest, loss, weights = surrogate(forest, grads)
+            out = self._train(self._planner.make_plan(forest, weights, loss.field_names), loss)
+            out.loss = grads.value
         return with_report(out, after, self.memory_plan)
-
-    def _backward(
-        self, forest: Forest, grads: LogprobGrads, temperature: float, sched: Schedule | None = None
-    ) -> StepOutput:
-        """A training walk of the surrogate whose gradient is the one ``grads`` seed, over
-        ``sched`` when given (pass 2 of the two-pass path), else a new schedule."""
-        forest, loss, weights = surrogate(forest, grads, temperature)
-        out = self._train(self._planner.make_plan(forest, weights, loss.field_names, sched), loss)
-        out.loss = grads.value
-        return out
 
     def _train(self, plan: StepPlan, loss: TokenLoss, return_logprobs: bool = False) -> StepOutput:
         """The training walk of ``plan`` for ``loss``, between the two ends of a step

@@ -36,9 +36,8 @@ from .transfer import upload_arrays
 from .tree import Forest
 
 __all__ = [
-    "StepArrays", "StepPlan", "StepPlanner", "check_stack_capacity", "checkpoint_root", "hf_checkpointing",
-    "measured_call_bytes", "new_stack", "pick_backend", "pick_recurrence",
-    "plan_memory", "refine_plan", "stack_fits", "step_shape",
+    "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "hf_checkpointing", "measured_call_bytes",
+    "pick_backend", "pick_recurrence", "plan_memory", "refine_plan", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -187,29 +186,6 @@ def refine_plan(
     return memory_policy.refine(plan, sched, rows, budget, float(grow))
 
 
-def stack_fits(
-    stack: StepStacks | None, spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool,
-    state_slots: int = 0,
-) -> bool:
-    """Whether ``stack`` serves a step needing ``capacity`` KV slots and ``state_slots``
-    state slots (shapes, dtype, device, gradient buffers)."""
-    device, dtype = placement
-    return stack is not None and stack.fits(spec, max(capacity, 1), state_slots, dtype, device, with_grad)
-
-
-def new_stack(
-    spec: ModelSpec, placement: Placement, capacity: int, with_grad: bool, state_slots: int = 0
-) -> StepStacks:
-    """The KV stacks (and state stack) of ``capacity`` tokens (``state_slots`` states) for
-    the model (free the old ones first)."""
-    device, dtype = placement
-    # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept
-    # for reuse, would make every later training step fail. Gradient slots in the
-    # compute dtype (StepStacks).
-    with torch.inference_mode(False):
-        return StepStacks(spec, max(capacity, 1), state_slots, dtype=dtype, device=device, with_grad=with_grad)
-
-
 @dataclass(frozen=True)
 class StepArrays:
     """Every per-step array the walk slices, on the device (int64 unless noted), in one
@@ -309,8 +285,9 @@ class StepPlanner:
         self.recurrence: str | None = None
         self.stack: StepStacks | None = None
         self.memory_plan: memory_policy.MemoryPlan | None = None  # the last planned step's
+        self.retain_budget = 0.0  # the last planned step's (memory_policy.retain_budget)
         self._call_bytes: dict = {}
-        self._states: tuple[Schedule, StatePlan | None] | None = None
+        self._last: tuple[Schedule, StatePlan | None] | None = None  # the last schedule and its state slots
 
     def sync(self) -> Placement:
         """Read the model's device and dtype; when they (or torch's deterministic mode)
@@ -333,8 +310,9 @@ class StepPlanner:
         return self.memory_plan.logprob_chunk if self.memory_plan is not None else memory_policy.DEFAULT_LOGPROB_CHUNK
 
     def schedule(self, forest: Forest) -> Schedule:
-        """The memory plan for ``forest``, then its schedule (calls of the plan's size), then
-        the plan's peak predicted from the schedule. ``forest`` was validated."""
+        """The memory plan for ``forest`` (validated), then its schedule (calls of the plan's
+        size) and state slots, then the plan's peak predicted from the schedule (the calls it
+        makes, the path it retains, the KV and state slots it writes beyond those held)."""
         self.sync()
         head = as_output_head(self.model.dtree_output_layer())
         call_bytes = measured_call_bytes(
@@ -342,40 +320,54 @@ class StepPlanner:
         )
         memory = plan_memory(self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes)
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
-        check_stack_capacity(forest, sched, self.config.stack_capacity)
-        states = self._state_plan(sched)
+        capacity = self.config.stack_capacity
+        if capacity is not None and sched.stack_tokens > capacity:
+            lengths = forest.sequence_lengths()
+            s = int(np.argmax(lengths))
+            hint = (
+                f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
+                if lengths[s] > capacity
+                else "lower group_tokens or raise stack_capacity"
+            )
+            raise ValueError(
+                f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
+            )
+        states = plan_states(sched) if self.spec.recurrent_states else None
         self.memory_plan = refine_plan(memory, sched, self.config, self.stack, states.capacity if states else 0)
+        self.retain_budget = memory_policy.retain_budget(memory, self.config.mode, self.config.retain_budget_tokens)
+        self._last = (sched, states)
         return sched
-
-    def _state_plan(self, sched: Schedule) -> StatePlan | None:
-        """The state slots of ``sched`` (None without recurrent layers), planned once per schedule."""
-        if self._states is None or self._states[0] is not sched:
-            self._states = (sched, plan_states(sched) if self.spec.recurrent_states else None)
-        return self._states[1]
 
     def make_plan(
         self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
-        sched: Schedule | None = None,
+        same_schedule: bool = False,
     ) -> StepPlan:
         """The plan of a step over ``forest``: a training plan with its [N] ``weights`` and the
-        loss's fields, else a log-prob plan (every prediction, no gradient slots); over
-        ``sched`` when given (the two-pass path's second pass), else a new schedule."""
-        sched = self.schedule(forest) if sched is None else sched
-        memory = self.memory_plan
+        loss's fields, else a log-prob plan (every prediction, no gradient slots); over the
+        last plan's schedule when ``same_schedule`` (the two-pass path's second pass), else
+        a new schedule. The stacks are the ones held when they fit, else new ones."""
+        sched, states = self._last if same_schedule else (self.schedule(forest), self._last[1])
         training = weights is not None
         terms = select_loss_terms(sched, weights) if training else all_predictions(sched)
-        states = self._state_plan(sched)
         device, dtype = self.placement
-        root = checkpoint_root(self.module) if training else None
+        arrays = StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype)
+        capacity = max(sched.stack_tokens, self.config.stack_capacity or 0, 1)
+        state_slots = states.capacity if states is not None else 0
+        if self.stack is None or not self.stack.fits(self.spec, capacity, state_slots, dtype, device, training):
+            self.stack = None  # free the old buffers before allocating new ones
+            # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept for
+            # reuse, would make every later training step fail. Gradient slots in the compute dtype.
+            with torch.inference_mode(False):
+                self.stack = StepStacks(
+                    self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training
+                )
+        memory, root = self.memory_plan, checkpoint_root(self.module) if training else None
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepPlan(
-            forest=forest, memory=memory, sched=sched, terms=terms,
-            arrays=StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype),
-            stack=self._stack(sched.stack_tokens, training, states.capacity if states is not None else 0),
-            states=states,
-            retain_budget=memory_policy.retain_budget(memory, self.config.mode, self.config.retain_budget_tokens),
-            model=self.model, head=as_output_head(self.model.dtree_output_layer()), attention=self.attention,
-            recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device, dtype=dtype,
+            forest=forest, memory=memory, sched=sched, terms=terms, arrays=arrays, stack=self.stack, states=states,
+            retain_budget=self.retain_budget, model=self.model, head=as_output_head(self.model.dtree_output_layer()),
+            attention=self.attention, recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device,
+            dtype=dtype,
             # model calls may draw random numbers (dropout) when any module is in training mode
             randomness=any(m.training for m in self.module.modules()),
             checkpoint_root=root,
@@ -384,26 +376,3 @@ class StepPlanner:
             progress=self.config.progress, deterministic=self.deterministic,
             state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )
-
-    def _stack(self, capacity: int, with_grad: bool, state_slots: int) -> StepStacks:
-        """The stacks for ``capacity`` KV slots (at least the config's ``stack_capacity``):
-        the ones held when they fit, else new ones (the old ones freed first)."""
-        capacity = max(capacity, self.config.stack_capacity or 0)
-        if not stack_fits(self.stack, self.spec, self.placement, capacity, with_grad, state_slots):
-            self.stack = None
-            self.stack = new_stack(self.spec, self.placement, capacity, with_grad, state_slots)
-        return self.stack
-
-
-def check_stack_capacity(forest: Forest, sched: Schedule, capacity: int | None) -> None:
-    """Raise a ValueError when ``sched`` writes more KV-stack slots than the config's ``stack_capacity``."""
-    if capacity is None or sched.stack_tokens <= capacity:
-        return
-    lengths = forest.sequence_lengths()
-    s = int(np.argmax(lengths))
-    hint = (
-        f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
-        if lengths[s] > capacity
-        else "lower group_tokens or raise stack_capacity"
-    )
-    raise ValueError(f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}")

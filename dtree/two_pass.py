@@ -13,7 +13,8 @@ schedule, two plain calls in :meth:`dtree.TreeRuntime.forward_backward`::
 
 Pass 2's gradient is that of ``fn`` because it replays pass 1's random draws (the
 runtime restores the generator state), so it differentiates the log-probs ``fn`` saw.
-This module holds the host part; the passes are the runtime's walks.
+Pass 1 is :func:`logprob_pass` (the log-prob walk, the host step); pass 2 is the runtime's
+training walk of :func:`surrogate`; :func:`two_pass_output` makes its output the step's.
 """
 
 from __future__ import annotations
@@ -25,19 +26,26 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
+from . import rng
 from .losses import LogprobLoss, SequenceLoss, TokenLoss
+from .step import StepOutput
+from .step_plan import StepPlan
 from .tree import Forest
+from .walk import TreeWalk
 
 __all__ = [
     "LogprobGrads",
+    "LogprobPass",
     "SequenceLossFn",
     "check_temperature",
     "logprob_entropy_surrogate",
     "logprob_grad_weights",
     "logprob_grads",
+    "logprob_pass",
     "logprob_surrogate",
     "needs_entropy",
     "surrogate",
+    "two_pass_output",
 ]
 
 SequenceLossFn = Callable[[list[torch.Tensor], Forest], torch.Tensor]
@@ -124,9 +132,10 @@ def _evaluate(
 class LogprobGrads:
     """The host step between the two passes: the loss's value and its [N] gradients per
     linearized token w.r.t. the log-probs (``logp``) and the entropies (``entropy``,
-    None when the loss does not read them)."""
+    None when the loss does not read them), both at ``temperature``."""
 
     value: float
+    temperature: float  # of the log-probs (and entropies) differentiated
     logp: np.ndarray
     entropy: np.ndarray | None
 
@@ -150,7 +159,7 @@ def logprob_grads(
     grads = torch.autograd.grad(value.reshape(()), leaves + ent_leaves, allow_unused=True)
     w = logprob_grad_weights(forest, list(grads[: len(leaves)]))
     w_entropy = logprob_grad_weights(forest, list(grads[len(leaves) :])) if ent_leaves else None
-    return LogprobGrads(loss_value, w, w_entropy)
+    return LogprobGrads(loss_value, temperature, w, w_entropy)
 
 
 def needs_entropy(loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> bool:
@@ -158,12 +167,47 @@ def needs_entropy(loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> bool:
     return isinstance(loss_fn, (SequenceLoss, LogprobLoss)) and loss_fn.needs_entropy
 
 
-def surrogate(
-    forest: Forest, grads: LogprobGrads, temperature: float
-) -> tuple[Forest, TokenLoss, np.ndarray]:
+@dataclass(frozen=True)
+class LogprobPass:
+    """Pass 1 and the host step: over ``forest``, per sequence [len-1] ``logprobs`` and
+    ``entropy`` (None unless the loss reads them), and the loss's ``grads``."""
+
+    forest: Forest
+    logprobs: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None
+    grads: LogprobGrads
+
+
+def logprob_pass(plan: StepPlan, loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> LogprobPass:
+    """Pass 1 over a log-prob ``plan``, then the host step. The loss's log-probs are at its
+    ``temperature`` (a plain callable's at 1). The generator state is rewound at the end,
+    so that pass 2 replays pass 1's random draws (dropout masks)."""
+    temperature = getattr(loss_fn, "temperature", 1.0)
+    start = rng.capture(plan.device)
+    with torch.no_grad():
+        lps, ents = TreeWalk(plan).logprobs(temperature, needs_entropy(loss_fn))
+    grads = logprob_grads(loss_fn, plan.forest, lps, ents, temperature)
+    rng.restore(start, plan.device)
+    return LogprobPass(plan.forest, lps, ents, grads)
+
+
+def surrogate(forest: Forest, grads: LogprobGrads) -> tuple[Forest, TokenLoss, np.ndarray]:
     """Pass 2's token loss, whose gradient is the loss's: ``sum_k w[k] * logp[k]`` (plus
     ``w_H[k] * H[k]`` when the loss read the entropies), with the forest it trains on and
     its [N] weights."""
     if grads.entropy is None or not grads.entropy.any():
-        return forest, logprob_surrogate(temperature), grads.logp
-    return logprob_entropy_surrogate(forest, grads.logp, grads.entropy, temperature)
+        return forest, logprob_surrogate(grads.temperature), grads.logp
+    return logprob_entropy_surrogate(forest, grads.logp, grads.entropy, grads.temperature)
+
+
+def two_pass_output(
+    out: StepOutput, loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn, first: LogprobPass, return_logprobs: bool
+) -> StepOutput:
+    """Pass 2's output as the step's: the loss's value, a SequenceLoss's metrics on pass 1's
+    log-probs, and those log-probs (entropies) when ``return_logprobs``."""
+    out.loss = first.grads.value
+    if isinstance(loss_fn, SequenceLoss):
+        out.metrics.update(loss_fn.metric_values(first.logprobs, first.forest, entropy=first.entropy))
+    if return_logprobs:
+        out.logprobs, out.entropy = first.logprobs, first.entropy
+    return out
