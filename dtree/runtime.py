@@ -257,12 +257,14 @@ class TreeRuntime:
             loss = checked_step_loss(loss, forest, normalization)
             if isinstance(loss, TokenLoss):
                 forest, weights = loss.prepare(forest, normalization)
-                out = self._train(self._planner.make_plan(forest, weights, loss.field_names), loss, return_logprobs)
-            else:  # two passes over one schedule (dtree.two_pass)
+                plan, trained, first = self._planner.make_plan(forest, weights, loss.field_names), loss, None
+            else:  # two passes over one schedule (dtree.two_pass): the log-probs, then a training walk
                 first = logprob_pass(self._planner.make_plan(forest), loss)
-                forest, surrogate_loss, weights = surrogate(forest, first.grads)
-                plan = self._planner.make_plan(forest, weights, surrogate_loss.field_names, same_schedule=True)
-                out = two_pass_output(self._train(plan, surrogate_loss), loss, first, return_logprobs)
+                forest, trained, weights = surrogate(forest, first.grads)
+                plan = self._planner.make_plan(forest, weights, trained.field_names, same_schedule=True)
+            out = self._train(plan, trained, return_logprobs and first is None)
+            if first is not None:
+                out = two_pass_output(out, loss, first, return_logprobs)
         return with_report(out, after, self.memory_plan)
 
     def backward_from_logprob_grads(
@@ -299,17 +301,11 @@ class TreeRuntime:
     def _train(self, plan: StepPlan, loss: TokenLoss, return_logprobs: bool = False) -> StepOutput:
         """The training walk of ``plan`` for ``loss``, between the two ends of a step
         (:class:`dtree.step.TokenStep`: ``param.grad`` kept aside until it succeeds)."""
-        with TokenStep(
-            self.module.parameters(), plan.forest, loss, plan.terms.loss_lin, plan.device, plan.dtype, return_logprobs
-        ) as step:
+        parameters = self.module.parameters()
+        loss_lin = plan.terms.loss_lin
+        with TokenStep(parameters, plan.forest, loss, loss_lin, plan.device, plan.dtype, return_logprobs) as step:
             per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
-            walked = TreeWalk(plan).train(per_token, getattr(self.model, "dtree_scope", None))
-            metrics = {
-                "mode": self.mode, "attention": plan.attention, "recurrence": plan.recurrence,
-                "groups": plan.sched.num_groups, "group_tokens": plan.sched.group_tokens,
-                "recomputed_tokens": walked.recomputed_tokens, "memory_plan": plan.memory.describe(),
-            }
-            return step.finish(walked, plan.sched.stack_tokens, metrics)
+            return step.finish(TreeWalk(plan).train(per_token, getattr(self.model, "dtree_scope", None)))
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()

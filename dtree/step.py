@@ -76,14 +76,16 @@ class WalkOutput:
         total: 0-d device sum of the weighted loss terms (not synced yet).
         term_log: per call with terms, (offset into the step's ``loss_lin``, [E_call]
             detached weighted terms), in call order.
-        num_model_calls, peak_graph_tokens, recomputed_tokens: the step's counters.
+        num_model_calls, peak_graph_tokens, stack_tokens: the step's counters.
+        metrics: the method's own entries of ``StepOutput.metrics``.
     """
 
     total: torch.Tensor
     term_log: list[tuple[int, torch.Tensor]]
     num_model_calls: int
     peak_graph_tokens: int
-    recomputed_tokens: int = 0
+    stack_tokens: int = 0
+    metrics: dict = field(default_factory=dict)
 
 
 def token_loss_weights(
@@ -185,7 +187,7 @@ class TokenStep:
 
         with TokenStep(parameters, forest, loss, loss_lin, device, dtype) as step:
             walked = <forward/backward of every call>(step.per_token)   -> WalkOutput
-            out = step.finish(walked, stack_tokens, metrics)
+            out = step.finish(walked)
 
     On entering, ``param.grad`` is moved aside (a failed step loses nothing: it is
     restored when the block raises). ``per_token`` is the loss's function whose fields
@@ -214,9 +216,9 @@ class TokenStep:
     def __exit__(self, *exc) -> bool | None:
         return self._stash.__exit__(*exc)
 
-    def finish(self, walked: WalkOutput, stack_tokens: int = 0, metrics: Mapping | None = None) -> StepOutput:
+    def finish(self, walked: WalkOutput) -> StepOutput:
         """The step's output: the loss value (the one device sync; non-finite: ValueError),
-        the counters, ``metrics`` (the method's own), the loss's metrics."""
+        the walk's counters and metrics, the loss's metrics."""
         forest, loss_lin = self.forest, self.loss_lin
         loss_value = float(walked.total)
         if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
@@ -225,9 +227,9 @@ class TokenStep:
         out = StepOutput(
             loss=loss_value, num_sequences=forest.num_sequences, num_unique_tokens=forest.num_unique_tokens,
             num_linearized_tokens=forest.num_linearized_tokens, num_loss_terms=len(loss_lin),
-            num_model_calls=walked.num_model_calls, stack_tokens=stack_tokens,
+            num_model_calls=walked.num_model_calls, stack_tokens=walked.stack_tokens,
             peak_graph_tokens=walked.peak_graph_tokens, seconds=time.perf_counter() - self.started,
-            metrics={**(metrics or {}), **loss_means},
+            metrics={**walked.metrics, **loss_means},
         )
         if self.kept is not None:
             out.logprobs, out.entropy = self.kept.per_sequence(

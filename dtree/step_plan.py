@@ -239,7 +239,8 @@ class StepPlan:
     the predictions and loss terms of each group (every prediction in a log-prob walk);
     ``arrays``: their device arrays; ``stack``: the KV (and state) stacks, with gradient
     slots in a training plan; ``states``: the state slots (recurrent layers, else None);
-    ``retain_budget``: tokens of groups with children whose graphs may be alive at once.
+    ``retain_budget``: tokens of groups with children whose graphs may be alive at once
+    (``mode``: the config's retain / recompute / auto).
     The rest say how the model runs: ``checkpoint_root`` (None: no layer checkpointing)
     with ``checkpoint_layers`` of its decoder layers checkpointed in the calls of groups
     without children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in
@@ -255,6 +256,7 @@ class StepPlan:
     stack: StepStacks
     states: StatePlan | None
     retain_budget: float
+    mode: str
     model: TreeModule
     head: OutputHead
     attention: str
@@ -365,7 +367,8 @@ class StepPlanner:
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepPlan(
             forest=forest, memory=memory, sched=sched, terms=terms, arrays=arrays, stack=self.stack, states=states,
-            retain_budget=self.retain_budget, model=self.model, head=as_output_head(self.model.dtree_output_layer()),
+            retain_budget=self.retain_budget, mode=self.config.mode, model=self.model,
+            head=as_output_head(self.model.dtree_output_layer()),
             attention=self.attention, recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device,
             dtype=dtype,
             # model calls may draw random numbers (dropout) when any module is in training mode

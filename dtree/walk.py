@@ -241,7 +241,13 @@ class TreeWalk:
                     state = run(g, push=False, rng_seed=rng_seeds.pop(g), checkpoint=self.plan.checkpoint_layers)
                     peak = max(peak, live_tokens + group.num_tokens)
                 total = _finish_group(state, total)
-        return WalkOutput(total, term_log, calls, peak, recomputed)
+        plan = self.plan
+        metrics = {
+            "mode": plan.mode, "attention": plan.attention, "recurrence": plan.recurrence,
+            "groups": self.sched.num_groups, "group_tokens": self.sched.group_tokens,
+            "recomputed_tokens": recomputed, "memory_plan": plan.memory.describe(),
+        }
+        return WalkOutput(total, term_log, calls, peak, self.sched.stack_tokens, metrics)
 
     # ------------------------------------------------------------------ inference
     def logprobs(self, temperature: float, with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:

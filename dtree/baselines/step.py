@@ -222,8 +222,9 @@ class MicroBatchTrainer:
             walked = WalkOutput(
                 total, term_log, num_model_calls=len(calls),
                 peak_graph_tokens=max((c.batch.num_tokens for c in calls), default=0),
+                metrics=self._metrics(forest, batches),
             )
-            return step.finish(walked, metrics=self._metrics(forest, batches))
+            return step.finish(walked)
 
     def _upload(
         self, calls: list[_Call], forest: Forest, weights: np.ndarray, field_names: Sequence[str]
