@@ -14,7 +14,7 @@ The two-pass path for sequence-level losses is two such walks (log-probs, then
 training) around the host step of :mod:`dtree.two_pass`; the options are a
 :class:`dtree.config.RuntimeConfig`.
 
-Seeds enter where K/V are consumed, inside whatever graph computed them, so any
+Gradient seeds enter where K/V are consumed, inside whatever graph computed them, so any
 checkpointing inside the model works: dtree's own per-layer checkpointing
 (``checkpoint_layers``) and HF's gradient checkpointing re-run a layer in backward,
 re-push its K/V (the same values, into the slots it holds) and seed the re-run K/V.

@@ -4,7 +4,7 @@ A baseline plans a step as a list of :class:`MicroBatch` (one model call each: a
 row of tokens, its attention layout, and the loss terms it computes). The step is then
 the same for both::
 
-    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.step, as the runtime)
+    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.step: the checks, then loss.prepare)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
         logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
