@@ -181,7 +181,7 @@ def _glue_launches(spec, device, ext: bool) -> float:
     scope = contextlib.nullcontext() if ext else stack_ops.extension_disabled()
 
     def per_layer():
-        stack.store_kv(3, 64, k, k, device_lo=device_lo)
+        stack.push(3, 64, k, k, device_lo=device_lo)
         stack.seed_grad(3, 64, 64 + t, k, k, (dtype, dtype), device_lo=device_lo)
 
     def per_call():

@@ -78,7 +78,7 @@ def stack_inputs(case: Case, hq: int, hkv: int, d: int, dtype: torch.dtype, devi
     stack.v[0, : case.slots] = rand(case.slots, hkv, d)
     stack.zero_grad(0, stack.capacity)
     q, k, v = (rand(case.tokens, h, d).requires_grad_() for h in (hq, hkv, hkv))
-    stack.store_kv(0, case.slots, k.detach(), v.detach())
+    stack.push(0, case.slots, k.detach(), v.detach())
     return stack, q, k, v
 
 

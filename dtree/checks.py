@@ -19,6 +19,7 @@ __all__ = [
     "check_normalization",
     "check_trainable",
     "check_training_call",
+    "checked_step_loss",
     "model_placement",
     "raise_non_finite",
     "refuse_paths_beyond_window",
@@ -193,3 +194,30 @@ def raise_non_finite(forest: Forest, loss_lin: np.ndarray, term_log: list[tuple[
     lin, value = min(bad) if bad else (None, float("nan"))
     where = "at sequence {}, position {}".format(*forest.locate(lin)) if lin is not None else "in the sum"
     raise ValueError(f"loss is not finite ({value}) {where}; param.grad was left as it was before this call")
+
+
+def checked_step_loss(loss: Any, forest: Forest, normalization: Normalization | None) -> Any:
+    """The loss a ``forward_backward`` step trains, its fields checked against ``forest``: a
+    TokenLoss as given; a SequenceLoss with ``normalization`` (when given) in place of its
+    own, refusing two different ones; a LogprobLoss or plain callable, refusing a
+    ``normalization`` (it normalizes itself)."""
+    if isinstance(loss, TokenLoss):
+        loss.check_fields(forest, supports_temperature=True, supports_entropy=True)
+        return loss
+    if isinstance(loss, SequenceLoss):
+        loss.check_fields(forest)
+        if normalization is None:
+            return loss
+        if loss.normalization is not None and loss.normalization != normalization:
+            raise ValueError(
+                f"loss {loss.name!r} carries normalization={loss.normalization} and forward_backward got "
+                f"normalization={normalization}: pass one of them"
+            )
+        return loss.with_normalization(normalization)
+    if normalization is not None:
+        raise ValueError(
+            "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
+            "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
+            "terms in a SequenceLoss"
+        )
+    return loss

@@ -16,14 +16,14 @@ runtime promises. A float64 model gets float64 gradient slots (the runtime passe
 ``grad_dtype``), or its gradients would stop at float32 accuracy.
 
 Life of a slot range ``[lo, hi)`` (one group of the schedule):
-    push      the runtime clears the range's gradient slots (``zero_grad``, a separate
-              call: storing K/V never touches gradients), then every layer of the
-              group's forward stores its K/V there (``store_kv``); a leaf group whose
+    push      the walk clears the range's gradient slots (``zero_grad``, a separate
+              call: pushing K/V never touches gradients), then every layer of the
+              group's forward pushes its K/V there (``push``); a leaf group whose
               segments do not read each other does neither (its slots are never written,
               and the stack is sized by the slots a step writes);
     read      descendants attend to it; their backward adds dK/dV (``accumulate``);
     pop       the group's backward adds ``grad_k/grad_v[:, lo:hi]`` into its K/V
-              gradients (:func:`dtree.ops.stack_attention.seed_from_stack`) and the
+              gradients (``seed_grad``, from :func:`dtree.ops.stack_attention.seed_from_stack`) and the
               range is free for the next group.
 
 The operations are those of :mod:`dtree.ops.stack_ops`: on a GPU with the CUDA
@@ -46,7 +46,7 @@ __all__ = ["KVStack"]
 
 
 class KVStack:
-    """The KV stack's buffers and its store / accumulate / zero operations.
+    """The KV stack's buffers and its push / seed_grad (pop) / accumulate / zero_grad operations.
 
     Args:
         num_layers, capacity, num_kv_heads, head_dim: the shape of ``k``.
@@ -115,7 +115,7 @@ class KVStack:
             total += self.grad_k.nbytes + self.grad_v.nbytes
         return total
 
-    def store_kv(
+    def push(
         self,
         layer: int,
         lo: int,

@@ -109,7 +109,7 @@ def peak_of(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: 
 def simulate_peak(
     sched: Schedule, rows: list[int], retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
 ) -> tuple[float, dict]:
-    """The most live activation bytes over ``sched``'s walk (as :class:`dtree.walk.StepWalk`
+    """The most live activation bytes over ``sched``'s walk (as :class:`dtree.walk.TreeWalk`
     runs it: groups with children retained outermost first while their tokens fit
     ``retain_budget``, the others recomputed at their backward) and where it is:
     ``(bytes, {"group", "tokens", "retained_tokens"})``. ``rows``: predictions per group."""

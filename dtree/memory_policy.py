@@ -391,11 +391,13 @@ def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
     return chosen, reason
 
 
-def retain_budget(plan: MemoryPlan, mode: str) -> float:
-    """Tokens of groups with children whose graphs are kept alive at once (the walk
-    retains the outermost first and recomputes the rest): all in ``retain`` mode and on
-    CPU, none in ``recompute`` mode or when the plan recomputes the path, else what
-    fits in ``plan.retain_bytes``."""
+def retain_budget(plan: MemoryPlan, mode: str, tokens: int | None = None) -> float:
+    """Tokens of groups with children whose graphs are kept alive at once (the walk retains the
+    outermost first, recomputes the rest): ``tokens`` (the config's ``retain_budget_tokens``) when
+    given, else all in ``retain`` mode and on CPU, none in ``recompute`` mode or when the plan
+    recomputes the path, else what fits in ``plan.retain_bytes``."""
+    if tokens is not None:
+        return float(tokens)
     if mode == "retain" or (mode == "auto" and math.isinf(plan.retain_bytes)):
         return math.inf
     if mode == "recompute" or plan.path_checkpoint_layers == RECOMPUTE:

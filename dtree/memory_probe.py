@@ -31,7 +31,7 @@ from .models import ModelSpec, TreeModule
 from .ops.segment_layout import SegmentLayout
 from .ops.segment_states import StateLayout
 from .stacks import StepStacks
-from .walk import GroupAttention
+from .group_attention import GroupAttention
 
 __all__ = [
     "CallBytes", "LiveBytes", "estimated_call_bytes", "layer_activation_bytes", "layer_input_bytes", "measure_call_bytes",
@@ -173,7 +173,7 @@ def _probe_call(
     stack = stack if stack is not None else _probe_stack(spec, placement, tokens)
     layout = SegmentLayout(q_offsets=np.array([0, tokens]), own_slot=np.array([0]), prefix_ranges=[()])
     attend = GroupAttention(
-        stack, 0, tokens, layout, attention, push=False, seed=False, state_layout=StateLayout.roots([0, tokens]),
+        stack, 0, tokens, layout, attention, push=False, grad_seed=False, state_layout=StateLayout.roots([0, tokens]),
         recurrence=recurrence or "reference",
     )
     ids = torch.randint(0, spec.vocab_size, (tokens,), device=device)

@@ -1,11 +1,20 @@
 """TreeRuntime: forward, backward and log-probs over a forest, depth first, with a KV stack.
 
-The walk itself is :class:`dtree.walk.StepWalk` (docs/design.md section 4); the
-two-pass path for sequence-level losses is :mod:`dtree.two_pass`; the step skeleton
-shared with the baselines is :mod:`dtree.step`; the options are a
+A *step* is one call (``forward_backward``, ``logprobs``, ...); it reads top-down::
+
+    check    the arguments and the model's state, on the host (:mod:`dtree.checks`)
+    weights  the loss's [N] per-term weights (``loss.prepare``)
+    plan     a :class:`dtree.step_plan.StepPlan`, built once by the
+             :class:`~dtree.step_plan.StepPlanner`: memory plan, schedule, loss terms,
+             stacks, device arrays, retain budget
+    walk     :class:`dtree.walk.TreeWalk` reads the plan (docs/design.md section 4)
+    finish   one device sync, the output (:class:`dtree.step.TokenStep`)
+
+The two-pass path for sequence-level losses is two such walks (log-probs, then
+training) around the host step of :mod:`dtree.two_pass`; the options are a
 :class:`dtree.config.RuntimeConfig`.
 
-Seeds enter where K/V are consumed, inside whatever graph computed them, so any
+Gradient seeds enter where K/V are consumed, inside whatever graph computed them, so any
 checkpointing inside the model works: dtree's own per-layer checkpointing
 (``checkpoint_layers``) and HF's gradient checkpointing re-run a layer in backward,
 re-push its K/V (the same values, into the slots it holds) and seed the re-run K/V.
@@ -54,39 +63,27 @@ position of the first bad term.
 
 from __future__ import annotations
 
-from typing import Sequence
+import contextlib
+from typing import Iterator, Sequence
 
-import numpy as np
 import torch
 
-from . import memory_policy
 from .checkpointing import decoder_layers
 from .checks import check_forest, check_loss_argument, check_normalization, check_training_call
-from .checks import model_placement, validate_forest
+from .checks import checked_step_loss, validate_forest
 from .config import RuntimeConfig
 from .losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
+from .memory_policy import MemoryPlan
 from .models import TreeModule, adapt, unwrap
-from .ops import determinism, stack_ops
-from .ops.logprobs import OutputHead, as_output_head
-from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
+from .schedule import Schedule
 from .stacks import StepStacks
-from .state_plan import StatePlan, plan_states
-from .step_plan import (
-    checkpoint_root, measured_call_bytes, new_stack, pick_backend, pick_recurrence, plan_memory, refine_plan,
-    retain_budget, stack_fits,
-)
-from .step_memory import released
-from .step import KeptLogprobs, StepOutput, StepRun, per_sequence, run_token_step, token_loss_weights
+from .step import StepOutput, TokenStep
+from .step_memory import after_step, drops_stack, with_report
+from .step_plan import StepPlan, StepPlanner
 from .tree import Forest
-from .two_pass import (
-    SequenceLossFn,
-    check_temperature,
-    logprob_grad_weights,
-    logprob_entropy_surrogate,
-    logprob_surrogate,
-    two_pass_step,
-)
-from .walk import PerToken, StepArrays, StepWalk
+from .two_pass import LogprobGrads, SequenceLossFn, check_temperature, logprob_grad_weights, logprob_pass
+from .two_pass import surrogate, two_pass_output
+from .walk import PerToken, TreeWalk
 
 __all__ = ["TreeRuntime", "StepOutput", "RuntimeConfig"]
 
@@ -131,16 +128,9 @@ class TreeRuntime:
         self.spec = self.model.dtree_spec()
         if self.config.checkpoint_layers:
             decoder_layers(unwrap(model))  # raises now, naming the fix, if the layers cannot be found
-        self._placement: tuple[torch.device, torch.dtype] | None = None
-        self._deterministic = False  # deterministic mode as the backend was picked for
-        self._attention: str | None = None
-        self._recurrence: str | None = None
-        self._stack: StepStacks | None = None
-        self._step: memory_policy.MemoryPlan | None = None  # the last planned step
-        self._call_bytes: dict = {}  # measured per-token call figures, per model state (step_plan)
-        self._states: tuple[Schedule, StatePlan | None] | None = None  # the last schedule's state slots
+        self._planner: StepPlanner = StepPlanner(self.module, self.model, self.spec, self.config)
         if not any(p.device.type == "meta" for p in model.parameters()):
-            self._sync_placement()  # an explicit attention backend that cannot run fails here
+            self._planner.sync()  # an explicit attention backend that cannot run fails here
 
     # ------------------------------------------------------------------ state
     @property
@@ -150,50 +140,35 @@ class TreeRuntime:
     @property
     def device(self) -> torch.device:
         """The model's device now (read from its parameters at every call)."""
-        return self._sync_placement()[0]
+        return self._planner.sync()[0]
 
     @property
     def dtype(self) -> torch.dtype:
         """The model's dtype now (read from its parameters at every call)."""
-        return self._sync_placement()[1]
+        return self._planner.sync()[1]
 
     @property
     def attention(self) -> str:
         """The attention backend for the model's current device and dtype."""
-        self._sync_placement()
-        return self._attention
+        self._planner.sync()
+        return self._planner.attention
 
     @property
     def logprob_chunk(self) -> int:
         """Rows per LM-head chunk: the config's value, else the last planned step's."""
-        if self.config.logprob_chunk is not None:
-            return self.config.logprob_chunk
-        return self._step.logprob_chunk if self._step is not None else memory_policy.DEFAULT_LOGPROB_CHUNK
+        return self._planner.logprob_chunk
 
     @property
-    def memory_plan(self) -> memory_policy.MemoryPlan | None:
+    def memory_plan(self) -> MemoryPlan | None:
         """The memory policy's decisions for the last planned step (None before one)."""
-        return self._step
+        return self._planner.memory_plan
 
     @property
     def stack(self) -> StepStacks | None:
         """The KV stacks (one per attention shape) and state stack kept between steps (None
         before the first call or after :meth:`release_memory`). Read-only: the runtime
         reallocates them when needed."""
-        return self._stack
-
-    def _sync_placement(self) -> tuple[torch.device, torch.dtype]:
-        """Read the model's device and dtype; when they changed since the last call (``model.to(...)``,
-        a materialized meta model), pick the backends again (:meth:`_get_stack` reallocates the stacks)."""
-        placement = model_placement(self.module.parameters())
-        deterministic = determinism.requested(self.config.deterministic)  # torch's mode may change between calls
-        if placement != self._placement or deterministic != self._deterministic:
-            self._placement, self._deterministic = placement, deterministic
-            self._attention = pick_backend(self.config.attention, placement, self.spec, deterministic)
-            self._recurrence = pick_recurrence(self.config.recurrence, placement, self.spec, deterministic)
-            if deterministic:
-                stack_ops.note_missing_extension(placement[0])
-        return placement
+        return self._planner.stack
 
     def _check_call(self, training: bool) -> None:
         """Host-side checks of the model's state at every call, before anything is
@@ -202,93 +177,36 @@ class TreeRuntime:
         adapter refuses (attention dropout)."""
         if training:
             check_training_call(self.module.parameters())
-        self._sync_placement()
+        self._planner.sync()
         check = getattr(self.model, "dtree_check", None)
         if check is not None:
             check(training)
 
-    # ------------------------------------------------------------------ planning
     def plan(self, forest: Forest) -> Schedule:
         """Validate ``forest`` against the model and build its schedule."""
-        self._sync_placement()
+        self._planner.sync()
         validate_forest(forest, self.spec)
-        call_bytes = measured_call_bytes(
-            self.module, self.model, self.spec, self._placement, self._attention, self._call_bytes, self._recurrence
-        )
-        self._step = plan_memory(
-            self.module, self.spec, self._head(), self.config, self._placement, self._stack, forest, call_bytes
-        )
-        sched = build_schedule(forest, self.config.chunk_size, self._step.group_tokens)
-        capacity = self.config.stack_capacity
-        if capacity is not None and sched.stack_tokens > capacity:
-            lengths = forest.sequence_lengths()
-            s = int(np.argmax(lengths))
-            hint = (
-                f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
-                if lengths[s] > capacity
-                else "lower group_tokens or raise stack_capacity"
-            )
-            raise ValueError(
-                f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
-            )
-        states = self._state_plan(sched)
-        self._step = refine_plan(self._step, sched, self.config, self._stack, states.capacity if states else 0)
-        return sched
-
-    def _state_plan(self, sched: Schedule) -> StatePlan | None:
-        """The state slots of ``sched`` (None for a model without recurrent layers), planned once per schedule."""
-        if self._states is None or self._states[0] is not sched:
-            self._states = (sched, plan_states(sched) if self.spec.recurrent_states else None)
-        return self._states[1]
-
-    def _get_stack(self, capacity: int, with_grad: bool, state_slots: int = 0) -> StepStacks:
-        capacity = max(capacity, self.config.stack_capacity or 0)
-        if not stack_fits(self._stack, self.spec, self._placement, capacity, with_grad, state_slots):
-            self._stack = None  # free the old buffers before allocating new ones
-            self._stack = new_stack(self.spec, self._placement, capacity, with_grad, state_slots)
-        return self._stack
+        return self._planner.schedule(forest)
 
     def release_memory(self) -> None:
         """Drop the KV stack buffers (kept between steps for reuse with
         ``free_after_step=False``; on CUDA the runtime drops them after every call by
         default)."""
-        self._stack = None
+        self._planner.stack = None
 
-    def _head(self) -> OutputHead:
-        return as_output_head(self.model.dtree_output_layer())
-
-    def _walk(
-        self, forest: Forest, sched: Schedule, terms: LossTerms, weights: np.ndarray | None, field_names: Sequence[str]
-    ) -> StepWalk:
-        """One walk over ``sched`` (with a stack that takes gradients when ``weights``
-        are given: a training walk)."""
-        device, dtype = self._placement
-        training = weights is not None
-        root = checkpoint_root(self.module) if training else None
-        states = self._state_plan(sched)
-        grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
-        return StepWalk(
-            model=self.model,
-            sched=sched,
-            terms=terms,
-            arrays=StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype),
-            stack=self._get_stack(sched.stack_tokens, training, states.capacity if states is not None else 0),
-            head=self._head(),
-            attention=self._attention,
-            logprob_chunk=self.logprob_chunk,
-            device=device,
-            dtype=dtype,
-            # model calls may draw random numbers (dropout) when any module is in training mode
-            randomness=any(m.training for m in self.module.modules()),
-            checkpoint_root=root,
-            checkpoint_layers=self._step.checkpoint_layers if root is not None else 0,
-            path_checkpoint_layers=max(0, self._step.path_checkpoint_layers) if root is not None else 0,
-            progress=self.config.progress,
-            deterministic=self._deterministic,
-            states=states,
-            recurrence=self._recurrence,
-            state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
-        )
+    @contextlib.contextmanager
+    def _released(self) -> Iterator[dict]:
+        """The call's body; then, also when it fails, what ``free_after_step`` releases on
+        CUDA (the stacks, then the allocator's cache), reported into the yielded dict
+        (:mod:`dtree.step_memory`)."""
+        after: dict = {}
+        try:
+            yield after
+        finally:
+            device = self._planner.placement[0] if self._planner.placement else None
+            if drops_stack(device, self.config.free_after_step):
+                self.release_memory()
+            after.update(after_step(device, self.config.free_after_step))
 
     # ------------------------------------------------------------------ training
     def forward_backward(
@@ -328,35 +246,26 @@ class TreeRuntime:
         outside the vocabulary, missing fields, ...), on the host before any kernel; a
         loss function's own mistakes (a field it did not get, numpy or a detached tensor
         returned) and a non-finite loss during the step. ``param.grad`` is left as it
-        was in every case (:mod:`dtree.checks`, :func:`dtree.step.checked_loss`).
+        was in every case (:mod:`dtree.checks`, :class:`dtree.step.TokenStep`).
         """
         check_forest(forest)
         check_loss_argument(loss)
         check_normalization(normalization)
-        return self._released(lambda: self._forward_backward(forest, loss, normalization, return_logprobs))
-
-    def _forward_backward(self, forest, loss, normalization, return_logprobs: bool) -> StepOutput:
-        self._check_call(training=True)
-        if isinstance(loss, TokenLoss):
-            forest, weights = token_loss_weights(forest, loss, normalization)
-            return self._train(forest, self.plan(forest), loss, weights, return_logprobs=return_logprobs)
-        if isinstance(loss, SequenceLoss):
-            loss.check_fields(forest)
-            if normalization is not None:
-                if loss.normalization is not None and loss.normalization != normalization:
-                    raise ValueError(
-                        f"loss {loss.name!r} carries normalization={loss.normalization} and forward_backward got "
-                        f"normalization={normalization}: pass one of them"
-                    )
-                loss = loss.with_normalization(normalization)
-            return self._two_pass(forest, loss, loss.temperature, return_logprobs)
-        if normalization is not None:  # check_loss_argument left a LogprobLoss or a plain callable
-            raise ValueError(
-                "normalization= applies to a TokenLoss or a dtree.losses.SequenceLoss; a plain two-pass callable "
-                "fn(logprobs, forest) divides by whatever it chooses: normalize inside it, or wrap its per-token "
-                "terms in a SequenceLoss"
-            )
-        return self._two_pass(forest, loss, getattr(loss, "temperature", 1.0), return_logprobs)
+        with self._released() as after:
+            self._check_call(training=True)
+            validate_forest(forest, self.spec)
+            loss = checked_step_loss(loss, forest, normalization)
+            if isinstance(loss, TokenLoss):
+                forest, weights = loss.prepare(forest, normalization)
+                plan, trained, first = self._planner.make_plan(forest, weights, loss.field_names), loss, None
+            else:  # two passes over one schedule (dtree.two_pass): the log-probs, then a training walk
+                first = logprob_pass(self._planner.make_plan(forest), loss)
+                forest, trained, weights = surrogate(forest, first.grads)
+                plan = self._planner.make_plan(forest, weights, trained.field_names, same_schedule=True)
+            out = self._train(plan, trained, return_logprobs and first is None)
+            if first is not None:
+                out = two_pass_output(out, loss, first, return_logprobs)
+        return with_report(out, after, self.memory_plan)
 
     def backward_from_logprob_grads(
         self,
@@ -378,70 +287,25 @@ class TreeRuntime:
             entropy_grads: likewise w.r.t. the entropies :meth:`entropy` returned, or None.
         """
         check_forest(forest)
-
-        def run() -> StepOutput:
+        with self._released() as after:
             self._check_call(training=True)
             w = logprob_grad_weights(forest, grads)
             w_entropy = None if entropy_grads is None else logprob_grad_weights(forest, entropy_grads)
-            return self._backward_from_weights(
-                forest, self.plan(forest), w, loss_value, check_temperature(temperature), w_entropy
-            )
+            validate_forest(forest, self.spec)
+            grads = LogprobGrads(float(loss_value), check_temperature(temperature), w, w_entropy)
+            forest, loss, weights = surrogate(forest, grads)
+            out = self._train(self._planner.make_plan(forest, weights, loss.field_names), loss)
+            out.loss = grads.value
+        return with_report(out, after, self.memory_plan)
 
-        return self._released(run)
-
-    def _released(self, run):
-        """``run()``, then what ``free_after_step`` releases (:func:`dtree.step_memory.released`)."""
-        return released(run, self._placement, self.release_memory, self.config.free_after_step, lambda: self._step)
-
-    def _two_pass(self, forest: Forest, loss_fn, temperature: float, return_logprobs: bool) -> StepOutput:
-        return two_pass_step(
-            forest, self.plan(forest), loss_fn, temperature, return_logprobs,
-            logprobs=self._logprobs, backward=self._backward_from_weights, device=self._placement[0],
-        )
-
-    def _backward_from_weights(
-        self, forest: Forest, sched: Schedule, w: np.ndarray, loss_value: float, temperature: float,
-        w_entropy: np.ndarray | None = None,
-    ) -> StepOutput:
-        if w_entropy is None or not w_entropy.any():
-            out = self._train(forest, sched, logprob_surrogate(temperature), w)
-        else:
-            forest, surrogate, weights = logprob_entropy_surrogate(forest, w, w_entropy, temperature)
-            out = self._train(forest, sched, surrogate, weights)
-        out.loss = float(loss_value)
-        return out
-
-    def _train(
-        self, forest: Forest, sched: Schedule, loss: TokenLoss, weights: np.ndarray, return_logprobs: bool = False
-    ) -> StepOutput:
-        """One pass of ``loss`` (its [N] ``weights`` given) through :func:`dtree.step.run_token_step`."""
-        terms = select_loss_terms(sched, weights)
-        kept = KeptLogprobs()
-
-        def run(per_token, recorded) -> StepRun:
-            fn = kept.wrap(per_token) if return_logprobs else per_token
-            walk = self._walk(forest, sched, terms, weights, loss.field_names)
-            scope = getattr(self.model, "dtree_scope", None)
-            budget = retain_budget(self._step, self.config)
-            res = walk.train(PerToken(fn, loss.temperature, loss.needs_entropy), budget, scope)
-            kept.term_log = res.term_log
-            metrics = {
-                "mode": self.mode,
-                "attention": self._attention, "recurrence": self._recurrence,
-                "groups": sched.num_groups,
-                "group_tokens": sched.group_tokens,
-                "recomputed_tokens": res.recomputed_tokens,
-                "memory_plan": self._step.describe(),
-            }
-            return StepRun(
-                res.total, res.term_log, res.num_model_calls, res.peak_graph_tokens, sched.stack_tokens, metrics
-            )
-
-        device, dtype = self._placement
-        out = run_token_step(self.module.parameters(), forest, loss, terms.loss_lin, run, device, dtype)
-        if return_logprobs:
-            out.logprobs, out.entropy = kept.per_sequence(forest, terms.loss_lin, device, dtype, loss.needs_entropy)
-        return out
+    def _train(self, plan: StepPlan, loss: TokenLoss, return_logprobs: bool = False) -> StepOutput:
+        """The training walk of ``plan`` for ``loss``, between the two ends of a step
+        (:class:`dtree.step.TokenStep`: ``param.grad`` kept aside until it succeeds)."""
+        parameters = self.module.parameters()
+        loss_lin = plan.terms.loss_lin
+        with TokenStep(parameters, plan.forest, loss, loss_lin, plan.device, plan.dtype, return_logprobs) as step:
+            per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
+            return step.finish(TreeWalk(plan).train(per_token, getattr(self.model, "dtree_scope", None)))
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()
@@ -471,22 +335,10 @@ class TreeRuntime:
         return self._inference(forest, temperature, with_entropy=True)
 
     def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
-        """The checks of an inference call, then :meth:`_logprobs`."""
+        """check -> plan -> the log-prob walk."""
         check_forest(forest)
-
-        def run():
+        with self._released():
             self._check_call(training=False)
-            return self._logprobs(forest, self.plan(forest), with_entropy, check_temperature(temperature))
-
-        return self._released(run)
-
-    def _logprobs(
-        self, forest: Forest, sched: Schedule, with_entropy: bool, temperature: float
-    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        """(per sequence [len-1] log-probs, and entropies when ``with_entropy`` else None)."""
-        walk = self._walk(forest, sched, all_predictions(sched), None, ())
-        lp_unique, ent_unique = walk.logprobs(forest.num_unique_tokens, temperature, with_entropy)
-        targets = forest.lin_unique[prediction_lin(forest)]
-        device = self._placement[0]
-        lps = per_sequence(forest, lp_unique, targets, device)
-        return lps, (per_sequence(forest, ent_unique, targets, device) if with_entropy else None)
+            validate_forest(forest, self.spec)
+            plan = self._planner.make_plan(forest)
+            return TreeWalk(plan).logprobs(check_temperature(temperature), with_entropy)

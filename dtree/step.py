@@ -1,18 +1,18 @@
-"""The skeleton of one training step, shared by :class:`dtree.TreeRuntime` and the baselines.
+"""The training step's two ends, shared by :class:`dtree.TreeRuntime` and the baselines.
 
-Every method trains a :class:`~dtree.losses.TokenLoss` the same way; only the model
-calls in the middle differ::
+A *step* is one ``forward_backward`` call; it reads check -> weights -> plan -> walk ->
+finish. Every method trains a :class:`~dtree.losses.TokenLoss` the same way; only the
+plan and the model calls in the middle (the walk) differ::
 
     forest, weights = token_loss_weights(forest, loss, normalization)   validate the fields, [N] weights
-    (the method selects its terms: those with a non-zero weight)
-    run_token_step(...):
-        GradStash                  param.grad moved aside: a failed step loses nothing
-        checked_loss               the loss's functions get LossFields (a missing field is named)
+    (the method plans its calls and selects its terms: those with a non-zero weight)
+    with TokenStep(...) as step:   param.grad moved aside: a failed step loses nothing
+        step.per_token             the loss's functions get LossFields (a missing field is named)
                                    and their results are checked (a tensor, not detached)
-        run(per_token)             the method's forward/backward over its calls
-        float(total)               the step's one device sync
-        non-finite -> restore param.grad, ValueError naming (sequence, position)
-        StepOutput                 counters, the method's metrics, the loss's metrics
+        walk(step.per_token)       the method's forward/backward over its calls -> WalkOutput
+        step.finish(walked)        float(total), the step's one device sync; non-finite ->
+                                   param.grad restored, ValueError naming (sequence, position);
+                                   StepOutput: counters, the method's metrics, the loss's metrics
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Iterable, Mapping
 
 import numpy as np
 import torch
@@ -34,8 +34,8 @@ from .transfer import upload
 from .tree import Forest
 
 __all__ = [
-    "KeptLogprobs", "LossFields", "MissingFieldError", "StepOutput", "StepRun", "checked_loss", "loss_metrics",
-    "per_sequence", "run_token_step", "token_loss_weights",
+    "KeptLogprobs", "LossFields", "MissingFieldError", "StepOutput", "TokenStep", "WalkOutput", "checked_loss",
+    "loss_metrics", "per_sequence", "token_loss_weights",
 ]
 
 
@@ -69,8 +69,8 @@ class StepOutput:
 
 
 @dataclass
-class StepRun:
-    """What a method's forward/backward over its calls left besides the gradients.
+class WalkOutput:
+    """What a method's forward/backward over its calls leaves besides the gradients.
 
     Attributes:
         total: 0-d device sum of the weighted loss terms (not synced yet).
@@ -181,41 +181,61 @@ def checked_loss(loss: TokenLoss, forest: Forest) -> TokenLoss:
     return dataclasses.replace(loss, per_token=checked, metrics=None if metrics is None else checked_metrics)
 
 
-def run_token_step(
-    parameters: Iterable[torch.nn.Parameter],
-    forest: Forest,
-    loss: TokenLoss,
-    loss_lin: np.ndarray,
-    run: Callable[[PerTokenFn, list], StepRun],
-    device: torch.device,
-    dtype: torch.dtype,
-    started: float | None = None,
-) -> StepOutput:
-    """One step of ``loss`` over ``forest``: ``run(per_token, recorded)`` does the
-    method's forward/backward, calling ``per_token`` once per call with terms (it
-    appends the loss's per-token metrics to ``recorded``); the step's terms are
-    ``loss_lin`` ([E] linearized index of each, in ``term_log`` order). On a non-finite
-    loss ``param.grad`` is restored and a ValueError names the first bad term."""
-    started = time.perf_counter() if started is None else started
-    recorded: list[dict] = []  # per call with terms, the loss's per-token metrics
-    with GradStash(parameters):  # a failed step leaves param.grad as it was
-        result = run(checked_loss(loss, forest).recording(recorded), recorded)
-        loss_value = float(result.total)  # the step's one device sync
+class TokenStep:
+    """One training step of a :class:`~dtree.losses.TokenLoss` over ``forest``, around the
+    method's own forward/backward::
+
+        with TokenStep(parameters, forest, loss, loss_lin, device, dtype) as step:
+            walked = <forward/backward of every call>(step.per_token)   -> WalkOutput
+            out = step.finish(walked)
+
+    On entering, ``param.grad`` is moved aside (a failed step loses nothing: it is
+    restored when the block raises). ``per_token`` is the loss's function whose fields
+    are :class:`LossFields` and whose results are checked (:func:`checked_loss`); it
+    records the loss's metrics, and keeps the log-probs the loss saw when
+    ``return_logprobs``. ``loss_lin``: [E] linearized index of each of the step's terms,
+    in ``term_log`` order. :meth:`finish` makes the step's one device sync; a non-finite
+    loss raises a ValueError naming the first bad term."""
+
+    def __init__(
+        self, parameters: Iterable[torch.nn.Parameter], forest: Forest, loss: TokenLoss, loss_lin: np.ndarray,
+        device: torch.device, dtype: torch.dtype, return_logprobs: bool = False, started: float | None = None,
+    ) -> None:
+        self.started = time.perf_counter() if started is None else started
+        self.forest, self.loss, self.loss_lin, self.device, self.dtype = forest, loss, loss_lin, device, dtype
+        self.recorded: list[dict] = []  # per call with terms, the loss's per-token metrics
+        self.kept = KeptLogprobs() if return_logprobs else None
+        per_token = checked_loss(loss, forest).recording(self.recorded)
+        self.per_token: PerTokenFn = per_token if self.kept is None else self.kept.wrap(per_token)
+        self._stash = GradStash(parameters)
+
+    def __enter__(self) -> "TokenStep":
+        self._stash.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> bool | None:
+        return self._stash.__exit__(*exc)
+
+    def finish(self, walked: WalkOutput) -> StepOutput:
+        """The step's output: the loss value (the one device sync; non-finite: ValueError),
+        the walk's counters and metrics, the loss's metrics."""
+        forest, loss_lin = self.forest, self.loss_lin
+        loss_value = float(walked.total)
         if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
-            raise_non_finite(forest, loss_lin, result.term_log)
-    metrics = loss_metrics(loss, forest, loss_lin, result.term_log, recorded, device, dtype)
-    return StepOutput(
-        loss=loss_value,
-        num_sequences=forest.num_sequences,
-        num_unique_tokens=forest.num_unique_tokens,
-        num_linearized_tokens=forest.num_linearized_tokens,
-        num_loss_terms=len(loss_lin),
-        num_model_calls=result.num_model_calls,
-        stack_tokens=result.stack_tokens,
-        peak_graph_tokens=result.peak_graph_tokens,
-        seconds=time.perf_counter() - started,
-        metrics={**result.metrics, **metrics},
-    )
+            raise_non_finite(forest, loss_lin, walked.term_log)
+        loss_means = loss_metrics(self.loss, forest, loss_lin, walked.term_log, self.recorded, self.device, self.dtype)
+        out = StepOutput(
+            loss=loss_value, num_sequences=forest.num_sequences, num_unique_tokens=forest.num_unique_tokens,
+            num_linearized_tokens=forest.num_linearized_tokens, num_loss_terms=len(loss_lin),
+            num_model_calls=walked.num_model_calls, stack_tokens=walked.stack_tokens,
+            peak_graph_tokens=walked.peak_graph_tokens, seconds=time.perf_counter() - self.started,
+            metrics={**walked.metrics, **loss_means},
+        )
+        if self.kept is not None:
+            out.logprobs, out.entropy = self.kept.per_sequence(
+                forest, walked.term_log, loss_lin, self.device, self.dtype, self.loss.needs_entropy
+            )
+        return out
 
 
 def loss_metrics(
@@ -248,12 +268,11 @@ class KeptLogprobs:
     """``forward_backward(..., return_logprobs=True)``: the log-probs (and entropies) the
     loss saw, kept from its per-token calls at no extra compute.
 
-    :meth:`wrap` the step's per-token function; set ``term_log`` to the step's (see
-    :class:`StepRun`); then :meth:`per_sequence`."""
+    :meth:`wrap` the step's per-token function; then :meth:`per_sequence` with the step's
+    ``term_log`` (:class:`WalkOutput`)."""
 
     def __init__(self) -> None:
         self.kept: list[tuple[torch.Tensor, torch.Tensor | None]] = []  # per call with terms, in call order
-        self.term_log: list[tuple[int, torch.Tensor]] = []
 
     def wrap(self, per_token: PerTokenFn) -> PerTokenFn:
         """``per_token``, also keeping each call's detached (logp, entropy or None)."""
@@ -266,7 +285,8 @@ class KeptLogprobs:
         return kept
 
     def per_sequence(
-        self, forest: Forest, loss_lin: np.ndarray, device: torch.device, dtype: torch.dtype, with_entropy: bool
+        self, forest: Forest, term_log: list[tuple[int, torch.Tensor]], loss_lin: np.ndarray, device: torch.device,
+        dtype: torch.dtype, with_entropy: bool,
     ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Scatter each call's values to its terms' linearized positions (``loss_lin``
         [E]), then split per sequence into [len-1] prediction-aligned tensors (0 where
@@ -274,7 +294,7 @@ class KeptLogprobs:
         lp = torch.zeros(forest.num_linearized_tokens, dtype=compute_dtype(dtype), device=device)
         ent = torch.zeros_like(lp) if with_entropy else None
         lin = upload(loss_lin, device)
-        for (e0, weighted), (values, entropies) in zip(self.term_log, self.kept):  # both in call order
+        for (e0, weighted), (values, entropies) in zip(term_log, self.kept):  # both in call order
             where = lin[e0 : e0 + weighted.shape[0]]
             lp[where] = values
             if ent is not None:

@@ -12,25 +12,29 @@ Measured on an H100 before this (20 steps on fresh 16k-41k-token agentic trees):
 
 from __future__ import annotations
 
-from typing import Callable
-
 import torch
 
-__all__ = ["after_step", "released"]
+__all__ = ["after_step", "drops_stack", "with_report"]
 
 _GIB = 2.0**30
 
 
-def after_step(device: torch.device | None, drop_stack: Callable[[], None], free: bool) -> dict:
-    """Release (``free``: drop the KV stack, ``torch.cuda.empty_cache()``) and report, on a
-    CUDA ``device``: allocated and reserved GiB after the step, what was released, and
-    the allocator's peak since its counters were last reset (``dtree bench`` resets them
-    before every step, so there it is the step's peak). Elsewhere nothing: ``{}``."""
+def drops_stack(device: torch.device | None, free: bool) -> bool:
+    """Whether the runtime drops its stacks after a call: ``free`` and a CUDA ``device``
+    (elsewhere the stacks are kept for the next step)."""
+    return free and device is not None and device.type == "cuda"
+
+
+def after_step(device: torch.device | None, free: bool) -> dict:
+    """Release (``free``: ``torch.cuda.empty_cache()``, after the runtime dropped its
+    stacks, :func:`drops_stack`) and report, on a CUDA ``device``: allocated and reserved
+    GiB after the step, what was released, and the allocator's peak since its counters
+    were last reset (``dtree bench`` resets them before every step, so there it is the
+    step's peak). Elsewhere nothing: ``{}``."""
     if device is None or device.type != "cuda":
         return {}
     reserved = torch.cuda.memory_reserved(device)
     if free:
-        drop_stack()
         torch.cuda.empty_cache()
     return {
         "allocated_after_gib": torch.cuda.memory_allocated(device) / _GIB,
@@ -41,17 +45,12 @@ def after_step(device: torch.device | None, drop_stack: Callable[[], None], free
     }
 
 
-def released(run: Callable, placement, drop_stack: Callable[[], None], free: bool, plan: Callable):
-    """``run()``, then (also when it fails) :func:`after_step` on the model's device; a
-    ``StepOutput`` gets the report, with the plan's predicted peak, in
-    ``metrics["memory"]``. ``plan()``: the step's :class:`~dtree.memory_policy.MemoryPlan` or None."""
-    try:
-        out = run()
-    finally:
-        after = after_step(placement[0] if placement else None, drop_stack, free)
+def with_report(out, after: dict, plan):
+    """``out`` with, when it is a ``StepOutput`` and ``after`` (:func:`after_step`) is not
+    empty, the report and the plan's predicted peak in ``metrics["memory"]``. ``plan``: the
+    step's :class:`~dtree.memory_policy.MemoryPlan` or None."""
     metrics = getattr(out, "metrics", None)
     if after and isinstance(metrics, dict):
-        step = plan()
-        predicted = step.describe().get("predicted_total_gib") if step is not None else None
+        predicted = plan.describe().get("predicted_total_gib") if plan is not None else None
         metrics["memory"] = {"predicted_total_gib": predicted, **after}
     return out

@@ -9,10 +9,12 @@ caching host allocator keeps the pinned buffer alive until the copy has run.
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import numpy as np
 import torch
 
-__all__ = ["upload"]
+__all__ = ["upload", "upload_arrays"]
 
 
 def upload(array: np.ndarray, device: torch.device | str, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -26,3 +28,18 @@ def upload(array: np.ndarray, device: torch.device | str, dtype: torch.dtype | N
     else:
         out = host
     return out if dtype is None else out.to(dtype)
+
+
+def upload_arrays(
+    ints: Sequence[np.ndarray], floats: Sequence[np.ndarray], device: torch.device | str, float_dtype: torch.dtype
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """1-D host arrays on ``device`` in one copy per kind: ``ints`` as int64 tensors, ``floats``
+    cast to ``float_dtype`` there; each returned tensor is a view of its kind's one upload."""
+
+    def one_copy(arrays: Sequence[np.ndarray], dtype: np.dtype, cast: torch.dtype | None) -> list[torch.Tensor]:
+        if not arrays:
+            return []
+        flat = np.concatenate([np.asarray(a, dtype=dtype).reshape(-1) for a in arrays])
+        return list(torch.split(upload(flat, device, cast), [int(np.size(a)) for a in arrays]))
+
+    return one_copy(ints, np.int64, None), one_copy(floats, np.float64, float_dtype)

@@ -3,19 +3,24 @@
 A :class:`~dtree.losses.SequenceLoss` (``gspo``), any callable
 ``fn(logprobs, forest) -> 0-d tensor``, or a :class:`LogprobLoss` (such a function at a
 temperature, optionally of the entropies too) is trained in two passes over one
-schedule::
+schedule, two plain calls in :meth:`dtree.TreeRuntime.forward_backward`::
 
     pass 1   log-probs (and entropies) of every prediction (no grad), per sequence [len-1]
     host     value = fn(logprobs[, entropy]); w = d value / d logprobs (w_H = d value / d entropy)
-    pass 2   one DFS training step of the surrogate sum_k w[k] * logp[k] (+ w_H[k] * H[k])
+             (:func:`logprob_grads`)
+    pass 2   one DFS training walk of the surrogate sum_k w[k] * logp[k] (+ w_H[k] * H[k])
+             (:func:`surrogate`)
 
 Pass 2's gradient is that of ``fn`` because it replays pass 1's random draws (the
 runtime restores the generator state), so it differentiates the log-probs ``fn`` saw.
+Pass 1 is :func:`logprob_pass` (the log-prob walk, the host step); pass 2 is the runtime's
+training walk of :func:`surrogate`; :func:`two_pass_output` makes its output the step's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 import numpy as np
@@ -23,24 +28,27 @@ import torch
 
 from . import rng
 from .losses import LogprobLoss, SequenceLoss, TokenLoss
-from .schedule import Schedule
 from .step import StepOutput
+from .step_plan import StepPlan
 from .tree import Forest
+from .walk import TreeWalk
 
 __all__ = [
+    "LogprobGrads",
+    "LogprobPass",
     "SequenceLossFn",
     "check_temperature",
     "logprob_entropy_surrogate",
     "logprob_grad_weights",
+    "logprob_grads",
+    "logprob_pass",
     "logprob_surrogate",
-    "two_pass_step",
+    "needs_entropy",
+    "surrogate",
+    "two_pass_output",
 ]
 
 SequenceLossFn = Callable[[list[torch.Tensor], Forest], torch.Tensor]
-# (forest, schedule, with_entropy, temperature) -> (per sequence log-probs, entropies or None)
-LogprobsFn = Callable[[Forest, Schedule, bool, float], tuple[list[torch.Tensor], list[torch.Tensor] | None]]
-# (forest, schedule, [N] d loss / d logp, loss value, temperature, [N] d loss / d entropy or None) -> the output
-BackwardFn = Callable[[Forest, Schedule, np.ndarray, float, float, np.ndarray | None], StepOutput]
 
 
 def check_temperature(temperature: float) -> float:
@@ -120,22 +128,24 @@ def _evaluate(
     return value, leaves, ent_leaves
 
 
-def two_pass_step(
-    forest: Forest,
-    sched: Schedule,
-    loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn,
-    temperature: float,
-    return_logprobs: bool,
-    *,
-    logprobs: LogprobsFn,
-    backward: BackwardFn,
-    device: torch.device,
-) -> StepOutput:
-    """Both passes over one schedule (the same calls, the same random draws)."""
-    start = rng.capture(device)
-    with_entropy = isinstance(loss_fn, (SequenceLoss, LogprobLoss)) and loss_fn.needs_entropy
-    with torch.no_grad():
-        lps, ents = logprobs(forest, sched, with_entropy, temperature)
+@dataclass(frozen=True)
+class LogprobGrads:
+    """The host step between the two passes: the loss's value and its [N] gradients per
+    linearized token w.r.t. the log-probs (``logp``) and the entropies (``entropy``,
+    None when the loss does not read them), both at ``temperature``."""
+
+    value: float
+    temperature: float  # of the log-probs (and entropies) differentiated
+    logp: np.ndarray
+    entropy: np.ndarray | None
+
+
+def logprob_grads(
+    loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn, forest: Forest, lps: list[torch.Tensor],
+    ents: list[torch.Tensor] | None, temperature: float,
+) -> LogprobGrads:
+    """Evaluate ``loss_fn`` on pass 1's per sequence log-probs (and entropies) and
+    differentiate it: a ValueError when it is not finite or does not depend on them."""
     value, leaves, ent_leaves = _evaluate(loss_fn, forest, lps, ents, temperature)
     loss_value = float(value.detach())
     if not np.isfinite(loss_value):
@@ -149,10 +159,55 @@ def two_pass_step(
     grads = torch.autograd.grad(value.reshape(()), leaves + ent_leaves, allow_unused=True)
     w = logprob_grad_weights(forest, list(grads[: len(leaves)]))
     w_entropy = logprob_grad_weights(forest, list(grads[len(leaves) :])) if ent_leaves else None
-    rng.restore(start, device)  # pass 2 replays pass 1's draws (dropout masks)
-    out = backward(forest, sched, w, loss_value, temperature, w_entropy)
+    return LogprobGrads(loss_value, temperature, w, w_entropy)
+
+
+def needs_entropy(loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> bool:
+    """Whether pass 1 computes the entropies too."""
+    return isinstance(loss_fn, (SequenceLoss, LogprobLoss)) and loss_fn.needs_entropy
+
+
+@dataclass(frozen=True)
+class LogprobPass:
+    """Pass 1 and the host step: over ``forest``, per sequence [len-1] ``logprobs`` and
+    ``entropy`` (None unless the loss reads them), and the loss's ``grads``."""
+
+    forest: Forest
+    logprobs: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None
+    grads: LogprobGrads
+
+
+def logprob_pass(plan: StepPlan, loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> LogprobPass:
+    """Pass 1 over a log-prob ``plan``, then the host step. The loss's log-probs are at its
+    ``temperature`` (a plain callable's at 1). The generator state is rewound at the end,
+    so that pass 2 replays pass 1's random draws (dropout masks)."""
+    temperature = getattr(loss_fn, "temperature", 1.0)
+    start = rng.capture(plan.device)
+    with torch.no_grad():
+        lps, ents = TreeWalk(plan).logprobs(temperature, needs_entropy(loss_fn))
+    grads = logprob_grads(loss_fn, plan.forest, lps, ents, temperature)
+    rng.restore(start, plan.device)
+    return LogprobPass(plan.forest, lps, ents, grads)
+
+
+def surrogate(forest: Forest, grads: LogprobGrads) -> tuple[Forest, TokenLoss, np.ndarray]:
+    """Pass 2's token loss, whose gradient is the loss's: ``sum_k w[k] * logp[k]`` (plus
+    ``w_H[k] * H[k]`` when the loss read the entropies), with the forest it trains on and
+    its [N] weights."""
+    if grads.entropy is None or not grads.entropy.any():
+        return forest, logprob_surrogate(grads.temperature), grads.logp
+    return logprob_entropy_surrogate(forest, grads.logp, grads.entropy, grads.temperature)
+
+
+def two_pass_output(
+    out: StepOutput, loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn, first: LogprobPass, return_logprobs: bool
+) -> StepOutput:
+    """Pass 2's output as the step's: the loss's value, a SequenceLoss's metrics on pass 1's
+    log-probs, and those log-probs (entropies) when ``return_logprobs``."""
+    out.loss = first.grads.value
     if isinstance(loss_fn, SequenceLoss):
-        out.metrics.update(loss_fn.metric_values(lps, forest, entropy=ents))
+        out.metrics.update(loss_fn.metric_values(first.logprobs, first.forest, entropy=first.entropy))
     if return_logprobs:
-        out.logprobs, out.entropy = lps, ents
+        out.logprobs, out.entropy = first.logprobs, first.entropy
     return out

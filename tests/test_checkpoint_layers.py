@@ -74,17 +74,17 @@ def test_path_and_leaf_calls_checkpoint_different_layers(leaf, path, mode, monke
     exact in each combination; the layers are restored after every call."""
     import dataclasses
 
-    import dtree.runtime as runtime
+    import dtree.step_plan as step_plan
 
     model = three_layer_model("qwen2")
     ref_model, ref_loss = reference(model)
-    plan_memory = runtime.plan_memory
+    plan_memory = step_plan.plan_memory
 
     def planned(*args, **kwargs):
         plan = plan_memory(*args, **kwargs)
         return dataclasses.replace(plan, checkpoint_layers=leaf, path_checkpoint_layers=path)
 
-    monkeypatch.setattr(runtime, "plan_memory", planned)
+    monkeypatch.setattr(step_plan, "plan_memory", planned)
     out, tree_model = run_dtree(model, mode=mode, group_tokens=8)
     assert (out.metrics["memory_plan"]["checkpoint_layers"], out.metrics["memory_plan"]["path_checkpoint_layers"]) == (
         leaf, path)

@@ -31,7 +31,7 @@ def test_push_accumulate_zero_match_slot_loops(device, dims):
     # push: transposed float32 views (what the HF adapter hands over), converted to bf16
     k = torch.randn(2, 5, dk_dim, generator=gen).to(device).transpose(0, 1)
     v = torch.randn(2, 5, dv_dim, generator=gen).to(device).transpose(0, 1)
-    stack.store_kv(1, 30, k, v)
+    stack.push(1, 30, k, v)
     for t in range(5):
         want["k"][1, 30 + t] = k[t].to(torch.bfloat16)
         want["v"][1, 30 + t] = v[t].to(torch.bfloat16)
@@ -75,7 +75,7 @@ def test_fits_checks_the_value_head_dim():
 
 def _session(stack: KVStack, k, v, lo):
     stack.zero_grad(lo, lo + k.shape[0])
-    stack.store_kv(1, lo, k, v)
+    stack.push(1, lo, k, v)
     stack.accumulate(1, slice(lo, lo + k.shape[0]), k * 2, v * 3)
     stack.accumulate(0, torch.arange(k.shape[0], device=k.device) + lo, k, v)
     return stack.grad_k[:, lo : lo + k.shape[0]].sum() + stack.v[1].sum()

@@ -31,6 +31,7 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 import dtree
 from dtree.baselines import LinearizedTrainer
 from dtree.models import probe
+from dtree.ops.logprobs import as_output_head
 
 SEQS = forest_sequences()
 FOREST = dtree.Forest.from_sequences(SEQS)
@@ -116,7 +117,7 @@ def test_known_logit_transforms_come_from_the_config():
     }
     for name, (config, scale, softcap) in cases.items():
         model = AutoModelForCausalLM.from_config(small_config(name, **config))
-        head = dtree.TreeRuntime(model)._head()
+        head = as_output_head(dtree.TreeRuntime(model).model.dtree_output_layer())
         assert (head.logit_scale, head.final_softcap) == (scale, softcap), name
 
 

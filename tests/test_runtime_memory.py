@@ -155,22 +155,59 @@ def test_after_step_releases_and_reports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["allocated"])
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 9 * gib)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=state["allocated"]))
-    dropped = []
+    rt = dtree.TreeRuntime(make_model("qwen2"))
+    sentinel = object()
+
+    def call(placement, free: bool, fail: bool = False):
+        """A call of ``rt`` on ``placement`` holding a stack; its report in a StepOutput-like value."""
+        rt._planner.placement, rt._planner.stack = placement, sentinel
+        rt.config = rt.config.replace(free_after_step=free)
+        with rt._released() as after:
+            if fail:
+                raise RuntimeError("boom")
+        return step_memory.with_report(SimpleNamespace(metrics={}), after, None)
+
     cuda = (torch.device("cuda", 0), torch.bfloat16)
-    out = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(1), True, lambda: None)
-    assert dropped == [1]
+    out = call(cuda, True)
+    assert rt.stack is None
     assert out.metrics["memory"] == {
         "predicted_total_gib": None, "allocated_after_gib": 4.0, "reserved_after_gib": 4.0, "released_gib": 6.0,
         "peak_since_reset_gib": 9.0, "freed_after_step": True,
     }
     state["reserved"] = 10 * gib
-    kept = step_memory.released(lambda: SimpleNamespace(metrics={}), cuda, lambda: dropped.append(2), False,
-                                lambda: None)
-    assert dropped == [1] and kept.metrics["memory"]["reserved_after_gib"] == 10.0
+    kept = call(cuda, False)
+    assert rt.stack is sentinel and kept.metrics["memory"]["reserved_after_gib"] == 10.0
     with pytest.raises(RuntimeError, match="boom"):
-        step_memory.released(lambda: (_ for _ in ()).throw(RuntimeError("boom")), cuda, lambda: dropped.append(3), True,
-                             lambda: None)
-    assert dropped == [1, 3]  # released after a failed step too
-    cpu = step_memory.released(lambda: SimpleNamespace(metrics={}), (torch.device("cpu"), torch.float32),
-                               lambda: dropped.append(4), True, lambda: None)
-    assert cpu.metrics == {} and dropped == [1, 3]
+        call(cuda, True, fail=True)
+    assert rt.stack is None  # released after a failed step too
+    cpu = call((torch.device("cpu"), torch.float32), True)
+    assert cpu.metrics == {} and rt.stack is sentinel
+
+
+def test_stack_sized_by_the_slots_written_saves_on_qwen_1_5b():
+    """Issue 20's figure, counted without allocating (meta tensors): a GRPO step, one
+    2,048-token prompt and 16 answers of 1,024, on qwen2.5-1.5b's shape (28 layers, 2 KV
+    heads of 128, bf16 K/V and float32 gradient slots). Its answers' calls write no slot,
+    so the stack holds the prompt's 2,048 slots: 0.70 GB (8,192-token calls) and 1.41 GB
+    (16,384-token calls) less than a stack with slots for every call's tokens."""
+    from dtree.models import ModelSpec
+    from dtree.schedule import build_schedule
+    from dtree.stacks import StepStacks
+
+    spec = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
+                     vocab_size=151936, intermediate_size=8960)
+    prompt = list(range(2048))
+    forest = dtree.Forest.from_sequences([prompt + [3000 + a] * 1024 for a in range(16)])
+
+    def nbytes(slots: int) -> int:
+        return StepStacks(spec, slots, 0, dtype=torch.bfloat16, device="meta", with_grad=True).nbytes()
+
+    assert nbytes(1) == 28 * 2 * 128 * 2 * (2 + 4)  # one slot: K and V in bf16, their gradients in float32
+    for group_tokens, every_call in ((8192, 10240), (16384, 18432)):
+        sched = build_schedule(forest, chunk_size=2048, group_tokens=group_tokens)
+        # every call's tokens: the prompt, then the largest leaf call
+        assert max(g.stack_start + g.num_tokens for g in sched.groups) == every_call
+        assert sched.stack_tokens == 2048
+        saved = nbytes(every_call) - nbytes(sched.stack_tokens)
+        assert saved == (every_call - 2048) * 86016
+        assert round(saved / 1e9, 2) == {8192: 0.70, 16384: 1.41}[group_tokens]

@@ -113,7 +113,7 @@ def check_against_naive(
     stack.k[0, :used] = rand(used, hkv, dk)
     stack.v[0, :used] = rand(used, hkv, dv)
     q, k, v = rand(t, hq, dk).requires_grad_(), rand(t, hkv, dk).requires_grad_(), rand(t, hkv, dv).requires_grad_()
-    stack.store_kv(0, used, k.detach(), v.detach())
+    stack.push(0, used, k.detach(), v.detach())
     clean_k, clean_v = stack.k[0, :used].clone(), stack.v[0, :used].clone()
     unseen = unseen_slots(layout, used, opts.get("window"))
     stack.k[0, unseen] = float("nan")
@@ -223,7 +223,7 @@ def test_alibi_matches_transformers_bloom(name):
     want = torch.einsum("hqk,khd->qhd", torch.softmax(scores.masked_fill(causal, -torch.inf), -1), v)
 
     stack = KVStack(1, p + t, hq, d, dtype=torch.float64, device="cpu", grad_dtype=torch.float64)
-    stack.store_kv(0, 0, k, v)
+    stack.push(0, 0, k, v)
     layout = SegmentLayout(np.array([0, t]), np.array([p]), [((0, p),)])
     got = stack_attention(q, k[p:], v[p:], stack, 0, layout, d**-0.5, name, alibi_slopes=slopes)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)

@@ -251,7 +251,7 @@ def test_extension_ops_replay_in_a_cuda_graph_at_other_offsets():
     device_lo = torch.zeros(1, dtype=torch.int64, device="cuda")
 
     def ops(target, lo, dlo):
-        target.store_kv(1, lo, k, v, device_lo=dlo)
+        target.push(1, lo, k, v, device_lo=dlo)
         out = target.seed_grad(1, lo, lo + 7, gk, None, (torch.bfloat16, torch.bfloat16), device_lo=dlo)
         target.zero_grad(lo, lo + 7, device_lo=dlo)
         return out

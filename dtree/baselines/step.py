@@ -4,12 +4,12 @@ A baseline plans a step as a list of :class:`MicroBatch` (one model call each: a
 row of tokens, its attention layout, and the loss terms it computes). The step is then
 the same for both::
 
-    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.step, as the runtime)
+    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.step: the checks, then loss.prepare)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
         logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
         (loss.per_token(logp[loss_pred], fields (+ entropy H)) * w).sum().backward()
-    around it, :func:`dtree.step.run_token_step`: one device sync for the loss value;
+    around it, :class:`dtree.step.TokenStep`: one device sync for the loss value;
     if it is not finite, param.grad is restored and a ValueError names the first bad
     (sequence, position); the loss's metrics (mask-weighted means over the loss
     tokens) go into ``StepOutput.metrics``
@@ -49,8 +49,8 @@ from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
 from ..ops.backends import resolve_backend
 from ..ops.logprobs import as_output_head, compute_dtype
-from ..step import StepOutput, StepRun, run_token_step, token_loss_weights
-from ..transfer import upload
+from ..step import StepOutput, TokenStep, WalkOutput, token_loss_weights
+from ..transfer import upload_arrays
 from ..tree import Forest
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
@@ -204,7 +204,7 @@ class MicroBatchTrainer:
         Same contract as :meth:`dtree.TreeRuntime.forward_backward` for a
         :class:`~dtree.losses.TokenLoss` (the runtime's two-pass path for other
         callables has no baseline counterpart); ``normalization`` gives global counts
-        when the batch is split over ranks. The step is :func:`dtree.step.run_token_step`.
+        when the batch is split over ranks. The step's two ends are :class:`dtree.step.TokenStep`.
         """
         check_loss_argument(loss)
         if not isinstance(loss, TokenLoss):
@@ -217,15 +217,14 @@ class MicroBatchTrainer:
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
         lin = np.concatenate([c.term_lin for c in calls]) if calls else np.zeros(0, dtype=np.int64)
 
-        def run(per_token, recorded) -> StepRun:
-            total, term_log = self._run(calls, forest, weights, loss, per_token)
-            return StepRun(
+        with TokenStep(self.module.parameters(), forest, loss, lin, self.device, self.dtype, started=t0) as step:
+            total, term_log = self._run(calls, forest, weights, loss, step.per_token)
+            walked = WalkOutput(
                 total, term_log, num_model_calls=len(calls),
                 peak_graph_tokens=max((c.batch.num_tokens for c in calls), default=0),
                 metrics=self._metrics(forest, batches),
             )
-
-        return run_token_step(self.module.parameters(), forest, loss, lin, run, self.device, self.dtype, started=t0)
+            return step.finish(walked)
 
     def _upload(
         self, calls: list[_Call], forest: Forest, weights: np.ndarray, field_names: Sequence[str]
@@ -233,19 +232,17 @@ class MicroBatchTrainer:
         """Every call's arrays in one host-to-device copy per dtype (as the runtime does);
         returns per call a dict of device views."""
         keys = ("input_ids", "position_ids", "pred_hidden_row", "labels", "loss_pred")
-        ints = [
-            (forest.tokens[c.batch.row_unique], c.batch.position_ids, c.pred_hidden_row, c.labels, c.loss_pred)
-            for c in calls
-        ]
-        flat = np.concatenate([a for arrays in ints for a in arrays]).astype(np.int64)
-        views = iter(torch.split(upload(flat, self.device), [len(a) for arrays in ints for a in arrays]))
-        lin = np.concatenate([c.term_lin for c in calls])
-        floats = np.stack([weights[lin]] + [forest.fields[n][lin] for n in field_names])
-        floats = upload(floats, self.device, compute_dtype(self.dtype))
-        per_call = torch.split(floats, [len(c.term_lin) for c in calls], dim=1)
+        ints, floats = upload_arrays(
+            [a for c in calls for a in (forest.tokens[c.batch.row_unique], c.batch.position_ids, c.pred_hidden_row,
+                                        c.labels, c.loss_pred)],
+            [a for c in calls for a in [weights[c.term_lin]] + [forest.fields[n][c.term_lin] for n in field_names]],
+            self.device, compute_dtype(self.dtype),
+        )
+        views, per_float = iter(ints), 1 + len(field_names)
         return [
-            {**{k: next(views) for k in keys}, "weights": f[0], "fields": dict(zip(field_names, f[1:]))}
-            for f in per_call
+            {**{k: next(views) for k in keys}, "weights": floats[i * per_float],
+             "fields": dict(zip(field_names, floats[i * per_float + 1 : (i + 1) * per_float]))}
+            for i in range(len(calls))
         ]
 
     def _run(self, calls: list[_Call], forest: Forest, weights: np.ndarray, loss: TokenLoss, per_token: PerTokenFn):

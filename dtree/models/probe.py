@@ -93,7 +93,7 @@ class SplitAttention:
         from ..ops.stack_attention import stack_attention
 
         stack, local = self.stacks.kv_of(layer)
-        stack.store_kv(local, self.lo, k, v)
+        stack.push(local, self.lo, k, v)
         return stack_attention(q, k, v, stack, local, self.layout, scale, "reference", **options)
 
     def states(self, layer: int) -> LayerStates:
