@@ -17,6 +17,7 @@ import pytest
 import torch
 from reference import linearized_step
 from setups import FP32_TOL, assert_exact
+from test_checkpoint_layers import hf_checkpointing
 from test_families import build
 
 import dtree
@@ -136,8 +137,9 @@ def _long_forest(vocab: int) -> list[list[int]]:
 
 @pytest.mark.parametrize(
     "settings",
-    [{}, {"group_tokens": 0}, {"mode": "recompute", "group_tokens": 64}],
-    ids=["default", "calls", "recompute"],
+    [{}, {"group_tokens": 0}, {"mode": "recompute", "group_tokens": 64},
+     {"checkpoint_layers": True, "group_tokens": 64}],
+    ids=["default", "calls", "recompute", "checkpoint_layers"],
 )
 @pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h"])
 def test_models_exact_with_chunked_backend(name, settings):
@@ -150,6 +152,20 @@ def test_models_exact_with_chunked_backend(name, settings):
     out = runtime.forward_backward(dtree.Forest.from_sequences(sequences), dtree.losses.nll())
     assert out.metrics["recurrence"] == "chunked" and (out.num_model_calls > 1 or not settings)  # default: one call
     assert abs(out.loss - ref_loss) <= FP32_TOL * max(1.0, abs(ref_loss))
+    assert_exact(model, ref_model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_hf_checkpointing_around_the_checkpointed_recurrence(reentrant):
+    """The backend checkpoints itself; HF's layer checkpointing around it re-runs it once more."""
+    model = build("qwen3_5_text")
+    model.config.max_position_embeddings = 1024
+    sequences = _long_forest(model.config.vocab_size)
+    ref_model = copy.deepcopy(model)
+    linearized_step(ref_model, sequences)
+    hf_checkpointing(model, reentrant)
+    dtree.TreeRuntime(model, recurrence="chunked", chunk_size=48, group_tokens=64).forward_backward(
+        dtree.Forest.from_sequences(sequences), dtree.losses.nll())
     assert_exact(model, ref_model)
 
 

@@ -141,20 +141,36 @@ def recurrence_chunked(
     """Signature and shapes of :func:`dtree.ops.linear_recurrence.recurrence_reference`:
     q, k [T, Hk, K]; v [T, H, V]; g [T, H] (or [T, H, K]: the reference runs); beta
     [T, H] or None; ``cu_seqlens`` [N+1] (host); ``initial`` [N, H, K, V]. Returns
-    ([T, H, V] in ``v.dtype``, [N, H, K, V] in the state dtype)."""
-    from .linear_recurrence import l2norm, recurrence_reference, state_dtype
+    ([T, H, V] in ``v.dtype``, [N, H, K, V] in the state dtype).
+
+    Under autograd the whole computation is checkpointed: backward re-runs it from the
+    inputs (a second forward of the recurrence, small beside the model's matmuls)
+    instead of keeping its float32 chunk terms, several times the state per chunk and
+    head, alive through the step."""
+    from .linear_recurrence import recurrence_reference, state_dtype
 
     if g.dim() == 3:  # per-key-row decay: not in this form
         return recurrence_reference(q, k, v, g, beta, cu_seqlens, initial, scale, qk_l2norm)
-    heads, dtype, device = v.shape[1], state_dtype(v.dtype), v.device
     if len(cu_seqlens) < 2:  # no segments
-        return v.new_zeros(0, heads, v.shape[2]), initial.to(dtype)
+        return v.new_zeros(0, v.shape[1], v.shape[2]), initial.to(state_dtype(v.dtype))
+    layout = _chunk_layout(cu_seqlens, chunk)
+    inputs = (q, k, v, g, beta, initial)
+    if torch.is_grad_enabled() and any(x is not None and x.requires_grad for x in inputs):
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(_recurrence, *inputs, layout, scale, qk_l2norm, chunk, use_reentrant=False)
+    return _recurrence(*inputs, layout, scale, qk_l2norm, chunk)
+
+
+def _recurrence(q, k, v, g, beta, initial, layout: _ChunkLayout, scale: float, qk_l2norm: bool, chunk: int):
+    from .linear_recurrence import l2norm, state_dtype
+
+    heads, dtype, device = v.shape[1], state_dtype(v.dtype), v.device
     q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
     if q.shape[1] != heads:
         q, k = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (q, k))
     if qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    layout = _chunk_layout(cu_seqlens, chunk)
     gather = torch.as_tensor(layout.gather).to(device, non_blocking=True)
     rows = [q * scale, k, v, g] + ([] if beta is None else [beta.to(dtype)])
     # [Nc, C, H, ...] -> [Nc, H, C, ...]
