@@ -118,6 +118,19 @@ def test_strong_decay_stays_finite():
         assert ((a.double() - b).abs().max() / b.abs().max()).item() <= 1e-4
 
 
+def test_bf16_inputs_give_bf16_outputs_and_float32_states():
+    """As the adapters call it in a bf16 model: the math in float32, close to the
+    reference's, the output in the inputs' dtype."""
+    leaves, cu = _call([70, 5], (2, 4, 8, 8), torch.float32, delta=True)
+    low = [None if x is None else x.to(torch.bfloat16) for x in leaves[:3]] + [leaves[3], leaves[4].bfloat16(),
+                                                                              leaves[5]]
+    out, final = recurrence_chunked(*low[:5], cu, low[5], 0.5, True)
+    want_out, want_final = recurrence_reference(*low[:5], cu, low[5], 0.5, True)
+    assert out.dtype == torch.bfloat16 and final.dtype == torch.float32
+    assert (out.float() - want_out.float()).abs().max() <= 1e-2 * want_out.float().abs().max()
+    assert (final - want_final).abs().max() <= 1e-5 * want_final.abs().max()
+
+
 def test_per_key_decay_runs_the_reference():
     _assert_close([70, 5], (2, 2, 4, 3), torch.float64, delta=True, qk_l2norm=True, per_key=True)
 

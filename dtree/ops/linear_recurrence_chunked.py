@@ -165,7 +165,7 @@ def recurrence_chunked(
 def _recurrence(q, k, v, g, beta, initial, layout: _ChunkLayout, scale: float, qk_l2norm: bool, chunk: int):
     from .linear_recurrence import l2norm, state_dtype
 
-    heads, dtype, device = v.shape[1], state_dtype(v.dtype), v.device
+    heads, dtype, device, out_dtype = v.shape[1], state_dtype(v.dtype), v.device, v.dtype
     q, k, v, g = (x.to(dtype) for x in (q, k, v, g))
     if q.shape[1] != heads:
         q, k = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (q, k))
@@ -181,4 +181,4 @@ def _recurrence(q, k, v, g, beta, initial, layout: _ChunkLayout, scale: float, q
     scatter = torch.as_tensor(layout.scatter).to(device, non_blocking=True)
     out = out.movedim(1, 2).flatten(0, 1).index_select(0, scatter)
     inverse = torch.as_tensor(np.argsort(layout.order)).to(device, non_blocking=True)
-    return out.to(v.dtype), final.index_select(0, inverse)
+    return out.to(out_dtype), final.index_select(0, inverse)
