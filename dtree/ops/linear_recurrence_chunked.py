@@ -118,10 +118,17 @@ def _chunk_terms(q, k, v, g, beta):
     )
 
 
+def _affine(weight: torch.Tensor, x: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``weight @ x + bias`` over [n, H, ...] batches in one batched GEMM (one launch per
+    step of the state loop, which runs once per chunk of the longest segment)."""
+    out = torch.baddbmm(bias.flatten(0, 1), weight.flatten(0, 1), x.flatten(0, 1))
+    return out.unflatten(0, x.shape[:2])
+
+
 def _across_chunks(terms, initial: torch.Tensor, layout: _ChunkLayout):
     """The state loop: ([Nc, H, C, V] chunk outputs, [N, H, K, V] final states in the
     order of ``layout.order``)."""
-    qe, pw1, m, b = terms
+    qe, pw1, m, b = (x.contiguous() for x in terms)  # each step's slices then batch without copies
     state = initial
     outs, finished = [], []
     for j, running in enumerate(layout.running.tolist()):
@@ -129,8 +136,8 @@ def _across_chunks(terms, initial: torch.Tensor, layout: _ChunkLayout):
         if running < state.shape[0]:  # the shorter segments ended: keep their final states
             finished.append(state[running:])
             state = state[:running]
-        outs.append(qe[a:z] @ state + pw1[a:z])
-        state = m[a:z] @ state + b[a:z]
+        outs.append(_affine(qe[a:z], state, pw1[a:z]))
+        state = _affine(m[a:z], state, b[a:z])
     finished.append(state)
     return torch.cat(outs), torch.cat(finished[::-1])
 
