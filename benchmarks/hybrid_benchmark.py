@@ -70,11 +70,13 @@ _KEEP = ("method", "status", "step_time_s", "tokens_per_s", "effective_tokens_pe
 
 
 def _speedups(runs: list[dict]) -> None:
-    """Each workload's dtree row gets linearized's step time over its own, beside the ideal."""
+    """Each workload's dtree rows get linearized's step time (the plain run, else the
+    checkpointed one) over their own, beside the ideal."""
     for r in runs:
         if r.get("method", "").startswith("dtree") and r.get("status") == "ok":
-            lin = [x for x in runs if x["workload"] == r["workload"] and x["method"] == "linearized"]
-            if lin and lin[0].get("status") == "ok":
+            lin = [x for x in runs if x["workload"] == r["workload"] and x["method"].startswith("linearized")
+                   and x.get("status") == "ok"]
+            if lin:
                 r["speedup"] = lin[0]["step_time_s"] / r["step_time_s"]
                 r["fraction_of_ideal"] = r["speedup"] / r["flop_compression"]
 
@@ -107,9 +109,11 @@ def benchmark(build_model, device, smoke: bool, deadline: float, recurrence: str
             # only when the default plan ran out of memory
             "dtree memory=low": lambda: dtree.TreeRuntime(model, memory="low", recurrence=recurrence),
             "linearized": lambda: LinearizedTrainer(model),
+            # only when 16k-token micro-batches ran out of memory: per-layer checkpointing
+            "linearized+ckpt": lambda: LinearizedTrainer(model, checkpoint=True),
         }
         for method, make in methods.items():
-            if method == "dtree memory=low" and runs[-1]["status"] != "oom":
+            if method in ("dtree memory=low", "linearized+ckpt") and runs[-1]["status"] != "oom":
                 continue
             row = {"workload": wname, "method": method, "unique_tokens": forest.num_unique_tokens,
                    "linearized_tokens": forest.num_linearized_tokens, "flop_compression": compression}
@@ -120,9 +124,9 @@ def benchmark(build_model, device, smoke: bool, deadline: float, recurrence: str
                                repeats=1 if smoke else 2, unique_flops=flops, peak=peak).as_dict()
             row.update({k: r.get(k) for k in _KEEP})
             row["recurrence"] = (r.get("metrics") or {}).get("recurrence") or (
-                LinearizedTrainer(model).recurrence if method == "linearized" else None)
+                LinearizedTrainer(model).recurrence if method.startswith("linearized") else None)
             if row["mfu"] is not None:
-                row["hardware_mfu"] = row["mfu"] * (compression if method == "linearized" else 1.0)
+                row["hardware_mfu"] = row["mfu"] * (compression if method.startswith("linearized") else 1.0)
             runs.append(row)
             print(f"  {wname:8s} {method:16s} {row['status']} step {row.get('step_time_s')} s", flush=True)
     _speedups(runs)
