@@ -23,7 +23,8 @@ def test_smoke_run_checks_and_reports(tmp_path, capsys):
     assert all(r["ok"] for r in results["kernels"] + results["models"])
     assert results["backend"] == "chunked"
     assert {r["recurrence"] for r in results["models"]} == {"chunked"}
-    assert all(r["worst_err"] >= 0 and r["worst_hf_bf16_err"] >= 0 and r["worst_bf16_rounding"] >= 0
+    assert all(r["worst_err"] >= 0 and r["worst_hf_bf16_err"] >= 0 and r["worst_hf_bf16_err_reordered"] >= 0
+               and r["worst_bf16_rounding"] >= 0
                for r in results["models"])
     assert results["packing"]["packed_ms"] > 0 and results["packing"]["per_segment_ms"] > 0
     runs = results["benchmark"]["runs"]
