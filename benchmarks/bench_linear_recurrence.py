@@ -1,8 +1,8 @@
 """linear_recurrence (dtree/ops/linear_recurrence.py) on a GPU: the ``fla`` backend checked
 against the float64 recurrence by the flash-attention rule, and packed siblings timed
 against one call per sibling. ``benchmarks/hybrid_gpu.py`` runs both as its part 1;
-alone: ``python benchmarks/bench_linear_recurrence.py [--all-kernels]`` (CPU: the
-reference backend, tiny sizes).
+alone: ``python benchmarks/bench_linear_recurrence.py [--all-kernels]`` (without fla: the
+chunked backend; CPU: tiny sizes).
 
 Check: a varlen call of three segments with random initial states; outputs, final
 states and every gradient (inputs and initial states) of the backend in bf16 (gated
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     from dtree.ops.linear_recurrence_fla import fla_unavailable
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    backend = "reference" if fla_unavailable(Target(device)) else "fla"
+    backend = "chunked" if fla_unavailable(Target(device)) else "fla"
     kinds = ["gdn", "ssd"] + (["kda", "gla"] if "--all-kernels" in (argv or sys.argv[1:]) else [])
     rows = check_kernels(device, kinds, backend)
     print(json.dumps({"backend": backend, "failed": [r for r in rows if not r["ok"]],

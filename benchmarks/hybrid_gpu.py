@@ -1,26 +1,38 @@
 """Hybrid models through dtree's state stack on one GPU: bf16 checks, then a benchmark
-against linearized training. One run, about 5 minutes on an H100.
+against linearized training. One run, at most about 8 minutes on an H100.
 
-    mkdir -p wheels && pip download fla-core==0.6.0 einops==0.8.1 --no-deps -d wheels   # with network
-    python benchmarks/hybrid_gpu.py --wheels wheels --out "$OUT"                        # on the GPU, offline
-    SMOKE=1 python benchmarks/hybrid_gpu.py --out /tmp/hybrid                          # CPU, tiny (CI)
+    python benchmarks/hybrid_gpu.py --out "$OUT"                  # on the GPU
+    python benchmarks/hybrid_gpu.py --wheels wheels --out "$OUT"  # with fla-core/einops wheels on the path
+    python benchmarks/hybrid_gpu.py --smoke --out /tmp/hybrid      # CPU, tiny models, < 1 minute (CI)
 
-1. **Kernels** (``benchmarks/bench_linear_recurrence.py``). flash-linear-attention's kernels
-   (the ``fla`` backend) against the float64 recurrence, a varlen call with initial states:
-   outputs, final states and every gradient within the flash-attention rule (2x forward,
-   3x gradient error of the all-bf16 torch recurrence, plus a floor): gated DeltaNet's
-   delta rule and Mamba2's SSD (``--all-kernels``: also Kimi's and Mamba's per-key decays).
-   And a GRPO-shaped call's recurrence timed packed (one varlen call for 16 answers that
-   start from one prompt's state) against one call per answer.
+The recurrence backend is ``fla`` (flash-linear-attention) where it runs, else dtree's
+``chunked`` torch form (fla-core 0.6 refuses Hopper with Triton < 3.7.1; ``--recurrence``
+names one). The smoke run uses ``chunked``.
+
+1. **Kernels** (``benchmarks/bench_linear_recurrence.py``). The backend against the
+   float64 recurrence, a varlen call with initial states: outputs, final states and every
+   gradient within the flash-attention rule (2x forward, 3x gradient error of the all-bf16
+   torch recurrence, plus a floor): gated DeltaNet's delta rule and Mamba2's SSD
+   (``--all-kernels``: also Kimi's and Mamba's per-key decays). And a GRPO-shaped call's
+   recurrence timed packed (one varlen call for 16 answers that start from one prompt's
+   state) against one call per answer.
 2. **Models.** bf16 Qwen3.5-shaped (gated DeltaNet, gated attention 3:1) and Nemotron-H-shaped
    (Mamba2, MLP, attention) models trained by dtree on a branching forest (default, node by
    node, recompute) against HF on each path: the loss within 2x and every gradient within 3x
    of the bf16 HF model's error against float32, plus a floor. transformers' modeling modules
-   are imported before the wheels are on the path, so HF runs its torch recurrences.
-3. **Benchmark.** A Qwen3.5-shaped ~2B hybrid (random bf16 weights), agentic (one tool-use
-   tree) and grpo (prompt 2048 + 8 x 512, two groups): dtree against linearized training
-   (packed varlen, the same kernels): step time, tokens/s, MFU, peak memory. Tree-mask
-   training cannot express a recurrent state: reported as not applicable, with its refusal.
+   are imported before the wheels are on the path, so HF runs its torch recurrences (in
+   float32 math: its bf16 model's error comes from the bf16 layers around them). For the
+   worst gradient the report also gives the bf16 HF error with the paths in reverse order
+   (a second sample of the baseline) and the error of the float32 gradient merely rounded
+   to bf16 (the resolution of a bf16 ``param.grad``): a per-head gradient such as gated
+   DeltaNet's ``A_log`` has a few elements, each a sum over every token, so its bound is
+   one noisy sample (on CPU, dtree's ratio to it moves between 0.56 and 0.81 across layouts
+   that agree to float32 rounding).
+3. **Benchmark** (``benchmarks/hybrid_benchmark.py``). A Qwen3.5-shaped ~2B hybrid (random
+   bf16 weights), agentic (one tool-use tree) and grpo (prompt 2048 + 8 x 512, two groups):
+   dtree against linearized training (packed varlen, the same layer and recurrence kernels):
+   step time, tokens/s, MFU (the FLOP count is in that module), peak memory, speedup and the
+   ideal speedup. Mask-based training cannot express a recurrent state: not applicable.
 
 Reports: ``$OUT/hybrid_gpu.md`` and ``$OUT/hybrid_gpu.json``; a summary is printed.
 """
@@ -147,6 +159,9 @@ def check_model(name: str, config, device, seqs, settings: dict) -> list[dict]:
     base = build(config, device)
     loss_exact, grads_exact = per_path(copy.deepcopy(base), seqs)
     loss_bf16, grads_bf16 = per_path(copy.deepcopy(base).to(torch.bfloat16), seqs)
+    # the same bf16 HF training with the paths in reverse order: a second sample of the
+    # baseline's error (reported beside the worst gradient, not used in the bound)
+    grads_bf16_reordered = per_path(copy.deepcopy(base).to(torch.bfloat16), seqs[::-1])[1]
     forest = dtree.Forest.from_sequences(seqs)
     rows = []
     for label, kw in settings.items():
@@ -156,7 +171,7 @@ def check_model(name: str, config, device, seqs, settings: dict) -> list[dict]:
         out = rt.forward_backward(forest, dtree.losses.nll())
         seconds = time.perf_counter() - t0
         loss_ok = abs(out.loss - loss_exact) <= 2 * abs(loss_bf16 - loss_exact) + 1e-3 * max(1.0, abs(loss_exact))
-        worst, worst_ratio, bad = None, 0.0, []
+        worst, worst_ratio, bad, detail = None, 0.0, [], {}
         for pname, p in model.named_parameters():
             exact = grads_exact[pname]
             err = (p.grad.float() - exact).abs().max().item()
@@ -165,94 +180,20 @@ def check_model(name: str, config, device, seqs, settings: dict) -> list[dict]:
             ratio = err / (3 * base_err + floor)
             if ratio > worst_ratio:
                 worst, worst_ratio = pname, ratio
+                rounding = (exact.to(torch.bfloat16).float() - exact).abs().max().item()
+                reordered = (grads_bf16_reordered[pname] - exact).abs().max().item()
+                detail = {"worst_err": err, "worst_hf_bf16_err": base_err, "worst_hf_bf16_err_reordered": reordered,
+                          "worst_bf16_rounding": rounding, "worst_numel": exact.numel()}
             if ratio > 1:
                 bad.append(pname)
         rows.append({
             "model": name, "setting": label, "options": kw, "recurrence": out.metrics["recurrence"],
             "attention": out.metrics["attention"],
             "loss": out.loss, "loss_fp32": loss_exact, "loss_bf16_hf": loss_bf16, "loss_ok": loss_ok,
-            "worst_param": worst, "worst_ratio_to_bound": worst_ratio, "bad_params": bad,
+            "worst_param": worst, "worst_ratio_to_bound": worst_ratio, "bad_params": bad, **detail,
             "ok": loss_ok and not bad, "seconds": seconds, "model_calls": out.num_model_calls,
         })
     return rows
-
-
-# ---------------------------------------------------------------------------- 3. benchmark
-def hybrid_flops(model) -> tuple[float, float]:
-    """(forward FLOPs per token, forward FLOPs per attended key) of a Qwen3.5-shaped model:
-    2 x every decoder and head matmul weight; the gated delta rule's state read, update
-    and readout (6 H_v D_k D_v per token per layer); 4 H D per key in attention layers."""
-    config = model.config
-    linears = sum(m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear))
-    per_token = 2.0 * (linears + model.get_output_embeddings().weight.numel())
-    types = config.layer_types
-    recurrent = sum(t == "linear_attention" for t in types)
-    state = config.linear_num_value_heads * config.linear_key_head_dim * config.linear_value_head_dim
-    per_token += recurrent * 6.0 * state
-    per_key = (len(types) - recurrent) * 4.0 * config.num_attention_heads * config.head_dim
-    return per_token, per_key
-
-
-def unique_training_flops(forest, per_token: float, per_key: float) -> float:
-    """fwd + bwd (3x forward) FLOPs of the forest's unique tokens (a token at depth d attends to d + 1 keys)."""
-    keys = float((forest.positions.astype(np.float64) + 1).sum())
-    return 3.0 * (forest.num_unique_tokens * per_token + keys * per_key)
-
-
-def workloads(vocab: int, smoke: bool) -> dict:
-    from dtree.workloads import make_workload
-
-    if smoke:
-        return {"agentic": make_workload("agentic", tiny=True, vocab_size=vocab, num_trees=1),
-                "grpo": make_workload("grpo", tiny=True, vocab_size=vocab, num_prompts=1)}
-    return {
-        "agentic": make_workload("agentic", num_trees=1, target_unique_tokens=16384, vocab_size=vocab),
-        "grpo": make_workload("grpo", num_prompts=2, prompt_len=2048, group_size=8, answer_len=512, vocab_size=vocab),
-    }
-
-
-_UNUSED = {"first_step_s", "second_step_s", "steady_max_s", "steady_steps", "step_losses", "step_peak_mem_gib",
-           "step_calls", "speedup_vs_linearized", "ideal_speedup", "fraction_of_ideal", "metrics"}
-
-
-def benchmark(device, smoke: bool, deadline: float) -> dict:
-    import dtree
-    from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
-    from dtree.bench.measure import measure_method, peak_tflops
-
-    model = build(qwen35_config("tiny" if smoke else "2b"), device, dtype=torch.float32 if smoke else torch.bfloat16)
-    params = sum(p.numel() for p in model.parameters())
-    per_token, per_key = hybrid_flops(model)
-    peak = peak_tflops(device, next(model.parameters()).dtype)
-    try:
-        TreeMaskTrainer(model)
-        mask = "ran (unexpected)"
-    except ValueError as error:
-        mask = f"not applicable: {error}"
-    loss = dtree.losses.nll()
-    runs = []
-    for wname, forest in workloads(model.config.vocab_size, smoke).items():
-        flops = unique_training_flops(forest, per_token, per_key)
-        methods = {
-            "dtree": lambda: dtree.TreeRuntime(model),
-            # only when the default plan ran out of memory (the memory policy's activation
-            # estimates are an attention model's; the recurrent layers keep other tensors)
-            "dtree memory=low": lambda: dtree.TreeRuntime(model, memory="low"),
-            "linearized": lambda: LinearizedTrainer(model),
-        }
-        for method, make in methods.items():
-            if method == "dtree memory=low" and runs[-1]["status"] != "oom":
-                continue
-            if time.perf_counter() > deadline:
-                runs.append({"workload": wname, "method": method, "status": "skipped (time budget)"})
-                continue
-            r = measure_method(method, make, forest, loss, model, device=device, warmup=0 if smoke else 1,
-                               repeats=1 if smoke else 2, unique_flops=flops, peak=peak)
-            runs.append({"workload": wname, "unique_tokens": forest.num_unique_tokens,
-                         "linearized_tokens": forest.num_linearized_tokens,
-                         "flop_compression": forest.flop_compression_ratio(per_token, per_key),
-                         **{k: v for k, v in r.as_dict().items() if k not in _UNUSED}})
-    return {"params": params, "flops_per_token": per_token, "flops_per_key": per_key, "tree_mask": mask, "runs": runs}
 
 
 # ---------------------------------------------------------------------------- report, main
@@ -294,7 +235,8 @@ def _table(rows: list[dict], columns: str) -> list[str]:
 def report(results: dict) -> str:
     lines = ["# Hybrid models through dtree's state stack", ""]
     lines += [f"- {k}: {v}" for k, v in results["environment"].items()]
-    lines += ["", "## 1. Kernels (fla vs the float64 recurrence; bound 2x/3x the all-bf16 torch one + floor)", ""]
+    lines += ["", f"## 1. Kernels ({results.get('backend')} vs the float64 recurrence; bound 2x/3x the all-bf16 "
+              "torch one + floor)", ""]
     lines += _table(results.get("kernels", []), "kernel:kernel:, tensor:tensor:, error:err:.3g, "
                     "bf16 torch error:bf16_torch_err:.3g, bound:bound:.3g, ok:ok:ok")
     pack = results.get("packing", {})
@@ -303,15 +245,22 @@ def report(results: dict) -> str:
               "gradient error of HF bf16 vs fp32 + floor)", ""]
     lines += _table(results.get("models", []), "model:model:, setting:setting:, recurrence:recurrence:, "
                     "loss:loss:.5f, loss fp32 HF:loss_fp32:.5f, worst gradient:worst_param:, "
-                    "its error / bound:worst_ratio_to_bound:.2f, ok:ok:ok")
+                    "its error / bound:worst_ratio_to_bound:.2f, its error:worst_err:.3g, "
+                    "HF bf16 error:worst_hf_bf16_err:.3g, HF bf16 paths reversed:worst_hf_bf16_err_reordered:.3g, "
+                    "fp32 grad rounded to bf16:worst_bf16_rounding:.3g, "
+                    "elements:worst_numel:, ok:ok:ok")
     bench = results.get("benchmark") or {}
     lines += ["", f"## 3. Benchmark: Qwen3.5-shaped hybrid, {bench.get('params', 0) / 1e9:.2f}B params, random", ""]
-    lines += _table(bench.get("runs", []), "workload:workload:, method:method:, unique tokens:unique_tokens:, "
-                    "linearized tokens:linearized_tokens:, FLOP compression:flop_compression:.3g, "
-                    "step s:step_time_s:.3g, tokens/s (unique):tokens_per_s:.0f, "
-                    "effective tokens/s:effective_tokens_per_s:.0f, MFU:mfu:.1%, peak GiB:peak_mem_gib:.1f, "
-                    "status:status:, error:error:")
-    return "\n".join(lines + ["", f"Tree mask (mask-based methods): {bench.get('tree_mask', '')}", ""])
+    lines += [f"Layers: {bench.get('layers')}. FLOPs per token {bench.get('flops_per_token', 0):.4g}, per attended "
+              f"key {bench.get('flops_per_key', 0):.4g} (forward; x3 for training; benchmarks/hybrid_benchmark.py); "
+              f"peak {bench.get('peak_tflops')} TFLOP/s.", ""]
+    lines += _table(bench.get("runs", []), "workload:workload:, method:method:, recurrence:recurrence:, "
+                    "unique tokens:unique_tokens:, linearized tokens:linearized_tokens:, step s:step_time_s:.3g, "
+                    "tokens/s (unique):tokens_per_s:.0f, effective tokens/s:effective_tokens_per_s:.0f, "
+                    "MFU:mfu:.1%, hardware MFU:hardware_mfu:.1%, peak GiB:peak_mem_gib:.1f, speedup:speedup:.2f, "
+                    "ideal (FLOP compression):flop_compression:.2f, status:status:, error:error:")
+    return "\n".join(lines + ["", f"Mask-based methods: {bench.get('mask_methods', '')}; dtree's tree-mask "
+                               f"baseline: {bench.get('tree_mask', '')}", ""])
 
 
 def _safely(run, what: dict) -> list[dict]:
@@ -324,13 +273,16 @@ def _safely(run, what: dict) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     from benchmarks.bench_linear_recurrence import check_kernels, time_packing
+    from benchmarks.hybrid_benchmark import benchmark
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results/hybrid"))
     parser.add_argument("--wheels", default=os.environ.get("DTREE_WHEELS"), help="folder of wheels to put on sys.path")
     parser.add_argument("--smoke", action="store_true", default=os.environ.get("SMOKE") == "1")
     parser.add_argument("--all-kernels", action="store_true", help="also check the per-key decays (Kimi, Mamba)")
-    parser.add_argument("--budget-s", type=float, default=450.0, help="no benchmark case starts after this")
+    parser.add_argument("--budget-s", type=float, default=420.0, help="no benchmark case starts after this")
+    parser.add_argument("--recurrence", choices=("auto", "chunked", "fla", "reference"), default="auto",
+                        help="the recurrence backend (auto: fla where it runs, else chunked)")
     args = parser.parse_args(argv)
     start = time.perf_counter()
     import_hf_references()
@@ -345,20 +297,23 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict = {"environment": environment(device, wheels)}
     why = fla_unavailable(Target(device))
-    backend = "reference" if why else "fla"
+    backend = args.recurrence if args.recurrence != "auto" else "chunked" if why else "fla"
+    results["backend"] = backend
     kinds = ["gdn", "ssd"] + (["kda", "gla"] if args.all_kernels else [])
     results["kernels"] = _safely(lambda: check_kernels(device, kinds, backend), {"kernel": "all", "tensor": "-"})
-    results["kernels_note"] = f"backend: {backend}" + (f" (fla {why})" if why else "")
+    results["kernels_note"] = f"backend: {backend}" + (f" (fla {why})" if why and backend != "fla" else "")
     results["packing"] = _safely(lambda: [time_packing(device, backend, args.smoke)], {"what": "packing"})[0]
     size, scale = ("tiny", 1) if args.smoke else ("check", 10)
-    settings = {"default": {}, "calls": dict(group_tokens=0, chunk_size=64),
-                "recompute": dict(mode="recompute", group_tokens=256, chunk_size=64)}
+    settings = {"default": dict(recurrence=backend), "calls": dict(group_tokens=0, chunk_size=64, recurrence=backend),
+                "recompute": dict(mode="recompute", group_tokens=256, chunk_size=64, recurrence=backend)}
     results["models"] = []
     for name, config in (("qwen3.5", qwen35_config(size)), ("nemotron_h", nemotron_config(size))):
         seqs = branching_sequences(config.vocab_size, scale)
         results["models"] += _safely(lambda: check_model(name, config, device, seqs, settings), {"model": name})
-    if backend == "fla" or args.smoke:
-        results["benchmark"] = benchmark(device, args.smoke, start + args.budget_s)
+    if backend != "reference" or args.smoke:  # the reference is token by token: far too slow for 2B
+        dtype = torch.float32 if args.smoke else torch.bfloat16
+        results["benchmark"] = benchmark(lambda: build(qwen35_config("tiny" if args.smoke else "2b"), device, dtype),
+                                         device, args.smoke, start + args.budget_s, backend)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "hybrid_gpu.md").write_text(report(results))
@@ -368,8 +323,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"hybrid_gpu: {len(checks) - len(failed)}/{len(checks)} checks pass ({results['kernels_note']}); "
           f"{time.perf_counter() - start:.0f} s; reports in {out}")
     for r in (results.get("benchmark") or {}).get("runs", []):
-        print(f"  {r['workload']:8s} {r['method']:10s} {r.get('status')} step {_fmt(r.get('step_time_s'))} s, "
-              f"MFU {_fmt(r.get('mfu'), '.1%')}, peak {_fmt(r.get('peak_mem_gib'), '.1f')} GiB")
+        print(f"  {r['workload']:8s} {r['method']:16s} {r.get('status')} step {_fmt(r.get('step_time_s'))} s, "
+              f"MFU {_fmt(r.get('mfu'), '.1%')}, peak {_fmt(r.get('peak_mem_gib'), '.1f')} GiB, "
+              f"speedup {_fmt(r.get('speedup'), '.2f')} (ideal {_fmt(r.get('flop_compression'), '.2f')})")
     for c in failed:
         print("  FAIL", {k: c[k] for k in c if k in ("kernel", "tensor", "model", "setting", "worst_param")})
     return 1 if failed else 0

@@ -21,7 +21,7 @@ __all__ = ["RuntimeConfig", "Mode", "Attention", "Recurrence", "MODES", "ATTENTI
 
 Mode = Literal["auto", "retain", "recompute"]
 Attention = Literal["auto", "triton", "flash-attn", "sdpa", "reference"]
-Recurrence = Literal["auto", "reference", "fla"]
+Recurrence = Literal["auto", "reference", "chunked", "fla"]
 MODES: tuple[str, ...] = get_args(Mode)
 ATTENTIONS: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
 RECURRENCES: tuple[str, ...] = ("auto",) + backend_names("linear_recurrence")
@@ -41,7 +41,7 @@ class RuntimeConfig:
         group_tokens: token budget of one packed model call (>= 0; 0: one segment per
             call); None: the memory policy's choice.
         attention: ``"auto"``, ``"triton"``, ``"sdpa"`` or ``"reference"``.
-        recurrence: ``"auto"``, ``"reference"`` or ``"fla"`` (recurrent layers' kernels).
+        recurrence: ``"auto"``, ``"reference"``, ``"chunked"`` or ``"fla"`` (recurrent layers' kernels).
         logprob_chunk: rows per LM-head chunk (>= 1); None: the memory policy's choice.
         stack_capacity: fixed KV-stack size in tokens (>= 1); None sizes it per step.
         progress: a progress bar over each step's model calls.

@@ -103,7 +103,7 @@ class TreeRuntime:
             one segment per call; None: 8192 on CPU, the memory policy's choice on CUDA),
             ``attention`` (``"auto"``: ``triton`` on CUDA where it runs, else ``sdpa``),
             ``recurrence`` (recurrent layers' kernels; ``"auto"``: ``fla`` on CUDA where
-            installed, else ``reference``),
+            it runs, else ``chunked``; ``reference`` on CPU),
             ``logprob_chunk`` (LM-head rows per chunk), ``checkpoint_layers`` (True, False or
             how many decoder layers to checkpoint in every call; None: the policy's
             choice), ``memory`` (``"auto"``, ``"low"`` or a cap in GiB on the step's peak),

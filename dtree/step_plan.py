@@ -60,7 +60,7 @@ def pick_backend(attention: str, placement: Placement, spec: ModelSpec, determin
 def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str | None:
     """The ``linear_recurrence`` backend for a model with recurrent layers (None without):
     ``auto`` takes flash-linear-attention's kernels on CUDA where installed (not in
-    deterministic mode), else the float32 reference. An explicit backend that cannot run
+    deterministic mode), else the chunked torch form; on CPU the float32 reference. An explicit backend that cannot run
     here raises a ValueError. In deterministic mode on CUDA, the state ops' gathers and
     depthwise convolutions are torch ops that sum in a fixed order only under
     ``torch.use_deterministic_algorithms(True)``: without it, a RuntimeError (as torch raises)."""

@@ -10,7 +10,7 @@ Ops and their backends (each backend has the signature of its op's dispatcher):
 * ``tree_mask_attention`` (:func:`dtree.ops.tree_mask_attention.tree_mask_attention`,
   the tree-mask baseline): ``sdpa``, ``flex``.
 * ``linear_recurrence`` (:func:`dtree.ops.linear_recurrence.linear_recurrence`, the
-  recurrent layers of hybrid models): ``reference``, ``fla``.
+  recurrent layers of hybrid models): ``reference``, ``chunked``, ``fla``.
 
 Implementations and their availability checks are named ``"module:function"`` inside
 :mod:`dtree.ops` and imported at the call: the registry imports no op module (the ops
@@ -130,6 +130,7 @@ _OPS: dict[str, _Op] = {
         "recurrence",
         [
             Backend("reference", "linear_recurrence:recurrence_reference"),
+            Backend("chunked", "linear_recurrence_chunked:recurrence_chunked"),
             Backend(
                 "fla",
                 "linear_recurrence_fla:recurrence_fla",
@@ -137,7 +138,7 @@ _OPS: dict[str, _Op] = {
                 "linear_recurrence_fla:fla_nondeterministic",
             ),
         ],
-        {"cuda": ("fla", "reference"), "other": ("reference",)},
+        {"cuda": ("fla", "chunked"), "other": ("reference",)},
         option="recurrence",
     ),
 }

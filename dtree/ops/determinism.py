@@ -22,7 +22,7 @@ a ``RuntimeError`` the way torch's own nondeterministic ops do (a warning instea
   order on CUDA only under ``torch.use_deterministic_algorithms(True)``: deterministic
   mode on CUDA without it raises (:func:`dtree.step_plan.pick_recurrence`); ``fla``
   (flash-linear-attention's kernels, not checked for a fixed order) is skipped by
-  ``recurrence="auto"`` and refused when named.
+  ``recurrence="auto"`` (which takes ``chunked``, torch ops) and refused when named.
 
 torch's ops inside the model (matmuls, norms, the embedding backward) follow
 ``torch.use_deterministic_algorithms``; on one GPU the usual ones are deterministic

@@ -31,6 +31,8 @@ scale, qk_l2norm) -> (o, final)``:
 * ``reference``: :func:`recurrence_reference`, token by token in float32, one segment
   at a time; exactly transformers' recurrent torch path (which its chunked path equals
   to rounding). The CPU path and the test reference.
+* ``chunked``: the chunkwise-parallel form in torch (:mod:`dtree.ops.linear_recurrence_chunked`,
+  per-head decays; a per-key decay runs the reference). CUDA without fla.
 * ``fla``: flash-linear-attention's chunked Triton kernels with ``cu_seqlens`` and
   per-sequence initial states (:mod:`dtree.ops.linear_recurrence_fla`, CUDA,
   ``pip install 'dtree[hybrid]'``).

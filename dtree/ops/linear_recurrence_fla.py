@@ -29,7 +29,7 @@ import torch
 
 from .backends import Target
 
-__all__ = ["recurrence_fla", "fla_nondeterministic", "fla_unavailable", "FLA_INSTALL"]
+__all__ = ["recurrence_fla", "fla_nondeterministic", "fla_unavailable", "hopper_triton_refusal", "FLA_INSTALL"]
 
 FLA_INSTALL = "pip install 'dtree[hybrid]'"
 
@@ -37,11 +37,30 @@ FLA_INSTALL = "pip install 'dtree[hybrid]'"
 def fla_unavailable(target: Target) -> str | None:
     """Why the ``fla`` backend cannot run on ``target`` (None: it runs)."""
     if target.device.type != "cuda":
-        return f"runs on CUDA only (the model is on {target.device.type}); use recurrence='reference'"
+        return f"runs on CUDA only (the model is on {target.device.type}); use recurrence='chunked' or 'reference'"
     try:
         import fla.ops  # noqa: F401
     except Exception as error:  # ImportError, or a Triton/CUDA mismatch at import
         return f"needs flash-linear-attention ({FLA_INSTALL}): {type(error).__name__}: {error}"
+    import importlib.util
+
+    import triton
+
+    capability = torch.cuda.get_device_capability(target.device)
+    return hopper_triton_refusal(capability, triton.__version__, importlib.util.find_spec("tilelang") is not None)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int("".join(c for c in part if c.isdigit()) or 0) for part in text.split("+")[0].split(".")[:3])
+
+
+def hopper_triton_refusal(capability: tuple[int, int], triton_version: str, tilelang: bool) -> str | None:
+    """fla-core 0.6.0 raises in its gated chunk backward on Hopper with Triton >= 3.4.0 and
+    < 3.7.1 ("produces incorrect results") unless tilelang is installed: say so before
+    the first backward (``auto`` then takes ``chunked``)."""
+    if capability[0] == 9 and (3, 4, 0) <= _version(triton_version) < (3, 7, 1) and not tilelang:
+        return (f"refuses Hopper GPUs with Triton {triton_version} (fla-core: incorrect gated backward before "
+                "Triton 3.7.1); upgrade Triton to >= 3.7.1, pip install tilelang, or use recurrence='chunked'")
     return None
 
 
