@@ -24,7 +24,7 @@ and without entropy (gradients arrive on both outputs when it is on), TFLOP/s co
 CUDA time per kernel class (matmul / Triton / other) of one forward+backward, to check
 the byte count of ``benchmarks/PERF_NOTES.md``, and each fused kernel alone on one
 ``[4096, V]`` chunk over a few launch shapes (ms, GB/s), to set ``_FWD`` / ``_BWD`` in
-``dtree/ops/logprobs_triton.py``. A short table is printed last; ``--out``
+``dtree/ops/logprobs/triton_kernels.py``. A short table is printed last; ``--out``
 writes ``DIR/logprobs_<gpu>.md``. Exits 1 when the correctness check fails (after the
 report).
 """
@@ -291,7 +291,7 @@ def main() -> int:
         from interpreter_worker import patch_interpreter
 
         patch_interpreter()
-    from dtree.ops import logprobs_triton as lt
+    from dtree.ops.logprobs import triton_kernels as lt
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     started = time.time()

@@ -3,7 +3,7 @@
     python benchmarks/kernel_registers.py                 # default configs, every option set
     python benchmarks/kernel_registers.py --all-candidates
 
-Compiles each kernel of ``dtree.ops.stack_attention_triton`` (``fused``: the dK/dV kernel
+Compiles each kernel of ``dtree.ops.stack_attention.triton_launch`` (``fused``: the dK/dV kernel
 with the fused backward's dq) for sm_90 through
 ``triton.compile`` (the PTX, then ``ptxas -v`` from Triton's bundled CUDA tools), with
 the argument attributes the JIT gives real calls (16-byte aligned pointers, strides
@@ -26,7 +26,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from dtree.ops import stack_attention_triton as sat  # noqa: E402
+from dtree.ops.stack_attention import triton_launch as sat  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 INT_POINTERS = {"QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START", "SEG_END", "ITEMS", "TICKETS"}

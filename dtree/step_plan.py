@@ -18,7 +18,7 @@ from .checkpointing import decoder_layers
 from .config import RuntimeConfig
 from .models import ModelSpec, TreeModule, unwrap
 from .ops import determinism
-from .ops.backends import resolve_backend
+from .ops.registry import resolve_backend
 from .ops.logprobs import OutputHead, fused_head_kernel
 from .schedule import Schedule
 from .stacks import StepStacks

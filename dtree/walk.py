@@ -47,7 +47,7 @@ from .losses import weighted_terms
 from .models import TreeModule
 from .ops.logprobs import OutputHead, compute_dtype, token_logprobs
 from .ops.segment_states import LayerStates, StateLayout
-from .ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
+from .ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, seed_from_stack, stack_attention
 from .schedule import FORWARD, LossTerms, Schedule
 from .stacks import StepStacks
 from .state_plan import StatePlan
@@ -193,9 +193,8 @@ class GroupAttention:
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.seed:
                 k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi, device_lo=self.device_lo)
-        return stack_attention(
-            q, k, v, stack, local, self.layout, scale, self.backend, deterministic=self.deterministic, **options
-        )
+        options = AttentionOptions(scale=scale, deterministic=self.deterministic, **options)
+        return stack_attention(q, k, v, StackSlots(stack, local, self.layout), options, self.backend)
 
     def states(self, layer: int) -> LayerStates:
         """The recurrent states of ``layer`` for this call (:mod:`dtree.ops.segment_states`)."""

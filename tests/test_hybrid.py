@@ -243,7 +243,7 @@ def test_bf16_hybrid_on_cuda_by_the_flash_rule(kind):
     from benchmarks.hybrid_gpu import branching_sequences, check_model, nemotron_config, qwen35_config
 
     from dtree.ops.backends import Target
-    from dtree.ops.linear_recurrence_fla import fla_unavailable
+    from dtree.ops.linear_recurrence.fla_backend import fla_unavailable
 
     device = torch.device("cuda")
     if fla_unavailable(Target(device)):

@@ -18,9 +18,9 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dtree.kv_stack import KVStack  # noqa: E402
-from dtree.ops import logprobs_triton as lt  # noqa: E402
-from dtree.ops import stack_attention_triton as sat  # noqa: E402
-from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout  # noqa: E402
+from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
+from dtree.ops.stack_attention import triton_launch as sat  # noqa: E402
+from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout, StackSlots  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sat._INTERPRET, reason="the session runs the Triton interpreter")
 
@@ -152,7 +152,7 @@ def test_deterministic_calls_run_the_split_backward(monkeypatch, deterministic):
     layout, used = _grpo(64, [16, 9])
     stack = KVStack(1, used + 25, 1, 16, dtype=torch.bfloat16, device="cpu")
     q, k, v = (torch.zeros(25, h, 16, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
-    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.25, deterministic=deterministic)
+    out = sat.stack_attention_triton(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.25, deterministic=deterministic))
     out.backward(torch.zeros_like(out))
     launched = [kernel.fn.__name__ for kernel, _, kwargs in calls]
     fused = [kwargs.get("FUSED_DQ") for kernel, _, kwargs in calls if kernel.fn.__name__ == "_dkdv_kernel"]
@@ -164,7 +164,7 @@ def test_deterministic_calls_run_the_split_backward(monkeypatch, deterministic):
 def test_lse_merge_kernel_compiles_once(monkeypatch):
     """The flash-attn backend's merge: one variant whatever the call's region count and
     length (the count, one more than the prefix levels, changes from call to call)."""
-    from dtree.ops import lse_merge_triton as lm
+    from dtree.ops.stack_attention import lse_merge_triton as lm
 
     calls: list = []
     monkeypatch.setattr(lm, "_lse_merge_kernel", _Recorder(lm._lse_merge_kernel, calls))

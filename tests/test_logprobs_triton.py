@@ -26,7 +26,7 @@ pytest.importorskip("triton")
 
 from interpreter_worker import InterpreterWorker  # noqa: E402
 
-from dtree.ops import logprobs_triton as lt  # noqa: E402
+from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
 
 TRANSFORMS = {
     "plain": {},
@@ -220,7 +220,7 @@ def _case_runtime_with_the_fused_head(mode: str, group_tokens):
     from hf_models import make_model
     from setups import assert_exact, reference, run_dtree
 
-    from dtree.ops import logprobs as ops_logprobs
+    from dtree.ops.logprobs import interface as ops_logprobs
 
     calls = []
     original = lt.token_logprobs_triton

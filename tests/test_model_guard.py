@@ -318,7 +318,7 @@ def test_families_in_bf16_on_cuda_by_the_flash_rule(family, setting, monkeypatch
     (Bloom's ALiBi, GPT-J) run in the Triton attention, with and without layer
     recomputes. Every gradient's error against the float32 model per path is at most 3x
     (the loss's 2x) that of the bf16 model per path, plus a floor."""
-    from dtree.ops import logprobs_triton as lt
+    from dtree.ops.logprobs import triton_kernels as lt
 
     calls = []
     original = lt.token_logprobs_triton

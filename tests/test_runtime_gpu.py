@@ -59,7 +59,7 @@ def test_bf16_runtime_with_the_fused_head_by_the_flash_rule(memory, monkeypatch)
     ``memory="low"``, every layer is checkpointed. Every gradient's error against the
     float32 model per path is at most 3x (the loss's 2x) that of the bf16 model per
     path, plus a floor."""
-    from dtree.ops import logprobs_triton as lt
+    from dtree.ops.logprobs import triton_kernels as lt
 
     calls = []
     original = lt.token_logprobs_triton

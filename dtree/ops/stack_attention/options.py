@@ -1,6 +1,22 @@
-"""The score options of a stack-attention call and the host-side checks every backend
-runs before anything launches (shapes against each other, the stack and the layout;
-option values), each raising a ValueError that names the fix.
+"""What every stack-attention backend takes besides ``q, k, v``, and the host-side checks
+every backend runs before anything launches.
+
+One signature for every backend (:data:`dtree.ops.stack_attention.BACKENDS`)::
+
+    attend(q, k, v, slots: StackSlots, options: AttentionOptions = PLAIN) -> out
+
+    q    [T, Hq, Dk]   packed queries of all segments of the call (Hq a multiple of Hkv)
+    k    [T, Hkv, Dk]  the segments' own keys
+    v    [T, Hkv, Dv]  the segments' own values (Dv may differ from Dk: MLA)
+    out  [T, Hq, Dv]   in ``q.dtype``
+
+``slots`` says where the segments' ancestors sit on the KV stack (the stack, the layer,
+the :class:`SegmentLayout`); ``options`` holds the softmax scale, the score options and
+the determinism flag. Backward returns dq, the own dk, dv and dsinks through autograd and
+adds the prefix dK/dV into ``slots.stack.grad_k/grad_v[slots.layer]``.
+
+The checks (shapes against each other, the stack and the layout; option values) each
+raise a ValueError that names the fix.
 """
 
 from __future__ import annotations
@@ -11,31 +27,60 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kv_stack import KVStack
+from ...kv_stack import KVStack
 from .segment_layout import SegmentLayout
 
-__all__ = ["PLAIN", "AttentionOptions", "check_packed_qkv", "check_stack_attention"]
+__all__ = ["PLAIN", "AttentionOptions", "StackSlots", "check_packed_qkv", "check_stack_attention"]
+
+
+@dataclass(frozen=True)
+class StackSlots:
+    """Where one call's segments read their ancestors' K/V.
+
+    Attributes:
+        stack: the KV stack holding every ancestor's K/V (and, in training, the
+            gradient slots the prefix dK/dV are added into).
+        layer: the layer index into the stack.
+        layout: the segments' query offsets and prefix ranges (its device tables are
+            built once and reused by every layer).
+    """
+
+    stack: KVStack
+    layer: int
+    layout: SegmentLayout
 
 
 @dataclass(frozen=True, eq=False)
 class AttentionOptions:
-    """The score options of one call (all None: plain causal attention).
+    """The options of one call (score options all None: plain causal attention).
 
     Attributes:
         softcap: scores ``s -> softcap * tanh(s / softcap)`` after ``scale``.
         sinks: [Hq] a sink logit per query head in the softmax denominator only.
         alibi_slopes: [Hq] adds ``-slope_h * (pos_q - pos_k)`` to the scores.
         window: a query at depth ``i`` sees keys at depths ``i - window < j <= i``.
+        scale: the softmax scale (None: ``Dk ** -0.5``).
+        deterministic: the same bits in every run (:mod:`dtree.ops.determinism`; None:
+            on under ``torch.use_deterministic_algorithms(True)``): the prefix dK/dV are
+            added in a fixed order, and on CUDA the ``sdpa`` backend differentiates the
+            float32 math in its backward (SDPA's fused backward sums dQ with atomics).
     """
 
     softcap: float | None = None
     sinks: torch.Tensor | None = None
     alibi_slopes: torch.Tensor | None = None
     window: int | None = None
+    scale: float | None = None
+    deterministic: bool | None = None
 
     @property
     def plain(self) -> bool:
+        """No score option: plain causal attention (scale and determinism aside)."""
         return self.softcap is None and self.sinks is None and self.alibi_slopes is None and self.window is None
+
+    def softmax_scale(self, head_dim: int) -> float:
+        """``scale``, or ``head_dim ** -0.5`` where it is None."""
+        return float(head_dim**-0.5 if self.scale is None else self.scale)
 
 
 PLAIN = AttentionOptions()
@@ -53,11 +98,16 @@ def _check_head_vector(name: str, x, q: torch.Tensor) -> None:
 
 
 def check_stack_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stack: KVStack, layout: SegmentLayout, options: AttentionOptions
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: StackSlots, options: AttentionOptions
 ) -> None:
     """Host-side checks every backend runs before anything launches: the shapes of
     q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] against each other, the stack and the
     layout, and the option values. Raises ValueError naming the fix."""
+    if not isinstance(slots, StackSlots):
+        raise TypeError(f"slots must be a StackSlots(stack, layer, layout), got {type(slots).__name__}")
+    if not isinstance(options, AttentionOptions):
+        raise TypeError(f"options must be an AttentionOptions, got {type(options).__name__}")
+    stack, layout = slots.stack, slots.layout
     if q.ndim != 3 or k.ndim != 3 or v.ndim != 3:
         raise ValueError(
             f"expected q [T, Hq, Dk], k [T, Hkv, Dk] and v [T, Hkv, Dv], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -93,6 +143,9 @@ def check_stack_attention(
     w = options.window
     if w is not None and (isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < 1):
         raise ValueError(f"window must be an int >= 1 (or None for full attention), got {w!r}")
+    scale = options.scale
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale)):
+        raise ValueError(f"scale must be a finite number (or None for Dk ** -0.5), got {scale!r}")
 
 
 def check_packed_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_tokens: int, layout_name: str) -> None:

@@ -32,9 +32,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ..transfer import upload
-from .attention_options import check_packed_qkv
-from .backends import Target, backend_names, implementation
+from ...transfer import upload
+from ...ops.stack_attention.options import check_packed_qkv
+from ...ops.backends import Backends, Target
 
 __all__ = [
     "BACKENDS",
@@ -45,7 +45,6 @@ __all__ = [
     "tree_mask_attention_sdpa",
 ]
 
-BACKENDS = backend_names("tree_mask_attention")
 BLOCK_SIZE = 128  # FlexAttention's default tile
 
 
@@ -207,8 +206,16 @@ def flex_unavailable(target: Target) -> str | None:
     return f"trains on CUDA only (no FlexAttention backward on {target.device}); use 'sdpa'"
 
 
+BACKENDS = Backends(
+    "tree-mask attention",
+    {"sdpa": tree_mask_attention_sdpa, "flex": tree_mask_attention_flex},
+    {"other": ("flex", "sdpa")},
+    unavailable={"flex": flex_unavailable},
+)
+
+
 def tree_mask_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: TreeMaskLayout, scale: float, backend: str = "sdpa"
 ) -> torch.Tensor:
-    """Dispatch to a backend by name (see module docstring and :mod:`dtree.ops.backends`)."""
-    return implementation("tree_mask_attention", backend)(q, k, v, layout, scale)
+    """Dispatch to a backend of :data:`BACKENDS` by name."""
+    return BACKENDS.function(backend)(q, k, v, layout, scale)

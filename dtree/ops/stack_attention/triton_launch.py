@@ -118,9 +118,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kv_stack import KVStack
-from ..transfer import upload
-from .attention_options import AttentionOptions, check_stack_attention
+from ...kv_stack import KVStack
+from ...transfer import upload
+from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .segment_layout import SegmentLayout
 
 try:
@@ -135,6 +135,7 @@ except ImportError as e:  # the runtime's "auto" backend catches this and falls 
 __all__ = [
     "BACKWARDS", "DEFAULT_BACKWARD", "DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton",
     "stack_attention_triton",
+    "stack_attention_triton_tuned",
 ]
 
 # Read once, like triton.jit does when it decorates the kernels below.
@@ -1279,8 +1280,9 @@ def _sm_count(device: torch.device) -> int:
     return _SMS[device]
 
 
-def _check(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, options: AttentionOptions) -> None:
-    check_stack_attention(q, k, v, stack, layout, options)
+def _check(q, k, v, slots: StackSlots, options: AttentionOptions) -> None:
+    check_stack_attention(q, k, v, slots, options)
+    stack, layout = slots.stack, slots.layout
     require_triton(q.device)
     if q.dtype not in DTYPES:
         raise TypeError(f"the 'triton' backend supports {DTYPES}, got {q.dtype}; use attention='sdpa'")
@@ -1328,61 +1330,52 @@ def _check_tuning(tuning: _Tuning) -> None:
 
 
 def stack_attention_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: StackSlots, options: AttentionOptions = PLAIN
+) -> torch.Tensor:
+    """Fused attention of all packed segments over (stack prefix + own K/V): the
+    ``triton`` backend (shapes, arguments and gradients in
+    :mod:`dtree.ops.stack_attention.options`; any q/k/v strides, a unit last stride is
+    fastest). ``stack.k/v[layer]`` hold the ancestors at ``layout.prefix_ranges``; other
+    slots may hold anything and are not read. ``options.deterministic`` adds the prefix
+    dK/dV in a fixed order (bitwise-reproducible gradients) instead of with float atomics.
+    The prefix dK/dV go into ``stack.grad_k/grad_v[layer]`` in float32."""
+    return stack_attention_triton_tuned(q, k, v, slots, options)
+
+
+def stack_attention_triton_tuned(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    stack: KVStack,
-    layer: int,
-    layout: SegmentLayout,
-    scale: float,
+    slots: StackSlots,
+    options: AttentionOptions = PLAIN,
     *,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    window: int | None = None,
-    deterministic: bool | None = None,
     prefix_item_rows: int | None = None,
     interpreter_tiles: InterpreterTiles = InterpreterTiles(),
     configs: tuple = (),
     backward: str | None = None,
 ) -> torch.Tensor:
-    """Fused attention of all packed segments over (stack prefix + own K/V).
+    """:func:`stack_attention_triton` with the knobs that tests and benchmarks vary
+    (``benchmarks/bench_triton_tuning.py``); not a public entry point.
 
     Args:
-        q: [T, q_heads, Dk] packed queries (any strides with a unit last stride is
-            fastest; other views are made contiguous).
-        k: [T, kv_heads, Dk], v: [T, kv_heads, Dv] the segments' own keys/values;
-            ``q_heads`` is a multiple of ``kv_heads`` (GQA/MQA).
-        stack: the KV stack; ``stack.k/v[layer]`` hold the ancestors at
-            ``layout.prefix_ranges``. Other slots may hold anything and are not read.
-        layer: layer index into the stack.
-        layout: segment offsets and prefix ranges (its device tables are built once
-            and reused by every layer).
-        scale: softmax scale.
-        softcap, sinks [q_heads], alibi_slopes [q_heads], window: see
-            :class:`dtree.ops.attention_options.AttentionOptions`.
-        deterministic: add the prefix dK/dV in a fixed order (bitwise-reproducible
-            gradients) instead of with float atomics; None:
-            ``torch.are_deterministic_algorithms_enabled()``.
         prefix_item_rows: query rows per prefix dK/dV work item (see the module
-            docstring; None: chosen per call for the GPU's SMs; tests and benchmarks vary it).
-        interpreter_tiles: the tiles under the Triton interpreter (tests vary them).
+            docstring; None: chosen per call for the GPU's SMs).
+        interpreter_tiles: the tiles under the Triton interpreter.
         configs: ``((kernel, (inner, num_warps, num_stages)), ...)`` forced for "fwd",
-            "dq", "dkdv", "fused" instead of the fixed ones (benchmarks sweep them).
+            "dq", "dkdv", "fused" instead of the fixed ones.
         backward: "fused" (dq added by the dK/dV kernel with float atomics) or "split"
             (a dq kernel of its own); None: "split" when deterministic, else
             :data:`DEFAULT_BACKWARD`. "fused" with ``deterministic`` raises.
-
-    Returns:
-        [T, q_heads, Dv] in ``q.dtype``. Backward returns dq, dk, dv, dsinks and adds
-        the prefix dK/dV into ``stack.grad_k/grad_v[layer]`` (float32).
     """
-    options = AttentionOptions(softcap, sinks, alibi_slopes, window)
-    _check(q, k, v, stack, layer, layout, options)
+    _check(q, k, v, slots, options)
+    deterministic = options.deterministic
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if backward is None:
         backward = "split" if deterministic else DEFAULT_BACKWARD
     tuning = _Tuning(prefix_item_rows, interpreter_tiles, bool(deterministic), tuple(configs), backward)
     _check_tuning(tuning)
-    return _StackAttention.apply(q, k, v, sinks, stack, layer, layout, float(scale), options, tuning)
+    scale = options.softmax_scale(q.shape[-1])
+    return _StackAttention.apply(
+        q, k, v, options.sinks, slots.stack, slots.layer, slots.layout, scale, options, tuning
+    )

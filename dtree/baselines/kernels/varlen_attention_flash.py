@@ -3,7 +3,7 @@
 Two ops, both one varlen kernel per call:
 
 * :func:`varlen_attention_flash_attn`: the linearized baseline's packed causal attention
-  (the contract of :func:`dtree.ops.varlen_attention.varlen_attention_reference`), as
+  (the contract of :func:`dtree.baselines.kernels.varlen_attention.varlen_attention_reference`), as
   verl and OpenRLHF run it (``cu_seqlens_q = cu_seqlens_k``, ``causal=True``).
 * :func:`stack_attention_flash_attn`: a backend for dtree's attention over the KV stack
   (the contract of :func:`dtree.ops.stack_attention.stack_attention_reference`): each
@@ -17,7 +17,7 @@ Two ops, both one varlen kernel per call:
   avoids by reading the stack in place.
 
 Implementations, the first importable one is used
-(:func:`dtree.ops.varlen_attention.flash_attn_impl`):
+(:func:`dtree.baselines.kernels.varlen_attention.flash_attn_impl`):
 
 * ``"flash-attn-2"``: ``flash_attn.flash_attn_varlen_func`` (a compiled CUDA extension:
   a long source build unless a wheel matches the torch/CUDA pair);
@@ -33,11 +33,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..kv_stack import KVStack
-from ..transfer import upload
-from .attention_options import check_packed_qkv
-from .segment_layout import SegmentLayout
-from .stack_ops import SlotRows
+from ...kv_stack import KVStack
+from ...transfer import upload
+from ...ops.stack_attention.options import PLAIN, AttentionOptions, StackSlots, check_packed_qkv
+from ...ops.stack_attention.segment_layout import SegmentLayout
+from ...ops.stack_ops import SlotRows
 from .varlen_attention import FLASH_DTYPES, VarlenLayout, flash_attn_impl, installed_flash_attn
 
 __all__ = ["flash_attn_impl", "stack_attention_flash_attn", "varlen_attention_flash_attn"]
@@ -163,9 +163,12 @@ def stack_attention_packed(q, k, v, stack: KVStack, layer: int, layout: SegmentL
 
 
 def stack_attention_flash_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, stack: KVStack, layer: int, layout: SegmentLayout, scale: float
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: StackSlots, options: AttentionOptions = PLAIN
 ) -> torch.Tensor:
-    """flash-attn over (gathered stack prefix + own K/V), one varlen call; shapes and
-    gradients as :func:`dtree.ops.stack_attention.stack_attention_reference`
-    (CUDA float16/bfloat16)."""
-    return stack_attention_packed(q, k, v, stack, layer, layout, scale, _varlen)
+    """flash-attn over (gathered stack prefix + own K/V), one varlen call, with the stack
+    backends' signature (:mod:`dtree.ops.stack_attention.options`; CUDA float16/bfloat16,
+    no score options): the benchmarks' gathered stand-in for the ``flash-attn`` backend."""
+    if not options.plain:
+        raise ValueError("stack_attention_flash_attn takes no score options (softcap, sinks, ALiBi, window)")
+    scale = options.softmax_scale(q.shape[-1])
+    return stack_attention_packed(q, k, v, slots.stack, slots.layer, slots.layout, scale, _varlen)

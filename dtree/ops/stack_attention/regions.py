@@ -1,7 +1,7 @@
 """Stack attention as plain varlen attention calls over two kinds of regions, merged
 by log-sum-exp, with the region kernel pluggable.
 
-The regions (:mod:`dtree.ops.region_plan`): every segment against its own K/V (causal,
+The regions (:mod:`dtree.ops.stack_attention.region_plan`): every segment against its own K/V (causal,
 one varlen call), and the prefix *levels*: non-causal varlen calls whose sequences pair
 query rows with a contiguous range of stack slots, read in place (no gather, no copy).
 For query row ``r`` with regions ``c`` (output ``o_c``, natural log-sum-exp ``l_c``)::
@@ -18,7 +18,7 @@ buffers, in a fixed order: deterministic).
 Region kernels (:class:`RegionKernel`): :data:`TORCH_REGIONS` here, pure torch, float32
 math (float64 for float64 inputs), the reference every piece of this path is tested
 with on CPU; flash-attn-4's varlen forward and backward on CUDA
-(:mod:`dtree.ops.stack_attention_flash4`).
+(:mod:`dtree.ops.stack_attention.flash4`).
 
 Plain attention only (no softcap, sinks, ALiBi or window): the backend that uses this
 path hands calls with options to the Triton kernel.
@@ -32,8 +32,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..kv_stack import KVStack
-from ..transfer import upload
+from ...kv_stack import KVStack
+from ...transfer import upload
+from .options import PLAIN, AttentionOptions, StackSlots
 from .region_plan import RegionLevel, RegionPlan, region_plan
 from .segment_layout import SegmentLayout
 
@@ -240,30 +241,22 @@ def stack_attention_regions(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    stack: KVStack,
-    layer: int,
-    layout: SegmentLayout,
-    scale: float,
+    slots: StackSlots,
+    options: AttentionOptions = PLAIN,
     *,
     kernel: RegionKernel = TORCH_REGIONS,
-    deterministic: bool = False,
 ) -> torch.Tensor:
-    """Plain stack attention (the contract of
-    :func:`dtree.ops.stack_attention.stack_attention_reference`, no options) as region
-    calls of ``kernel`` merged by log-sum-exp.
-
-    Args:
-        q: [T, Hq, Dk], k: [T, Hkv, Dk], v: [T, Hkv, Dv] the call's rows (unit last
-            stride; the kernels take other strides as they are).
-        stack, layer, layout, scale: as for the other backends.
-        kernel: the region kernel (:data:`TORCH_REGIONS`, or flash-attn-4's).
-        deterministic: ask the kernel for a backward with a fixed order of summation
-            (the merge and the stack-gradient adds have one already).
-
-    Returns:
-        [T, Hq, Dv] in ``q.dtype``; the backward adds the prefix dK/dV into
-        ``stack.grad_k/grad_v[layer]``.
+    """Plain stack attention (the backends' signature and contract,
+    :mod:`dtree.ops.stack_attention.options`; no score options) as region calls of
+    ``kernel`` (:data:`TORCH_REGIONS`, or flash-attn-4's) merged by log-sum-exp. q, k, v
+    with a unit last stride (the kernels take other strides as they are).
+    ``options.deterministic`` asks the kernel for a backward with a fixed order of
+    summation (the merge and the stack-gradient adds have one already).
     """
+    if not options.plain:
+        raise ValueError("stack_attention_regions takes no score options (softcap, sinks, ALiBi, window)")
+    stack, layer, layout = slots.stack, slots.layer, slots.layout
+    scale, deterministic = options.softmax_scale(q.shape[-1]), options.deterministic
     if q.shape[0] == 0:
         raise ValueError("stack attention needs at least one query row")
     slots_end = region_plan(layout).slots_end

@@ -1,5 +1,5 @@
 """How one stack-attention call splits into plain varlen attention calls ("regions")
-whose results merge by log-sum-exp (:mod:`dtree.ops.stack_attention_regions`).
+whose results merge by log-sum-exp (:mod:`dtree.ops.stack_attention.regions`).
 
 A query row of segment ``i`` sees its prefix slots ``layout.prefix_ranges[i]`` without a
 mask and its own keys causally. Softmax over a union of disjoint key sets is the

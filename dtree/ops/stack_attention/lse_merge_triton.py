@@ -1,6 +1,6 @@
 """The log-sum-exp merge of region outputs in one Triton kernel.
 
-Contract: exactly :func:`dtree.ops.stack_attention_regions.lse_merge_reference`.
+Contract: exactly :func:`dtree.ops.stack_attention.regions.lse_merge_reference`.
 ``outs [C, T, H, Dv]`` (16-bit) and ``lses [C, H, T]`` (float32, natural log; -inf where a
 region does not cover a row) become ``out [T, H, Dv]`` and ``lse [H, T]``: one read of
 every region's rows and one write, instead of the reference's float32 temporaries.

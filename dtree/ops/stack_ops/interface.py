@@ -36,8 +36,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..transfer import upload
-from . import stack_ops_torch
+from ...transfer import upload
+from . import reference as stack_ops_torch
 
 __all__ = [
     "BUILD_COMMAND",
@@ -157,7 +157,7 @@ def push_kv(
         _ops().push_kv(k_slots, v_slots, _device_lo(lo, device_lo, k.device), _unit_last(k), _unit_last(v), cos, sin)
         return
     if cos is None and k.dtype == k_slots.dtype and v.dtype == v_slots.dtype and _triton_runs(k_slots, v_slots, k, v):
-        from . import stack_ops_triton
+        from . import triton_kernels as stack_ops_triton
 
         stack_ops_triton.push_kv(k_slots[lo : lo + rows], v_slots[lo : lo + rows], k, v)
         return
@@ -171,7 +171,7 @@ def _triton_runs(*tensors: torch.Tensor | None) -> bool:
     if _state["disabled"] or os.environ.get("DTREE_STACK_OPS", "").strip().lower() == "torch":
         return False
     try:
-        from . import stack_ops_triton
+        from . import triton_kernels as stack_ops_triton
     except ImportError:  # no Triton on this platform
         return False
     present = [t for t in tensors if t is not None]
@@ -210,7 +210,7 @@ def seed_grad(
         )
     sk, sv = grad_k_slots[lo : lo + rows], grad_v_slots[lo : lo + rows]
     if sk.dtype == sv.dtype == torch.float32 and _triton_runs(sk, sv, gk, gv):
-        from . import stack_ops_triton
+        from . import triton_kernels as stack_ops_triton
 
         return stack_ops_triton.fold_seed(sk, sv, gk, gv, (k_dtype, v_dtype))
     return stack_ops_torch.seed_grad(grad_k_slots, grad_v_slots, lo, gk, gv, rows, k_dtype, v_dtype)

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .segment_states import LayerStates
+from ..segment_states import LayerStates
 
 __all__ = ["causal_conv1d_segments", "causal_conv1d_reference"]
 

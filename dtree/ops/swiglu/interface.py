@@ -23,7 +23,7 @@ product's gradient::
     dgate = cast(float32(cast(dp * up)) * sig * (1 + gate * (1 - sig)))
 
 Tiers: :func:`silu_mul_reference` (plain autograd, HF's ops), the autograd functions,
-whose elementwise kernels run in Triton on CUDA (:mod:`dtree.ops.swiglu_triton`) and in
+whose elementwise kernels run in Triton on CUDA (:mod:`dtree.ops.swiglu.triton_kernels`) and in
 torch elsewhere (:func:`silu_mul_forward_torch`, :func:`silu_mul_backward_torch`), and
 :func:`silu_mul` / :func:`swiglu_down`.
 """
@@ -79,7 +79,7 @@ def _kernels(x: torch.Tensor):
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     try:
-        from . import swiglu_triton
+        from . import triton_kernels as swiglu_triton
     except ImportError:
         return None
     return swiglu_triton if swiglu_triton.runs_on(x.device) else None

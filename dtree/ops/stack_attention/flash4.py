@@ -1,40 +1,39 @@
 """The ``flash-attn`` stack attention backend: flash-attn-4's varlen kernels
 (``flash_attn.cute``, CuTe DSL; Hopper and Blackwell) as the region kernel of
-:mod:`dtree.ops.stack_attention_regions`.
+:mod:`dtree.ops.stack_attention.regions`.
 
 Per call and layer: one non-causal varlen forward per prefix level (the stack's K/V
 read in place: ``k = stack.k[layer, lo:hi]`` with ``cu_seqlens_k``/``seqused_k`` picking
 each pair's slots, ``cu_seqlens_q``/``seqused_q`` its rows), one causal varlen forward
 over the segments' own K/V, and one Triton kernel that merges them by log-sum-exp
-(:mod:`dtree.ops.lse_merge_triton`). The backward runs flash-attn-4's varlen backward
+(:mod:`dtree.ops.stack_attention.lse_merge_triton`). The backward runs flash-attn-4's varlen backward
 per region with the merged output and log-sum-exp; ``deterministic`` asks it for its
 semaphore-ordered dQ (and GQA dK/dV) accumulation. The private entry points
 ``_flash_attn_fwd`` / ``_flash_attn_bwd`` take preallocated outputs and return the
 log-sum-exp, which the public ``flash_attn_varlen_func`` does not let a caller feed back;
 they are pinned with the ``flash`` extra (``flash-attn-4==4.0.0b36``).
 
-Host cost (:mod:`dtree.ops.flash4_replay`): the first call of each call class goes through
+Host cost (:mod:`dtree.ops.stack_attention.flash4_replay`): the first call of each call class goes through
 those entry points, later ones launch the kernels they compiled directly; max lengths
 are bucketed so that fresh forests reuse the compiled kernels; the ``cu_seqlens`` /
 ``seqused`` tables are 16-byte aligned, which the backward otherwise copies.
 
 Calls with attention options (softcap, sinks, ALiBi, a window) run the fused Triton
-kernel (:mod:`dtree.ops.stack_attention_triton`): the prefix level's query depths vary
+kernel (:mod:`dtree.ops.stack_attention.triton_launch`): the prefix level's query depths vary
 inside one varlen sequence, which flash-attn's position-based masks cannot express.
 """
 
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 
-from ..kv_stack import KVStack
-from .attention_options import AttentionOptions, check_stack_attention
-from .backends import Target
+from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
+from ..backends import Target
 from .flash4_replay import bucket_len
-from .segment_layout import SegmentLayout
-from .stack_attention_regions import RegionSeqs, stack_attention_regions
+from .regions import RegionSeqs, stack_attention_regions
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
 
@@ -44,7 +43,7 @@ _INSTALL = "pip install 'dtree[flash]' (flash-attn-4, CuTe DSL wheels)"
 
 @functools.lru_cache(maxsize=None)
 def _flash4():
-    """flash-attn-4's launcher (:class:`dtree.ops.flash4_replay.Flash4Calls` over
+    """flash-attn-4's launcher (:class:`dtree.ops.stack_attention.flash4_replay.Flash4Calls` over
     ``flash_attn.cute.interface``), or the reason it cannot be imported."""
     try:
         from flash_attn.cute import interface
@@ -66,7 +65,7 @@ def _calls():
 
 
 class _Flash4Regions:
-    """:class:`dtree.ops.stack_attention_regions.RegionKernel` on flash-attn-4."""
+    """:class:`dtree.ops.stack_attention.regions.RegionKernel` on flash-attn-4."""
 
     def forward(self, q, k, v, seqs, layout, scale, causal, out, lse) -> None:
         tables = seqs.device_tables(layout, q.device)
@@ -118,40 +117,27 @@ def _why_not(device: torch.device, dtype: torch.dtype, key_dim: int, value_dim: 
 
 
 def stack_attention_flash4(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    stack: KVStack,
-    layer: int,
-    layout: SegmentLayout,
-    scale: float,
-    *,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    alibi_slopes: torch.Tensor | None = None,
-    window: int | None = None,
-    deterministic: bool | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: StackSlots, options: AttentionOptions = PLAIN
 ) -> torch.Tensor:
-    """Stack attention through flash-attn-4 region calls (shapes and gradients as
-    :func:`dtree.ops.stack_attention.stack_attention_reference`; CUDA float16/bfloat16,
-    head dims 8..256). With an option set, the call runs the Triton kernel.
-
-    ``deterministic`` (None: ``torch.are_deterministic_algorithms_enabled()``): a
-    backward whose sums have a fixed order, so two runs give bitwise-equal gradients.
+    """Stack attention through flash-attn-4 region calls (the ``flash-attn`` backend;
+    shapes, arguments and gradients in :mod:`dtree.ops.stack_attention.options`; CUDA
+    float16/bfloat16, head dims 8..256). With a score option set, the call runs the
+    Triton kernel. ``options.deterministic`` (None:
+    ``torch.are_deterministic_algorithms_enabled()``): a backward whose sums have a fixed
+    order, so two runs give bitwise-equal gradients.
     """
-    options = AttentionOptions(softcap, sinks, alibi_slopes, window)
-    check_stack_attention(q, k, v, stack, layout, options)
+    check_stack_attention(q, k, v, slots, options)
+    deterministic = options.deterministic
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if not options.plain:
-        from .stack_attention_triton import stack_attention_triton
+        from .triton_launch import stack_attention_triton
 
-        return stack_attention_triton(q, k, v, stack, layer, layout, scale, softcap=softcap, sinks=sinks,
-                                      alibi_slopes=alibi_slopes, window=window, deterministic=deterministic)
+        return stack_attention_triton(q, k, v, slots, replace(options, deterministic=deterministic))
     why = _why_not(q.device, q.dtype, k.shape[-1], v.shape[-1])
     if why is not None:
         raise ValueError(f"attention='flash-attn' {why}")
+    stack = slots.stack
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
-    return stack_attention_regions(q, k, v, stack, layer, layout, scale, kernel=FLASH4_REGIONS,
-                                   deterministic=deterministic)
+    return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)

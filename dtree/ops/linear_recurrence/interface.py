@@ -32,7 +32,7 @@ scale, qk_l2norm) -> (o, final)``:
   at a time; exactly transformers' recurrent torch path (which its chunked path equals
   to rounding). The CPU path and the test reference.
 * ``fla``: flash-linear-attention's chunked Triton kernels with ``cu_seqlens`` and
-  per-sequence initial states (:mod:`dtree.ops.linear_recurrence_fla`, CUDA,
+  per-sequence initial states (:mod:`dtree.ops.linear_recurrence.fla_backend`, CUDA,
   ``pip install 'dtree[hybrid]'``).
 """
 
@@ -43,10 +43,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .backends import implementation
-from .segment_states import LayerStates, StateLayout
+from ..backends import Backends
+from ..segment_states import LayerStates, StateLayout
+from . import fla_backend
 
-__all__ = ["linear_recurrence", "recurrence_reference", "recurrence_naive", "l2norm", "state_dtype"]
+__all__ = ["BACKENDS", "linear_recurrence", "recurrence_reference", "recurrence_naive", "l2norm", "state_dtype"]
 
 
 def state_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -208,7 +209,7 @@ def linear_recurrence(
     Returns:
         [T, H, V] in ``v.dtype``."""
     layout = states.layout
-    kernel = implementation("linear_recurrence", states.backend)
+    kernel = BACKENDS.function(states.backend)
     heads, shape, dev = v.shape[1], (v.shape[1], k.shape[2], v.shape[2]), v.device
     plan, inverse = layout.cached("recurrence_levels", lambda: _level_plan(layout))
     final, outs = None, []
@@ -228,3 +229,18 @@ def linear_recurrence(
     if inverse is not None:
         outs = [torch.cat(outs).index_select(0, layout.device_index("inverse", lambda: inverse, dev))]
     return states.tie(outs[0])
+
+
+def _recurrence_fla(*args):
+    """The ``fla`` backend (:func:`dtree.ops.linear_recurrence.fla_backend.recurrence_fla`)."""
+    return fla_backend.recurrence_fla(*args)
+
+
+BACKENDS = Backends(
+    "recurrence",
+    {"reference": recurrence_reference, "fla": _recurrence_fla},
+    {"cuda": ("fla", "reference"), "other": ("reference",)},
+    unavailable={"fla": lambda target: fla_backend.fla_unavailable(target)},
+    nondeterministic={"fla": lambda target: fla_backend.fla_nondeterministic(target)},
+    option="recurrence",
+)

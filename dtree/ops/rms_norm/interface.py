@@ -21,7 +21,7 @@ Backward, per row, with ``n = float32(x) * r`` and ``g = float32(dy * weight)``:
 Tiers (as flash-attention's rotary): :func:`rms_norm_reference` (plain autograd, HF's
 formula, what everything is tested against), :class:`RMSNormFunction` (the lean
 autograd function; its two kernels run in Triton on CUDA,
-:mod:`dtree.ops.rms_norm_triton`, and in torch elsewhere: :func:`rms_norm_forward_torch`,
+:mod:`dtree.ops.rms_norm.triton_kernels`, and in torch elsewhere: :func:`rms_norm_forward_torch`,
 :func:`rms_norm_backward_torch`), :func:`rms_norm` (the functional entry point).
 """
 
@@ -35,7 +35,7 @@ __all__ = [
     "rms_norm_backward_torch",
     "rms_norm_forward_torch",
     "rms_norm_reference",
-    "triton_kernels",
+    "load_triton_kernels",
 ]
 
 
@@ -64,13 +64,13 @@ def rms_norm_backward_torch(
     return dx.to(x2.dtype), dw
 
 
-def triton_kernels(x: torch.Tensor):
+def load_triton_kernels(x: torch.Tensor):
     """The Triton module when ``x`` runs there (CUDA, or CPU under the interpreter; a
     kernel dtype), else None (the torch kernels)."""
     if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         return None
     try:
-        from . import rms_norm_triton
+        from . import triton_kernels as rms_norm_triton
     except ImportError:
         return None
     return rms_norm_triton if rms_norm_triton.runs_on(x.device) else None
@@ -84,7 +84,7 @@ class RMSNormFunction(torch.autograd.Function):
         x2 = x.reshape(-1, x.shape[-1])
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        kernels = triton_kernels(x2)
+        kernels = load_triton_kernels(x2)
         if kernels is not None and weight.dtype == x2.dtype:
             y, r = kernels.rms_norm_forward(x2, weight, eps)
         else:
@@ -100,7 +100,7 @@ class RMSNormFunction(torch.autograd.Function):
         if not dy2.is_contiguous():
             dy2 = dy2.contiguous()
         need_dw = ctx.needs_input_grad[1]
-        kernels = triton_kernels(x2)
+        kernels = load_triton_kernels(x2)
         if kernels is not None and weight.dtype == x2.dtype == dy2.dtype:
             dx, dw = kernels.rms_norm_backward(dy2, x2, weight, r, need_dw)
         else:

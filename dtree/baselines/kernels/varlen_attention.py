@@ -14,7 +14,7 @@ Backends, all with the signature of :func:`varlen_attention`:
   torch releases (2.10/2.11: ``is_causal=True``, no ``scale``/``enable_gqa``; 2.12+:
   ``window_size=(-1, 0)`` for causal, ``scale``, ``enable_gqa``); both are supported.
 * ``flash-attn``: the flash-attn package's ``flash_attn_varlen_func``
-  (:mod:`dtree.ops.varlen_attention_flash`), as verl and OpenRLHF call it, when it is
+  (:mod:`dtree.baselines.kernels.varlen_attention_flash`), as verl and OpenRLHF call it, when it is
   installed. CUDA, float16/bfloat16.
 
 The per-sequence math is the one of :mod:`dtree.ops.stack_attention` with no prefix
@@ -29,10 +29,10 @@ import inspect
 import numpy as np
 import torch
 
-from ..transfer import upload
-from .attention_math import attend_math, attend_sdpa
-from .attention_options import check_packed_qkv
-from .backends import Target, backend_names, implementation
+from ...transfer import upload
+from ...ops.stack_attention.attention_math import attend_math, attend_sdpa
+from ...ops.stack_attention.options import check_packed_qkv
+from ...ops.backends import Backends, Target
 
 __all__ = [
     "BACKENDS",
@@ -49,7 +49,6 @@ __all__ = [
     "varlen_attention_sdpa",
 ]
 
-BACKENDS = backend_names("varlen_attention")
 FLASH_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -262,8 +261,32 @@ def flash_attn_unavailable(target: Target) -> str | None:
     )
 
 
+def varlen_attention_flash_attn(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float
+) -> torch.Tensor:
+    """The ``flash-attn`` backend (:mod:`dtree.baselines.kernels.varlen_attention_flash`),
+    imported at the call."""
+    from . import varlen_attention_flash
+
+    return varlen_attention_flash.varlen_attention_flash_attn(q, k, v, layout, scale)
+
+
+BACKENDS = Backends(
+    "varlen attention",
+    {
+        "reference": varlen_attention_reference,
+        "sdpa": varlen_attention_sdpa,
+        "flash": varlen_attention_flash,
+        "flash-attn": varlen_attention_flash_attn,
+    },
+    # the checks reject CPU themselves; one order everywhere, as the baseline always chose
+    {"other": ("flash-attn", "flash", "sdpa")},
+    unavailable={"flash": flash_unavailable, "flash-attn": flash_attn_unavailable},
+)
+
+
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float, backend: str = "sdpa"
 ) -> torch.Tensor:
-    """Dispatch to a backend by name (see module docstring and :mod:`dtree.ops.backends`)."""
-    return implementation("varlen_attention", backend)(q, k, v, layout, scale)
+    """Dispatch to a backend of :data:`BACKENDS` by name."""
+    return BACKENDS.function(backend)(q, k, v, layout, scale)

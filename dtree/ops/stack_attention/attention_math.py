@@ -1,6 +1,6 @@
 """Attention of one segment whose keys sit at consecutive depths ending at its last
 query's (prefix first): the float32 math and the SDPA version of it, with the options
-of :class:`dtree.ops.attention_options.AttentionOptions`. The per-segment backends of
+of :class:`dtree.ops.stack_attention.options.AttentionOptions`. The per-segment backends of
 stack attention and the varlen baseline (no prefix) share them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .attention_options import PLAIN, AttentionOptions
+from .options import PLAIN, AttentionOptions
 
 __all__ = ["attend_math", "attend_sdpa"]
 

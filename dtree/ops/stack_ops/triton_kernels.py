@@ -2,7 +2,7 @@
 (a plain ``pip install`` does not build it): the push of a call's K and V into the stack
 in one launch (two copies in torch), and the fold of the stack's float32 gradient slots
 into dK and dV with the cast in one launch (four ops in torch). Their contract and test
-reference are :func:`dtree.ops.stack_ops_torch.push_kv` and ``seed_grad``. Row counts
+reference are :func:`dtree.ops.stack_ops.reference.push_kv` and ``seed_grad``. Row counts
 are not specialized: calls of every size share one compiled kernel per head shape and
 dtype.
 """
