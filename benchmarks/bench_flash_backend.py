@@ -5,7 +5,7 @@
 
 Backends of ``stack_attention`` (one call of one layer, all segments packed):
 
-* ``triton``: ``dtree.ops.stack_attention.triton_launch``, ancestors read from the stack in place;
+* ``triton``: ``dtree.ops.stack_attention.triton_autograd``, ancestors read from the stack in place;
 * ``flash_attn``: ``dtree.baselines.kernels.varlen_attention_flash.stack_attention_flash_attn``, every
   segment's ancestors gathered in front of its own K/V (a copy per call), one
   ``flash_attn_varlen_func`` (causal, bottom-right), prefix gradients added into the
@@ -113,7 +113,7 @@ def backends(device) -> tuple[dict, dict]:
     fns, absent = {}, {}
     if device.type == "cuda":
         try:
-            from dtree.ops.stack_attention.triton_launch import stack_attention_triton
+            from dtree.ops.stack_attention.triton_autograd import stack_attention_triton
 
             fns["triton"] = stack_attention_triton
         except ImportError as e:

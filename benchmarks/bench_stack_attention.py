@@ -9,7 +9,7 @@ equivalent dense batch.
 For each layout (``stack_attention_cases.py``) one call, every implementation on the
 same inputs:
 
-* ``triton fused``: ``dtree.ops.stack_attention.triton_launch``, every segment in one launch,
+* ``triton fused``: ``dtree.ops.stack_attention.triton_autograd``, every segment in one launch,
   ancestors read from the KV stack in place, prefix dK/dV added with float atomics, dq
   added by the dK/dV kernel with float atomics (``backward="fused"``, 5 matmuls per
   pair); ``triton split``: dq from a kernel of its own (``backward="split"``, 7
@@ -350,7 +350,7 @@ def main() -> None:
         args.heads, args.kv_heads, args.head_dim, args.dtype = 4, 2, 16, "fp32"
     elif not torch.cuda.is_available():
         sys.exit("bench_stack_attention needs a CUDA GPU (or --smoke)")
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     device = "cpu" if args.smoke else "cuda"
     sat.require_triton(device)

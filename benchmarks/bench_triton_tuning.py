@@ -122,7 +122,7 @@ def main() -> None:
         args.head_configs, args.layouts = "4/2", "grpo"
     elif not torch.cuda.is_available():
         sys.exit("bench_triton_tuning needs a CUDA GPU (or --smoke)")
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     device = "cpu" if args.smoke else "cuda"
     kernels = args.kernels.split(",")

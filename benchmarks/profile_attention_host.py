@@ -77,7 +77,7 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_attention_host needs a CUDA GPU")
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     fns, absent = implementations(sat, False, args.impls)
     rows, details = [], []

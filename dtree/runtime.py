@@ -66,8 +66,7 @@ from .checks import model_placement, validate_forest
 from .config import RuntimeConfig
 from .losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from .models import TreeModule, adapt, unwrap
-from .ops import determinism
-from .ops import stack_ops
+from .ops import determinism, stack_ops
 from .ops.logprobs import OutputHead, as_output_head
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, prediction_lin, select_loss_terms
 from .stacks import StepStacks

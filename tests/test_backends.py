@@ -75,7 +75,7 @@ def test_unavailable_names_say_why_on_cpu():
         resolve_backend("varlen_attention", "flash-attn", "cpu", torch.bfloat16, head_dim=8)
     with pytest.raises(ValueError, match="attention='flex' trains on CUDA only"):
         resolve_backend("tree_mask_attention", "flex", "cpu")
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     if not sat._INTERPRET:
         with pytest.raises(ValueError, match="attention='triton' cannot run here: .*CUDA"):
@@ -86,7 +86,7 @@ def test_triton_rules_on_a_cuda_target(monkeypatch):
     """On a CUDA target where Triton runs (``require_triton`` stubbed to pass: no GPU
     here), ``auto`` takes Triton only for its dtypes and head dims, as the runtime's
     own choice does; an explicit ``triton`` outside them is a ValueError."""
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     monkeypatch.setattr(sat, "require_triton", lambda device: None)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):

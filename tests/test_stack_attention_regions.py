@@ -276,7 +276,7 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(backend):
     if backend == "flash-attn":
         attn = with_flags(_flash4(), True)
     else:
-        from dtree.ops.stack_attention.triton_launch import stack_attention_triton_tuned
+        from dtree.ops.stack_attention.triton_autograd import stack_attention_triton_tuned
 
         attn = with_flags(stack_attention_triton_tuned, True, prefix_item_rows=64)
     layout, t = layout_of([700, 300, 513, 900, 29, 300], [[(0, 1500)]] * 6, 1500)
@@ -315,7 +315,7 @@ def test_gpu_flash_attn_replays_the_recorded_kernels(monkeypatch):
 def test_gpu_triton_deterministic_flash_rule(option):
     from test_stack_attention_triton import GPU_OPTIONS
 
-    from dtree.ops.stack_attention.triton_launch import stack_attention_triton_tuned
+    from dtree.ops.stack_attention.triton_autograd import stack_attention_triton_tuned
 
     attn = with_flags(stack_attention_triton_tuned, True, prefix_item_rows=128)
     opts = GPU_OPTIONS[option](8) if option != "plain" else {}

@@ -94,7 +94,7 @@ TILES = {  # (work-table tiles, loop step): equal, table larger than the step, s
 # --------------------------------------------------------------------------- interpreter worker
 # Cases run inside the worker (TRITON_INTERPRET=1): plain functions of JSON arguments.
 def _interpreted():
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     assert sat._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
     return sat
@@ -413,7 +413,7 @@ def test_prefix_item_rows_follow_the_gpu():
     """Per call, the most rows per prefix item that still give four dK/dV programs per
     SM: a GRPO group under 2 kv heads needs 256-row items on 132 SMs, under 8 kv heads
     1024; a call too small to fill the GPU takes the smallest, 128."""
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     grpo, _ = layout_of([512] * 8, [[(0, 2048)]] * 8, 2048)
     runs = sat._runs(grpo)
@@ -425,7 +425,7 @@ def test_prefix_item_rows_follow_the_gpu():
 
 
 def test_require_triton_on_cpu():
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     if sat._INTERPRET:
         pytest.skip("the session runs with TRITON_INTERPRET set")
@@ -510,7 +510,7 @@ SPLIT_CASES = [GPU_CASES[i] for i in (0, 3, 5, 7)]
 def test_gpu_flash_rule(dtype, d, hq, hkv, backward):
     """Both backward schemes (dq added with atomics by the dK/dV kernel, or by a kernel
     of its own), the stack's prefix dK/dV included."""
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     attn = functools.partial(sat.stack_attention_triton_tuned, backward=backward)
     for name, layout, t, used in gpu_layouts(np.random.default_rng(d + hq)):
@@ -538,7 +538,7 @@ GPU_OPTIONS = {  # realistic magnitudes: Gemma2 caps at 50, GPT-OSS sinks ~N(0, 
 def test_gpu_options_flash_rule(option, backward, dtype, d, dv):
     """Softcap, sinks, ALiBi, windows (paths 4x the window in the chain) and all of
     them, by the flash rule; the MLA shapes of DeepSeek-V3 (192 / 128)."""
-    from dtree.ops.stack_attention import triton_launch as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     attn = functools.partial(sat.stack_attention_triton_tuned, backward=backward)
     hq, hkv = 8, 2

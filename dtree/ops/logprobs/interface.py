@@ -24,7 +24,7 @@ normalized in float32 (float64 for float64 models).
 :func:`token_logprobs_reference` is the plain full-logits version, the tests' ground truth.
 
 Fast path: a fused head (``weight``) in float16/bfloat16 on CUDA runs the fused Triton
-op (:func:`dtree.ops.logprobs.triton_kernels.token_logprobs_triton`: cuBLAS matmuls, one pass
+op (:func:`dtree.ops.logprobs.fused_head.token_logprobs_triton`: cuBLAS matmuls, one pass
 of two Triton kernels over each chunk's logits; 2.07x the chunked torch op at
 N = 16,384, H = 1536, V = 151,936 on an H100, 3.24x with entropies, with a quarter of
 its memory). The chunked torch op stays the path for module heads, CPU, float32 and
@@ -359,7 +359,7 @@ def token_logprobs(
     if impl == "triton" and not head.fused:
         raise ValueError("impl='triton' needs a fused head (OutputHead(weight=...)); a module head runs impl='torch'")
     if impl == "triton" or (impl == "auto" and fused_head_kernel(head, hidden.dtype, hidden.device)):
-        from .triton_kernels import token_logprobs_triton
+        from .fused_head import token_logprobs_triton
 
         return token_logprobs_triton(
             hidden, head.weight, labels, head.bias, logit_scale=head.logit_scale, softcap=head.final_softcap,

@@ -1,13 +1,20 @@
 """Stack attention: attention of packed query segments over the KV stack.
 
 One signature for every backend, ``(q, k, v, slots, options)``, documented once in
-:mod:`.options`. Files, one op: :mod:`.reference` (the dense reference every backend is
-tested against), :mod:`.interface` (the dispatcher and :data:`BACKENDS`, name ->
-function), :mod:`.per_segment` (the ``reference`` and ``sdpa`` backends), :mod:`.seed`
-(:func:`seed_from_stack`), :mod:`.options` (the call's arguments, host-side checks), :mod:`.segment_layout` (where each segment reads K/V from), :mod:`.attention_math`
-(one segment's attention: float32 math and SDPA), the fused ``triton`` backend
-(:mod:`.triton_launch` over the kernels of :mod:`.triton_forward` and :mod:`.triton_backward`) and the ``flash-attn`` backend (:mod:`.flash4` over
-:mod:`.regions`, :mod:`.region_plan`, :mod:`.lse_merge_triton`, :mod:`.flash4_replay`).
+:mod:`.options`. The files of the op:
+
+- :mod:`.reference`: the dense reference every backend is tested against.
+- :mod:`.interface`: the dispatcher :func:`stack_attention` and :data:`BACKENDS` (name ->
+  function, the availability checks, what ``auto`` picks).
+- :mod:`.per_segment`: the ``reference`` (float32 math) and ``sdpa`` backends;
+  :mod:`.attention_math`: one segment's attention; :mod:`.seed`: :func:`seed_from_stack`.
+- :mod:`.options`: the call's arguments and host-side checks; :mod:`.segment_layout`:
+  where each segment reads K/V from.
+- the ``triton`` backend: :mod:`.triton_autograd` (entry points, autograd function, design
+  notes) over :mod:`.triton_launch` (configs, work tables) and the kernels of
+  :mod:`.triton_forward`, :mod:`.triton_backward` and :mod:`.triton_common`.
+- the ``flash-attn`` backend: :mod:`.flash4` over :mod:`.regions`, :mod:`.region_plan`,
+  :mod:`.lse_merge_triton` and :mod:`.flash4_replay`.
 """
 
 from .attention_math import attend_math, attend_sdpa

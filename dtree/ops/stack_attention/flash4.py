@@ -19,7 +19,7 @@ are bucketed so that fresh forests reuse the compiled kernels; the ``cu_seqlens`
 ``seqused`` tables are 16-byte aligned, which the backward otherwise copies.
 
 Calls with attention options (softcap, sinks, ALiBi, a window) run the fused Triton
-kernel (:mod:`dtree.ops.stack_attention.triton_launch`): the prefix level's query depths vary
+kernel (:mod:`dtree.ops.stack_attention.triton_autograd`): the prefix level's query depths vary
 inside one varlen sequence, which flash-attn's position-based masks cannot express.
 """
 
@@ -33,7 +33,7 @@ import torch
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from ..backends import Target
 from .flash4_replay import bucket_len
-from .regions import RegionSeqs, stack_attention_regions
+from .regions import stack_attention_regions
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
 
@@ -131,7 +131,7 @@ def stack_attention_flash4(
     if deterministic is None:
         deterministic = torch.are_deterministic_algorithms_enabled()
     if not options.plain:
-        from .triton_launch import stack_attention_triton
+        from .triton_autograd import stack_attention_triton
 
         return stack_attention_triton(q, k, v, slots, replace(options, deterministic=deterministic))
     why = _why_not(q.device, q.dtype, k.shape[-1], v.shape[-1])

@@ -36,7 +36,7 @@ in :mod:`dtree.ops.stack_attention.options`):
   become an additive mask, softcapping runs the ``reference`` math (SDPA has no hook
   for a score transform). Any device.
 * ``triton``: one fused kernel for all segments, reading the stack in place
-  (:mod:`dtree.ops.stack_attention.triton_launch`, CUDA only).
+  (:mod:`dtree.ops.stack_attention.triton_autograd`, CUDA only).
 * ``flash-attn``: flash-attn-4's varlen kernels over the call's regions (every segment
   against its own K/V, causal; rows that share a stack range against it, in place),
   merged by log-sum-exp (:mod:`dtree.ops.stack_attention.regions`,
@@ -81,9 +81,9 @@ PREFERS_FLASH_ATTN = False
 def stack_attention_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: StackSlots, options: AttentionOptions = PLAIN
 ) -> torch.Tensor:
-    """The ``triton`` backend (:func:`dtree.ops.stack_attention.triton_launch.stack_attention_triton`),
+    """The ``triton`` backend (:func:`dtree.ops.stack_attention.triton_autograd.stack_attention_triton`),
     imported at the call: Triton is only imported where it is asked for."""
-    from .triton_launch import stack_attention_triton as fused
+    from .triton_autograd import stack_attention_triton as fused
 
     return fused(q, k, v, slots, options)
 
@@ -103,7 +103,7 @@ def triton_unavailable(target: Target) -> str | None:
     missing, not a CUDA device of compute capability >= 8.0 (and no interpreter), a
     dtype or head dim the kernels do not take."""
     try:
-        from . import triton_launch as sat
+        from . import triton_autograd as sat
 
         sat.require_triton(target.device)
     except (ImportError, RuntimeError) as e:
