@@ -48,7 +48,8 @@ sys.path.insert(0, ROOT)
 from dtree.kv_stack import KVStack  # noqa: E402
 from dtree.baselines.kernels import varlen_attention_flash as vf  # noqa: E402
 from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, stack_attention_reference, stack_attention_sdpa  # noqa: E402
-from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention  # noqa: E402
+from dtree.baselines.kernels.varlen_attention import VarlenLayout  # noqa: E402
+from dtree.baselines.kernels.varlen_interface import varlen_attention  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

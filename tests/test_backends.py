@@ -17,6 +17,7 @@ from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
 from dtree.kv_stack import KVStack
 from dtree.baselines.kernels import tree_mask_attention as tm
 from dtree.baselines.kernels import varlen_attention as va
+from dtree.baselines.kernels import varlen_interface as vi
 from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention, tree_mask_attention_sdpa
 from dtree.ops import backends, registry
 from dtree.ops.registry import backend_names
@@ -29,9 +30,10 @@ from dtree.ops.stack_attention import (
     stack_attention_reference,
     stack_attention_sdpa,
 )
-from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention, varlen_attention_reference
+from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention_reference
+from dtree.baselines.kernels.varlen_interface import varlen_attention
 
-REGISTRIES = {"stack_attention": STACK_BACKENDS, "varlen_attention": va.BACKENDS, "tree_mask_attention": tm.BACKENDS}
+REGISTRIES = {"stack_attention": STACK_BACKENDS, "varlen_attention": vi.BACKENDS, "tree_mask_attention": tm.BACKENDS}
 OPS = tuple(REGISTRIES)
 
 
@@ -45,7 +47,7 @@ def implementation(op, name):
 
 def test_names():
     assert STACK_BACKENDS.names() == backend_names("stack_attention") == ("reference", "sdpa", "triton", "flash-attn")
-    assert va.BACKENDS.names() == ("reference", "sdpa", "flash", "flash-attn")
+    assert vi.BACKENDS.names() == ("reference", "sdpa", "flash", "flash-attn")
     assert tm.BACKENDS.names() == ("sdpa", "flex")
     assert backend_names("linear_recurrence") == ("reference", "fla")
     with pytest.raises(ValueError, match="unknown op 'attention'"):
@@ -103,8 +105,6 @@ def test_flash_preferences(monkeypatch):
     """``auto`` for the varlen op: flash-attn, then flash, then sdpa, on any device
     (the checks reject CPU themselves; a stand-in reported available is taken, as the
     baseline did); flex for the tree mask on CUDA (availability stubbed: no GPU here)."""
-    from dtree.baselines.kernels import varlen_attention as va
-
     shapes = dict(num_heads=4, num_kv_heads=2, head_dim=64)
     monkeypatch.setattr(va, "flash_attn_available", lambda device, dtype, head_dim: True)
     monkeypatch.setattr(va, "flash_available", lambda *a: True)

@@ -23,7 +23,8 @@ from dtree.baselines.step import pack_in_order
 from dtree.baselines.tree_mask import split_tree, token_subtree_end
 from dtree.losses import TokenLoss
 from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention
-from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention
+from dtree.baselines.kernels.varlen_attention import VarlenLayout
+from dtree.baselines.kernels.varlen_interface import varlen_attention
 
 ALL_EDGE_SEQS = [s for case in EDGE_CASES.values() for s in case]
 

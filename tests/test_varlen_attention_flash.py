@@ -185,7 +185,7 @@ def test_linearized_baseline_picks_flash_attn_when_installed(monkeypatch):
     import dtree
     from dtree.baselines import LinearizedTrainer
     from dtree.baselines.kernels import varlen_attention as va
-    from dtree.baselines.kernels.varlen_attention import varlen_attention
+    from dtree.baselines.kernels.varlen_interface import varlen_attention
 
     calls = []
 

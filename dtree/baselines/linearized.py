@@ -18,7 +18,8 @@ import torch
 
 from ..models import AttendFn
 from ..ops.segment_states import LayerStates, StateLayout
-from .kernels.varlen_attention import BACKENDS, VarlenLayout, varlen_attention
+from .kernels.varlen_attention import VarlenLayout
+from .kernels.varlen_interface import BACKENDS, varlen_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 

@@ -5,7 +5,7 @@ Several sequences are concatenated along the token axis with no padding. Sequenc
 itself only. This is what "remove padding" trainers (verl, OpenRLHF, TRL) run through
 flash-attn's varlen kernel.
 
-Backends, all with the signature of :func:`varlen_attention`:
+Backends, all with the signature of :func:`dtree.baselines.kernels.varlen_interface.varlen_attention`:
 
 * ``reference``: pure torch, float32 math, one sequence at a time. The ground truth.
 * ``sdpa``: ``scaled_dot_product_attention(is_causal=True)`` per sequence. Any device.
@@ -32,10 +32,9 @@ import torch
 from ...transfer import upload
 from ...ops.stack_attention.attention_math import attend_math, attend_sdpa
 from ...ops.stack_attention.options import check_packed_qkv
-from ...ops.backends import Backends, Target
+from ...ops.backends import Target
 
 __all__ = [
-    "BACKENDS",
     "VarlenLayout",
     "flash_attn_available",
     "flash_attn_impl",
@@ -43,7 +42,6 @@ __all__ = [
     "flash_available",
     "flash_unavailable",
     "installed_flash_attn",
-    "varlen_attention",
     "varlen_attention_flash",
     "varlen_attention_reference",
     "varlen_attention_sdpa",
@@ -259,34 +257,3 @@ def flash_attn_unavailable(target: Target) -> str | None:
         f"needs the flash-attn package (pip install flash-attn) and a CUDA model in float16/bfloat16; this one is "
         f"{target.dtype} on {target.device}. Use attention='auto' or 'sdpa'"
     )
-
-
-def varlen_attention_flash_attn(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float
-) -> torch.Tensor:
-    """The ``flash-attn`` backend (:mod:`dtree.baselines.kernels.varlen_attention_flash`),
-    imported at the call."""
-    from . import varlen_attention_flash
-
-    return varlen_attention_flash.varlen_attention_flash_attn(q, k, v, layout, scale)
-
-
-BACKENDS = Backends(
-    "varlen attention",
-    {
-        "reference": varlen_attention_reference,
-        "sdpa": varlen_attention_sdpa,
-        "flash": varlen_attention_flash,
-        "flash-attn": varlen_attention_flash_attn,
-    },
-    # the checks reject CPU themselves; one order everywhere, as the baseline always chose
-    {"other": ("flash-attn", "flash", "sdpa")},
-    unavailable={"flash": flash_unavailable, "flash-attn": flash_attn_unavailable},
-)
-
-
-def varlen_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: VarlenLayout, scale: float, backend: str = "sdpa"
-) -> torch.Tensor:
-    """Dispatch to a backend of :data:`BACKENDS` by name."""
-    return BACKENDS.function(backend)(q, k, v, layout, scale)

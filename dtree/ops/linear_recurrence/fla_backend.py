@@ -62,7 +62,7 @@ def recurrence_fla(q, k, v, g, beta, cu_seqlens: np.ndarray, initial: torch.Tens
     if beta is None and q.shape[1] != heads:
         q, k = (x.repeat_interleave(heads // x.shape[1], dim=1) for x in (q, k))
     if beta is None and qk_l2norm:
-        from .interface import l2norm
+        from .reference import l2norm
 
         q, k = l2norm(q.float()).to(dtype), l2norm(k.float()).to(dtype)
     # the kernels index [B, T, H, D] by its shape: the adapters' splits are strided views
