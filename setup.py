@@ -6,7 +6,7 @@ CUDA extension (csrc/ -> dtree._stack_ops_cuda) where it can be built.
     pip install -e .                       # (CI, scripts/run.sh) pip's isolated build env has no torch: skips it
 
 The extension is optional: without it dtree runs the same ops as torch ops
-(dtree/ops/stack_ops_torch.py). Importing dtree never compiles anything. Environment:
+(dtree/ops/stack_ops/reference.py). Importing dtree never compiles anything. Environment:
 
     DTREE_SKIP_CUDA_BUILD=1   skip the extension
     DTREE_CUDA_ARCHS="80;90"  compute capabilities to compile for (default: sm_80 and sm_90,

@@ -5,8 +5,8 @@
 
 Backends of ``stack_attention`` (one call of one layer, all segments packed):
 
-* ``triton``: ``dtree.ops.stack_attention_triton``, ancestors read from the stack in place;
-* ``flash_attn``: ``dtree.ops.varlen_attention_flash.stack_attention_flash_attn``, every
+* ``triton``: ``dtree.ops.stack_attention.triton_autograd``, ancestors read from the stack in place;
+* ``flash_attn``: ``dtree.baselines.kernels.varlen_attention_flash.stack_attention_flash_attn``, every
   segment's ancestors gathered in front of its own K/V (a copy per call), one
   ``flash_attn_varlen_func`` (causal, bottom-right), prefix gradients added into the
   stack; skipped (and said so) when flash-attn does not import;
@@ -46,9 +46,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from dtree.kv_stack import KVStack  # noqa: E402
-from dtree.ops import varlen_attention_flash as vf  # noqa: E402
-from dtree.ops.stack_attention import SegmentLayout, stack_attention_reference, stack_attention_sdpa  # noqa: E402
-from dtree.ops.varlen_attention import VarlenLayout, varlen_attention  # noqa: E402
+from dtree.baselines.kernels import varlen_attention_flash as vf  # noqa: E402
+from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, stack_attention_reference, stack_attention_sdpa  # noqa: E402
+from dtree.baselines.kernels.varlen_attention import VarlenLayout  # noqa: E402
+from dtree.baselines.kernels.varlen_interface import varlen_attention  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -113,7 +114,7 @@ def backends(device) -> tuple[dict, dict]:
     fns, absent = {}, {}
     if device.type == "cuda":
         try:
-            from dtree.ops.stack_attention_triton import stack_attention_triton
+            from dtree.ops.stack_attention.triton_autograd import stack_attention_triton
 
             fns["triton"] = stack_attention_triton
         except ImportError as e:
@@ -130,7 +131,7 @@ def backends(device) -> tuple[dict, dict]:
 
 def outputs(fn, layout, t, used, hq, hkv, d, dtype, device, go):
     stack, q, k, v = problem(layout, t, used, hq, hkv, d, dtype, device)
-    out = fn(q, k, v, stack, 0, layout, d**-0.5)
+    out = fn(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=d**-0.5))
     grads = torch.autograd.grad(out, (q, k, v), go.to(dtype))
     return [out, *grads, stack.grad_k[0, :used].clone(), stack.grad_v[0, :used].clone()]
 
@@ -158,7 +159,8 @@ def bench_ms(fn, grads=None) -> float:
 def time_backend(fn, layout, t, used, hq, hkv, d, dtype, device) -> tuple[float, float]:
     stack, q, k, v = problem(layout, t, used, hq, hkv, d, dtype, device)
     go = torch.randn_like(q)
-    call = functools.partial(fn, stack=stack, layer=0, layout=layout, scale=d**-0.5)
+    slots, options = StackSlots(stack, 0, layout), AttentionOptions(scale=d**-0.5)
+    call = lambda q, k, v: fn(q, k, v, slots, options)  # noqa: E731
 
     def fwd():
         with torch.no_grad():

@@ -1,4 +1,4 @@
-"""linear_recurrence (dtree/ops/linear_recurrence.py) on a GPU: the ``fla`` backend checked
+"""linear_recurrence (dtree/ops/linear_recurrence/interface.py) on a GPU: the ``fla`` backend checked
 against the float64 recurrence by the flash-attention rule, and packed siblings timed
 against one call per sibling. ``benchmarks/hybrid_gpu.py`` runs both as its part 1;
 alone: ``python benchmarks/bench_linear_recurrence.py [--all-kernels]`` (without fla: the
@@ -59,10 +59,9 @@ def _run_kernel(fn, inputs, weights):
 
 def check_kernels(device, kinds, backend: str) -> list[dict]:
     """Each recurrence: ``backend`` in bf16 against float64, held to the all-bf16 torch recurrence."""
-    from dtree.ops.backends import implementation
-    from dtree.ops.linear_recurrence import recurrence_reference
+    from dtree.ops.linear_recurrence import BACKENDS, recurrence_reference
 
-    kernel = implementation("linear_recurrence", backend)
+    kernel = BACKENDS.function(backend)
 
     def torch_in(dtype):
         return functools.partial(recurrence_reference, dtype=dtype)
@@ -123,7 +122,7 @@ def time_packing(device, backend: str, smoke: bool) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     from dtree.ops.backends import Target
-    from dtree.ops.linear_recurrence_fla import fla_unavailable
+    from dtree.ops.linear_recurrence.fla_backend import fla_unavailable
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     backend = "chunked" if fla_unavailable(Target(device)) else "fla"

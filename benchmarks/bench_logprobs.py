@@ -24,7 +24,7 @@ and without entropy (gradients arrive on both outputs when it is on), TFLOP/s co
 CUDA time per kernel class (matmul / Triton / other) of one forward+backward, to check
 the byte count of ``benchmarks/PERF_NOTES.md``, and each fused kernel alone on one
 ``[4096, V]`` chunk over a few launch shapes (ms, GB/s), to set ``_FWD`` / ``_BWD`` in
-``dtree/ops/logprobs_triton.py``. A short table is printed last; ``--out``
+``dtree/ops/logprobs/triton_kernels.py``. A short table is printed last; ``--out``
 writes ``DIR/logprobs_<gpu>.md``. Exits 1 when the correctness check fails (after the
 report).
 """
@@ -87,10 +87,10 @@ def implementations(lt):
         ref_entropy = False
 
     def torch_stages(hidden, weight, labels, with_entropy, chunk):
-        return lt.token_logprobs_triton(hidden, weight, labels, with_entropy=with_entropy, chunk_size=chunk, impl="torch")
+        return fh.token_logprobs_triton(hidden, weight, labels, with_entropy=with_entropy, chunk_size=chunk, impl="torch")
 
     def fused(hidden, weight, labels, with_entropy, chunk):
-        return lt.token_logprobs_triton(hidden, weight, labels, with_entropy=with_entropy, chunk_size=chunk, impl="triton")
+        return fh.token_logprobs_triton(hidden, weight, labels, with_entropy=with_entropy, chunk_size=chunk, impl="triton")
 
     return {"reference": reference, "torch": torch_stages, "triton": fused}, ref_entropy
 
@@ -128,7 +128,7 @@ def correctness(impls, lt, device, v, smoke) -> tuple[list[list[str]], bool]:
 
     def dense(precision, with_entropy):
         hd, wd = (x.detach().to(precision).requires_grad_() for x in (hidden, weight))
-        fn = lambda hh, ww, yy, e, c: lt.token_logprobs_dense(hh, ww, yy, with_entropy=e, **kw)  # noqa: E731
+        fn = lambda hh, ww, yy, e, c: fh.token_logprobs_dense(hh, ww, yy, with_entropy=e, **kw)  # noqa: E731
         lp, ent = fn(hd, wd, labels, with_entropy, chunk)
         return [lp, ent, *step(fn, hd, wd, labels, with_entropy, chunk, g, ge)]
 
@@ -232,7 +232,7 @@ def kernel_configs(lt, device, v, rows=4096) -> list[list[str]]:
     logits = (torch.randn(rows, v, device=device, generator=gen) * 3).bfloat16()
     labels = torch.randint(0, v, (rows,), device=device, generator=gen)
     tf = lt._Transform()
-    _, norm, ent = lt._row_stats_torch(logits, labels, tf, True)
+    _, norm, ent = fh._row_stats_torch(logits, labels, tf, True)
     g, ge = torch.randn(rows, device=device), torch.randn(rows, device=device)
     saved_fwd, saved_bwd = dict(lt._FWD), dict(lt._BWD)
     out = []
@@ -291,7 +291,8 @@ def main() -> int:
         from interpreter_worker import patch_interpreter
 
         patch_interpreter()
-    from dtree.ops import logprobs_triton as lt
+    from dtree.ops.logprobs import fused_head as fh
+    from dtree.ops.logprobs import triton_kernels as lt
 
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     started = time.time()
@@ -299,7 +300,7 @@ def main() -> int:
     all_impls, ref_entropy = implementations(lt)
     impls = {k: all_impls[k] for k in args.impls.split(",")}
     print(f"{env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}")
-    print(f"fp32-out addmm in place: {lt._fp32_out_mm_works(device)}")
+    print(f"fp32-out addmm in place: {fh._fp32_out_mm_works(device)}")
 
     check_rows, ok = correctness(impls, lt, device, args.vocab, args.smoke)
     check_header = ["impl", "entropy", "logp", "entropy", "d hidden", "d weight", "rule"]
@@ -349,7 +350,7 @@ def main() -> int:
         f"{env['gpu']}; torch {env['torch']}, CUDA {env['cuda']}, Triton {env['triton']}, Python {env['python']}; "
         f"{env['date']}; `python benchmarks/bench_logprobs.py {' '.join(sys.argv[1:])}` ({seconds:.0f} s).",
         f"Vocab {args.vocab}, bf16, chunks of {args.chunk} rows, median of {args.reps} after one warm-up. "
-        f"fp32-out addmm in place: {lt._fp32_out_mm_works(device)}.",
+        f"fp32-out addmm in place: {fh._fp32_out_mm_works(device)}.",
         "",
         "## Correctness (flash-attention rule, vocab as timed; error vs float32 full logits / bf16 full logits' error)",
         "",

@@ -9,13 +9,13 @@ equivalent dense batch.
 For each layout (``stack_attention_cases.py``) one call, every implementation on the
 same inputs:
 
-* ``triton fused``: ``dtree.ops.stack_attention_triton``, every segment in one launch,
+* ``triton fused``: ``dtree.ops.stack_attention.triton_autograd``, every segment in one launch,
   ancestors read from the KV stack in place, prefix dK/dV added with float atomics, dq
   added by the dK/dV kernel with float atomics (``backward="fused"``, 5 matmuls per
   pair); ``triton split``: dq from a kernel of its own (``backward="split"``, 7
   matmuls); ``triton det``: ``deterministic=True`` (the split backward, ordered prefix
   adds); the report names the default (``DEFAULT_BACKWARD``);
-* ``flash-attn``: the ``flash-attn`` backend (``dtree.ops.stack_attention_flash4``):
+* ``flash-attn``: the ``flash-attn`` backend (``dtree.ops.stack_attention.flash4``):
   flash-attn-4 varlen calls per region, stack read in place, merged by log-sum-exp;
   ``flash-attn det``: its deterministic backward (when flash-attn-4 imports);
 * ``fa4 gathered``: ``varlen_attention_flash.stack_attention_flash_attn``, every
@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from stack_attention_cases import (  # noqa: E402
-    Case, bench_ms, cases, dense_inputs, environment, flash, kernel_ms, short_kernel_name, stack_inputs, table,
+    Case, bench_ms, bind, cases, dense_inputs, environment, flash, kernel_ms, short_kernel_name, stack_inputs, table,
+    variant,
 )
 
 from dtree.kv_stack import KVStack  # noqa: E402
@@ -82,23 +83,23 @@ def parse_args() -> argparse.Namespace:
 def implementations(sat, smoke: bool, wanted: str) -> tuple[dict, dict]:
     """name -> stack attention fn (the backends' signature), and name -> why absent."""
     fns, absent = {
-        "triton fused": functools.partial(sat.stack_attention_triton, deterministic=False, backward="fused"),
-        "triton split": functools.partial(sat.stack_attention_triton, deterministic=False, backward="split"),
-        "triton det": functools.partial(sat.stack_attention_triton, deterministic=True),
+        "triton fused": variant(sat.stack_attention_triton_tuned, False, backward="fused"),
+        "triton split": variant(sat.stack_attention_triton_tuned, False, backward="split"),
+        "triton det": variant(sat.stack_attention_triton, True),
     }, {}
     if smoke:
-        from dtree.ops.stack_attention_regions import stack_attention_regions
+        from dtree.ops.stack_attention.regions import stack_attention_regions
 
         fns["regions (torch)"] = stack_attention_regions
     else:
-        from dtree.ops import varlen_attention_flash as vf
+        from dtree.baselines.kernels import varlen_attention_flash as vf
         from dtree.ops.backends import Target
-        from dtree.ops.stack_attention_flash4 import flash4_unavailable, stack_attention_flash4
+        from dtree.ops.stack_attention.flash4 import flash4_unavailable, stack_attention_flash4
 
         why = flash4_unavailable(Target(torch.device("cuda"), torch.bfloat16, head_dim=128))
         if why is None:
-            fns["flash-attn"] = functools.partial(stack_attention_flash4, deterministic=False)
-            fns["flash-attn det"] = functools.partial(stack_attention_flash4, deterministic=True)
+            fns["flash-attn"] = variant(stack_attention_flash4, False)
+            fns["flash-attn det"] = variant(stack_attention_flash4, True)
         else:
             absent["flash-attn"] = why
         if vf.flash_attn_impl() == "flash-attn-4":
@@ -118,14 +119,14 @@ def reference_results(case: Case, stack: KVStack, q, k, v, go) -> list[torch.Ten
     ref.v.copy_(stack.v)
     ref.zero_grad(0, ref.capacity)
     leaves = [x.detach().float().requires_grad_() for x in (q, k, v)]
-    out = stack_attention_reference(*leaves, ref, 0, case.layout, q.shape[-1] ** -0.5)
+    out = bind(stack_attention_reference, ref, case.layout, q.shape[-1] ** -0.5)(*leaves)
     grads = torch.autograd.grad(out, leaves, go.float())
     return [out.detach(), *grads, ref.grad_k[0, : case.slots].clone(), ref.grad_v[0, : case.slots].clone()]
 
 
 def results(fn, case: Case, stack: KVStack, q, k, v, go) -> list[torch.Tensor]:
     stack.zero_grad(0, stack.capacity)
-    out = fn(q, k, v, stack, 0, case.layout, q.shape[-1] ** -0.5)
+    out = bind(fn, stack, case.layout, q.shape[-1] ** -0.5)(q, k, v)
     grads = torch.autograd.grad(out, (q, k, v), go)
     return [out.detach(), *grads, stack.grad_k[0, : case.slots].clone(), stack.grad_v[0, : case.slots].clone()]
 
@@ -149,7 +150,7 @@ def run_case(case: Case, args, fns: dict, dtype, device) -> dict:
             continue
         errs = [((g.float() - w).abs().max() / w.abs().max().clamp_min(1e-6)).item() for g, w in zip(first, want)]
         bitwise = all(torch.equal(a, b) for a, b in zip(first, second))
-        call = functools.partial(fn, stack=stack, layer=0, layout=case.layout, scale=scale)
+        call = bind(fn, stack, case.layout, scale)
         m = measure(call, (q, k, v), go, flops_fwd)
         row["impls"][name] = {**m, "errors": errs, "bitwise": bitwise}
         print(f"{case.name} {name}: {m['fwd_bwd_tflops']:.0f} TFLOP/s fwd+bwd, {time.time() - t0:.1f} s",
@@ -181,11 +182,6 @@ def measure(call, inputs, go, flops_fwd: float) -> dict:
 
 
 # --------------------------------------------------------------------------- options
-def stack_on_stack(attention, stack, layout, scale, q, k, v):
-    """A stack attention backend with the stack, layout and scale bound."""
-    return attention(q, k, v, stack, 0, layout, scale)
-
-
 def forward(fn, inputs):
     return lambda: fn(*inputs)
 
@@ -257,9 +253,8 @@ def run_option_case(oc: OptionCase, args, sat, dtype, device) -> dict:
     scale = d**-0.5
     stack, q, k, v = stack_inputs(case, hq, hkv, d, dtype, device)
     opts = {n: (x.to(device) if isinstance(x, torch.Tensor) else x) for n, x in oc.options.items()}
-    with_opts = functools.partial(stack_on_stack, functools.partial(sat.stack_attention_triton, **opts), stack,
-                                  case.layout, scale)
-    plain = functools.partial(stack_on_stack, sat.stack_attention_triton, stack, case.layout, scale)
+    with_opts = bind(sat.stack_attention_triton, stack, case.layout, scale, **opts)
+    plain = bind(sat.stack_attention_triton, stack, case.layout, scale)
     go = torch.randn(q.shape[0], hq, d, device=device, dtype=dtype)
     impls = {"triton": (with_opts, (q, k, v), go), "triton, no option": (plain, (q, k, v), go)}
     row = {"case": oc.name, "note": oc.note, "tokens": case.tokens, "pairs": oc.pairs()}
@@ -355,7 +350,7 @@ def main() -> None:
         args.heads, args.kv_heads, args.head_dim, args.dtype = 4, 2, 16, "fp32"
     elif not torch.cuda.is_available():
         sys.exit("bench_stack_attention needs a CUDA GPU (or --smoke)")
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     device = "cpu" if args.smoke else "cuda"
     sat.require_triton(device)

@@ -18,7 +18,6 @@ adds). Writes ``triton_tuning_<gpu>.md`` with ``--out``.
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import re
 import sys
@@ -29,7 +28,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from stack_attention_cases import cases, environment, kernel_ms, stack_inputs, table  # noqa: E402
+from stack_attention_cases import bind, cases, environment, kernel_ms, stack_inputs, table, variant  # noqa: E402
 
 # (inner tile, num_warps, num_stages) per kernel; the first is the fixed default
 CANDIDATES = {
@@ -56,10 +55,10 @@ def parse_args() -> argparse.Namespace:
 
 def kernel_time(sat, case, stack, q, k, v, go, kernel: str, **kw) -> float | str:
     """GPU ms of ``kernel`` in one forward+backward of the Triton kernel with ``kw``."""
-    fn = functools.partial(sat.stack_attention_triton, **kw)
+    fn = bind(variant(sat.stack_attention_triton_tuned, **kw), stack, case.layout, q.shape[-1] ** -0.5)
 
     def step():
-        fn(q, k, v, stack, 0, case.layout, q.shape[-1] ** -0.5).backward(go)
+        fn(q, k, v).backward(go)
 
     try:
         times = kernel_ms(step, iters=5)
@@ -123,7 +122,7 @@ def main() -> None:
         args.head_configs, args.layouts = "4/2", "grpo"
     elif not torch.cuda.is_available():
         sys.exit("bench_triton_tuning needs a CUDA GPU (or --smoke)")
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     device = "cpu" if args.smoke else "cuda"
     kernels = args.kernels.split(",")

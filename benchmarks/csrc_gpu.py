@@ -39,7 +39,7 @@ from dtree.bench.report import environment  # noqa: E402
 from dtree.kv_stack import KVStack  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
-from dtree.ops import stack_ops  # noqa: E402
+from dtree.ops.stack_ops import interface as stack_ops  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 

@@ -6,7 +6,7 @@ forests, counted on the CPU from the call plans alone (no GPU, no flash-attn-4).
 For each workload (``agentic``: one 64k-unique tree per forest, the H100 step's; ``grpo``:
 the default batch) and each of ``--forests`` fresh forests (seeds 0..N-1): the
 schedule's calls (``--group-tokens`` per call; the memory policy picked 16384 for the
-64k agentic step on an H100), each call's regions (dtree/ops/region_plan.py) and, per
+64k agentic step on an H100), each call's regions (dtree/ops/stack_attention/region_plan.py) and, per
 region, the parts of flash-attn-4 4.0.0b36's compile keys on Hopper that differ between
 the calls of one model (read off ``flash_attn/cute/interface.py``; the rest is fixed by
 the model: dtype, heads, head dims):
@@ -19,7 +19,7 @@ the model: dtype, heads, head dims):
   more than 256 sequences; its preprocess and postprocess kernels: the tile, ragged,
   more than 256 sequences.
 
-And the Triton kernel that merges the regions (dtree/ops/lse_merge_triton.py): before,
+And the Triton kernel that merges the regions (dtree/ops/stack_attention/lse_merge_triton.py): before,
 its region count was a constexpr and the stride between regions' log-sum-exps (q heads x
 rows) was specialized on divisibility by 16; now both are runtime arguments.
 
@@ -40,10 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from stack_attention_cases import table  # noqa: E402
 
-from dtree.ops.flash4_replay import bucket_len  # noqa: E402
-from dtree.ops.region_plan import region_plan  # noqa: E402
-from dtree.ops.segment_layout import SegmentLayout  # noqa: E402
-from dtree.ops.stack_attention_regions import level_seqs, own_seqs  # noqa: E402
+from dtree.ops.stack_attention.flash4_replay import bucket_len  # noqa: E402
+from dtree.ops.stack_attention.region_plan import region_plan  # noqa: E402
+from dtree.ops.stack_attention.segment_layout import SegmentLayout  # noqa: E402
+from dtree.ops.stack_attention.regions import level_seqs, own_seqs  # noqa: E402
 from dtree.schedule import build_schedule  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 

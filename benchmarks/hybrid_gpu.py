@@ -292,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
         from dtree.bench.measure import use_expandable_segments
 
         use_expandable_segments()
-    from dtree.ops.linear_recurrence_fla import fla_unavailable
+    from dtree.ops.linear_recurrence.fla_backend import fla_unavailable
     from dtree.ops.backends import Target
 
     results: dict = {"environment": environment(device, wheels)}

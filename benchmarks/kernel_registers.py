@@ -3,7 +3,7 @@
     python benchmarks/kernel_registers.py                 # default configs, every option set
     python benchmarks/kernel_registers.py --all-candidates
 
-Compiles each kernel of ``dtree.ops.stack_attention_triton`` (``fused``: the dK/dV kernel
+Compiles each kernel of ``dtree.ops.stack_attention.triton_autograd`` (``fused``: the dK/dV kernel
 with the fused backward's dq) for sm_90 through
 ``triton.compile`` (the PTX, then ``ptxas -v`` from Triton's bundled CUDA tools), with
 the argument attributes the JIT gives real calls (16-byte aligned pointers, strides
@@ -26,7 +26,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
-from dtree.ops import stack_attention_triton as sat  # noqa: E402
+from dtree.ops.stack_attention import triton_autograd as sat  # noqa: E402
+from dtree.ops.stack_attention import triton_launch as launch  # noqa: E402
 
 PTXAS = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 INT_POINTERS = {"QBLOCKS", "RANGE_LO", "RANGE_HI", "SEG_START", "SEG_END", "ITEMS", "TICKETS"}
@@ -44,7 +45,7 @@ SHAPES = [("bf16", 64, 64), ("bf16", 128, 128), ("bf16", 192, 128), ("fp32", 64,
 
 def compile_kernel(kernel: str, dtype: str, constexprs: dict, warps: int, stages: int) -> dict:
     """Compile one specialization for sm_90; its ptxas registers, spill bytes and shared memory."""
-    fn = sat._KERNELS[kernel]
+    fn = launch._KERNELS[kernel]
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
@@ -94,13 +95,13 @@ def main() -> None:
             for kernel in args.kernels.split(","):
                 table = 64 if dtype == "fp32" or max(dk, dv) > 128 else 128
                 transform = flags.get("HAS_SOFTCAP", False) or flags.get("HAS_ALIBI", False)
-                candidates = sat._fixed_candidates(kernel, table, torch_dtype, transform)
+                candidates = launch._fixed_candidates(kernel, table, torch_dtype, transform)
                 for inner, warps, stages in candidates if args.all_candidates else candidates[:1]:
                     constexprs = {
                         "GROUP": 4, "HEAD_DIM": dk, "BLOCK_D": triton.next_power_of_2(dk), "V_DIM": dv,
                         "BLOCK_DV": triton.next_power_of_2(dv), "DOT_PREC": "ieee" if dtype == "fp32" else "tf32",
-                        sat._TABLE_NAME[kernel]: table, sat._INNER_NAME[kernel]: inner,
-                        **{f: flags.get(f, False) for f in sat._FLAGS[kernel]},
+                        launch._TABLE_NAME[kernel]: table, launch._INNER_NAME[kernel]: inner,
+                        **{f: flags.get(f, False) for f in launch._FLAGS[kernel]},
                         **({"DETERMINISTIC": flags.get("DETERMINISTIC", False), "FUSED_DQ": kernel == "fused",
                             "STACK_GRAD": True} if kernel in ("dkdv", "fused") else {}),
                     }

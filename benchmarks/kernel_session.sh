@@ -74,7 +74,7 @@ run_part() {
       part env "${secs:-60}" bash -c '(nvidia-smi || echo "no nvidia-smi");
         python -c "import torch, triton; print(torch.__version__, torch.version.cuda, triton.__version__)";
         python -c "import time; t=time.time(); import flash_attn.cute.interface as i; print(\"flash-attn-4 import\", round(time.time()-t, 1), \"s\")" || echo "flash-attn-4 absent: its rows, tests and step configuration are skipped";
-        python -c "from dtree.ops import stack_attention_triton as s, backends as b; print(\"DEFAULT_BACKWARD\", s.DEFAULT_BACKWARD, \"STACK_ATTENTION_PREFERS_FLASH_ATTN\", b.STACK_ATTENTION_PREFERS_FLASH_ATTN)";
+        python -c "from dtree.ops.stack_attention import triton_autograd as s, interface as i; print(\"DEFAULT_BACKWARD\", s.DEFAULT_BACKWARD, \"PREFERS_FLASH_ATTN\", i.PREFERS_FLASH_ATTN)";
         pip list 2>/dev/null | grep -i -E "flash|cutlass|quack|tvm|torch|triton"' ;;
     tests)
       if [ "$SMOKE" = 1 ]; then

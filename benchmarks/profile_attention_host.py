@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import functools
 import io
 import os
 import pstats
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_stack_attention import implementations  # noqa: E402
-from stack_attention_cases import cases, environment, stack_inputs, table  # noqa: E402
+from stack_attention_cases import bind, cases, environment, stack_inputs, table  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:
@@ -46,7 +45,7 @@ def parse_args() -> argparse.Namespace:
 def profile_impl(fn, case, hq: int, hkv: int, iters: int) -> dict:
     stack, q, k, v = stack_inputs(case, hq, hkv, 128, torch.bfloat16, "cuda")
     go = torch.randn(q.shape[0], hq, 128, device="cuda", dtype=torch.bfloat16)
-    call = functools.partial(fn, stack=stack, layer=0, layout=case.layout, scale=128**-0.5)
+    call = bind(fn, stack, case.layout, 128**-0.5)
 
     def step():
         call(q, k, v).backward(go)
@@ -78,7 +77,7 @@ def main() -> None:
     args = parse_args()
     if not torch.cuda.is_available():
         sys.exit("profile_attention_host needs a CUDA GPU")
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     fns, absent = implementations(sat, False, args.impls)
     rows, details = [], []

@@ -11,7 +11,7 @@ to the moment of the peak, and the blocks alive then are attributed:
 * the KV stack (the runtime's stack tensors, by address, or allocations made in
   ``dtree/kv_stack*``);
 * the LM head: ``[rows, vocab]`` logits chunks, their gradient, the float32 weight-
-  gradient accumulator (allocations made in ``dtree/ops/logprobs.py``);
+  gradient accumulator (allocations made in ``dtree/ops/logprobs/interface.py``);
 * stack attention (allocations made in ``dtree/ops/stack_attention*``);
 * decoder-layer activations of the forward (allocated under transformers / torch.nn),
   and backward temporaries (allocated inside ``torch.autograd.backward``);

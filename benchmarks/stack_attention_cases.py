@@ -12,6 +12,7 @@ prefix); ``grpo_long`` a 256-token prompt under 8 answers of 2048; ``chain`` one
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import platform
 import time
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from dtree.kv_stack import KVStack
-from dtree.ops.segment_layout import SegmentLayout
+from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots
 
 __all__ = ["Case", "bench_ms", "cases", "dense_inputs", "environment", "flash", "kernel_ms", "stack_inputs", "table"]
 
@@ -170,3 +171,20 @@ def environment(device: str = "cuda") -> dict:
 
 def table(header: list[str], lines: list[list[str]]) -> list[str]:
     return ["| " + " | ".join(header) + " |", "|---" * len(header) + "|"] + ["| " + " | ".join(c) + " |" for c in lines]
+
+
+def variant(attention, deterministic: bool | None = None, **tuning):
+    """A stack-attention backend (``(q, k, v, slots, options)``) with ``options.deterministic``
+    and the Triton kernel's tuning knobs (``stack_attention_triton_tuned``) fixed."""
+
+    def call(q, k, v, slots, options):
+        return attention(q, k, v, slots, dataclasses.replace(options, deterministic=deterministic), **tuning)
+
+    return call
+
+
+def bind(attention, stack: KVStack, layout: SegmentLayout, scale: float, **options):
+    """A stack-attention backend as ``(q, k, v) -> out`` on layer 0 of ``stack``, with the
+    scale and the score options bound."""
+    slots, opts = StackSlots(stack, 0, layout), AttentionOptions(scale=scale, **options)
+    return lambda q, k, v: attention(q, k, v, slots, opts)

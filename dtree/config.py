@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from . import memory_policy
-from .ops.backends import backend_names
+from .ops.linear_recurrence import BACKENDS as RECURRENCE_BACKENDS
 from .ops.stack_attention import BACKENDS
 
 __all__ = ["RuntimeConfig", "Mode", "Attention", "Recurrence", "MODES", "ATTENTIONS", "RECURRENCES"]
@@ -23,8 +23,8 @@ Mode = Literal["auto", "retain", "recompute"]
 Attention = Literal["auto", "triton", "flash-attn", "sdpa", "reference"]
 Recurrence = Literal["auto", "reference", "chunked", "fla"]
 MODES: tuple[str, ...] = get_args(Mode)
-ATTENTIONS: tuple[str, ...] = ("auto",) + tuple(BACKENDS)
-RECURRENCES: tuple[str, ...] = ("auto",) + backend_names("linear_recurrence")
+ATTENTIONS: tuple[str, ...] = ("auto",) + BACKENDS.names()
+RECURRENCES: tuple[str, ...] = ("auto",) + RECURRENCE_BACKENDS.names()
 
 
 def _is_int(value: Any) -> bool:
@@ -80,7 +80,7 @@ class RuntimeConfig:
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.attention not in ATTENTIONS:
-            raise ValueError(f"attention must be 'auto' or one of {tuple(BACKENDS)}, got {self.attention!r}")
+            raise ValueError(f"attention must be 'auto' or one of {BACKENDS.names()}, got {self.attention!r}")
         if self.recurrence not in RECURRENCES:
             raise ValueError(f"recurrence must be one of {RECURRENCES}, got {self.recurrence!r}")
         _check_count("chunk_size", self.chunk_size, minimum=1, optional=False)

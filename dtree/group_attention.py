@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .ops.segment_states import LayerStates, StateLayout
-from .ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
+from .ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, seed_from_stack, stack_attention
 from .stacks import StepStacks
 
 __all__ = ["GroupAttention"]
@@ -67,9 +67,8 @@ class GroupAttention:
             self.pattern[layer] = (k.requires_grad, v.requires_grad)
             if self.grad_seed:
                 k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi, device_lo=self.device_lo)
-        return stack_attention(
-            q, k, v, stack, local, self.layout, scale, self.backend, deterministic=self.deterministic, **options
-        )
+        options = AttentionOptions(scale=scale, deterministic=self.deterministic, **options)
+        return stack_attention(q, k, v, StackSlots(stack, local, self.layout), options, self.backend)
 
     def states(self, layer: int) -> LayerStates:
         """The recurrent states of ``layer`` for this call (:mod:`dtree.ops.segment_states`)."""

@@ -40,7 +40,8 @@ from __future__ import annotations
 
 import torch
 
-from .ops import stack_ops, stack_ops_torch
+from .ops import stack_ops
+from .ops.stack_ops import reference as stack_ops_torch
 
 __all__ = ["KVStack"]
 

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from .checkpointing import checkpointed_layers
 from .models import ModelSpec, TreeModule
-from .ops.segment_layout import SegmentLayout
+from .ops.stack_attention.segment_layout import SegmentLayout
 from .ops.segment_states import StateLayout
 from .stacks import StepStacks
 from .group_attention import GroupAttention

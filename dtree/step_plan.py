@@ -27,8 +27,8 @@ from .config import RuntimeConfig
 from .memory_probe import CallBytes, measure_call_bytes
 from .models import ModelSpec, TreeModule, unwrap
 from .ops import determinism, stack_ops
-from .ops.backends import resolve_backend
 from .ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
+from .ops.registry import resolve_backend
 from .schedule import LossTerms, Schedule, all_predictions, build_schedule, select_loss_terms
 from .stacks import StepStacks
 from .state_plan import StatePlan, plan_states
@@ -45,7 +45,7 @@ Placement = tuple[torch.device, torch.dtype]
 
 def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
     """The stack-attention backend for ``attention`` (a config value), from the registry
-    (:func:`dtree.ops.backends.resolve_backend`). ``auto``: the fused Triton kernel where
+    (:func:`dtree.ops.registry.resolve_backend`). ``auto``: the fused Triton kernel where
     it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256; in
     deterministic mode only if its backward has a deterministic form), else SDPA. An
     explicit backend that cannot run here raises a ValueError saying why; one that cannot

@@ -45,8 +45,8 @@ import torch
 from . import rng
 from .checkpointing import checkpointed_layers
 from .losses import weighted_terms
-from .ops.logprobs import compute_dtype, token_logprobs
 from .group_attention import GroupAttention
+from .ops.logprobs import compute_dtype, token_logprobs
 from .ops.stack_attention import SegmentLayout
 from .schedule import FORWARD, Schedule, prediction_lin
 from .step import WalkOutput, per_sequence

@@ -1,4 +1,4 @@
-"""The backend registry (dtree/ops/backends.py): what ``auto`` picks per device, the
+"""The backend registries (dtree/ops/backends.py): what ``auto`` picks per device, the
 errors for unknown and unavailable names, and that the ops' dispatchers run the
 registered functions. The choices are checked against the ones the runtime and the
 baselines make on their own (``TreeRuntime._pick_backend``, ``LinearizedTrainer``,
@@ -15,22 +15,44 @@ from hf_models import make_model
 import dtree
 from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
 from dtree.kv_stack import KVStack
-from dtree.ops import backends
-from dtree.ops.backends import backend_names, implementation, resolve_backend
-from dtree.ops.segment_layout import SegmentLayout
-from dtree.ops.stack_attention import stack_attention, stack_attention_reference, stack_attention_sdpa
-from dtree.ops.tree_mask_attention import TreeMaskLayout, tree_mask_attention, tree_mask_attention_sdpa
-from dtree.ops.varlen_attention import VarlenLayout, varlen_attention, varlen_attention_reference
+from dtree.baselines.kernels import tree_mask_attention as tm
+from dtree.baselines.kernels import varlen_attention as va
+from dtree.baselines.kernels import varlen_interface as vi
+from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention, tree_mask_attention_sdpa
+from dtree.ops import backends, registry
+from dtree.ops.registry import backend_names
+from dtree.ops.stack_attention import (
+    BACKENDS as STACK_BACKENDS,
+    AttentionOptions,
+    SegmentLayout,
+    StackSlots,
+    stack_attention,
+    stack_attention_reference,
+    stack_attention_sdpa,
+)
+from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention_reference
+from dtree.baselines.kernels.varlen_interface import varlen_attention
 
-OPS = ("stack_attention", "varlen_attention", "tree_mask_attention")
+REGISTRIES = {"stack_attention": STACK_BACKENDS, "varlen_attention": vi.BACKENDS, "tree_mask_attention": tm.BACKENDS}
+OPS = tuple(REGISTRIES)
+
+
+def resolve_backend(op, name, device, dtype=None, **target):
+    return REGISTRIES[op].resolve(name, device, dtype, **target)
+
+
+def implementation(op, name):
+    return REGISTRIES[op].function(name)
 
 
 def test_names():
-    assert backend_names("stack_attention") == ("reference", "sdpa", "triton", "flash-attn")
-    assert backend_names("varlen_attention") == ("reference", "sdpa", "flash", "flash-attn")
-    assert backend_names("tree_mask_attention") == ("sdpa", "flex")
+    assert STACK_BACKENDS.names() == backend_names("stack_attention") == ("reference", "sdpa", "triton", "flash-attn")
+    assert vi.BACKENDS.names() == ("reference", "sdpa", "flash", "flash-attn")
+    assert tm.BACKENDS.names() == ("sdpa", "flex")
+    assert backend_names("linear_recurrence") == ("reference", "fla")
     with pytest.raises(ValueError, match="unknown op 'attention'"):
         backend_names("attention")
+    assert registry.resolve_backend("stack_attention", "auto", "cpu") == "sdpa"
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -55,7 +77,7 @@ def test_unavailable_names_say_why_on_cpu():
         resolve_backend("varlen_attention", "flash-attn", "cpu", torch.bfloat16, head_dim=8)
     with pytest.raises(ValueError, match="attention='flex' trains on CUDA only"):
         resolve_backend("tree_mask_attention", "flex", "cpu")
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     if not sat._INTERPRET:
         with pytest.raises(ValueError, match="attention='triton' cannot run here: .*CUDA"):
@@ -66,7 +88,7 @@ def test_triton_rules_on_a_cuda_target(monkeypatch):
     """On a CUDA target where Triton runs (``require_triton`` stubbed to pass: no GPU
     here), ``auto`` takes Triton only for its dtypes and head dims, as the runtime's
     own choice does; an explicit ``triton`` outside them is a ValueError."""
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     monkeypatch.setattr(sat, "require_triton", lambda device: None)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -83,8 +105,6 @@ def test_flash_preferences(monkeypatch):
     """``auto`` for the varlen op: flash-attn, then flash, then sdpa, on any device
     (the checks reject CPU themselves; a stand-in reported available is taken, as the
     baseline did); flex for the tree mask on CUDA (availability stubbed: no GPU here)."""
-    from dtree.ops import varlen_attention as va
-
     shapes = dict(num_heads=4, num_kv_heads=2, head_dim=64)
     monkeypatch.setattr(va, "flash_attn_available", lambda device, dtype, head_dim: True)
     monkeypatch.setattr(va, "flash_available", lambda *a: True)
@@ -126,8 +146,8 @@ def test_dispatchers_run_the_registered_functions():
     stack.v.normal_(generator=gen)
     layout = SegmentLayout(np.array([0, 4, 9]), np.array([5, 9]), [((0, 5),), ((0, 3),)])
     torch.testing.assert_close(
-        stack_attention(q, k, v, stack, 0, layout, 0.3, "reference"),
-        stack_attention_reference(q, k, v, stack, 0, layout, 0.3),
+        stack_attention(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.3), "reference"),
+        stack_attention_reference(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.3)),
     )
     varlen = VarlenLayout([0, 4, 9])
     torch.testing.assert_close(
@@ -140,7 +160,7 @@ def test_dispatchers_run_the_registered_functions():
 
 
 def test_registry_imports_no_op_module():
-    """The ops import the registry, never the reverse (no import cycle)."""
+    """The ops import the registry machinery, never the reverse (no import cycle)."""
     import ast
     import inspect
 

@@ -22,8 +22,9 @@ from dtree.baselines import METHODS, LinearizedTrainer, TreeMaskTrainer, make_me
 from dtree.baselines.step import pack_in_order
 from dtree.baselines.tree_mask import split_tree, token_subtree_end
 from dtree.losses import TokenLoss
-from dtree.ops.tree_mask_attention import TreeMaskLayout, tree_mask_attention
-from dtree.ops.varlen_attention import VarlenLayout, varlen_attention
+from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention
+from dtree.baselines.kernels.varlen_attention import VarlenLayout
+from dtree.baselines.kernels.varlen_interface import varlen_attention
 
 ALL_EDGE_SEQS = [s for case in EDGE_CASES.values() for s in case]
 
@@ -360,7 +361,7 @@ def test_flash_backend_adapts_to_varlen_attn_signature(version):
     """The flash backend's call, on the CPU with a stand-in kernel that has FlashAttention's
     semantics (scale 1/sqrt(D) unless given, equal head counts unless enable_gqa) and
     only the parameters of that torch release."""
-    from dtree.ops.varlen_attention import _call_varlen, varlen_attention_reference
+    from dtree.baselines.kernels.varlen_attention import _call_varlen, varlen_attention_reference
 
     params = frozenset(VARLEN_SIGNATURES[version])
 
@@ -458,7 +459,7 @@ def check_bf16_rule(out, inputs, allowed, scale):
 @pytest.mark.gpu
 @pytest.mark.parametrize("hq, hkv, d", [(8, 2, 64), (4, 4, 128)])
 def test_varlen_flash_bf16(hq, hkv, d):
-    from dtree.ops.varlen_attention import flash_available
+    from dtree.baselines.kernels.varlen_attention import flash_available
 
     assert flash_available(torch.device("cuda"), torch.bfloat16, hq, hkv, d)
     rng = np.random.default_rng(d)

@@ -117,5 +117,5 @@ def test_wheel_builds_from_a_clean_copy_without_the_extension(tmp_path, skip):
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     (wheel,) = (tmp_path / "dist").glob("dtree-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "dtree/__init__.py" in names and "dtree/ops/stack_ops.py" in names
+    assert "dtree/__init__.py" in names and "dtree/ops/stack_ops/interface.py" in names
     assert not any(n.endswith(".so") for n in names)

@@ -6,19 +6,20 @@ benchmarks/csrc_gpu.py."""
 
 from __future__ import annotations
 
-import importlib
 import warnings
 
 import pytest
 import torch
 
 import dtree
-from dtree.ops import backends, determinism, stack_ops
-from dtree.ops.backends import resolve_backend
+from dtree.ops import determinism
+from dtree.ops.linear_recurrence import BACKENDS as RECURRENCE_BACKENDS
+from dtree.ops.registry import resolve_backend
+from dtree.ops.stack_attention import BACKENDS as STACK_BACKENDS
+from dtree.ops.stack_attention import AttentionOptions, StackSlots, stack_attention
+from dtree.ops.stack_ops import interface as stack_ops
 from hf_models import make_model
 from setups import CHUNK, SEQS
-
-stack_attention = importlib.import_module("dtree.ops.stack_attention")  # the module, not dtree.ops' function
 
 
 @pytest.fixture
@@ -32,10 +33,8 @@ def torch_mode():
 @pytest.fixture
 def triton_runs_here(monkeypatch):
     """The triton backend as if on a GPU, in a version without a deterministic backward."""
-    monkeypatch.setattr(stack_attention, "triton_unavailable", lambda target: None)
-    monkeypatch.setattr(
-        stack_attention, "triton_nondeterministic", lambda target: "adds prefix dK/dV with float atomics"
-    )
+    monkeypatch.setitem(STACK_BACKENDS.unavailable, "triton", lambda target: None)
+    monkeypatch.setitem(STACK_BACKENDS.nondeterministic, "triton", lambda target: "adds prefix dK/dV with float atomics")
 
 
 def test_config_checks_the_flag():
@@ -65,33 +64,25 @@ def test_a_named_nondeterministic_backend_raises_or_warns_as_torch_does(triton_r
 
 
 def test_the_dispatcher_passes_deterministic_or_alerts(monkeypatch, torch_mode):
-    seen = {}
-
-    def with_flag(q, k, v, stack, layer, layout, scale, *, deterministic=False, **options):
-        seen["deterministic"] = deterministic
-        return q
-
-    def without_flag(q, k, v, stack, layer, layout, scale, **options):
-        return q
-
-    for fn in (with_flag, without_flag):
-        monkeypatch.setattr(stack_attention, "stack_attention_reference", fn)
-        stack_attention.stack_attention(torch.zeros(1), None, None, None, 0, None, 1.0, "reference")
-    assert seen == {"deterministic": False}
-    monkeypatch.setattr(stack_attention, "stack_attention_reference", with_flag)
+    """The dispatcher resolves ``options.deterministic`` (the flag or torch's setting)
+    for the backend, and alerts for a backend registered without a deterministic
+    backward."""
+    seen = []
+    monkeypatch.setitem(STACK_BACKENDS.functions, "reference", lambda q, k, v, slots, options: seen.append(options))
+    slots = StackSlots(None, 0, None)
+    stack_attention(torch.zeros(1), None, None, slots, AttentionOptions(scale=1.0), "reference")
+    stack_attention(torch.zeros(1), None, None, slots, AttentionOptions(scale=1.0, deterministic=True), "reference")
     torch.use_deterministic_algorithms(True)
-    stack_attention.stack_attention(torch.zeros(1), None, None, None, 0, None, 1.0, "reference")
-    assert seen == {"deterministic": True}
-    monkeypatch.setattr(stack_attention, "stack_attention_reference", without_flag)
-    with pytest.raises(RuntimeError, match="'reference' stack attention backward"):
-        stack_attention.stack_attention(torch.zeros(1), None, None, None, 0, None, 1.0, "reference")
+    stack_attention(torch.zeros(1), None, None, slots, AttentionOptions(scale=1.0), "reference")
+    assert [o.deterministic for o in seen] == [False, True, True]
+    monkeypatch.setitem(STACK_BACKENDS.nondeterministic, "reference", lambda target: "adds with float atomics")
+    with pytest.raises(RuntimeError, match="does not have a deterministic implementation"):
+        stack_attention(torch.zeros(1), None, None, slots, AttentionOptions(scale=1.0), "reference")
 
 
-def test_every_registered_stack_backend_but_triton_takes_the_flag():
-    for name in backends.backend_names("stack_attention"):
-        spec = backends._op_of("stack_attention").backends[name]
-        if spec.nondeterministic is None:
-            assert stack_attention.takes_deterministic(backends.implementation("stack_attention", name)), name
+def test_only_the_registered_backends_lack_a_deterministic_backward():
+    assert set(STACK_BACKENDS.nondeterministic) == set()
+    assert set(RECURRENCE_BACKENDS.nondeterministic) == {"fla"}
 
 
 def test_missing_extension_is_noted_once_on_a_gpu_only(monkeypatch):
@@ -131,7 +122,7 @@ def test_recurrent_layers_in_deterministic_mode(monkeypatch, torch_mode):
     """Hybrid models: fla's kernels (not checked for a fixed order) are skipped by auto and
     refused when named; on CUDA the state ops need torch's own mode, else a RuntimeError."""
     from dtree.models import ModelSpec
-    from dtree.ops import linear_recurrence_fla
+    from dtree.ops.linear_recurrence import fla_backend as linear_recurrence_fla
     from dtree.step_plan import pick_recurrence
 
     monkeypatch.setattr(linear_recurrence_fla, "fla_unavailable", lambda target: None)  # as if installed on a GPU

@@ -1,4 +1,4 @@
-"""dtree/ops/flash4_replay.py: flash-attn-4's compiled kernels launched directly after
+"""dtree/ops/stack_attention/flash4_replay.py: flash-attn-4's compiled kernels launched directly after
 one recorded interface call per call class.
 
 CPU: a stand-in for ``flash_attn.cute.interface`` with flash-attn-4 4.0.0b36's SM90
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from dtree.ops.flash4_replay import Flash4Calls, bucket_len
-from dtree.ops.stack_attention_regions import TORCH_REGIONS, RegionSeqs
+from dtree.ops.stack_attention.flash4_replay import Flash4Calls, bucket_len
+from dtree.ops.stack_attention.regions import TORCH_REGIONS, RegionSeqs
 
 AuxData = namedtuple("AuxData", "tensors scalars", defaults=(None, None))
 
@@ -223,7 +223,7 @@ def test_bucket_len():
 def test_region_tables_are_16_byte_aligned():
     """flash-attn-4's backward copies a cu_seqlens / seqused table that does not start on
     a 16-byte boundary."""
-    from dtree.ops.segment_layout import SegmentLayout
+    from dtree.ops.stack_attention.segment_layout import SegmentLayout
 
     for b in range(1, 7):
         seqs = RegionSeqs(np.arange(b) * 3, np.full(b, 3), np.arange(b) * 5, np.full(b, 4), True, ("t", b))

@@ -18,9 +18,11 @@ import torch
 triton = pytest.importorskip("triton")
 
 from dtree.kv_stack import KVStack  # noqa: E402
-from dtree.ops import logprobs_triton as lt  # noqa: E402
-from dtree.ops import stack_attention_triton as sat  # noqa: E402
-from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout  # noqa: E402
+from dtree.ops.logprobs import fused_head as fh  # noqa: E402
+from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
+from dtree.ops.stack_attention import triton_autograd as sat  # noqa: E402
+from dtree.ops.stack_attention import triton_launch as launch  # noqa: E402
+from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout, StackSlots  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sat._INTERPRET, reason="the session runs the Triton interpreter")
 
@@ -64,7 +66,7 @@ def _stack_attention_calls(
 ) -> list:
     calls: list = []
     for name in ("fwd", "dq", "dkdv", "fused"):
-        monkeypatch.setitem(sat._KERNELS, name, _Recorder(sat._KERNELS[name], calls))
+        monkeypatch.setitem(launch._KERNELS, name, _Recorder(launch._KERNELS[name], calls))
     monkeypatch.setattr(sat, "_delta_kernel", _Recorder(sat._delta_kernel, calls))
     t = int(layout.q_offsets[-1])
     hq, hkv, d = 12, 2, 128
@@ -131,7 +133,7 @@ def test_logprob_kernels_compile_once(monkeypatch):
     tf = lt._Transform()
     for start, rows in [(0, 64), (1, 37), (3, 48), (17, 100)]:  # label slices at any offset, as the runtime's
         hidden = torch.zeros(rows, 64, dtype=torch.bfloat16, requires_grad=True)
-        logp, ent = lt._FusedLogprobs.apply(hidden, weight, None, labels[start : start + rows], tf, True, 32, True)
+        logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels[start : start + rows], tf, True, 32, True)
         torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
     keys = _keys(calls)
     assert set(keys) == {"_row_stats_kernel", "_dlogits_kernel"}
@@ -146,13 +148,13 @@ def test_deterministic_calls_run_the_split_backward(monkeypatch, deterministic):
     atomics on dq) and to ``DEFAULT_BACKWARD`` otherwise."""
     calls: list = []
     for name in ("fwd", "dq", "dkdv", "fused"):
-        monkeypatch.setitem(sat._KERNELS, name, _Recorder(sat._KERNELS[name], calls))
+        monkeypatch.setitem(launch._KERNELS, name, _Recorder(launch._KERNELS[name], calls))
     monkeypatch.setattr(sat, "_delta_kernel", _Recorder(sat._delta_kernel, calls))
     monkeypatch.setattr(sat, "require_triton", lambda device: None)  # records launches on CPU tensors
     layout, used = _grpo(64, [16, 9])
     stack = KVStack(1, used + 25, 1, 16, dtype=torch.bfloat16, device="cpu")
     q, k, v = (torch.zeros(25, h, 16, dtype=torch.bfloat16, requires_grad=True) for h in (2, 1, 1))
-    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.25, deterministic=deterministic)
+    out = sat.stack_attention_triton(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.25, deterministic=deterministic))
     out.backward(torch.zeros_like(out))
     launched = [kernel.fn.__name__ for kernel, _, kwargs in calls]
     fused = [kwargs.get("FUSED_DQ") for kernel, _, kwargs in calls if kernel.fn.__name__ == "_dkdv_kernel"]
@@ -164,7 +166,7 @@ def test_deterministic_calls_run_the_split_backward(monkeypatch, deterministic):
 def test_lse_merge_kernel_compiles_once(monkeypatch):
     """The flash-attn backend's merge: one variant whatever the call's region count and
     length (the count, one more than the prefix levels, changes from call to call)."""
-    from dtree.ops import lse_merge_triton as lm
+    from dtree.ops.stack_attention import lse_merge_triton as lm
 
     calls: list = []
     monkeypatch.setattr(lm, "_lse_merge_kernel", _Recorder(lm._lse_merge_kernel, calls))

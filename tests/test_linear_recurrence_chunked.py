@@ -1,4 +1,4 @@
-"""The ``chunked`` backend of linear_recurrence (dtree/ops/linear_recurrence_chunked.py)
+"""The ``chunked`` backend of linear_recurrence (dtree/ops/linear_recurrence/chunked.py)
 against the token-by-token ``reference`` one: outputs, final states and the gradient of
 every input (q, k, v, g, beta and the initial states) on varlen calls with segments of
 length 0, 1, lengths that are not multiples of the 64-token chunk and long ones, zero
@@ -22,10 +22,10 @@ from test_families import build
 
 import dtree
 
-from dtree.ops import linear_recurrence_fla
-from dtree.ops.backends import resolve_backend
+from dtree.ops.linear_recurrence import fla_backend as linear_recurrence_fla
+from dtree.ops.registry import resolve_backend
 from dtree.ops.linear_recurrence import recurrence_reference
-from dtree.ops.linear_recurrence_chunked import recurrence_chunked
+from dtree.ops.linear_recurrence.chunked import recurrence_chunked
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -26,7 +26,9 @@ pytest.importorskip("triton")
 
 from interpreter_worker import InterpreterWorker  # noqa: E402
 
-from dtree.ops import logprobs_triton as lt  # noqa: E402
+from dtree.ops.logprobs import fused_head as fh  # noqa: E402
+
+from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
 
 TRANSFORMS = {
     "plain": {},
@@ -101,7 +103,7 @@ def assert_close_rel(got, want, rel=1e-5, what=""):
 # --------------------------------------------------------------------------- interpreted cases
 def _interpreted():
     assert lt._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
-    return lt
+    return fh
 
 
 def _case_against_float64(size, transform, seeds, bias=True, seed=0):
@@ -109,7 +111,7 @@ def _case_against_float64(size, transform, seeds, bias=True, seed=0):
     inputs = make_problem(n, h, v, seed=seed, bias=bias)
     kw = dict(TRANSFORMS[transform])
     got = run(_interpreted().token_logprobs_triton, *inputs, {**kw, "chunk_size": chunk, "impl": "triton"}, seeds)
-    want = run(lt.token_logprobs_dense, *float64_copy(*inputs), kw, seeds)
+    want = run(fh.token_logprobs_dense, *float64_copy(*inputs), kw, seeds)
     assert got[0].dtype == torch.float32 and (got[1] is None or got[1].dtype == torch.float32)
     assert_close_rel(got, want, what=f"{size}/{transform}/{seeds}")
 
@@ -126,8 +128,8 @@ def _case_peaked_entropy():
     assert exact.min().item() < 1e-3 and logits.abs().max().item() > 100
     _, _, entropy = _interpreted()._row_stats_triton(logits, labels, lt._Transform(), True)
     assert (entropy.double() - exact).abs().max().item() <= 5e-7
-    got = run(lt.token_logprobs_triton, *inputs, {"chunk_size": 16, "impl": "triton"}, "both")
-    want = run(lt.token_logprobs_dense, *float64_copy(*inputs), {}, "both")
+    got = run(fh.token_logprobs_triton, *inputs, {"chunk_size": 16, "impl": "triton"}, "both")
+    want = run(fh.token_logprobs_dense, *float64_copy(*inputs), {}, "both")
     assert_close_rel(got, want, what="peaked")
 
 
@@ -165,34 +167,34 @@ def _case_labels_outside_vocab():
     hidden, weight, bias, labels = make_problem(9, 12, 50, seed=2)
     labels[2], labels[5] = -1, 50
     for impl in ("triton", "torch"):
-        logp, ent = lt.token_logprobs_triton(hidden, weight, labels, bias, with_entropy=True, chunk_size=4, impl=impl)
+        logp, ent = fh.token_logprobs_triton(hidden, weight, labels, bias, with_entropy=True, chunk_size=4, impl=impl)
         bad = torch.zeros(9, dtype=torch.bool)
         bad[[2, 5]] = True
         assert torch.isnan(logp[bad]).all() and torch.isfinite(logp[~bad]).all(), impl
         assert torch.isfinite(ent).all(), impl
         ok = labels.clamp(0, 49)
-        want, _ = lt.token_logprobs_dense(hidden, weight, ok, bias)
+        want, _ = fh.token_logprobs_dense(hidden, weight, ok, bias)
         torch.testing.assert_close(logp[~bad], want[~bad], atol=1e-5, rtol=1e-5)
 
 
 def _case_fp16_flash_rule(transform):
-    check_flash_rule(lt.token_logprobs_triton, 57, 40, 700, 16, torch.float16, "cpu", transform, "both")
+    check_flash_rule(fh.token_logprobs_triton, 57, 40, 700, 16, torch.float16, "cpu", transform, "both")
 
 
 def _case_weight_frozen_and_no_grad():
     """Only the inputs that require grad get one; under no_grad nothing is saved."""
     hidden, weight, bias, labels = make_problem(20, 8, 90, seed=4)
     weight.requires_grad_(False)
-    logp, ent = lt.token_logprobs_triton(hidden, weight, labels, bias, with_entropy=True, chunk_size=7, impl="triton")
+    logp, ent = fh.token_logprobs_triton(hidden, weight, labels, bias, with_entropy=True, chunk_size=7, impl="triton")
     dh, db = torch.autograd.grad((logp + ent).sum(), (hidden, bias))
     hd, wd, bd, _ = float64_copy(hidden, weight, bias, labels)
     wd.requires_grad_(False)
-    lp, e = lt.token_logprobs_dense(hd, wd, labels, bd, with_entropy=True)
+    lp, e = fh.token_logprobs_dense(hd, wd, labels, bd, with_entropy=True)
     wdh, wdb = torch.autograd.grad((lp + e).sum(), (hd, bd))
     torch.testing.assert_close(dh.double(), wdh, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(db.double(), wdb, atol=1e-5, rtol=1e-5)
     with torch.no_grad():
-        logp2, _ = lt.token_logprobs_triton(hidden, weight, labels, bias, chunk_size=7, impl="triton")
+        logp2, _ = fh.token_logprobs_triton(hidden, weight, labels, bias, chunk_size=7, impl="triton")
     assert not logp2.requires_grad
     torch.testing.assert_close(logp2, logp.detach())
 
@@ -220,10 +222,10 @@ def _case_runtime_with_the_fused_head(mode: str, group_tokens):
     from hf_models import make_model
     from setups import assert_exact, reference, run_dtree
 
-    from dtree.ops import logprobs as ops_logprobs
+    from dtree.ops.logprobs import interface as ops_logprobs
 
     calls = []
-    original = lt.token_logprobs_triton
+    original = fh.token_logprobs_triton
 
     def spy(*args, **kwargs):
         calls.append(kwargs.get("chunk_size"))
@@ -231,13 +233,13 @@ def _case_runtime_with_the_fused_head(mode: str, group_tokens):
 
     predicate = ops_logprobs.fused_head_kernel
     ops_logprobs.fused_head_kernel = lambda head, dtype, device: head.fused
-    lt.token_logprobs_triton = spy
+    fh.token_logprobs_triton = spy
     try:
         model = make_model("qwen2", tied=True)
         ref_model, ref_loss = reference(model)
         out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, logprob_chunk=5)
     finally:
-        ops_logprobs.fused_head_kernel, lt.token_logprobs_triton = predicate, original
+        ops_logprobs.fused_head_kernel, fh.token_logprobs_triton = predicate, original
     assert calls and set(calls) == {5}
     assert_exact(tree_model, ref_model, out, ref_loss)
 
@@ -303,15 +305,15 @@ def test_torch_path_matches_dense(dtype):
     """float64 always takes the torch stages (``impl="auto"``); float32 on request."""
     inputs = make_problem(63, 60, 1000, dtype=dtype, seed=7)
     kw = dict(TRANSFORMS["all"])
-    got = run(lt.token_logprobs_triton, *inputs, {**kw, "chunk_size": 17, "impl": "torch" if dtype == torch.float32 else "auto"}, "both")
-    want = run(lt.token_logprobs_dense, *float64_copy(*inputs), kw, "both")
+    got = run(fh.token_logprobs_triton, *inputs, {**kw, "chunk_size": 17, "impl": "torch" if dtype == torch.float32 else "auto"}, "both")
+    want = run(fh.token_logprobs_dense, *float64_copy(*inputs), kw, "both")
     assert got[0].dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
     assert_close_rel(got, want, rel=1e-12 if dtype == torch.float64 else 1e-5, what=str(dtype))
 
 
 def test_empty_rows():
     hidden, weight, bias, labels = make_problem(1, 8, 10)
-    logp, ent = lt.token_logprobs_triton(hidden[:0], weight, labels[:0], bias, with_entropy=True)
+    logp, ent = fh.token_logprobs_triton(hidden[:0], weight, labels[:0], bias, with_entropy=True)
     assert logp.shape == (0,) and ent.shape == (0,)
 
 
@@ -321,7 +323,7 @@ def test_accumulate_mm_keeps_float32():
     a = torch.randn(30, 50, generator=gen).bfloat16()
     b = torch.randn(50, 20, generator=gen).bfloat16()
     acc = torch.full((30, 20), 0.1)
-    lt._accumulate_mm(acc, a, b)
+    fh._accumulate_mm(acc, a, b)
     torch.testing.assert_close(acc, 0.1 + a.float() @ b.float(), atol=1e-4, rtol=1e-4)
 
 
@@ -346,7 +348,7 @@ def test_bad_input_raises_before_any_work(match, make):
     weight.grad = torch.ones_like(weight)
     h, w, y, b, kw = make(hidden, weight, bias, labels)
     with pytest.raises(ValueError, match=re.escape(match)):
-        lt.token_logprobs_triton(h, w, y, b, **kw)
+        fh.token_logprobs_triton(h, w, y, b, **kw)
     assert torch.equal(weight.grad, torch.ones_like(weight))
 
 
@@ -355,7 +357,7 @@ def test_triton_impl_on_cpu_names_the_fix():
         pytest.skip("the session runs with TRITON_INTERPRET set")
     hidden, weight, bias, labels = make_problem(6, 8, 20)
     with pytest.raises(ValueError, match="impl='auto'"):
-        lt.token_logprobs_triton(hidden, weight, labels, bias, impl="triton")
+        fh.token_logprobs_triton(hidden, weight, labels, bias, impl="triton")
 
 
 # --------------------------------------------------------------------------- flash rule (CPU fp16, GPU)
@@ -371,7 +373,7 @@ def check_flash_rule(fn, n, h, v, chunk, dtype, device, transform, seeds, seed=0
 
     def reference(precision):
         leaves = [x.detach().to(precision).requires_grad_() for x in inputs[:3]]
-        return run(lt.token_logprobs_dense, *leaves, labels, kw, seeds, seed)
+        return run(fh.token_logprobs_dense, *leaves, labels, kw, seeds, seed)
 
     exact, same_precision = reference(ref_dtype), reference(dtype)
     errors = {}
@@ -400,7 +402,7 @@ GPU_SHAPES = [  # rows, hidden, vocab, chunk
 @pytest.mark.parametrize("impl", ["triton", "torch"])
 def test_gpu_flash_rule(dtype, shape, transform, seeds, impl):
     n, h, v, chunk = shape
-    check_flash_rule(lt.token_logprobs_triton, n, h, v, chunk, dtype, "cuda", transform, seeds, impl=impl)
+    check_flash_rule(fh.token_logprobs_triton, n, h, v, chunk, dtype, "cuda", transform, seeds, impl=impl)
 
 
 @pytest.mark.gpu
@@ -410,8 +412,8 @@ def test_gpu_float32_matches_float64():
     # TF32 off: the product itself must be float32 to compare at 1e-5
     torch.backends.cuda.matmul.allow_tf32, saved = False, torch.backends.cuda.matmul.allow_tf32
     try:
-        got = run(lt.token_logprobs_triton, *inputs, {**kw, "chunk_size": 128, "impl": "triton"}, "both")
-        want = run(lt.token_logprobs_dense, *float64_copy(*inputs), kw, "both")
+        got = run(fh.token_logprobs_triton, *inputs, {**kw, "chunk_size": 128, "impl": "triton"}, "both")
+        want = run(fh.token_logprobs_dense, *float64_copy(*inputs), kw, "both")
     finally:
         torch.backends.cuda.matmul.allow_tf32 = saved
     assert_close_rel(got, want, what="cuda fp32")
@@ -421,12 +423,12 @@ def test_gpu_float32_matches_float64():
 def test_gpu_weight_gradient_accumulates_in_float32():
     """Several chunks: dW summed in float32 (by cuBLAS in place when torch has
     ``addmm(out_dtype=)``), then rounded once."""
-    if not lt._fp32_out_mm_works(torch.device("cuda")):
+    if not fh._fp32_out_mm_works(torch.device("cuda")):
         pytest.skip(f"torch {torch.__version__} has no addmm(out_dtype=float32) here: dW chunks are rounded "
                     "to 16 bits before the float32 sum, as in the chunked torch op")
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(64, 4096, device="cuda", generator=gen).bfloat16()
     b = torch.randn(4096, 32, device="cuda", generator=gen).bfloat16()
     acc = torch.full((64, 32), 0.5, device="cuda")
-    lt._accumulate_mm(acc, a, b)
+    fh._accumulate_mm(acc, a, b)
     torch.testing.assert_close(acc, 0.5 + a.float() @ b.float(), atol=1e-2, rtol=1e-4)

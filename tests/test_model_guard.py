@@ -319,11 +319,11 @@ def test_families_in_bf16_on_cuda_by_the_flash_rule(family, setting, monkeypatch
     (Bloom's ALiBi, GPT-J) run in the Triton attention, with and without layer
     recomputes. Every gradient's error against the float32 model per path is at most 3x
     (the loss's 2x) that of the bf16 model per path, plus a floor."""
-    from dtree.ops import logprobs_triton as lt
+    from dtree.ops.logprobs import fused_head as fh
 
     calls = []
-    original = lt.token_logprobs_triton
-    monkeypatch.setattr(lt, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = fh.token_logprobs_triton
+    monkeypatch.setattr(fh, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     overrides = dict(logits_scaling=4.0) if family == "granite" else {}

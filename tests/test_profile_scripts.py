@@ -53,7 +53,7 @@ def _entry(action, addr, size, *files):
 def test_replay_peak_and_breakdown():
     """A trace in torch's documented TraceEntry format, starting with 100 bytes in use
     (weights 60 at address 1, an old stack of 40 at address 2)."""
-    lm = "/x/site-packages/dtree/ops/logprobs.py"
+    lm = "/x/site-packages/dtree/ops/logprobs/interface.py"
     layer = "/x/site-packages/transformers/models/qwen2/modeling_qwen2.py"
     bwd = "/x/site-packages/torch/autograd/__init__.py"
     trace = [

@@ -13,7 +13,7 @@ import pytest
 import torch
 from interpreter_worker import worker_fixture
 
-from dtree.ops import rms_norm as rn
+from dtree.ops.rms_norm import interface as rn
 
 SHAPES = [(63, 60), (1, 7, 3, 20), (5, 1536), (1, 1)]
 
@@ -90,7 +90,7 @@ def test_bad_weight_shape():
 
 # --------------------------------------------------------------------------- interpreter
 def _case_triton_matches_torch_twins(dtype: str):
-    from dtree.ops import rms_norm_triton as rt
+    from dtree.ops.rms_norm import triton_kernels as rt
 
     assert rt._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
     dt = getattr(torch, dtype)
@@ -136,5 +136,5 @@ def test_gpu_bf16_flash_rule(shape):
     exact = _grads(rn.rms_norm_reference, x, w, dy)
     base = _grads(rn.rms_norm_reference, x.bfloat16(), w.bfloat16(), dy.bfloat16())
     got = _grads(rn.rms_norm, x.bfloat16(), w.bfloat16(), dy.bfloat16())
-    assert rn.triton_kernels(x.bfloat16()) is not None
+    assert rn.load_triton_kernels(x.bfloat16()) is not None
     assert_flash_rule(got, base, exact, f"rms_norm {shape}")

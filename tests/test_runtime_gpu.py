@@ -59,11 +59,11 @@ def test_bf16_runtime_with_the_fused_head_by_the_flash_rule(memory, monkeypatch)
     ``memory="low"``, every layer is checkpointed. Every gradient's error against the
     float32 model per path is at most 3x (the loss's 2x) that of the bf16 model per
     path, plus a floor."""
-    from dtree.ops import logprobs_triton as lt
+    from dtree.ops.logprobs import fused_head as fh
 
     calls = []
-    original = lt.token_logprobs_triton
-    monkeypatch.setattr(lt, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = fh.token_logprobs_triton
+    monkeypatch.setattr(fh, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
     torch.manual_seed(0)
     seqs = [s for case in EDGE_CASES.values() for s in case]
     seqs += [torch.randint(0, 97, (300,)).tolist()]

@@ -1,11 +1,12 @@
 """Stack attention backends against the naive float64 reference
-(dtree/ops/stack_attention_naive.py) on output and every gradient: q, k, v, the
+(dtree/ops/stack_attention/reference.py) on output and every gradient: q, k, v, the
 stack's prefix gradient buffers and the sinks. Random packed layouts (odd sizes, GQA,
 shared and multi-range prefixes), a nested chain with in-call ancestors, every option
 alone and together, value heads narrower than keys (MLA), float32 and float64."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import numpy as np
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from dtree.kv_stack import KVStack
-from dtree.ops.stack_attention import SegmentLayout, seed_from_stack, stack_attention
-from dtree.ops.stack_attention_naive import stack_attention_naive
+from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, seed_from_stack, stack_attention
+from dtree.ops.stack_attention.reference import stack_attention_naive
 
 
 def random_layout(rng, num_segments, max_len, capacity_used):
@@ -89,8 +90,8 @@ def check_against_naive(
     attn, layout, t, used, hq, hkv, dk, dv=None, *, options=None, dtype=torch.float32, seed=0, grad_init=False,
     q_view=False, tol=None, device="cpu",
 ):
-    """Run ``attn(q, k, v, stack, 0, layout, scale, **options)`` forward and backward and
-    compare with :func:`stack_attention_naive` in float64 on the output, dq, dk, dv,
+    """Run ``attn(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale, **options))``
+    forward and backward and compare with :func:`stack_attention_naive` in float64 on the output, dq, dk, dv,
     dsinks and the stack's prefix gradients. The stack holds the ancestors in slots
     ``[0, used)``, the call's own K/V at ``[used, used + t)`` (as the runtime pushes
     them) and NaN everywhere else (never read), the ancestor slots out of every
@@ -131,7 +132,7 @@ def check_against_naive(
     k_in, v_in = k, v
     if layout.call_slots is not None:  # in-call ancestors' gradients come back through the stack, as in the runtime
         k_in, v_in = seed_from_stack(k, v, stack, 0, *layout.call_slots)
-    out = attn(q_in, k_in, v_in, stack, 0, layout, scale, **opts)
+    out = attn(q_in, k_in, v_in, StackSlots(stack, 0, layout), AttentionOptions(scale=scale, **opts))
     assert out.shape == (t, hq, dv) and out.dtype == dtype
     go = torch.randn(out.shape, generator=gen, dtype=torch.float64).to(device=device, dtype=dtype)
     leaves = [q_in, k, v] + ([opts["sinks"]] if "sinks" in opts else [])
@@ -164,6 +165,16 @@ def check_against_naive(
 
 def backend(name):
     return functools.partial(stack_attention, backend=name)
+
+
+def with_flags(attn, deterministic: bool | None = None, **tuning):
+    """A backend (``(q, k, v, slots, options)``) with ``options.deterministic`` and the
+    Triton kernel's tuning knobs (``stack_attention_triton_tuned``) fixed."""
+
+    def call(q, k, v, slots, options):
+        return attn(q, k, v, slots, dataclasses.replace(options, deterministic=deterministic), **tuning)
+
+    return call
 
 
 @pytest.mark.parametrize("name", ["reference", "sdpa"])
@@ -225,9 +236,9 @@ def test_alibi_matches_transformers_bloom(name):
     stack = KVStack(1, p + t, hq, d, dtype=torch.float64, device="cpu", grad_dtype=torch.float64)
     stack.push(0, 0, k, v)
     layout = SegmentLayout(np.array([0, t]), np.array([p]), [((0, p),)])
-    got = stack_attention(q, k[p:], v[p:], stack, 0, layout, d**-0.5, name, alibi_slopes=slopes)
+    got = stack_attention(q, k[p:], v[p:], StackSlots(stack, 0, layout), AttentionOptions(scale=d**-0.5, alibi_slopes=slopes), name)
     torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)
-    plain = stack_attention(q, k[p:], v[p:], stack, 0, layout, d**-0.5, name)
+    plain = stack_attention(q, k[p:], v[p:], StackSlots(stack, 0, layout), AttentionOptions(scale=d**-0.5), name)
     assert (plain - want).abs().max() > 1e-2  # the bias matters here
 
 
@@ -245,7 +256,7 @@ def test_window_reads_only_the_window_of_the_stack():
     q, k, v = (torch.randn(9, 2, 8, requires_grad=True) for _ in range(3))
     k, v = k[:, :1], v[:, :1]
     for name in ("reference", "sdpa"):
-        out = stack_attention(q, k, v, stack, 0, layout, 0.3, name, window=5)
+        out = stack_attention(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.3, window=5), name)
         out.sum().backward()
         assert torch.isfinite(out).all() and torch.isfinite(q.grad).all(), name
     assert torch.all(stack.grad_k[0, :36] == 0) and torch.any(stack.grad_k[0, 36:40] != 0)
@@ -279,20 +290,20 @@ def test_bad_options_raise_clear_errors(name, case, options, message):
     q, k, v, stack, layout = _bad_inputs()
     before = stack.grad_k.clone()
     with pytest.raises(ValueError, match=message):
-        stack_attention(q, k, v, stack, 0, layout, 0.25, name, **options)
+        stack_attention(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.25, **options), name)
     assert torch.equal(stack.grad_k, before)
 
 
 def test_bad_shapes_raise_clear_errors():
     q, k, v, stack, layout = _bad_inputs()
     with pytest.raises(ValueError, match="multiple of key/value heads"):
-        stack_attention(q[:, :1].expand(3, 3, 16).contiguous(), k.expand(3, 2, 16), v.expand(3, 2, 16), stack, 0, layout, 1.0)
+        stack_attention(q[:, :1].expand(3, 3, 16).contiguous(), k.expand(3, 2, 16), v.expand(3, 2, 16), StackSlots(stack, 0, layout), AttentionOptions(scale=1.0))
     with pytest.raises(ValueError, match="the stack holds 1 kv heads with key dim 16 and value dim 16"):
-        stack_attention(q, k, v[..., :8], stack, 0, layout, 1.0)
+        stack_attention(q, k, v[..., :8], StackSlots(stack, 0, layout), AttentionOptions(scale=1.0))
     with pytest.raises(ValueError, match="q_offsets must run from 0 to T=2"):
-        stack_attention(q[:2], k[:2], v[:2], stack, 0, layout, 1.0)
+        stack_attention(q[:2], k[:2], v[:2], StackSlots(stack, 0, layout), AttentionOptions(scale=1.0))
     with pytest.raises(ValueError, match="unknown attention backend"):
-        stack_attention(q, k, v, stack, 0, layout, 1.0, "flash9")
+        stack_attention(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0), "flash9")
 
 
 def test_seed_from_stack_adds_the_slots_once():

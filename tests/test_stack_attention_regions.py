@@ -1,6 +1,6 @@
-"""Stack attention as regions merged by log-sum-exp (dtree/ops/region_plan.py,
-dtree/ops/stack_attention_regions.py, dtree/ops/lse_merge_triton.py and the
-``flash-attn`` backend, dtree/ops/stack_attention_flash4.py).
+"""Stack attention as regions merged by log-sum-exp (dtree/ops/stack_attention/region_plan.py,
+dtree/ops/stack_attention/regions.py, dtree/ops/stack_attention/lse_merge_triton.py and the
+``flash-attn`` backend, dtree/ops/stack_attention/flash4.py).
 
 CPU: the region plan covers every (row, prefix slot) of a call exactly once with
 levels that flash-attn can run (sorted, disjoint rows and slots); the whole path with
@@ -23,12 +23,13 @@ import numpy as np
 import pytest
 import torch
 from interpreter_worker import InterpreterWorker
-from test_stack_attention import OPTIONS, check_against_naive, nested_layout, random_layout
+from test_stack_attention import OPTIONS, check_against_naive, nested_layout, random_layout, with_flags
 from test_stack_attention_triton import LAYOUTS, check_flash_rule, gpu_layouts, layout_of, make_problem
 
-from dtree.ops.backends import resolve_backend
-from dtree.ops.region_plan import region_plan
-from dtree.ops.stack_attention_regions import TORCH_REGIONS, lse_merge_reference, stack_attention_regions
+from dtree.ops.registry import resolve_backend
+from dtree.ops.stack_attention import AttentionOptions, StackSlots
+from dtree.ops.stack_attention.region_plan import region_plan
+from dtree.ops.stack_attention.regions import TORCH_REGIONS, lse_merge_reference, stack_attention_regions
 
 
 def agentic_layout(branches=4, per_branch=3, tool=5, task=16, history=7):
@@ -124,15 +125,15 @@ def test_agentic_in_call_ancestors_narrow_values_and_float32():
 def test_stack_without_gradient_buffers_and_bad_capacity():
     layout, t = layout_of(*LAYOUTS["odd"])
     stack, q, k, v = make_problem(layout, t, 40, 4, 2, 24, dtype=torch.float64, with_grad=False)
-    out = stack_attention_regions(q, k, v, stack, 0, layout, 0.2)
+    out = stack_attention_regions(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.2))
     out.sum().backward()
     assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
     small, _ = layout_of([3], [[(0, stack.capacity + 1)]], 4)
     with pytest.raises(ValueError, match="past the stack capacity"):
-        stack_attention_regions(q[:3], k[:3], v[:3], stack, 0, small, 0.2)
+        stack_attention_regions(q[:3], k[:3], v[:3], StackSlots(stack, 0, small), AttentionOptions(scale=0.2))
     empty, _ = layout_of([], [], 0)
     with pytest.raises(ValueError, match="at least one query row"):
-        stack_attention_regions(q[:0], k[:0], v[:0], stack, 0, empty, 0.2)
+        stack_attention_regions(q[:0], k[:0], v[:0], StackSlots(stack, 0, empty), AttentionOptions(scale=0.2))
 
 
 def test_merge_is_softmax_over_the_union():
@@ -158,7 +159,7 @@ def test_merge_is_softmax_over_the_union():
 
 # --------------------------------------------------------------------------- interpreter
 def _case_merge_triton(dtype):
-    from dtree.ops.lse_merge_triton import lse_merge_triton
+    from dtree.ops.stack_attention.lse_merge_triton import lse_merge_triton
 
     gen = torch.Generator().manual_seed(1)
     c, t, h, dv = 3, 70, 3, 20
@@ -177,7 +178,7 @@ def _case_merge_triton(dtype):
 def _case_options_run_triton(option):
     """The flash-attn backend hands calls with options to the Triton kernel (here
     interpreted: no flash-attn and no GPU needed on that path)."""
-    from dtree.ops.stack_attention_flash4 import stack_attention_flash4
+    from dtree.ops.stack_attention.flash4 import stack_attention_flash4
 
     layout, t = layout_of(*LAYOUTS["odd"])
     opts = OPTIONS[option](torch.Generator().manual_seed(1), 4)
@@ -219,12 +220,12 @@ def _gpu_cases(rng):
 
 def _flash4():
     from dtree.ops.backends import Target
-    from dtree.ops.stack_attention_flash4 import flash4_unavailable
+    from dtree.ops.stack_attention.flash4 import flash4_unavailable
 
     why = flash4_unavailable(Target(torch.device("cuda"), torch.bfloat16, head_dim=128))
     if why is not None:
         pytest.skip(why)
-    from dtree.ops.stack_attention_flash4 import stack_attention_flash4
+    from dtree.ops.stack_attention.flash4 import stack_attention_flash4
 
     return stack_attention_flash4
 
@@ -242,7 +243,7 @@ FLASH4_GPU_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype,d,hq,hkv,deterministic", FLASH4_GPU_CASES)
 def test_gpu_flash_attn_flash_rule(dtype, d, hq, hkv, deterministic):
-    attn = functools.partial(_flash4(), deterministic=deterministic)
+    attn = with_flags(_flash4(), deterministic)
     for name, layout, t, used in _gpu_cases(np.random.default_rng(d + hq)):
         if layout.call_slots is not None:
             continue  # check_flash_rule compares the call's own dk without the stack seeds
@@ -260,7 +261,7 @@ def _grads_of_runs(attn, layout, t, used, hq, hkv, d, runs=3):
     results = []
     for _ in range(runs):
         stack, q, k, v = make_problem(layout, t, used, hq, hkv, d, dtype=torch.bfloat16, device="cuda", seed=7)
-        out = attn(q, k, v, stack, 0, layout, d**-0.5)
+        out = attn(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=d**-0.5))
         go = torch.randn(out.shape, generator=torch.Generator().manual_seed(3)).to("cuda", out.dtype)
         grads = torch.autograd.grad(out, (q, k, v), go)
         results.append([out, *grads, stack.grad_k[0].clone(), stack.grad_v[0].clone()])
@@ -273,11 +274,11 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(backend):
     """Three runs of one call, deterministic mode: identical outputs and gradients, the
     stack's (many prefix items per stack cell: 64-row items under a shared prompt) included."""
     if backend == "flash-attn":
-        attn = functools.partial(_flash4(), deterministic=True)
+        attn = with_flags(_flash4(), True)
     else:
-        from dtree.ops.stack_attention_triton import stack_attention_triton
+        from dtree.ops.stack_attention.triton_autograd import stack_attention_triton_tuned
 
-        attn = functools.partial(stack_attention_triton, deterministic=True, prefix_item_rows=64)
+        attn = with_flags(stack_attention_triton_tuned, True, prefix_item_rows=64)
     layout, t = layout_of([700, 300, 513, 900, 29, 300], [[(0, 1500)]] * 6, 1500)
     first, *rest = _grads_of_runs(attn, layout, t, 1500, 8, 2, 128)
     names = ["out", "dq", "dk", "dv", "stack dk", "stack dv"]
@@ -289,11 +290,11 @@ def test_gpu_deterministic_mode_is_bitwise_reproducible(backend):
 @pytest.mark.gpu
 def test_gpu_flash_attn_replays_the_recorded_kernels(monkeypatch):
     """After one interface call per call class, the flash-attn backend launches
-    flash-attn-4's compiled kernels itself (dtree/ops/flash4_replay.py): no interface
+    flash-attn-4's compiled kernels itself (dtree/ops/stack_attention/flash4_replay.py): no interface
     call, and results bitwise equal to the interface's (deterministic mode)."""
-    from dtree.ops import stack_attention_flash4 as sf
+    from dtree.ops.stack_attention import flash4 as sf
 
-    attn = functools.partial(_flash4(), deterministic=True)
+    attn = with_flags(_flash4(), True)
     calls = sf._calls()
     monkeypatch.setattr(calls, "kernels", {})  # every class recorded anew here
     layout, t = layout_of([700, 300, 513, 29], [[(0, 900)]] * 3 + [[(0, 50)]], 900)  # own, two levels
@@ -314,9 +315,9 @@ def test_gpu_flash_attn_replays_the_recorded_kernels(monkeypatch):
 def test_gpu_triton_deterministic_flash_rule(option):
     from test_stack_attention_triton import GPU_OPTIONS
 
-    from dtree.ops.stack_attention_triton import stack_attention_triton
+    from dtree.ops.stack_attention.triton_autograd import stack_attention_triton_tuned
 
-    attn = functools.partial(stack_attention_triton, deterministic=True, prefix_item_rows=128)
+    attn = with_flags(stack_attention_triton_tuned, True, prefix_item_rows=128)
     opts = GPU_OPTIONS[option](8) if option != "plain" else {}
     for name, layout, t, used in _gpu_cases(np.random.default_rng(5)):
         if layout.call_slots is None:
@@ -325,7 +326,7 @@ def test_gpu_triton_deterministic_flash_rule(option):
 
 @pytest.mark.gpu
 def test_gpu_merge_triton_matches_reference():
-    from dtree.ops.lse_merge_triton import lse_merge_triton
+    from dtree.ops.stack_attention.lse_merge_triton import lse_merge_triton
 
     gen = torch.Generator().manual_seed(2)
     outs = torch.randn(3, 1000, 12, 128, generator=gen).to("cuda", torch.bfloat16)

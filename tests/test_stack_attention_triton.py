@@ -1,5 +1,5 @@
 """The fused Triton stack attention against the naive reference
-(dtree/ops/stack_attention_naive.py).
+(dtree/ops/stack_attention/reference.py).
 
 CPU: the kernels run under the Triton interpreter, in fp32 against the float64 naive
 computation (output, dq, dk, dv, dsinks and the stack's gradient buffers; every
@@ -35,8 +35,8 @@ import torch
 from test_stack_attention import OPTIONS, check_against_naive, nested_layout, random_layout
 
 from dtree.kv_stack import KVStack
-from dtree.ops.stack_attention import SegmentLayout, stack_attention
-from dtree.ops.stack_attention_naive import stack_attention_naive
+from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, stack_attention
+from dtree.ops.stack_attention.reference import stack_attention_naive
 
 pytest.importorskip("triton")
 
@@ -94,7 +94,7 @@ TILES = {  # (work-table tiles, loop step): equal, table larger than the step, s
 # --------------------------------------------------------------------------- interpreter worker
 # Cases run inside the worker (TRITON_INTERPRET=1): plain functions of JSON arguments.
 def _interpreted():
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     assert sat._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
     return sat
@@ -111,7 +111,7 @@ def _tuned(tiles, prefix_item_rows, backward=None):
     (None: the default, "fused")."""
     sat = _interpreted()
     return functools.partial(
-        sat.stack_attention_triton,
+        sat.stack_attention_triton_tuned,
         interpreter_tiles=sat.InterpreterTiles(**TILES[tiles]),
         prefix_item_rows=prefix_item_rows,
         backward=backward,
@@ -185,7 +185,7 @@ def _case_no_grad_buffers(backward):
     sat = _interpreted()
     layout, t = layout_of(*LAYOUTS["odd"])
     stack, q, k, v = make_problem(layout, t, 40, 4, 2, 24, with_grad=False)
-    out = sat.stack_attention_triton(q, k, v, stack, 0, layout, 0.2, backward=backward)
+    out = sat.stack_attention_triton_tuned(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=0.2), backward=backward)
     grads = torch.autograd.grad(out.sum(), (q, k, v))
     qd, kd, vd = (x.detach().double().requires_grad_() for x in (q, k, v))
     want = stack_attention_naive(qd, kd, vd, stack.k[0].double(), stack.v[0].double(), layout, 0.2)
@@ -255,26 +255,26 @@ def _case_errors():
     layout, t = layout_of([3], [[(0, 4)]], 4)
     stack, q, k, v = make_problem(layout, t, 4, 2, 1, 16)
     checks = [
-        (TypeError, "supports", (q.double(), k.double(), v.double(), stack, 0, layout, 1.0)),
-        (ValueError, "multiple", (q[:, :1], k.expand(t, 2, 16), v.expand(t, 2, 16), stack, 0, layout, 1.0)),
-        (ValueError, "capacity", (q, k, v, stack, 0, layout_of([3], [[(0, stack.capacity + 1)]], 4)[0], 1.0)),
-        (ValueError, "q_offsets", (q[:2], k[:2], v[:2], stack, 0, layout, 1.0)),
+        (TypeError, "supports", (q.double(), k.double(), v.double(), StackSlots(stack, 0, layout), AttentionOptions(scale=1.0))),
+        (ValueError, "multiple", (q[:, :1], k.expand(t, 2, 16), v.expand(t, 2, 16), StackSlots(stack, 0, layout), AttentionOptions(scale=1.0))),
+        (ValueError, "capacity", (q, k, v, StackSlots(stack, 0, layout_of([3], [[(0, stack.capacity + 1)]], 4)[0]), AttentionOptions(scale=1.0))),
+        (ValueError, "q_offsets", (q[:2], k[:2], v[:2], StackSlots(stack, 0, layout), AttentionOptions(scale=1.0))),
     ]
     for error, match, args in checks:
         with pytest.raises(error, match=match):
             sat.stack_attention_triton(*args)
     with pytest.raises(ValueError, match="window must be an int >= 1"):
-        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, window=0)
+        sat.stack_attention_triton(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0, window=0))
     with pytest.raises(ValueError, match=r"sinks must have shape \[2\]"):
-        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, sinks=torch.zeros(3))
+        sat.stack_attention_triton(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0, sinks=torch.zeros(3)))
     with pytest.raises(ValueError, match="prefix_item_rows must be an int >= 1"):
-        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, prefix_item_rows=0)
+        sat.stack_attention_triton_tuned(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0), prefix_item_rows=0)
     with pytest.raises(ValueError, match="interpreter_tiles.inner must be a power of two >= 16"):
-        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, interpreter_tiles=sat.InterpreterTiles(inner=24))
+        sat.stack_attention_triton_tuned(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0), interpreter_tiles=sat.InterpreterTiles(inner=24))
     with pytest.raises(ValueError, match="backward must be one of"):
-        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, backward="atomic")
+        sat.stack_attention_triton_tuned(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0), backward="atomic")
     with pytest.raises(ValueError, match="deterministic calls take backward='split'"):
-        sat.stack_attention_triton(q, k, v, stack, 0, layout, 1.0, deterministic=True, backward="fused")
+        sat.stack_attention_triton_tuned(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=1.0, deterministic=True), backward="fused")
 
 
 def _worker_main():
@@ -413,7 +413,7 @@ def test_prefix_item_rows_follow_the_gpu():
     """Per call, the most rows per prefix item that still give four dK/dV programs per
     SM: a GRPO group under 2 kv heads needs 256-row items on 132 SMs, under 8 kv heads
     1024; a call too small to fill the GPU takes the smallest, 128."""
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     grpo, _ = layout_of([512] * 8, [[(0, 2048)]] * 8, 2048)
     runs = sat._runs(grpo)
@@ -425,7 +425,7 @@ def test_prefix_item_rows_follow_the_gpu():
 
 
 def test_require_triton_on_cpu():
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
     if sat._INTERPRET:
         pytest.skip("the session runs with TRITON_INTERPRET set")
@@ -458,7 +458,7 @@ def check_flash_rule(name, attn, layout, t, used, hq, hkv, d, dtype, device="cud
     if "sinks" in opts:
         opts["sinks"].requires_grad_(True)
     scale = d**-0.5
-    out = attn(q, k, v, stack, 0, layout, scale, **opts)
+    out = attn(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=scale, **opts))
     go = torch.randn_like(out)
     leaves = [q, k, v] + ([opts["sinks"]] if "sinks" in opts else [])
     got = [out, *torch.autograd.grad(out, leaves, go), stack.grad_k[0, :used], stack.grad_v[0, :used]]
@@ -510,9 +510,9 @@ SPLIT_CASES = [GPU_CASES[i] for i in (0, 3, 5, 7)]
 def test_gpu_flash_rule(dtype, d, hq, hkv, backward):
     """Both backward schemes (dq added with atomics by the dK/dV kernel, or by a kernel
     of its own), the stack's prefix dK/dV included."""
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
-    attn = functools.partial(sat.stack_attention_triton, backward=backward)
+    attn = functools.partial(sat.stack_attention_triton_tuned, backward=backward)
     for name, layout, t, used in gpu_layouts(np.random.default_rng(d + hq)):
         check_flash_rule(name, attn, layout, t, used, hq, hkv, d, dtype)
 
@@ -538,9 +538,9 @@ GPU_OPTIONS = {  # realistic magnitudes: Gemma2 caps at 50, GPT-OSS sinks ~N(0, 
 def test_gpu_options_flash_rule(option, backward, dtype, d, dv):
     """Softcap, sinks, ALiBi, windows (paths 4x the window in the chain) and all of
     them, by the flash rule; the MLA shapes of DeepSeek-V3 (192 / 128)."""
-    from dtree.ops import stack_attention_triton as sat
+    from dtree.ops.stack_attention import triton_autograd as sat
 
-    attn = functools.partial(sat.stack_attention_triton, backward=backward)
+    attn = functools.partial(sat.stack_attention_triton_tuned, backward=backward)
     hq, hkv = 8, 2
     opts = GPU_OPTIONS[option](hq)
     chain, t = layout_of([1024], [[(0, 700), (700, 1024)]], 1024)  # depth 2048 = 8x the 256 window

@@ -1,7 +1,7 @@
-"""The Triton tier of the KV stack's ops (``dtree.ops.stack_ops_triton``: what a GPU
+"""The Triton tier of the KV stack's ops (``dtree.ops.stack_ops.triton_kernels``: what a GPU
 without the CUDA extension runs): the push of K and V into their slots and the fold of
 the gradient slots into dK/dV, against their torch references
-(``dtree.ops.stack_ops_torch``), through the dispatch of ``dtree.ops.stack_ops``: under
+(``dtree.ops.stack_ops.reference``), through the dispatch of ``dtree.ops.stack_ops``: under
 Triton's CPU interpreter (strided K/V as transformers hands them over, values narrower
 than keys as MLA has them, missing gradients), and on CUDA (``-m gpu``). The runtime
 paths that use them are covered end to end by every exactness test."""
@@ -12,7 +12,8 @@ import pytest
 import torch
 from interpreter_worker import worker_fixture
 
-from dtree.ops import stack_ops, stack_ops_torch
+from dtree.ops.stack_ops import interface as stack_ops
+from dtree.ops.stack_ops import reference as stack_ops_torch
 
 SHAPES = [(37, 2, 12, 12), (5, 3, 16, 8), (1, 1, 4, 4)]  # T, kv heads, key dim, value dim
 
@@ -54,7 +55,7 @@ def test_dispatch_off_gpu_is_the_torch_reference(shape, dtype):
 
 
 def _case_triton_matches_torch(dtype: str):
-    from dtree.ops import stack_ops_triton as st
+    from dtree.ops.stack_ops import triton_kernels as st
 
     assert st._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
     assert stack_ops._triton_runs(torch.zeros(1)), "the Triton tier must serve CPU tensors under the interpreter"
@@ -74,7 +75,7 @@ def test_triton_kernels_match_torch(worker, dtype):
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_triton_tier_matches_torch_bit_for_bit(dtype):
-    from dtree.ops import stack_ops_triton as st
+    from dtree.ops.stack_ops import triton_kernels as st
 
     t, h, dk, dv = 4099, 4, 128, 128
     ks, vs = torch.zeros(t + 5, h, dk, dtype=dtype, device="cuda"), torch.zeros(t + 5, h, dv, dtype=dtype, device="cuda")

@@ -15,7 +15,7 @@ import pytest
 import torch
 from interpreter_worker import worker_fixture
 
-from dtree.ops import swiglu as sw
+from dtree.ops.swiglu import interface as sw
 
 
 def _inputs(shape, h, dtype, device="cpu", seed=0, bias=True):
@@ -113,7 +113,7 @@ def test_bad_shapes():
 
 # --------------------------------------------------------------------------- interpreter
 def _case_triton_matches_torch_twins(dtype: str):
-    from dtree.ops import swiglu_triton as st
+    from dtree.ops.swiglu import triton_kernels as st
 
     assert st._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
     dt = getattr(torch, dtype)

@@ -1,4 +1,4 @@
-"""flash-attn ops (``dtree.ops.varlen_attention_flash``) against the references.
+"""flash-attn ops (``dtree.baselines.kernels.varlen_attention_flash``) against the references.
 
 CPU: flash-attn does not run here, so the stack backend's own work (gathering each
 segment's ancestors from the stack, interleaving them with the own K/V, the key
@@ -19,9 +19,9 @@ import torch
 from test_stack_attention import random_layout
 
 from dtree.kv_stack import KVStack
-from dtree.ops import varlen_attention_flash as vf
-from dtree.ops.stack_attention import SegmentLayout, attend_math, stack_attention_reference
-from dtree.ops.varlen_attention import VarlenLayout, varlen_attention_reference
+from dtree.baselines.kernels import varlen_attention_flash as vf
+from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, attend_math, stack_attention_reference
+from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention_reference
 
 
 def attend_in_dtype(q, kk, vv, scale):
@@ -64,8 +64,19 @@ def problem(layout, t, used, hq, hkv, d, dtype=torch.float64, device="cpu", seed
 
 
 def run(attn, stack, q, k, v, layout, scale, go):
-    out = attn(q, k, v, stack, 0, layout, scale)
+    """``attn`` (a stack backend, ``(q, k, v, slots, options)``) forward and backward."""
+    out = attn(q, k, v, StackSlots(stack, 0, layout), AttentionOptions(scale=scale))
     return [out, *torch.autograd.grad(out, (q, k, v), go)]
+
+
+def packed_with(varlen):
+    """:func:`stack_attention_packed` on ``varlen`` as a stack backend."""
+
+    def attn(q, k, v, slots, options):
+        scale = options.softmax_scale(q.shape[-1])
+        return vf.stack_attention_packed(q, k, v, slots.stack, slots.layer, slots.layout, scale, varlen)
+
+    return attn
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -78,10 +89,7 @@ def test_gathered_prefix_packing_matches_reference(seed):
     stack, q, k, v = problem(layout, t, used, hq, hkv, d, seed=seed)
     go = torch.randn(t, hq, d, generator=torch.Generator().manual_seed(seed + 9), dtype=torch.float64)
 
-    def packed(*args):
-        return vf.stack_attention_packed(*args, varlen_torch)
-
-    got = run(packed, stack, q, k, v, layout, scale, go)
+    got = run(packed_with(varlen_torch), stack, q, k, v, layout, scale, go)
     got_stack = stack.grad_k[0].clone(), stack.grad_v[0].clone()
     stack.grad_k.zero_()
     stack.grad_v.zero_()
@@ -163,9 +171,7 @@ def test_gpu_stack_backend_flash_rule():
         out = run(fn, stack, q, k, v, layout, d**-0.5, go.to(dtype))
         return out + [stack.grad_k[0, :700], stack.grad_v[0, :700]]
 
-    def same_precision(*args):  # the gather and packing checked on CPU; bf16 math throughout here
-        return vf.stack_attention_packed(*args, in_dtype)
-
+    same_precision = packed_with(in_dtype)  # the gather and packing checked on CPU; bf16 math throughout here
     _flash_rule(grads(vf.stack_attention_flash_attn, torch.bfloat16), grads(stack_attention_reference, torch.float32),
                 grads(same_precision, torch.bfloat16), ["out", "dq", "dk", "dv", "stack dk", "stack dv"])
 
@@ -178,8 +184,8 @@ def test_linearized_baseline_picks_flash_attn_when_installed(monkeypatch):
 
     import dtree
     from dtree.baselines import LinearizedTrainer
-    from dtree.ops import varlen_attention as va
-    from dtree.ops.varlen_attention import varlen_attention
+    from dtree.baselines.kernels import varlen_attention as va
+    from dtree.baselines.kernels.varlen_interface import varlen_attention
 
     calls = []
 

@@ -3,7 +3,7 @@
 This is what verl, OpenRLHF and TRL do today ("remove padding" + flash-attn varlen):
 sequences are concatenated into one row with no padding, position ids restart at 0 for
 each sequence, and attention is causal within each sequence
-(:mod:`dtree.ops.varlen_attention`). Shared prefixes are recomputed in every sequence
+(:mod:`dtree.baselines.kernels.varlen_attention`). Shared prefixes are recomputed in every sequence
 that contains them, in forward and backward.
 
 Micro-batches take whole sequences, in input order, while their total stays within
@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from ..models import AttendFn
-from ..ops.backends import resolve_backend
 from ..ops.segment_states import LayerStates, StateLayout
-from ..ops.varlen_attention import VarlenLayout, varlen_attention
+from .kernels.varlen_attention import VarlenLayout
+from .kernels.varlen_interface import BACKENDS, varlen_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
@@ -36,7 +36,7 @@ class LinearizedTrainer(MicroBatchTrainer):
             package's ``flash_attn_varlen_func`` as verl and OpenRLHF run it, when it is
             installed; else ``flash``, torch's ``varlen_attn``, when it runs for this
             model's head shapes; else ``sdpa``), ``"flash-attn"``, ``"flash"``,
-            ``"sdpa"`` or ``"reference"`` (see :mod:`dtree.ops.varlen_attention`).
+            ``"sdpa"`` or ``"reference"`` (see :mod:`dtree.baselines.kernels.varlen_attention`).
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); the same
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
@@ -64,7 +64,7 @@ class LinearizedTrainer(MicroBatchTrainer):
     def _pick_backend(self, attention: str) -> str:
         spec = self.spec
         shapes = dict(num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim)
-        return resolve_backend("varlen_attention", attention, self.device, self.dtype, **shapes)
+        return BACKENDS.resolve(attention, self.device, self.dtype, **shapes)
 
     def plan(self, forest: Forest) -> list[MicroBatch]:
         """One :class:`MicroBatch` per packed range of sequences."""

@@ -47,7 +47,7 @@ from ..checks import (
 )
 from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
-from ..ops.backends import resolve_backend
+from ..ops.registry import resolve_backend
 from ..ops.logprobs import as_output_head, compute_dtype
 from ..step import StepOutput, TokenStep, WalkOutput, token_loss_weights
 from ..transfer import upload_arrays

@@ -4,7 +4,7 @@ This is AReaL's "sparse" mode and the Tree Training paper's Tree Packing. A tree
 unique tokens go through the model once, as one row in depth-first order (the forest's
 unique-token order), with position ids = depths and the mask "key j is an ancestor of
 query i, or i itself", which in that order is the interval test
-``j <= i < subtree_end(j)`` (:mod:`dtree.ops.tree_mask_attention`). Autograd through the
+``j <= i < subtree_end(j)`` (:mod:`dtree.baselines.kernels.tree_mask_attention`). Autograd through the
 packed row sums every path's gradient into the shared prefix: one forward and one
 backward per micro-batch. Each unique token is computed once, but activation memory
 grows with the row, and the mask costs build time and sparsity overhead.
@@ -30,8 +30,7 @@ import numpy as np
 import torch
 
 from ..models import AttendFn
-from ..ops.backends import resolve_backend
-from ..ops.tree_mask_attention import TreeMaskLayout, tree_mask_attention
+from .kernels.tree_mask_attention import BACKENDS, TreeMaskLayout, tree_mask_attention
 from ..tree import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
@@ -130,7 +129,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
         if max_tokens_per_batch is not None and max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be None or >= 1, got {max_tokens_per_batch}")
         self.max_tokens_per_batch = max_tokens_per_batch
-        self.attention = resolve_backend("tree_mask_attention", attention, self.device)
+        self.attention = BACKENDS.resolve(attention, self.device)
 
     def _units(self, forest: Forest) -> list[_Unit]:
         """Whole trees, or the groups of the trees larger than the budget, tree by tree."""

@@ -36,7 +36,7 @@ the class calls transformers' attention interface instead needs no adapter (the 
 then runs like any other); one where the method was renamed, reordered or removed
 otherwise is refused with a ``ValueError`` naming the family and both versions.
 
-ALiBi conventions (see :mod:`dtree.ops.stack_attention_naive`): Bloom and MPT add
+ALiBi conventions (see :mod:`dtree.ops.stack_attention.reference`): Bloom and MPT add
 ``slope * pos_k`` after scaling, which differs from dtree's ``-slope * (pos_q - pos_k)``
 by a per-row constant that softmax ignores; Falcon adds it before scaling, so its
 slopes are multiplied by the scale. Falcon rounds ``slope * position`` to bfloat16;

@@ -90,11 +90,12 @@ class SplitAttention:
         )
 
     def __call__(self, layer: int, q, k, v, scale: float, **options) -> torch.Tensor:
-        from ..ops.stack_attention import stack_attention
+        from ..ops.stack_attention import StackSlots, stack_attention
 
         stack, local = self.stacks.kv_of(layer)
         stack.push(local, self.lo, k, v)
-        return stack_attention(q, k, v, stack, local, self.layout, scale, "reference", **options)
+        slots = StackSlots(stack, local, self.layout)
+        return stack_attention(q, k, v, slots, AttentionOptions(scale=scale, **options), "reference")
 
     def states(self, layer: int) -> LayerStates:
         return LayerStates(self.states_layout, self.stacks.states, layer)

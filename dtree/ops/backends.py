@@ -1,42 +1,31 @@
-"""The one registry of attention backends: per op, name -> implementation, where it
-runs, and what ``"auto"`` picks on each device type.
+"""How an op's backends are registered and picked.
 
-Ops and their backends (each backend has the signature of its op's dispatcher):
+Each op keeps its own :class:`Backends`: a plain dict of name -> function (an optional
+backend's function imports its module at the call, so Triton or flash-attn is only
+imported where it is asked for), the checks saying why a backend cannot run on a
+:class:`Target`, and what ``"auto"`` prefers per device type:
 
-* ``stack_attention`` (:func:`dtree.ops.stack_attention.stack_attention`, dtree's
-  attention over the KV stack): ``reference``, ``sdpa``, ``triton``, ``flash-attn``.
-* ``varlen_attention`` (:func:`dtree.ops.varlen_attention.varlen_attention`, the
-  linearized baseline): ``reference``, ``sdpa``, ``flash``, ``flash-attn``.
-* ``tree_mask_attention`` (:func:`dtree.ops.tree_mask_attention.tree_mask_attention`,
-  the tree-mask baseline): ``sdpa``, ``flex``.
-* ``linear_recurrence`` (:func:`dtree.ops.linear_recurrence.linear_recurrence`, the
-  recurrent layers of hybrid models): ``reference``, ``chunked``, ``fla``.
+* ``stack_attention`` (:data:`dtree.ops.stack_attention.BACKENDS`): ``reference``,
+  ``sdpa``, ``triton``, ``flash-attn``.
+* ``linear_recurrence`` (:data:`dtree.ops.linear_recurrence.BACKENDS`): ``reference``, ``fla``.
+* the baselines' ``varlen_attention`` and ``tree_mask_attention``
+  (:mod:`dtree.baselines.kernels`).
 
-Implementations and their availability checks are named ``"module:function"`` inside
-:mod:`dtree.ops` and imported at the call: the registry imports no op module (the ops
-import the registry, never the reverse, and no op imports another's backend) and an
-optional dependency (Triton, flash-attn) is only imported where it is asked for. :func:`resolve_backend` turns ``"auto"`` or a name into
-the name of a backend that runs on a device, or raises a ValueError naming the fix;
-the runtime and the baselines call it once per placement, the ops' dispatchers call
-:func:`implementation` per call.
+:meth:`Backends.resolve` turns ``"auto"`` or a name into the name of a backend that runs
+on a device, or raises a ValueError naming the fix; the runtime and the baselines call it
+once per placement, the ops' dispatchers look the function up per call
+(:meth:`Backends.function`). :func:`dtree.ops.registry.resolve_backend` does the same by
+op name. This module imports no op (the ops import it).
 """
 
 from __future__ import annotations
 
-import importlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-__all__ = ["STACK_ATTENTION_PREFERS_FLASH_ATTN", "Backend", "Target", "backend_names", "implementation",
-           "resolve_backend"]
-
-# Whether "auto" stack attention on CUDA tries the flash-attn backend (flash-attn-4's
-# regions: Hopper or newer, flash-attn-4 installed, 16-bit) before Triton. The 64k
-# agentic step of H100 kernel session 4 decides (benchmarks/PERF_NOTES.md); the
-# prediction there keeps Triton.
-STACK_ATTENTION_PREFERS_FLASH_ATTN = False
+__all__ = ["Backends", "Target"]
 
 
 @dataclass(frozen=True)
@@ -51,177 +40,94 @@ class Target:
     head_dim: int | None = None
 
 
+Check = Callable[[Target], "str | None"]
+
+
 @dataclass(frozen=True)
-class Backend:
-    """One backend of one op.
+class Backends:
+    """The backends of one op.
 
     Attributes:
-        name: what users pass (``attention="triton"``).
-        function: ``"module:function"`` inside :mod:`dtree.ops`, imported at the call.
-        unavailable: ``"module:function"`` of its check ``(target: Target) -> reason
-            or None``: why it cannot run on ``target``, phrased to follow
-            ``attention='<name>'`` and ending with the fix (None: it runs). None: the
-            backend runs anywhere (pure torch).
-        nondeterministic: ``"module:function"`` of its check ``(target) -> reason or
-            None``: why it cannot run deterministically (:mod:`dtree.ops.determinism`);
-            None: it always can.
+        label: the op in messages (``"unknown {label} backend"``).
+        functions: name (what users pass, ``attention="triton"``) -> the backend, all
+            with the op's signature.
+        auto: device type -> the names ``"auto"`` tries in order (``"other"``: any other type).
+        unavailable: name -> ``(target) -> reason or None``: why it cannot run on ``target``,
+            phrased to follow ``attention='<name>'`` and ending with the fix. A name
+            missing here runs anywhere (pure torch).
+        nondeterministic: name -> ``(target) -> reason or None``: why it cannot run
+            deterministically (:mod:`dtree.ops.determinism`); missing: it always can.
+        option: the runtime option that names the backend, in messages.
     """
 
-    name: str
-    function: str
-    unavailable: str | None = None
-    nondeterministic: str | None = None
+    label: str
+    functions: dict[str, Callable]
+    auto: dict[str, tuple[str, ...]]
+    unavailable: dict[str, Check] = field(default_factory=dict)
+    nondeterministic: dict[str, Check] = field(default_factory=dict)
+    option: str = "attention"
 
+    def names(self) -> tuple[str, ...]:
+        """The backend names, in registration order."""
+        return tuple(self.functions)
 
-@dataclass(frozen=True)
-class _Op:
-    label: str  # in messages: "unknown {label} backend"
-    backends: dict[str, Backend]
-    auto: dict[str, tuple[str, ...]]  # device type -> preference order ("other": any other type)
-    option: str = "attention"  # the runtime option that names the backend, in messages
+    def function(self, name: str) -> Callable:
+        """The function of backend ``name`` (ValueError listing the names if unknown)."""
+        if name not in self.functions:
+            raise ValueError(f"unknown {self.label} backend {name!r}; choose one of {self.names()}")
+        return self.functions[name]
 
+    def why_not(self, name: str, target: Target, deterministic: bool = False) -> str | None:
+        """Why backend ``name`` cannot run on ``target`` (deterministically) (None: it runs)."""
+        check = self.unavailable.get(name)
+        reason = None if check is None else check(target)
+        if reason is None and deterministic and name in self.nondeterministic:
+            why = self.nondeterministic[name](target)
+            reason = None if why is None else f"is not deterministic here: it {why}"
+        return reason
 
-def _op(label: str, backends: list[Backend], auto: dict[str, tuple[str, ...]], option: str = "attention") -> _Op:
-    return _Op(label, {b.name: b for b in backends}, auto, option)
+    def resolve(
+        self,
+        name: str,
+        device: torch.device | str,
+        dtype: torch.dtype | None = None,
+        *,
+        num_heads: int | None = None,
+        num_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        deterministic: bool = False,
+    ) -> str:
+        """The backend to run on ``device`` for ``name``.
 
+        ``"auto"``: the first of the op's preferences (per device type) that runs here:
+        the fused kernels first, ``sdpa`` last. A backend name: that name, if it runs here.
+        The dtype and shapes refine the checks where a backend depends on them (Triton's
+        dtypes and head dims, the ``flash`` probe). ``deterministic`` (deterministic mode,
+        :mod:`dtree.ops.determinism`): ``"auto"`` skips backends that cannot run
+        deterministically; a named one raises the way torch does.
 
-_OPS: dict[str, _Op] = {
-    "stack_attention": _op(
-        "attention",
-        [
-            Backend("reference", "stack_attention:stack_attention_reference"),
-            Backend("sdpa", "stack_attention:stack_attention_sdpa"),
-            Backend(
-                "triton",
-                "stack_attention_triton:stack_attention_triton",
-                "stack_attention:triton_unavailable",
-                "stack_attention:triton_nondeterministic",
-            ),
-            Backend(
-                "flash-attn", "stack_attention_flash4:stack_attention_flash4", "stack_attention_flash4:flash4_unavailable"
-            ),
-        ],
-        {"cuda": ("flash-attn",) * STACK_ATTENTION_PREFERS_FLASH_ATTN + ("triton", "sdpa"), "other": ("sdpa",)},
-    ),
-    "varlen_attention": _op(
-        "varlen attention",
-        [
-            Backend("reference", "varlen_attention:varlen_attention_reference"),
-            Backend("sdpa", "varlen_attention:varlen_attention_sdpa"),
-            Backend("flash", "varlen_attention:varlen_attention_flash", "varlen_attention:flash_unavailable"),
-            Backend(
-                "flash-attn",
-                "varlen_attention_flash:varlen_attention_flash_attn",
-                "varlen_attention:flash_attn_unavailable",
-            ),
-        ],
-        # the checks reject CPU themselves; one order everywhere, as the baseline always chose
-        {"other": ("flash-attn", "flash", "sdpa")},
-    ),
-    "tree_mask_attention": _op(
-        "tree-mask attention",
-        [
-            Backend("sdpa", "tree_mask_attention:tree_mask_attention_sdpa"),
-            Backend("flex", "tree_mask_attention:tree_mask_attention_flex", "tree_mask_attention:flex_unavailable"),
-        ],
-        {"other": ("flex", "sdpa")},
-    ),
-    "linear_recurrence": _op(
-        "recurrence",
-        [
-            Backend("reference", "linear_recurrence:recurrence_reference"),
-            Backend("chunked", "linear_recurrence_chunked:recurrence_chunked"),
-            Backend(
-                "fla",
-                "linear_recurrence_fla:recurrence_fla",
-                "linear_recurrence_fla:fla_unavailable",
-                "linear_recurrence_fla:fla_nondeterministic",
-            ),
-        ],
-        {"cuda": ("fla", "chunked"), "other": ("reference",)},
-        option="recurrence",
-    ),
-}
+        Raises:
+            ValueError: an unknown name (listing the choices), or a backend that cannot
+                run on this target (saying why and what to use instead).
+        """
+        target = Target(torch.device(device), dtype, num_heads, num_kv_heads, head_dim)
+        if name == "auto":
+            for candidate in self.auto.get(target.device.type, self.auto["other"]):
+                if self.why_not(candidate, target, deterministic) is None:
+                    return candidate
+            raise AssertionError(f"no {self.label} backend runs on {target.device}")  # every op has a portable one
+        if name not in self.functions:
+            raise ValueError(f"{self.option} must be 'auto' or one of {self.names()}, got {name!r}")
+        reason = self.why_not(name, target)
+        if reason is not None:
+            raise ValueError(f"{self.option}={name!r} {reason}")
+        if deterministic:
+            why = self.why_not(name, target, deterministic=True)
+            if why is not None:
+                from .determinism import alert_nondeterministic
 
-
-def _op_of(op: str) -> _Op:
-    if op not in _OPS:
-        raise ValueError(f"unknown op {op!r}; choose one of {tuple(_OPS)}")
-    return _OPS[op]
-
-
-def backend_names(op: str) -> tuple[str, ...]:
-    """The backend names of ``op``, in registration order."""
-    return tuple(_op_of(op).backends)
-
-
-def _load(function: str) -> Callable:
-    """``"module:function"`` inside :mod:`dtree.ops`, looked up now (a patched module
-    attribute is the one that runs)."""
-    module, name = function.split(":")
-    return getattr(importlib.import_module(f"{__package__}.{module}"), name)
-
-
-def implementation(op: str, name: str) -> Callable:
-    """The function of backend ``name`` of ``op`` (its module imported now)."""
-    spec = _op_of(op)
-    if name not in spec.backends:
-        raise ValueError(f"unknown {spec.label} backend {name!r}; choose one of {backend_names(op)}")
-    return _load(spec.backends[name].function)
-
-
-def _unavailable(backend: Backend, target: Target, deterministic: bool = False) -> str | None:
-    reason = None if backend.unavailable is None else _load(backend.unavailable)(target)
-    if reason is None and deterministic and backend.nondeterministic is not None:
-        why = _load(backend.nondeterministic)(target)
-        reason = None if why is None else f"is not deterministic here: it {why}"
-    return reason
-
-
-def resolve_backend(
-    op: str,
-    name: str,
-    device: torch.device | str,
-    dtype: torch.dtype | None = None,
-    *,
-    num_heads: int | None = None,
-    num_kv_heads: int | None = None,
-    head_dim: int | None = None,
-    deterministic: bool = False,
-) -> str:
-    """The backend of ``op`` to run on ``device`` for ``name``.
-
-    ``"auto"``: the first of the op's preferences (per device type) that runs here:
-    the fused kernels first, ``sdpa`` last (stack attention takes Triton only on CUDA,
-    not under the interpreter on CPU). A backend name: that name, if it
-    runs here. The dtype and shapes refine the checks where a backend depends on them
-    (Triton's dtypes and head dims, the ``flash`` probe). ``deterministic`` (deterministic
-    mode, :mod:`dtree.ops.determinism`): ``"auto"`` skips backends that cannot run
-    deterministically; a named one raises the way torch does.
-
-    Raises:
-        ValueError: an unknown name (listing the choices), or a backend that cannot
-            run on this target (saying why and what to use instead).
-    """
-    spec = _op_of(op)
-    target = Target(torch.device(device), dtype, num_heads, num_kv_heads, head_dim)
-    if name == "auto":
-        for candidate in spec.auto.get(target.device.type, spec.auto["other"]):
-            if _unavailable(spec.backends[candidate], target, deterministic) is None:
-                return candidate
-        raise AssertionError(f"no {spec.label} backend runs on {target.device}")  # every op has a portable one
-    if name not in spec.backends:
-        raise ValueError(f"{spec.option} must be 'auto' or one of {backend_names(op)}, got {name!r}")
-    reason = _unavailable(spec.backends[name], target)
-    if reason is not None:
-        raise ValueError(f"{spec.option}={name!r} {reason}")
-    if deterministic:
-        why = _unavailable(spec.backends[name], target, deterministic=True)
-        if why is not None:
-            from .determinism import alert_nondeterministic
-
-            alert_nondeterministic(
-                f"{spec.option}={name!r}",
-                f"it {why.removeprefix('is not deterministic here: it ')}; use {spec.option}='auto'",
-            )
-    return name
+                alert_nondeterministic(
+                    f"{self.option}={name!r}",
+                    f"it {why.removeprefix('is not deterministic here: it ')}; use {self.option}='auto'",
+                )
+        return name

@@ -14,7 +14,7 @@ a ``RuntimeError`` the way torch's own nondeterministic ops do (a warning instea
   refused when named (:func:`alert_nondeterministic`);
 * the KV-stack ops (:mod:`dtree.ops.stack_ops`, CUDA extension or torch): no float
   atomics; repeated slots are summed by a fixed-order segmented reduction;
-* the LM-head log-prob kernels (:mod:`dtree.ops.logprobs_triton`): no atomics (every
+* the LM-head log-prob kernels (:mod:`dtree.ops.logprobs.triton_kernels`): no atomics (every
   output element is written by one program; dW/db are cuBLAS matmuls and reductions);
 * recurrent layers (hybrid models, :mod:`dtree.ops.segment_states`): the ``reference``
   recurrence, the state stack and the short convolution are torch ops (gathers whose
