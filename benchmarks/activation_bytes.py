@@ -11,7 +11,7 @@ backend, ``sdpa`` on CPU), in the model dtype (bf16 by default). Per layer and t
 where ``kept`` is read two ways: the distinct storages autograd saves
 (``torch.autograd.graph.saved_tensors_hooks``; blind to what checkpointing keeps,
 which bypasses the hooks) and the storages the call created that are still alive
-after its forward (:class:`dtree.memory_probe.LiveBytes`, which sees everything).
+after its forward (:class:`dtree.plan.memory_probe.LiveBytes`, which sees everything).
 Layer settings:
 
 * ``eager``: HF's layers as they are;
@@ -23,7 +23,7 @@ Layer settings:
   (``torch.utils.checkpoint`` with ``create_selective_checkpoint_contexts``): the
   outputs of matmuls and of the attention are saved, elementwise ops recomputed;
 * ``lean+sac``: both;
-* ``ckpt``: every layer checkpointed (``dtree.checkpointing``): its input only.
+* ``ckpt``: every layer checkpointed (``dtree.models.checkpointing``): its input only.
 
     python benchmarks/activation_bytes.py --out benchmarks/results          # ~1 min on 2 cores
     python benchmarks/activation_bytes.py --model qwen2.5-7b --settings eager,lean,ckpt
@@ -99,8 +99,8 @@ class _SelectiveLayer(torch.nn.Module):
 
 def kept_bytes(model, adapter, tokens: int, setting: str) -> tuple[int, int]:
     """(bytes saved through saved-tensor hooks, bytes alive after the forward) of one call."""
-    from dtree.checkpointing import checkpointed_layers, decoder_layers
-    from dtree.memory_probe import LiveBytes, _probe_call
+    from dtree.models.checkpointing import checkpointed_layers, decoder_layers
+    from dtree.plan.memory_probe import LiveBytes, _probe_call
 
     spec = adapter.dtree_spec()
     placement = (torch.device("cpu"), next(model.parameters()).dtype)

@@ -93,7 +93,7 @@ def time_packing(device, backend: str, smoke: bool) -> dict:
     state on the stack, run packed (one varlen kernel call) or one call per answer."""
     from dtree.ops.linear_recurrence import linear_recurrence
     from dtree.ops.segment_states import LayerStates, StateLayout
-    from dtree.state_stack import StateStack
+    from dtree.stacks.state_stack import StateStack
 
     n, length, hk, h, d = (4, 32, 2, 4, 16) if smoke else (16, 512, 16, 32, 128)
     stack = StateStack([(0, "recurrent", (h, d, d))], 1, device=device)

@@ -57,7 +57,7 @@ from stack_attention_cases import (  # noqa: E402
     variant,
 )
 
-from dtree.kv_stack import KVStack  # noqa: E402
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.ops.stack_attention import stack_attention_reference  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

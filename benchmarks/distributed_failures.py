@@ -41,7 +41,7 @@ import torch.distributed as dist
 from dtree.config import RuntimeConfig
 from dtree.distributed import SYNCS, CostModel, DistributedStepError, DistributedTreeTrainer, wrap_model
 from dtree.losses import TokenLoss
-from dtree.tree import Forest
+from dtree.forest.forest import Forest
 
 __all__ = ["FAILURES", "failure_runs", "summarize", "out_of_memory"]
 
@@ -84,7 +84,7 @@ def out_of_memory(model: torch.nn.Module, device: torch.device, headroom: int):
         finally:
             torch.cuda.set_per_process_memory_fraction(1.0, device)
         return
-    from dtree.checkpointing import decoder_layers
+    from dtree.models.checkpointing import decoder_layers
 
     calls = [0]
 

@@ -22,7 +22,7 @@ from dtree.bench.calibrate import time_step
 from dtree.bench.configs import parse_assignments
 from dtree.distributed import CostModel, DistributedStepError, DistributedTreeTrainer, wrap_model
 from dtree.distributed.features import TreeIndex
-from dtree.tree import Forest
+from dtree.forest.forest import Forest
 from dtree.workloads import TINY, make_workload, mixed_batch, workload_parameters
 from dtree.workloads.mixed import KINDS
 

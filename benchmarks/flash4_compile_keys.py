@@ -44,7 +44,7 @@ from dtree.ops.stack_attention.flash4_replay import bucket_len  # noqa: E402
 from dtree.ops.stack_attention.region_plan import region_plan  # noqa: E402
 from dtree.ops.stack_attention.segment_layout import SegmentLayout  # noqa: E402
 from dtree.ops.stack_attention.regions import level_seqs, own_seqs  # noqa: E402
-from dtree.schedule import build_schedule  # noqa: E402
+from dtree.plan.schedule import build_schedule  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
 WORKLOADS = {"agentic": dict(num_trees=1, target_unique_tokens=65536), "grpo": {}}
@@ -80,7 +80,7 @@ def region_keys(seqs, causal: bool, group: int, head_dim: int, deterministic: bo
 
 
 def call_layouts(name: str, seed: int, group_tokens: int):
-    """The SegmentLayouts of one fresh forest's calls (as dtree.walk builds them)."""
+    """The SegmentLayouts of one fresh forest's calls (as dtree.engine.walk builds them)."""
     sched = build_schedule(make_workload(name, seed=seed, **WORKLOADS[name]), 2048, group_tokens)
     for plan in sched.groups:
         yield SegmentLayout(plan.seg_q_offsets, plan.stack_start + plan.seg_q_offsets[:-1], plan.seg_prefix_ranges)

@@ -20,7 +20,7 @@ to the moment of the peak, and the blocks alive then are attributed:
 Printed and written (``memory_profile_<gpu>_<model>.md/.json``): per configuration the
 peak, the breakdown, and the top allocation sites alive at the peak; next to the
 measurement, what dtree's memory policy predicted for the step by part
-(:mod:`dtree.memory_policy`; weights and the stack held from the previous step added).
+(:mod:`dtree.plan.memory_policy`; weights and the stack held from the previous step added).
 On CPU there is no allocator trace: only the step times. The process runs with
 ``expandable_segments`` like ``dtree bench`` (``--no-expandable-segments`` to compare).
 

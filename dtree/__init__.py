@@ -18,8 +18,8 @@ from .config import RuntimeConfig
 from .losses import LogprobLoss, Normalization
 from .models import compile_layers
 from .ops.logprobs import OutputHead
-from .runtime import StepOutput, TreeRuntime
-from .tree import Forest, ForestStats
+from .engine.runtime import StepOutput, TreeRuntime
+from .forest.forest import Forest, ForestStats
 
 __version__ = "0.1.0"
 

@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 
 def _stats(args: argparse.Namespace) -> int:
-    from .tree import Forest
+    from .forest.forest import Forest
 
     forest = Forest.from_jsonl(args.file)
     print(forest.stats().format())

@@ -13,13 +13,14 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from . import memory_policy
 from .ops.linear_recurrence import BACKENDS as RECURRENCE_BACKENDS
 from .ops.stack_attention import BACKENDS
 
 __all__ = ["RuntimeConfig", "Mode", "Attention", "Recurrence", "MODES", "ATTENTIONS", "RECURRENCES"]
 
 Mode = Literal["auto", "retain", "recompute"]
+MEMORY_SETTINGS = ("auto", "low")  # or a positive number: a cap in GiB (dtree.plan.memory_policy)
+
 Attention = Literal["auto", "triton", "flash-attn", "sdpa", "reference"]
 Recurrence = Literal["auto", "reference", "chunked", "fla"]
 MODES: tuple[str, ...] = get_args(Mode)
@@ -88,11 +89,11 @@ class RuntimeConfig:
         _check_count("logprob_chunk", self.logprob_chunk, minimum=1)
         _check_count("stack_capacity", self.stack_capacity, minimum=1)
         _check_count("retain_budget_tokens", self.retain_budget_tokens, minimum=0)
-        if not (self.memory in memory_policy.SETTINGS or (
+        if not (self.memory in MEMORY_SETTINGS or (
             isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool) and self.memory > 0
         )):
             raise ValueError(
-                f"memory must be one of {memory_policy.SETTINGS} or a positive number (a cap in GiB), "
+                f"memory must be one of {MEMORY_SETTINGS} or a positive number (a cap in GiB), "
                 f"got {self.memory!r}"
             )
         layers = self.checkpoint_layers

@@ -14,7 +14,7 @@ from hf_models import make_model
 
 import dtree
 from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
-from dtree.kv_stack import KVStack
+from dtree.ops.stack_ops.kv_stack import KVStack
 from dtree.baselines.kernels import tree_mask_attention as tm
 from dtree.baselines.kernels import varlen_attention as va
 from dtree.baselines.kernels import varlen_interface as vi
@@ -49,7 +49,7 @@ def test_names():
     assert STACK_BACKENDS.names() == backend_names("stack_attention") == ("reference", "sdpa", "triton", "flash-attn")
     assert vi.BACKENDS.names() == ("reference", "sdpa", "flash", "flash-attn")
     assert tm.BACKENDS.names() == ("sdpa", "flex")
-    assert backend_names("linear_recurrence") == ("reference", "fla")
+    assert backend_names("linear_recurrence") == ("reference", "chunked", "fla")
     with pytest.raises(ValueError, match="unknown op 'attention'"):
         backend_names("attention")
     assert registry.resolve_backend("stack_attention", "auto", "cpu") == "sdpa"

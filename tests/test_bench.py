@@ -112,7 +112,7 @@ def test_expandable_segments_for_the_bench_process(monkeypatch):
     import torch
 
     from dtree.bench.measure import use_expandable_segments
-    from dtree.memory_policy import expandable_segments
+    from dtree.plan.memory_policy import expandable_segments
 
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:512")

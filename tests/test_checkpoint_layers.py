@@ -74,7 +74,7 @@ def test_path_and_leaf_calls_checkpoint_different_layers(leaf, path, mode, monke
     exact in each combination; the layers are restored after every call."""
     import dataclasses
 
-    import dtree.step_plan as step_plan
+    import dtree.plan.step_plan as step_plan
 
     model = three_layer_model("qwen2")
     ref_model, ref_loss = reference(model)

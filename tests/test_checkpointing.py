@@ -1,4 +1,4 @@
-"""Checkpointed baselines (``checkpoint=True``, dtree/checkpointing.py; and under HF's
+"""Checkpointed baselines (``checkpoint=True``, dtree/models/checkpointing.py; and under HF's
 gradient checkpointing): the
 same loss and every parameter gradient as HF run per path (tests/reference.py) and as
 the unchecked baselines, and less activation memory held for backward."""
@@ -17,7 +17,7 @@ from test_runtime_memory import SavedBytes
 
 import dtree
 from dtree.baselines import LinearizedTrainer, TreeMaskTrainer, make_method
-from dtree.checkpointing import CheckpointedLayer, checkpointed_layers, decoder_layers
+from dtree.models.checkpointing import CheckpointedLayer, checkpointed_layers, decoder_layers
 
 CHECKPOINTED = {
     "tree-mask/ckpt": ("tree-mask", dict(checkpoint=True)),

@@ -76,7 +76,7 @@ def test_without_replay_recompute_would_differ(monkeypatch):
     """What the replay prevents (the issue's 116%): recomputed groups drawing fresh masks."""
     model = lora_with_dropout()
     retain = step(model, SEQS, 11, "retain", 0)[1]
-    monkeypatch.setattr(dtree.rng, "seeded", lambda seed, device: contextlib.nullcontext())
+    monkeypatch.setattr(dtree.device.rng, "seeded", lambda seed, device: contextlib.nullcontext())
     recompute = step(model, SEQS, 11, "recompute", 0)[1]
     assert max_error(recompute, retain) > 1e-2
 

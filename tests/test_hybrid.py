@@ -25,8 +25,8 @@ from test_families import build
 import dtree
 from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
 from dtree.models import mixers
-from dtree.schedule import build_schedule
-from dtree.state_plan import plan_states
+from dtree.plan.schedule import build_schedule
+from dtree.plan.state_plan import plan_states
 
 HYBRIDS = ("qwen3_5_text", "nemotron_h", "lfm2")
 
@@ -113,16 +113,16 @@ def test_hybrid_stacks_hold_only_their_layers():
 def test_runtime_plans_the_state_slots_once_and_counts_them(monkeypatch):
     """The memory policy's refined peak gets the step's state slots (the state stack's
     bytes), and the walk uses the same state plan, with a state stack of that size."""
-    import dtree.step_plan
-    import dtree.walk
+    import dtree.plan.step_plan
+    import dtree.engine.walk
 
     seen, planned, walked = [], [], []
-    refine = dtree.step_plan.refine_plan
-    monkeypatch.setattr(dtree.step_plan, "refine_plan", lambda *a: seen.append(a[-1]) or refine(*a))
-    monkeypatch.setattr(dtree.step_plan, "plan_states", lambda sched: planned.append(plan_states(sched)) or planned[-1])
-    init = dtree.walk.TreeWalk.__init__
+    refine = dtree.plan.step_plan.refine_plan
+    monkeypatch.setattr(dtree.plan.step_plan, "refine_plan", lambda *a: seen.append(a[-1]) or refine(*a))
+    monkeypatch.setattr(dtree.plan.step_plan, "plan_states", lambda sched: planned.append(plan_states(sched)) or planned[-1])
+    init = dtree.engine.walk.TreeWalk.__init__
     monkeypatch.setattr(
-        dtree.walk.TreeWalk, "__init__", lambda self, plan: walked.append(plan.states) or init(self, plan)
+        dtree.engine.walk.TreeWalk, "__init__", lambda self, plan: walked.append(plan.states) or init(self, plan)
     )
     rt = dtree.TreeRuntime(build("nemotron_h"), group_tokens=0, chunk_size=2)
     forest = dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6], [1, 2, 3, 7, 8], [1, 2, 9]])

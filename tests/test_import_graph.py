@@ -74,11 +74,36 @@ def _cycles(graph: dict[pathlib.Path, set[pathlib.Path]]) -> list[list[str]]:
 def test_import_graph_reads_imports():
     """The graph sees what the code imports (else the test below could not fail)."""
     graph = {p: _imports(p) for p in ROOT.rglob("*.py")}
-    assert ROOT / "loss_reduction.py" in graph[ROOT / "token_loss.py"]
-    assert ROOT / "models" / "layer_list.py" in graph[ROOT / "checkpointing.py"]
+    assert ROOT / "losses" / "reduction.py" in graph[ROOT / "losses" / "token_loss.py"]
+    assert ROOT / "models" / "layer_list.py" in graph[ROOT / "models" / "checkpointing.py"]
     assert _cycles({ROOT / "a.py": {ROOT / "b.py"}, ROOT / "b.py": {ROOT / "a.py"}}) == [["dtree/a.py", "dtree/b.py"]]
 
 
 def test_no_import_cycle():
     graph = {p: _imports(p) for p in ROOT.rglob("*.py")}
     assert _cycles(graph) == [], "import cycles between these dtree files (break them with a lower module)"
+
+
+def _package(path: pathlib.Path) -> str:
+    """The top-level part of dtree a file belongs to: ``engine``, ``plan``, ``ops``, ... or
+    the root module's name (``config``)."""
+    parts = path.relative_to(ROOT).parts
+    return parts[0] if len(parts) > 1 else path.stem
+
+
+def test_packages_stand_in_floors():
+    """The packages (README's architecture) import one another in one direction too: no
+    cycle between dtree/engine, plan, stacks, losses, forest, ops, models, device, ... (a
+    package's own __init__ re-exports are inside it; dtree/__init__.py is the top)."""
+    graph: dict[pathlib.Path, set[pathlib.Path]] = {}
+    for path in ROOT.rglob("*.py"):
+        if path.parent == ROOT and path.name in ("__init__.py", "__main__.py"):
+            continue
+        for target in _imports(path):
+            if target.parent == ROOT and target.name == "__init__.py":
+                continue
+            a, b = _package(path), _package(target)
+            if a != b:
+                graph.setdefault(ROOT / a, set()).add(ROOT / b)
+    assert ROOT / "plan" in graph[ROOT / "engine"] and ROOT / "stacks" in graph[ROOT / "plan"]
+    assert _cycles(graph) == [], "import cycles between these dtree packages (move the shared piece lower)"

@@ -17,7 +17,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dtree.kv_stack import KVStack  # noqa: E402
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.ops.logprobs import fused_head as fh  # noqa: E402
 from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
 from dtree.ops.stack_attention import triton_autograd as sat  # noqa: E402

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dtree.kv_stack import KVStack
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

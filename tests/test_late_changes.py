@@ -57,7 +57,7 @@ def test_bf16_move_on_cpu():
     agrees with the float32 reference to bf16 precision."""
     model = make_model("llama")
     _, ref_loss = reference(model)
-    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8)
+    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8, free_after_step=False)  # keep the stack to read
     step(rt)
     model.to(torch.bfloat16).zero_grad(set_to_none=True)
     out = step(rt)
@@ -121,7 +121,8 @@ def test_cuda_move_after_wrapping(mode):
     Triton kernel, and the gradients match HF per path on the GPU (fp32, no tf32)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_model("qwen2", tied=True)
-    rt = dtree.TreeRuntime(model, mode=mode, chunk_size=3, group_tokens=8)
+    # free_after_step off: the stack stays allocated after the step, so its device can be read
+    rt = dtree.TreeRuntime(model, mode=mode, chunk_size=3, group_tokens=8, free_after_step=False)
     step(rt)
     assert rt.attention == "sdpa"
     model.cuda().zero_grad(set_to_none=True)
@@ -139,7 +140,7 @@ def test_bf16_move_after_wrapping_on_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_model("qwen2").cuda()
     fp32_ref, _ = reference(model)
-    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8)
+    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8, free_after_step=False)  # keep the stack to read
     step(rt)
     model.to(torch.bfloat16).zero_grad(set_to_none=True)
     bf16_ref, _ = reference(model)

@@ -19,7 +19,7 @@ import torch
 from dtree.ops.linear_recurrence import linear_recurrence, recurrence_naive, recurrence_reference
 from dtree.ops.segment_states import LayerStates, StateLayout
 from dtree.ops.short_conv import causal_conv1d_reference, causal_conv1d_segments
-from dtree.state_stack import StateStack
+from dtree.stacks.state_stack import StateStack
 
 LENGTHS = {"A": 5, "B": 3, "C": 4, "D": 2}
 CALL1 = StateLayout(np.array([0, 5]), np.array([-1]), np.array([-1]), np.array([0]))

@@ -1,4 +1,4 @@
-"""The RL loss variants (dtree.policy_losses, dtree.sequence_loss) against HF run per
+"""The RL loss variants (dtree.losses.policy_losses, dtree.losses.sequence_loss) against HF run per
 path with the losses and aggregations written the way TRL writes them and verl's
 aggregations through verl's own agg_loss (tests/rl_reference.py): every parameter's
 gradient, on CPU in float32. verl's whole actor loss: tests/test_losses_verl.py.

@@ -15,14 +15,14 @@ from hf_models import make_model
 from setups import SEQS
 
 import dtree
-from dtree import memory_model as mm
-from dtree import memory_policy as mp
+from dtree.plan import memory_model as mm
+from dtree.plan import memory_policy as mp
 from dtree.config import RuntimeConfig
-from dtree.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
+from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.models import ModelSpec, adapt
 from dtree.ops.logprobs import as_output_head
-from dtree.schedule import build_schedule
-from dtree.step_plan import plan_memory
+from dtree.plan.schedule import build_schedule
+from dtree.plan.step_plan import plan_memory
 
 GIB = 2.0**30
 QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
@@ -229,6 +229,37 @@ def test_probe_measures_what_a_call_keeps():
     assert no_ckpt.checkpointed == no_ckpt.full
 
 
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_probe_under_hf_gradient_checkpointing(use_reentrant):
+    """HF gradient checkpointing re-runs each layer inside the probe's backward: the re-run
+    attends through dtree's stack as the forward did (the step's attention scope is held
+    over both), not through the model's own attention (a CheckpointError on GPU before)."""
+    model = make_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": use_reentrant})
+    model.train()
+    adapter = adapt(model)
+    spec = adapter.dtree_spec()
+    cb = measure_call_bytes(adapter, spec, (torch.device("cpu"), torch.float32), "sdpa", model)
+    assert cb.full > 0
+    # reentrant checkpointing cannot run a backward to one input: no measured backward
+    assert (cb.backward_full is None) == use_reentrant
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_probe_stays_within_the_models_positions():
+    """A model with fewer positions than the probe's chains (GPT-J's position table: an
+    index out of bounds, a device-side assert on GPU) is probed within them."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    config = GPTJConfig(vocab_size=96, n_positions=64, n_embd=32, n_layer=2, n_head=4, rotary_dim=4)
+    model = GPTJForCausalLM(config)
+    adapter = adapt(model)
+    spec = adapter.dtree_spec()
+    assert spec.max_positions == 64
+    cb = measure_call_bytes(adapter, spec, (torch.device("cpu"), torch.float32), "sdpa", model)
+    assert cb.full > 0
+
+
 @pytest.mark.parametrize("name", ["qwen3_5_text", "nemotron_h"])
 def test_probe_measures_a_hybrid(name):
     """The probe's chain runs a hybrid's recurrent layers from zeros (its stacks have no
@@ -272,7 +303,7 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     """The runtime's side of a CUDA step without a GPU: what the allocator can hand out,
     the gradients still to allocate, the stack held, the fused head, HF checkpointing,
     the measured per-token figures; and the refined prediction from the schedule."""
-    from dtree.step_plan import refine_plan
+    from dtree.plan.step_plan import refine_plan
 
     model = make_model("qwen2")
     cuda = (torch.device("cuda", 0), torch.bfloat16)
@@ -314,9 +345,9 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     segment with children; after it, the state plan's slots beyond the stacks held."""
     from test_families import build
 
-    from dtree.stacks import StepStacks
-    from dtree.state_plan import plan_states
-    from dtree.step_plan import refine_plan, step_shape
+    from dtree.stacks.step_stacks import StepStacks
+    from dtree.plan.state_plan import plan_states
+    from dtree.plan.step_plan import refine_plan, step_shape
 
     model = build("qwen3_5_text")
     adapted = adapt(model)

@@ -245,7 +245,7 @@ def test_layer_recomputes_keep_the_guard_and_adapters_exact(family, setting):
     model, options = _recomputing(model, setting)
     out = dtree.TreeRuntime(model, group_tokens=8, **options).forward_backward(FOREST, dtree.losses.nll())
     if not RECOMPUTES[setting][0]:
-        assert out.metrics["memory_plan"]["checkpoint_layers"] == len(dtree.checkpointing.decoder_layers(model))
+        assert out.metrics["memory_plan"]["checkpoint_layers"] == len(dtree.models.checkpointing.decoder_layers(model))
     errors = grad_errors(model, ref)
     assert max(errors.values()) < 1e-5, (family, setting, max(errors, key=errors.get))
     assert out.loss == pytest.approx(ref_loss, rel=1e-5)

@@ -31,7 +31,7 @@ def test_profile_memory_prediction_is_the_memory_policys():
     """The 'predicted' column is the policy's plan by part, plus the weights."""
     from types import SimpleNamespace
 
-    from dtree import memory_policy as mp
+    from dtree.plan import memory_policy as mp
     from dtree.presets import build_model
 
     model = build_model("tiny", dtype=torch.float32, device="cpu")

@@ -147,7 +147,7 @@ def test_after_step_releases_and_reports(monkeypatch):
     without, nothing is dropped; on CPU nothing happens (also when the step failed)."""
     from types import SimpleNamespace
 
-    from dtree import step_memory
+    from dtree.engine import step_memory
 
     gib = 2**30
     state = {"reserved": 10 * gib, "allocated": 4 * gib}
@@ -191,8 +191,8 @@ def test_stack_sized_by_the_slots_written_saves_on_qwen_1_5b():
     so the stack holds the prompt's 2,048 slots: 0.70 GB (8,192-token calls) and 1.41 GB
     (16,384-token calls) less than a stack with slots for every call's tokens."""
     from dtree.models import ModelSpec
-    from dtree.schedule import build_schedule
-    from dtree.stacks import StepStacks
+    from dtree.plan.schedule import build_schedule
+    from dtree.stacks.step_stacks import StepStacks
 
     spec = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
                      vocab_size=151936, intermediate_size=8960)

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from strategies import sequence_batches
 
 from dtree import Forest
-from dtree.schedule import BACKWARD, FORWARD, all_predictions, build_schedule, prediction_lin, select_loss_terms
+from dtree.plan.schedule import BACKWARD, FORWARD, all_predictions, build_schedule, prediction_lin, select_loss_terms
 
 
 @given(sequence_batches(max_sequences=8, max_len=16, alphabet=4), st.sampled_from([1, 2, 5, 100]), st.sampled_from([0, 3, 8, 1000]))

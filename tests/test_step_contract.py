@@ -1,4 +1,4 @@
-"""The step contract every method in ``dtree.bench`` keeps (dtree.step): bad input gets a
+"""The step contract every method in ``dtree.bench`` keeps (dtree.engine.step): bad input gets a
 ValueError before any model call and leaves ``param.grad`` exactly as it was; a
 non-finite loss restores ``param.grad``; gradients accumulate into an existing
 ``param.grad``. Run over every method of :data:`dtree.baselines.METHODS` (dtree in

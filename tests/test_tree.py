@@ -155,7 +155,7 @@ def test_read_only_arrays_upload_as_copies():
     """The runtime's host-to-device copy of a forest array neither warns nor aliases it."""
     import warnings
 
-    from dtree.transfer import upload
+    from dtree.device.transfer import upload
 
     f = Forest.from_sequences([[1, 2, 3], [1, 2, 4]])
     with warnings.catch_warnings():

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from ..config import RuntimeConfig
-from ..runtime import TreeRuntime
+from ..engine.runtime import TreeRuntime
 from .linearized import LinearizedTrainer
 from .tree_mask import TreeMaskTrainer
 

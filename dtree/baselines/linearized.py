@@ -20,7 +20,7 @@ from ..models import AttendFn
 from ..ops.segment_states import LayerStates, StateLayout
 from .kernels.varlen_attention import VarlenLayout
 from .kernels.varlen_interface import BACKENDS, varlen_attention
-from ..tree import Forest
+from ..forest.forest import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
 __all__ = ["LinearizedTrainer"]
@@ -41,7 +41,7 @@ class LinearizedTrainer(MicroBatchTrainer):
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
         checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
-            see :mod:`dtree.checkpointing`): activation memory falls to one
+            see :mod:`dtree.models.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
     """

@@ -4,12 +4,12 @@ A baseline plans a step as a list of :class:`MicroBatch` (one model call each: a
 row of tokens, its attention layout, and the loss terms it computes). The step is then
 the same for both::
 
-    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.step: the checks, then loss.prepare)
+    forest, w = token_loss_weights(forest, loss, normalization)  (dtree.engine.step: the checks, then loss.prepare)
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
         logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
         (loss.per_token(logp[loss_pred], fields (+ entropy H)) * w).sum().backward()
-    around it, :class:`dtree.step.TokenStep`: one device sync for the loss value;
+    around it, :class:`dtree.engine.step.TokenStep`: one device sync for the loss value;
     if it is not finite, param.grad is restored and a ValueError names the first bad
     (sequence, position); the loss's metrics (mask-weighted means over the loss
     tokens) go into ``StepOutput.metrics``
@@ -18,7 +18,7 @@ Gradient accumulation over micro-batches is exact: the weights already hold the
 batch-wide normalization (token_mean / sequence_mean over the whole forest).
 
 With ``checkpoint=True`` the model call runs under
-:func:`dtree.checkpointing.checkpointed_layers` (each decoder layer keeps only
+:func:`dtree.models.checkpointing.checkpointed_layers` (each decoder layer keeps only
 its input and is recomputed in backward), as mask-based trainers run in practice.
 
 The LM head goes through the same chunked :func:`dtree.ops.logprobs.token_logprobs` as
@@ -37,11 +37,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..checkpointing import checkpointed_layers, decoder_layers
-from ..checks import (
+from ..device.placement import model_placement
+from ..models.checkpointing import checkpointed_layers, decoder_layers
+from ..engine.checks import (
     check_loss_argument,
     check_training_call,
-    model_placement,
     refuse_paths_beyond_window,
     validate_forest,
 )
@@ -49,9 +49,9 @@ from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
 from ..ops.registry import resolve_backend
 from ..ops.logprobs import as_output_head, compute_dtype
-from ..step import StepOutput, TokenStep, WalkOutput, token_loss_weights
-from ..transfer import upload_arrays
-from ..tree import Forest
+from ..engine.step import StepOutput, TokenStep, WalkOutput, token_loss_weights
+from ..device.transfer import upload_arrays
+from ..forest.forest import Forest
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 
@@ -204,7 +204,7 @@ class MicroBatchTrainer:
         Same contract as :meth:`dtree.TreeRuntime.forward_backward` for a
         :class:`~dtree.losses.TokenLoss` (the runtime's two-pass path for other
         callables has no baseline counterpart); ``normalization`` gives global counts
-        when the batch is split over ranks. The step's two ends are :class:`dtree.step.TokenStep`.
+        when the batch is split over ranks. The step's two ends are :class:`dtree.engine.step.TokenStep`.
         """
         check_loss_argument(loss)
         if not isinstance(loss, TokenLoss):

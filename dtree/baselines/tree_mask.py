@@ -31,7 +31,7 @@ import torch
 
 from ..models import AttendFn
 from .kernels.tree_mask_attention import BACKENDS, TreeMaskLayout, tree_mask_attention
-from ..tree import Forest
+from ..forest.forest import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
 __all__ = ["TreeMaskTrainer", "split_tree", "token_subtree_end"]
@@ -105,7 +105,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
         checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
-            see :mod:`dtree.checkpointing`): activation memory falls to one
+            see :mod:`dtree.models.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
     """

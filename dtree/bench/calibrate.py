@@ -14,7 +14,7 @@ measured with; the saved JSON records them. It lives with the benchmark: it reus
 :class:`dtree.distributed.CostModel`.
 
 Forests: the built-in synthetic shapes (:func:`synthetic_forest`), any
-:class:`~dtree.tree.Forest` you pass, or workload names of :mod:`dtree.workloads`
+:class:`~dtree.forest.forest.Forest` you pass, or workload names of :mod:`dtree.workloads`
 (``grpo``, ``agentic``, ``search``) when that module is available.
 """
 
@@ -32,8 +32,8 @@ from ..config import ATTENTIONS, RuntimeConfig
 from ..distributed.cost_model import CostModel, FitReport
 from ..distributed.features import forest_features
 from ..losses import nll
-from ..runtime import TreeRuntime
-from ..tree import Forest
+from ..engine.runtime import TreeRuntime
+from ..forest.forest import Forest
 
 __all__ = ["calibrate", "synthetic_forest", "SYNTHETIC_KINDS", "add_calibrate_parser", "time_step"]
 

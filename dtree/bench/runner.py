@@ -141,7 +141,7 @@ CPU_WORKLOADS["mixed"] = dict(
 def _data_forest(cfg: "BenchConfig"):
     """``--data``'s forest, read and checked before any model is built (None without
     ``--data``): a malformed file fails fast, naming its file and line."""
-    from ..tree import Forest
+    from ..forest.forest import Forest
 
     return Forest.from_jsonl(cfg.data) if cfg.data else None
 
@@ -149,7 +149,7 @@ def _data_forest(cfg: "BenchConfig"):
 def _step_forests(cfg: "BenchConfig", spec, data=None) -> tuple[list[StepForest], dict]:
     """The forests of the run (one, or one per step) and the workload's description;
     ``data``: ``--data``'s forest, checked against the model's vocabulary and positions."""
-    from ..checks import validate_forest
+    from ..engine.checks import validate_forest
     from ..workloads import make_workload, workload_parameters
 
     flops = (spec.forward_flops_per_token(), spec.forward_attention_flops_per_key())

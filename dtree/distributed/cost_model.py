@@ -28,7 +28,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from ..models.protocol import ModelSpec
-from ..tree import Forest
+from ..forest.forest import Forest
 from .features import FEATURES, CostFeatures, forest_features
 from .nnls import nnls
 

@@ -27,7 +27,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 
 __all__ = ["FEATURES", "CostFeatures", "forest_features", "sequence_features", "TreeIndex"]
 

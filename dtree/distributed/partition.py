@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 from .balance import karmarkar_karp, lpt
 from .cost_model import CostModel
 from .features import CostFeatures, TreeIndex

@@ -41,7 +41,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from ..grad_guard import GradStash
+from ..engine.grad_guard import GradStash
 
 __all__ = ["GradSync", "LocalSync", "AllReduceSync", "DDPSync", "FSDPSync", "make_grad_sync", "hf_probe"]
 

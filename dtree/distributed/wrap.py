@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..checkpointing import decoder_layers
+from ..models.checkpointing import decoder_layers
 
 __all__ = ["SYNCS", "wrap_model"]
 

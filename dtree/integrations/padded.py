@@ -36,8 +36,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..padding import host_array
-from ..tree import Forest
+from ..forest.padding import host_array
+from ..forest.forest import Forest
 
 __all__ = ["from_padded", "to_padded", "from_prompt_completion", "to_padded_completion"]
 

@@ -61,9 +61,9 @@ from typing import Any, Iterator
 
 import torch
 
-from .. import rng
+from ..device import rng
 from ..losses import TokenLoss
-from ..runtime import StepOutput, TreeRuntime
+from ..engine.runtime import StepOutput, TreeRuntime
 from .padded import from_padded, from_prompt_completion, to_padded, to_padded_completion
 from .trl_losses import (
     CLIP_METRIC_TYPES,

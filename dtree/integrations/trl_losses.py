@@ -25,7 +25,7 @@ from ..losses import (
     prediction_mask,
     sapo,
 )
-from ..tree import Forest
+from ..forest.forest import Forest
 
 __all__ = [
     "CLIP_METRIC_TYPES",

@@ -58,7 +58,7 @@ except ImportError as e:  # pragma: no cover - depends on the environment
 from ..config import RuntimeConfig
 from ..distributed import distributed_forward_backward
 from ..distributed.sync import FSDPSync
-from ..runtime import TreeRuntime
+from ..engine.runtime import TreeRuntime
 from ..losses import LogprobLoss
 from .verl_batch import VerlBatch
 from .verl_engine_checks import check_batch, check_settings, temperature_of

@@ -23,7 +23,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..tree import Forest
+from ..forest.forest import Forest
 
 __all__ = ["RESPONSE_FIELDS", "VerlBatch"]
 

@@ -14,7 +14,7 @@ The active call travels in a :class:`contextvars.ContextVar`, not in the model's
 keyword arguments: decoder layers that drop ``**kwargs`` (StableLM) would lose it.
 :func:`activate` sets it for the duration of one model call; ``contextvars.copy_context``
 carries it into a checkpointed layer's re-run inside backward: dtree's
-(:mod:`dtree.checkpointing`) and HF gradient checkpointing's (the adapter wraps the
+(:mod:`dtree.models.checkpointing`) and HF gradient checkpointing's (the adapter wraps the
 layers' checkpoint function during the call, :mod:`dtree.models.hf`). A re-run calls the
 same :class:`AttentionCalls` after :meth:`~AttentionCalls.check_every_layer` ran, so it
 is not counted against the call.

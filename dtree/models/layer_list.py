@@ -1,5 +1,5 @@
 """Where a model's decoder layers live: the one finder that layer checkpointing
-(:func:`dtree.checkpointing.decoder_layers`), the guard and the transformers adapter
+(:func:`dtree.models.checkpointing.decoder_layers`), the guard and the transformers adapter
 (:mod:`dtree.models.hf`) share."""
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ class SplitAttention:
 def _split_hidden(adapter: ProbedModel, ids: torch.Tensor, at: int) -> torch.Tensor:
     """[T, hidden]: ``ids[:at]`` in one call, ``ids[at:]`` in a second one that starts
     from the first one's K/V and recurrent states (see :class:`SplitAttention`)."""
-    from ..stacks import StepStacks
+    from ..stacks.step_stacks import StepStacks
 
     param = next(adapter.model.parameters())
     stacks = StepStacks(adapter.spec, len(ids), 1, dtype=param.dtype, device=ids.device, with_grad=False)

@@ -48,7 +48,7 @@ methods (the test suite's nanoGPT does, see ``tests/nanogpt.py``)::
 
 Called at every step, so the head may change after construction (adapters injected,
 dtype or device moves). Dropout in a custom module is replayed exactly like in a
-transformers model (see :mod:`dtree.rng`).
+transformers model (see :mod:`dtree.device.rng`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class ModelSpec:
     # (kv_heads, head_dim, v_head_dim) its attention receives, or None for a layer without
     # attention; None (the default): every layer attends with the fields above.
     # ``recurrent_states``: (layer, name, shape) of every state a recurrent layer carries
-    # along the sequence (a conv window, a recurrent or SSM state; dtree.state_stack).
+    # along the sequence (a conv window, a recurrent or SSM state; dtree.stacks.state_stack).
     layer_kv: tuple[tuple[int, int, int] | None, ...] | None = None
     recurrent_states: tuple[tuple[int, str, tuple[int, ...]], ...] = ()
 

@@ -5,7 +5,7 @@ a state along the sequence. Segment ``i`` of a call starts from its parent's fin
 state, which is one of
 
 * nothing: a root segment starts from zeros;
-* the state stack (:class:`dtree.state_stack.StateStack`): the parent ran in an earlier
+* the state stack (:class:`dtree.stacks.state_stack.StateStack`): the parent ran in an earlier
   call, which stored its final state in slot ``read_slot[i]``;
 * the same call: the parent is segment ``call_parent[i]`` of this call (a closed
   subtree packed into one call), whose final state the op computes first and hands
@@ -35,14 +35,27 @@ whether the call stores states, and the recurrence backend.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable
+from typing import Any, Callable, Hashable, Protocol
 
 import numpy as np
 import torch
 
-from ..state_stack import StateStack
+__all__ = ["StateLayout", "LayerStates", "StateSlots"]
 
-__all__ = ["StateLayout", "LayerStates"]
+
+class StateSlots(Protocol):
+    """What the ops read and write of the state stack (:class:`dtree.stacks.state_stack.StateStack`,
+    which sits above the ops): per ``(layer, name)``, slots [n] of states [n, *shape]."""
+
+    def has_grad(self) -> bool: ...
+
+    def store(self, layer: int, name: str, slots: np.ndarray, states: torch.Tensor, index=None) -> None: ...
+
+    def read(self, layer: int, name: str, slots: np.ndarray, index=None) -> torch.Tensor: ...
+
+    def accumulate(self, layer: int, name: str, slots: np.ndarray, grad: torch.Tensor, index=None) -> None: ...
+
+    def grad_of(self, layer: int, name: str, slots: np.ndarray, index=None) -> torch.Tensor: ...
 
 
 @dataclass
@@ -168,7 +181,7 @@ class _StateRead(torch.autograd.Function):
     even where nothing else of the call requires grad (the parent's state may still)."""
 
     @staticmethod
-    def forward(ctx, anchor, stack: StateStack, layer: int, name: str, slots, index):
+    def forward(ctx, anchor, stack: StateSlots, layer: int, name: str, slots, index):
         ctx.stack, ctx.layer, ctx.name, ctx.slots, ctx.index = stack, layer, name, slots, index
         return stack.read(layer, name, slots, index)
 
@@ -183,7 +196,7 @@ class _StateSeed(torch.autograd.Function):
     final states the call stored to those states' gradients (see the module docstring)."""
 
     @staticmethod
-    def forward(ctx, out, finals, stack: StateStack, layer: int, name: str, slots, index):
+    def forward(ctx, out, finals, stack: StateSlots, layer: int, name: str, slots, index):
         ctx.stack, ctx.layer, ctx.name, ctx.slots, ctx.index = stack, layer, name, slots, index
         ctx.dtype = finals.dtype
         return out.view_as(out)
@@ -213,7 +226,7 @@ class LayerStates:
     def __init__(
         self,
         layout: StateLayout,
-        stack: StateStack | None,
+        stack: StateSlots | None,
         layer: int,
         push: bool = True,
         backend: str = "reference",

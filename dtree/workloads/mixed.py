@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 from .arguments import DEFAULT_VOCAB_SIZE, check_vocab, int_at_least, make_rng
 from .shapes import GrpoShape, SearchShape, grpo, search
 from .skeleton import materialize

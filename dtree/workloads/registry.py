@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 from .arguments import DEFAULT_VOCAB_SIZE
 from .mixed import mixed
 from .shapes import grpo, search

@@ -14,7 +14,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 from .arguments import DEFAULT_VOCAB_SIZE, check_vocab, choices, draw, int_at_least, length_range, make_rng
 from .skeleton import TreeSkeleton, materialize
 

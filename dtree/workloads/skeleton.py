@@ -1,6 +1,6 @@
 """A rollout tree before it has tokens (:class:`TreeSkeleton`), and
 :func:`materialize`, which draws the tokens and the loss fields of a list of them and
-builds the :class:`~dtree.tree.Forest` (one sequence per leaf)."""
+builds the :class:`~dtree.forest.forest.Forest` (one sequence per leaf)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 
 __all__ = ["TreeSkeleton", "materialize"]
 

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..tree import Forest
+from ..forest.forest import Forest
 from .arguments import (
     DEFAULT_VOCAB_SIZE,
     check_vocab,

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from ...transfer import upload
+from ...device.transfer import upload
 from ...ops.stack_attention.options import check_packed_qkv
 from ...ops.backends import Backends, Target
 

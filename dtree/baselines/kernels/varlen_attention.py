@@ -29,7 +29,7 @@ import inspect
 import numpy as np
 import torch
 
-from ...transfer import upload
+from ...device.transfer import upload
 from ...ops.stack_attention.attention_math import attend_math, attend_sdpa
 from ...ops.stack_attention.options import check_packed_qkv
 from ...ops.backends import Target

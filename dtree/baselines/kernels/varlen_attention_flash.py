@@ -33,8 +33,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...kv_stack import KVStack
-from ...transfer import upload
+from ...ops.stack_ops.kv_stack import KVStack
+from ...device.transfer import upload
 from ...ops.stack_attention.options import PLAIN, AttentionOptions, StackSlots, check_packed_qkv
 from ...ops.stack_attention.segment_layout import SegmentLayout
 from ...ops.stack_ops import SlotRows

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ... import rng
+from ...device import rng
 
 __all__ = [
     "OutputHead",

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ...kv_stack import KVStack
+from ..stack_ops.kv_stack import KVStack
 from .segment_layout import SegmentLayout
 
 __all__ = ["PLAIN", "AttentionOptions", "StackSlots", "check_packed_qkv", "check_stack_attention"]

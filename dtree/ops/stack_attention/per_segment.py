@@ -17,7 +17,7 @@ from .attention_math import attend_math, attend_sdpa
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 
 if TYPE_CHECKING:  # kv_stack imports dtree.ops (its stack ops): no import at run time
-    from ...kv_stack import KVStack
+    from ..stack_ops.kv_stack import KVStack
 
 __all__ = ["stack_attention_reference", "stack_attention_sdpa"]
 

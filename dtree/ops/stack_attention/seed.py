@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:  # kv_stack imports dtree.ops (its stack ops): no import at run time
-    from ...kv_stack import KVStack
+    from ..stack_ops.kv_stack import KVStack
 
 __all__ = ["seed_from_stack"]
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Hashable, NamedTuple, TypeVar
 import numpy as np
 import torch
 
-from ...transfer import upload
+from ...device.transfer import upload
 
 __all__ = ["Run", "SegmentLayout"]
 

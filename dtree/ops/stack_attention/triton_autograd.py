@@ -115,7 +115,7 @@ from __future__ import annotations
 
 import torch
 
-from ...kv_stack import KVStack
+from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .segment_layout import SegmentLayout
 from .triton_backward import _delta_kernel

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...transfer import upload
+from ...device.transfer import upload
 from .segment_layout import SegmentLayout
 from .triton_backward import _dkdv_kernel, _dq_kernel
 from .triton_common import _INTERPRET, _OWN, _PREFIX, PREFIX_ITEM_ROWS, InterpreterTiles, _Tuning, triton

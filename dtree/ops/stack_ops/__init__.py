@@ -1,4 +1,5 @@
-"""The KV stack's ops (push, gradient seed, zeroing, gather, a fixed-order segmented add).
+"""The KV stack (:mod:`.kv_stack`: KVStack, the K/V of the current root-to-node path with
+gradient buffers) and its ops (push, gradient seed, zeroing, gather, a fixed-order segmented add).
 
 :mod:`.interface` dispatches each op to the CUDA extension of ``csrc/`` where it is built
 (and loads it), else to the Triton kernels (:mod:`.triton_kernels`) where they run, else to

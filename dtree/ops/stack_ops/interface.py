@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...transfer import upload
+from ...device.transfer import upload
 from . import reference as stack_ops_torch
 
 __all__ = [

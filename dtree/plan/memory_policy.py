@@ -1,0 +1,451 @@
+"""Memory policy: how one training step runs a forest on the memory this process has.
+
+Per step, :func:`plan_step` decides
+
+* ``group_tokens``: the token budget of one model call (the schedule packs calls up
+  to it);
+* ``checkpoint_layers``: how many decoder layers of a call without child groups (and of
+  a recomputed group's re-run) run under non-reentrant ``torch.utils.checkpoint``
+  (:mod:`dtree.models.checkpointing`), keeping only their inputs: 0 (none) to all; the peak
+  is the sum over layers, so checkpointing part of them trades memory for time
+  smoothly;
+* the path: whether the groups with children (the current root-to-leaf path's
+  graphs, alive until their subtree is done) are retained, and with how many layers
+  checkpointed (``path_checkpoint_layers``: their layer inputs are cheap, 86 KB per
+  token on qwen2.5-1.5b, so a path of 10k tokens costs under 1 GB), or recomputed at
+  their backward;
+* ``logprob_chunk``: rows per LM-head chunk.
+
+So activation memory is bounded by one path plus one call, not by the tree, and the
+policy recomputes only what does not fit.
+
+It is a pure function of the model's shape and dtype, the per-token bytes its calls
+keep (:class:`dtree.plan.memory_probe.CallBytes`: measured on the model as it is, its layer
+kernels and adapters included, by the runtime; HF's eager figure otherwise), the
+bytes the step may still allocate and the forest's size: nothing measured on earlier
+steps feeds back, so a step's calls (and the kernels they compile) do not change after
+the first step. The byte figures and the step simulation are in
+:mod:`dtree.plan.memory_model`; after scheduling, :func:`dtree.plan.memory_model.simulate_peak`
+replaces the plan's bound with the schedule's predicted peak (:func:`refine`).
+
+Settings (``TreeRuntime(memory=...)``):
+
+``"auto"`` (default)
+    the fastest plan whose predicted peak fits the budget: :data:`MARGIN` below what
+    the device has free at the call (``torch.cuda.mem_get_info``) plus what this
+    process's allocator holds unused (:func:`available_bytes`), so memory another
+    process (a colocated inference engine) holds is never planned for. On CPU (no
+    device memory to plan for): 8192-token calls, no checkpointing, everything retained.
+``"low"``
+    the lean recipe's peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
+    calls, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is the cap, and the fastest
+    plan under it runs.
+a number
+    a cap in GiB on the step's peak allocated memory (everything the process holds
+    included; :data:`CAP_MARGIN` is kept for prediction error): the fastest plan
+    predicted under it.
+
+Explicit ``group_tokens``, ``checkpoint_layers`` and ``logprob_chunk`` arguments of the
+runtime are kept as given; the policy decides the rest.
+
+Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~38 us each for
+qwen2.5-1.5b on an H100): a model call's CPU work (eager layers: ~90 ms to launch its
+kernels forward and backward) is hidden behind the GPU unless the call's own GPU work is
+shorter, so a call of ``T`` tokens costs :data:`CALL_FIXED_TOKENS` plus ``max(0,
+CALL_CPU_TOKENS - T)`` (on an H100 a call cost 43-110 ms beyond its tokens' work on
+the agentic trees, where every call's attention also re-reads the path's K/V; an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an H200); re-running a layer (a checkpointed layer, a recomputed group) costs
+its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
+on qwen2.5-1.5b (0.28 for all 28); LM-head chunks of 1,024 rows re-read the float32
+weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
+within :data:`SLACK` of the fastest count as equally fast: the leanest of them runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass, field, replace
+from typing import Iterable
+
+import torch
+
+from .memory_model import (
+    SMALL_CALL_TOKENS, StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes,
+    simulate_peak, stack_slot_bytes, state_slot_bytes,
+)
+from .memory_probe import CallBytes, estimated_call_bytes
+from ..config import MEMORY_SETTINGS
+from ..models.protocol import ModelSpec
+
+__all__ = [
+    "MemoryPlan", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
+    "layer_input_bytes", "missing_grad_bytes", "plan_step", "refine", "retain_budget", "stack_slot_bytes",
+    "state_slot_bytes",
+]
+
+SETTINGS = MEMORY_SETTINGS
+# Plans within this fraction of the fastest predicted one count as equally fast; the
+# one with the least memory among them is taken when it saves at least LEANER of the
+# fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
+SLACK = 0.05
+LEANER = 0.2
+# Fraction of the allocatable memory a plan leaves unused (fragmentation, kernels'
+# workspaces, what the model does not tell us); larger without expandable segments.
+MARGIN = 0.10
+MARGIN_FRAGMENTED = 0.20
+CAP_MARGIN = 0.03  # of a memory=<GiB> cap, for prediction error
+# Call sizes the policy considers (tokens); the largest call a schedule makes is at
+# most its budget (and at most the forest).
+GROUP_TOKENS = (32768, 16384, 8192, 4096, 2048)
+LOGPROB_CHUNKS = (4096, 2048, 1024)
+CHECKPOINT_STEPS = 8  # layer counts tried: 0, L/8, ..., L
+CPU_GROUP_TOKENS = 8192
+DEFAULT_LOGPROB_CHUNK = 4096
+LOW_GROUP_TOKENS = 8192
+LOW_LOGPROB_CHUNK = 1024
+# Cost model constants (see the module docstring), for qwen2.5-1.5b on an H100 in eager
+# mode; both scale with layers per unit of per-token compute.
+CALL_CPU_TOKENS = 2600.0
+CALL_FIXED_TOKENS = 1500.0  # H100, qwen2.5-1.5b, 64k agentic tree: 20 calls of 4,096 tokens took 4.22 s a step, ~6
+# calls of up to 14.9k tokens 2.65 s (kernel sessions 3, 4); session B measured ~43 ms (1,300) a call
+_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
+HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
+RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
+
+
+@functools.lru_cache(maxsize=64)
+def _rates(spec: ModelSpec) -> tuple[float, float, float]:
+    """(a token's layer forward, all layers, as a fraction of its fwd+bwd compute; the LM
+    head's share of the forward; the call-cost scale: layers per unit of per-token
+    compute against the reference model's)."""
+    head = 2 * spec.hidden_size * spec.vocab_size
+    total = spec.forward_flops_per_token()
+    layers, flops = _CALL_REFERENCE
+    return (total - head) / (3 * total), head / total, (spec.num_layers / layers) * (flops / total)
+
+
+def _call_tokens(spec: ModelSpec, tokens: float) -> float:
+    """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
+    part, and the CPU time its GPU work does not hide (both proportional to the layers,
+    against the per-token compute)."""
+    scale = _rates(spec)[2]
+    return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One step's decisions and the figures behind them (bytes are what the step adds
+    on top of ``start_bytes``, what was allocated when it started).
+
+    ``path_checkpoint_layers``: layers checkpointed in the retained groups with
+    children, or :data:`RECOMPUTE`; ``retain_bytes``: what their graphs may hold at
+    once, at ``retained_bytes_per_token`` (:func:`retain_budget` turns it into
+    tokens); ``inf`` on CPU."""
+
+    group_tokens: int
+    checkpoint_layers: int
+    logprob_chunk: int
+    retain_bytes: float
+    retained_bytes_per_token: float
+    predicted_peak_bytes: float
+    predicted_cost: float  # tokens' worth of compute
+    budget_bytes: float
+    setting: str
+    path_checkpoint_layers: int = 0
+    start_bytes: float = 0.0
+    parts: dict = field(default_factory=dict, compare=False)  # predicted peak by part (bytes)
+    reason: str = ""
+    call_bytes: CallBytes | None = field(default=None, compare=False)
+    fused_head: bool = False
+    spec: ModelSpec | None = field(default=None, compare=False)
+    itemsize: int = 2
+
+    def retain_tokens(self) -> float:
+        """Tokens whose graphs fit in ``retain_bytes``."""
+        if self.retained_bytes_per_token <= 0:
+            return math.inf
+        return self.retain_bytes / self.retained_bytes_per_token
+
+    def describe(self) -> dict:
+        """The plan as plain numbers (``StepOutput.metrics["memory_plan"]``)."""
+        gib = 2.0**30
+
+        def g(x):
+            return None if math.isinf(x) or math.isnan(x) else x / gib
+
+        return {
+            "setting": self.setting,
+            "group_tokens": self.group_tokens,
+            "checkpoint_layers": self.checkpoint_layers,
+            "path_checkpoint_layers": (
+                "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
+            ),
+            "logprob_chunk": self.logprob_chunk,
+            "predicted_peak_gib": g(self.predicted_peak_bytes),
+            "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
+            "start_gib": g(self.start_bytes),
+            "budget_gib": g(self.budget_bytes),
+            "retain_gib": g(self.retain_bytes),
+            "parts_gib": {k: v / gib for k, v in self.parts.items()},
+            "bytes_per_token": self.call_bytes.describe() if self.call_bytes is not None else None,
+            "reason": self.reason,
+        }
+
+
+def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
+    if fixed is not None:
+        return (fixed,)
+    step = max(1, layers // CHECKPOINT_STEPS)
+    return tuple(sorted(set(range(0, layers, step)) | {layers}))
+
+
+@dataclass(frozen=True)
+class _Knobs:
+    group_tokens: int
+    checkpoint: int
+    path: int  # layers checkpointed in retained groups with children, or RECOMPUTE
+    chunk: int
+
+
+def _candidate(
+    shape: StepShape, knobs: _Knobs, fig: _Figures, spec: ModelSpec, fixed: dict
+) -> tuple[float, float, dict]:
+    """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
+    the call as large as its budget, the path as long as the longest one."""
+    u = shape.unique_tokens
+    call = max(1, min(knobs.group_tokens if knobs.group_tokens > 0 else SMALL_CALL_TOKENS, u))
+    path = min(shape.longest_path, shape.shared_tokens, u)
+    cb = fig.call_bytes
+    retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
+    kv = min(u, shape.longest_path + call) * stack_slot_bytes(spec, fig.itemsize)
+    stack = max(0.0, kv + shape.state_slots * state_slot_bytes(spec, fig.itemsize) - fixed["stack_held"])
+    head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
+    parts = {
+        "gradients": fixed["missing_grads"],
+        "kv_stack": stack,
+        "path_graphs": retained,
+        "call_activations": call * cb.call(knobs.checkpoint),
+        "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
+    }
+    (s, head_share, _), L = _rates(spec), max(1, spec.num_layers)
+    shared = min(shape.shared_tokens, u)
+    cost = u + (u - shared) * s * knobs.checkpoint / L
+    if knobs.path == RECOMPUTE:
+        reruns = math.ceil(shared / max(call, 1))
+        cost += shared * s * (1 + knobs.checkpoint / L) + reruns * _call_tokens(spec, min(call, shared))
+    else:
+        cost += shared * s * knobs.path / L
+    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
+    cost += calls * _call_tokens(spec, u / calls)
+    cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
+    return sum(parts.values()), cost, parts
+
+
+def plan_step(
+    spec: ModelSpec,
+    itemsize: int,
+    shape: StepShape,
+    *,
+    on_cuda: bool,
+    available: float = math.inf,
+    expandable_segments: bool = False,
+    setting: str | float = "auto",
+    mode: str = "auto",
+    allocated: float = 0.0,
+    group_tokens: int | None = None,
+    checkpoint_layers: bool | int | None = None,
+    logprob_chunk: int | None = None,
+    fused_head: bool = False,
+    stack_held: float = 0.0,
+    missing_grads: float = 0.0,
+    hf_checkpointing: bool = False,
+    can_checkpoint: bool = True,
+    call_bytes: CallBytes | None = None,
+) -> MemoryPlan:
+    """Decide one step (see the module docstring).
+
+    Args:
+        spec, itemsize: the model's shape and its dtype's size in bytes.
+        shape: the forest's unique tokens, longest path and shared (trie-internal) tokens.
+        on_cuda: False: the CPU defaults (no memory model).
+        available: bytes the allocator can still hand out now (:func:`available_bytes`).
+        expandable_segments: the allocator runs with them (less fragmentation).
+        setting: ``"auto"``, ``"low"``, or a cap in GiB on the step's peak (of all
+            allocated memory; ``allocated`` is what the process held when it started).
+        mode: the runtime's mode: ``"retain"`` / ``"recompute"`` fix how the groups
+            with children run; ``"auto"`` leaves it to the plan.
+        group_tokens, checkpoint_layers, logprob_chunk: fixed by the user (None: decide;
+            ``checkpoint_layers``: True is every layer, False none, an int that many).
+        fused_head: the LM head runs the fused Triton op (its chunk is leaner).
+        stack_held: bytes of the stacks (KV, states) kept from earlier steps (reused or freed).
+        missing_grads: bytes of the gradients the step will allocate.
+        hf_checkpointing: the model checkpoints its own layers (HF gradient
+            checkpointing; ``call_bytes`` measured so): dtree adds no checkpoint.
+        can_checkpoint: dtree can checkpoint the model's layers (a layer list).
+        call_bytes: per-token bytes of the model's calls (None: HF's eager figure).
+    """
+    label = _setting_label(setting)
+    L = spec.num_layers
+    cb = call_bytes or estimated_call_bytes(spec, itemsize)
+    fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
+    if not on_cuda:
+        return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
+    fig_of = {c: _Figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
+    fixed = {"stack_held": stack_held, "missing_grads": missing_grads}
+    margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
+    budget = available * (1.0 - margin)
+    if not isinstance(setting, str):
+        budget = min(budget, setting * 2.0**30 * (1 - CAP_MARGIN) - allocated)
+    ckpts = _checkpoint_options(fixed_ckpt, L)
+    paths = _path_options(mode, fixed_ckpt, L)
+    knobs = [
+        _Knobs(g, k, p, c)
+        for g in _options(group_tokens, GROUP_TOKENS) for k in ckpts for p in paths
+        for c in _options(logprob_chunk, LOGPROB_CHUNKS)
+    ]
+    plans = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs]
+    if setting == "low":  # the lean recipe's peak is the cap
+        recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk)
+        fig_of.setdefault(recipe.chunk, _Figures(spec, itemsize, cb, fused_head, recipe.chunk))
+        budget = min(budget, _candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
+    (peak, cost, parts, kn), reason = _choose(plans, budget)
+    per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
+    retain = 0.0 if kn.path == RECOMPUTE else max(parts["path_graphs"], budget - peak + parts["path_graphs"])
+    return MemoryPlan(
+        group_tokens=kn.group_tokens, checkpoint_layers=kn.checkpoint, path_checkpoint_layers=kn.path,
+        logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token, predicted_peak_bytes=peak,
+        predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated, parts=parts, reason=reason,
+        call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
+    )
+
+
+def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> _Knobs:
+    """The lean recipe: every layer checkpointed, the groups with children retained
+    (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks."""
+    k = layers if fixed_ckpt is None else fixed_ckpt
+    group = LOW_GROUP_TOKENS if group_tokens is None else group_tokens
+    chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
+    return _Knobs(group, k, RECOMPUTE if mode == "recompute" else k, chunk)
+
+
+def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) -> int | None:
+    """The layer count the user fixed (None: the policy decides)."""
+    if forbidden:
+        return 0
+    if value is None:
+        return None
+    if value is True:
+        return layers
+    return min(int(value), layers)
+
+
+def _path_options(mode: str, fixed: int | None, layers: int) -> tuple[int, ...]:
+    """How groups with children may run: retained with none, half or all of their layers
+    checkpointed (the path is a few percent of the tokens: coarser steps than the
+    calls' keep the search small), or recomputed (the last option: the leanest)."""
+    if mode == "recompute":
+        return (RECOMPUTE,)
+    retained = (0, layers // 2, layers) if fixed is None else (fixed,)
+    return retained if mode == "retain" else retained + (RECOMPUTE,)
+
+
+def _cpu_plan(label, setting, mode, layers, group_tokens, fixed_ckpt, logprob_chunk) -> MemoryPlan:
+    k = fixed_ckpt if fixed_ckpt is not None else (layers if setting == "low" else 0)
+    return MemoryPlan(
+        group_tokens=CPU_GROUP_TOKENS if group_tokens is None else group_tokens, checkpoint_layers=k,
+        path_checkpoint_layers=RECOMPUTE if mode == "recompute" else k,
+        logprob_chunk=logprob_chunk or (LOW_LOGPROB_CHUNK if setting == "low" else DEFAULT_LOGPROB_CHUNK),
+        retain_bytes=math.inf, retained_bytes_per_token=0.0,
+        predicted_peak_bytes=math.inf, predicted_cost=math.nan, budget_bytes=math.inf, setting=label,
+        reason="CPU: the low recipe" if setting == "low" else "CPU defaults (no device memory to plan for)",
+    )
+
+
+def _setting_label(setting: str | float) -> str:
+    """``setting`` for reports (``"auto"``, ``"low"``, ``"12 GiB"``); a ValueError for
+    anything else."""
+    if not (setting in SETTINGS or (isinstance(setting, (int, float)) and not isinstance(setting, bool) and setting > 0)):
+        raise ValueError(f"memory must be one of {SETTINGS} or a positive number of GiB, got {setting!r}")
+    return setting if isinstance(setting, str) else f"{float(setting):g} GiB"
+
+
+def _options(fixed, choices) -> tuple:
+    """What the planner tries for one knob: the user's value, or every choice."""
+    return (fixed,) if fixed is not None else choices
+
+
+def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
+    """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: the
+    fastest that fits, or a leaner one within ``SLACK`` of its cost that saves at least
+    ``LEANER`` of its memory; the leanest when none fits."""
+    fitting = [p for p in plans if p[0] <= budget]
+    if not fitting:
+        return min(plans, key=lambda p: (p[0], p[1])), "no plan is predicted to fit: the leanest one"
+    fastest = min(fitting, key=lambda p: (p[1], p[0]))
+    leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
+    chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
+    reason = ("fastest predicted plan that fits" if chosen is fastest else
+              f"within {SLACK:.0%} of the fastest predicted plan, with {1 - chosen[0] / fastest[0]:.0%} less memory")
+    if len(plans) > 1:
+        reason += f" ({len(fitting)} of {len(plans)} plans fit)"
+    return chosen, reason
+
+
+def retain_budget(plan: MemoryPlan, mode: str, tokens: int | None = None) -> float:
+    """Tokens of groups with children whose graphs are kept alive at once (the walk retains the
+    outermost first, recomputes the rest): ``tokens`` (the config's ``retain_budget_tokens``) when
+    given, else all in ``retain`` mode and on CPU, none in ``recompute`` mode or when the plan
+    recomputes the path, else what fits in ``plan.retain_bytes``."""
+    if tokens is not None:
+        return float(tokens)
+    if mode == "retain" or (mode == "auto" and math.isinf(plan.retain_bytes)):
+        return math.inf
+    if mode == "recompute" or plan.path_checkpoint_layers == RECOMPUTE:
+        return 0.0
+    return plan.retain_tokens()
+
+
+def refine(plan: MemoryPlan, sched, rows: list[int], budget_tokens: float, stack_bytes: float) -> MemoryPlan:
+    """``plan`` with its predicted peak from the schedule (:func:`dtree.plan.memory_model.simulate_peak`):
+    the actual calls, the path graphs the walk retains under ``budget_tokens``, the
+    stacks' growth ``stack_bytes`` (KV and state slots written, less what was held)."""
+    if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
+        return plan
+    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
+    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
+    activations, where = simulate_peak(sched, rows, budget_tokens, plan.checkpoint_layers, path, fig)
+    parts = {"gradients": plan.parts.get("gradients", 0.0), "kv_stack": stack_bytes, "activations": activations}
+    return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,
+                   reason=plan.reason + f"; peak at group {where.get('group')} ({where.get('tokens')} tokens)")
+
+
+def available_bytes(device: torch.device) -> tuple[float, float]:
+    """(bytes the caching allocator can still hand out, bytes allocated now) on a CUDA
+    ``device``: the device's free memory (``torch.cuda.mem_get_info``: what other
+    processes hold is not free) plus what this process's allocator holds unused,
+    capped by ``torch.cuda.set_per_process_memory_fraction``."""
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    available = free + torch.cuda.memory_reserved(device) - allocated
+    get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if get_fraction is not None:
+        available = min(available, total * get_fraction(device) - allocated)
+    return float(available), float(allocated)
+
+
+def expandable_segments() -> bool:
+    """Whether the CUDA caching allocator was configured with expandable segments."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "") + "," + os.environ.get("PYTORCH_ALLOC_CONF", "")
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+def missing_grad_bytes(parameters: Iterable[torch.Tensor]) -> float:
+    """Bytes of the gradients a step will allocate: trainable parameters without ``.grad``
+    (each storage once: tied weights share one gradient)."""
+    seen, total = set(), 0
+    for p in parameters:
+        if p.requires_grad and p.grad is None and id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel() * p.element_size()
+    return float(total)

@@ -1,0 +1,449 @@
+"""Execution plan for one forest: chunks, model calls, DFS order, stack slots.
+
+Terms (the glossary of docs/design.md section 3):
+
+* **segment**: a run of at most ``chunk_size`` tokens of one trie node. A long node
+  becomes a chain of segments, so one huge node never sets the memory peak.
+  Segments form a tree like the trie's nodes.
+* **group**: the segments that go through the model in one call (packed varlen).
+  Every segment's parent is in the same group or an ancestor group, so a group can
+  run as soon as its parent group has pushed its K/V. With ``group_tokens=0`` every
+  group holds one segment: plain node-by-node DFS. Otherwise the children of a
+  group's segments (its *frontier*) are packed greedily into child groups of at most
+  ``group_tokens`` tokens: siblings that share a prefix, and nodes of different
+  trees, run in one call, and a segment whose whole subtree fits comes with its
+  subtree (small subtrees take one call, not one per level).
+* **events**: the depth-first walk over the group tree: ``forward(g)``, then all
+  child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
+  Python's recursion limit.
+* **predictions** and **loss terms**: each non-root unique token is predicted once, from
+  its predecessor's row; each linearized token but a sequence's first is a loss term
+  reading its unique token's prediction. A pass keeps what it needs (:class:`LossTerms`).
+* **stack slots**: a group's K/V lives in the KV stack at ``[stack_start, stack_start +
+  num_tokens)``, above its parent group; the capacity is the high-water mark of the groups
+  that write there (:attr:`GroupPlan.writes_stack`; GRPO 2048 + 16 x 1024: 2,048 slots).
+
+All metadata is host-side numpy, computed once per step. Per-group arrays are
+concatenated over groups (``*_offsets`` give each group's slice) so the runtime moves
+them to the device in a few copies.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..forest.forest import Forest
+
+__all__ = [
+    "Schedule", "GroupPlan", "LossTerms", "build_schedule", "all_predictions", "select_loss_terms", "prediction_lin",
+    "FORWARD", "BACKWARD",
+]
+
+FORWARD, BACKWARD = 0, 1
+
+
+@dataclass(frozen=True)
+class GroupPlan:
+    """One model call.
+
+    Attributes:
+        parent: parent group id, -1 for a top-level group.
+        stack_start: first stack slot of this group's K/V.
+        num_tokens: rows in the call (``T``).
+        segments: the segment ids of the call, in row order.
+        seg_q_offsets: [S_g+1] row offsets of the group's segments (packed varlen).
+        seg_prefix_ranges: per segment, the stack slot ranges ``[(lo, hi), ...]`` of all
+            its ancestors, root first, adjacent ranges merged. The segment's own K/V is
+            at ``stack_start + seg_q_offsets[i]`` onward and is read causally.
+        num_children: child groups (they read this group's K/V from the stack).
+    """
+
+    parent: int
+    stack_start: int
+    num_tokens: int
+    segments: list[int]
+    seg_q_offsets: np.ndarray
+    seg_prefix_ranges: list[tuple[tuple[int, int], ...]]
+    num_children: int
+    in_call_ancestors: bool  # some segment attends to another segment of this call
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.segments)
+
+    @property
+    def is_leaf(self) -> bool:
+        """No child group: nothing ever reads this group's K/V."""
+        return self.num_children == 0
+
+    @property
+    def writes_stack(self) -> bool:
+        """A child group or its own segments read its K/V there (else no slot is touched)."""
+        return not self.is_leaf or self.in_call_ancestors
+
+
+@dataclass(frozen=True)
+class LossTerms:
+    """The predictions one pass computes and the loss terms that read them, per group.
+
+    Concatenated over groups like the :class:`Schedule` arrays (``P`` predictions,
+    ``E`` loss terms, ``G`` groups):
+        pred_hidden_row: [P] row (local to its group) whose hidden state predicts ``pred_unique``
+        pred_unique:  [P] unique token predicted (its id is the label)
+        pred_offsets: [G+1] group ``g``'s predictions are ``[pred_offsets[g], pred_offsets[g+1])``
+        loss_lin:     [E] linearized token index of each loss term
+        loss_pred:    [E] index (local to its group's predictions) of the term's log-prob
+        loss_offsets: [G+1] group ``g``'s terms are ``[loss_offsets[g], loss_offsets[g+1])``
+    """
+
+    pred_hidden_row: np.ndarray
+    pred_unique: np.ndarray
+    pred_offsets: np.ndarray
+    loss_lin: np.ndarray
+    loss_pred: np.ndarray
+    loss_offsets: np.ndarray
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The plan for one forest (see module docstring).
+
+    Concatenated per-group arrays (``G`` groups, ``U`` unique tokens, ``S`` segments):
+        row_unique:  [U] unique-token index of every row, group after group
+        row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
+        terms:       every prediction and every loss term (:class:`LossTerms`)
+        segment_parent: [S] parent segment of every segment, -1 at a root
+    ``stack_tokens``: the KV-stack slots the step writes (its stack capacity).
+    """
+
+    groups: list[GroupPlan]
+    events: list[tuple[int, int]]
+    stack_tokens: int
+    chunk_size: int
+    group_tokens: int
+    row_unique: np.ndarray
+    row_offsets: np.ndarray
+    terms: LossTerms
+    num_segments: int
+    segment_parent: np.ndarray
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+
+def prediction_lin(forest: Forest) -> np.ndarray:
+    """[N - S] int64 linearized index of every predicted token, in order: all tokens
+    but each sequence's first (index 0 is never predicted)."""
+    keep = np.ones(forest.num_linearized_tokens, dtype=bool)
+    keep[forest.seq_offsets[:-1]] = False
+    return np.flatnonzero(keep)
+
+
+def all_predictions(sched: Schedule) -> LossTerms:
+    """Every prediction of the schedule and no loss term: what a log-prob pass needs."""
+    empty = np.zeros(0, dtype=np.int64)
+    return replace(sched.terms, loss_lin=empty, loss_pred=empty, loss_offsets=np.zeros_like(sched.terms.loss_offsets))
+
+
+def select_loss_terms(sched: Schedule, weights: np.ndarray) -> LossTerms:
+    """The loss terms with a non-zero weight, and only the predictions they read, so
+    masked tokens (prompts, tool outputs) never reach the LM head.
+
+    Args:
+        weights: [N] weight of each linearized token's loss term (``TokenLoss.weights``).
+    """
+    g, every = sched.num_groups, sched.terms
+    entry_group = np.repeat(np.arange(g), np.diff(every.loss_offsets))
+    keep = weights[every.loss_lin] != 0
+    lin, grp = every.loss_lin[keep], entry_group[keep]
+    gpred = every.pred_offsets[grp] + every.loss_pred[keep]  # index into all of the schedule's predictions
+    used = np.unique(gpred)
+    used_group = np.searchsorted(every.pred_offsets, used, side="right") - 1
+    pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
+    return LossTerms(
+        pred_hidden_row=every.pred_hidden_row[used],
+        pred_unique=every.pred_unique[used],
+        pred_offsets=pred_offsets,
+        loss_lin=lin,
+        loss_pred=np.searchsorted(used, gpred) - pred_offsets[grp],
+        loss_offsets=np.searchsorted(grp, np.arange(g + 1)),
+    )
+
+
+@dataclass(frozen=True)
+class _Segments:
+    """Phase 1: trie nodes cut into chunks (``S`` segments).
+
+    Segment ids follow node preorder with a node's chunks consecutive, so parents come
+    before children and segment ``s``'s subtree is the id range ``[s, s + sub_count[s])``.
+        start, length:        [S] first unique token and token count of each segment
+        parent:               [S] parent segment, -1 at a tree's root
+        children:             child segments of each segment, in node order
+        sub_count, sub_tokens: [S] segments and tokens in each segment's subtree
+    """
+
+    start: np.ndarray
+    length: np.ndarray
+    parent: np.ndarray
+    children: list[list[int]]
+    sub_count: np.ndarray
+    sub_tokens: np.ndarray
+
+    @property
+    def num_segments(self) -> int:
+        return len(self.start)
+
+
+def _split_segments(forest: Forest, chunk_size: int) -> _Segments:
+    """Cut every node into chunks of at most ``chunk_size`` tokens, chained parent to child."""
+    n_chunks = np.maximum(1, -(-forest.node_length // chunk_size))
+    first_seg = np.zeros(forest.num_nodes + 1, dtype=np.int64)
+    np.cumsum(n_chunks, out=first_seg[1:])
+    total = int(first_seg[-1])
+    node_of = np.repeat(np.arange(forest.num_nodes), n_chunks)
+    chunk_idx = np.arange(total) - first_seg[node_of]
+    start = forest.node_start[node_of] + chunk_idx * chunk_size
+    length = np.minimum(chunk_size, forest.node_start[node_of] + forest.node_length[node_of] - start)
+    parent = np.where(chunk_idx > 0, np.arange(total) - 1, -1)
+    last_seg = first_seg[1:] - 1
+    np_parent = forest.node_parent[node_of]
+    heads = chunk_idx == 0
+    parent[heads & (np_parent >= 0)] = last_seg[np_parent[heads & (np_parent >= 0)]]
+    children: list[list[int]] = [[] for _ in range(total)]
+    for s in range(total):
+        if chunk_idx[s] + 1 < n_chunks[node_of[s]]:
+            children[s].append(s + 1)
+        else:
+            n = node_of[s]
+            kids = forest.child_index[forest.child_offsets[n] : forest.child_offsets[n + 1]]
+            children[s].extend(int(first_seg[c]) for c in kids)
+    sub_count, sub_tokens = _subtree_sizes(parent, length)
+    return _Segments(start, length, parent, children, sub_count, sub_tokens)
+
+
+def _subtree_sizes(parent: np.ndarray, length: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[S] segments and [S] tokens in each subtree; children have larger ids than parents."""
+    sub_count = np.ones(len(parent), dtype=np.int64)
+    sub_tokens = length.astype(np.int64).copy()
+    for s in range(len(parent) - 1, -1, -1):
+        p = parent[s]
+        if p >= 0:
+            sub_count[p] += sub_count[s]
+            sub_tokens[p] += sub_tokens[s]
+    return sub_count, sub_tokens
+
+
+@dataclass
+class _PackedGroup:
+    """A group while the walk still packs its children (phase 2); frozen into a
+    :class:`GroupPlan` once every group's stack slots are known."""
+
+    parent: int
+    stack_start: int
+    segments: list[int]
+    seg_q_offsets: np.ndarray
+    num_children: int = 0
+
+
+class _GroupPacker:
+    """Phase 2: packs frontiers of segments into groups of at most ``group_tokens`` tokens.
+
+    A segment whose whole subtree fits the budget is *closed*: it brings the subtree
+    along, its descendants attending to their in-call ancestors through the stack,
+    which saves a call per level of a deep, thin tree. An *open* segment (its subtree
+    is too large) brings the parts below it that are too large as well, while they fit
+    (:meth:`_open_unit`). Closed and open units go into separate groups: a group with
+    no child group runs once with grad and backpropagates at once in every mode, while
+    a group with children must keep its graph (retain) or run again (recompute); mixing
+    the two would recompute the closed part too.
+    """
+
+    def __init__(self, segs: _Segments, group_tokens: int) -> None:
+        self.segs, self.budget = segs, group_tokens
+        self.groups: list[_PackedGroup] = []
+        self.seg_group = np.full(segs.num_segments, -1, dtype=np.int64)
+        self.seg_row = np.zeros(segs.num_segments, dtype=np.int64)  # first row of the segment in its group
+
+    def _closed(self, s: int) -> bool:
+        return bool(self.budget) and self.segs.sub_tokens[s] <= self.budget
+
+    def _open_unit(self, s: int) -> list[int]:
+        """``s`` and, breadth first, those of its descendants that would need a group
+        of their own anyway (their subtrees do not fit one call), while they fit the
+        budget: a long prompt's chunk chain and the first branch levels below it
+        share a call. Descendants whose subtrees fit one call are left to closed
+        groups, which run once even in recompute mode."""
+        length, sub_tokens, budget = self.segs.length, self.segs.sub_tokens, self.budget
+        unit, size = [s], int(length[s])
+        queue = deque(self.segs.children[s] if budget else ())
+        while queue:
+            c = queue.popleft()
+            if sub_tokens[c] > budget and size + length[c] <= budget:
+                unit.append(c)
+                size += int(length[c])
+                queue.extend(self.segs.children[c])
+        return unit
+
+    def pack(self, frontier: list[int], parent: int, stack_start: int) -> list[int]:
+        """Greedy packing of ``frontier`` (in order), open units first; returns the new group ids."""
+        open_units = [self._open_unit(s) for s in frontier if not self._closed(s)]
+        closed_units = [list(range(s, s + self.segs.sub_count[s])) for s in frontier if self._closed(s)]
+        bins: list[list[int]] = []
+        for units in (open_units, closed_units):
+            size = 0
+            for i, unit in enumerate(units):
+                n = int(self.segs.length[unit].sum())
+                if i == 0 or self.budget == 0 or size + n > self.budget:
+                    bins.append([])
+                    size = 0
+                bins[-1].extend(unit)
+                size += n
+        return [self._add_group(b, parent, stack_start) for b in bins]
+
+    def _add_group(self, segments: list[int], parent: int, stack_start: int) -> int:
+        gid = len(self.groups)
+        offs = np.zeros(len(segments) + 1, dtype=np.int64)
+        np.cumsum(self.segs.length[segments], out=offs[1:])
+        self.groups.append(_PackedGroup(parent, stack_start, segments, offs))
+        self.seg_group[segments] = gid
+        self.seg_row[segments] = offs[:-1]
+        return gid
+
+
+def _walk_groups(segs: _Segments, group_tokens: int) -> tuple[_GroupPacker, list[tuple[int, int]]]:
+    """Phase 2: the group tree and the DFS events over it, with an explicit stack (trees
+    may be deeper than Python's recursion limit). A group's child groups are packed
+    when it is entered, from the children of its segments that it does not hold.
+    Returns (the packer with every group, events)."""
+    packer = _GroupPacker(segs, group_tokens)
+    roots = np.flatnonzero(segs.parent < 0).tolist()
+    events: list[tuple[int, int]] = []
+    todo: list[tuple[int, bool]] = [(g, True) for g in reversed(packer.pack(roots, -1, 0))]
+    while todo:
+        gid, entering = todo.pop()
+        if not entering:
+            events.append((BACKWARD, gid))
+            continue
+        group = packer.groups[gid]
+        events.append((FORWARD, gid))
+        top = group.stack_start + int(group.seg_q_offsets[-1])
+        frontier = [c for s in group.segments for c in segs.children[s] if packer.seg_group[c] != gid]
+        todo.append((gid, False))
+        kids = packer.pack(frontier, gid, top)
+        group.num_children = len(kids)
+        todo.extend((g, True) for g in reversed(kids))
+    return packer, events
+
+
+def _prefix_ranges(segs: _Segments, seg_slot: np.ndarray) -> list[tuple[tuple[int, int], ...]]:
+    """Phase 3: per segment, the stack slot ranges of all its ancestors, root first,
+    adjacent ranges merged (parents precede children in segment order).
+
+    Args:
+        seg_slot: [S] first stack slot of each segment's K/V.
+    """
+    ranges: list[tuple[tuple[int, int], ...]] = [()] * segs.num_segments
+    for s in range(segs.num_segments):
+        p = segs.parent[s]
+        if p < 0:
+            continue
+        lo, hi = int(seg_slot[p]), int(seg_slot[p] + segs.length[p])
+        above = ranges[p]
+        if above and above[-1][1] == lo:
+            ranges[s] = above[:-1] + ((above[-1][0], hi),)
+        else:
+            ranges[s] = above + ((lo, hi),)
+    return ranges
+
+
+def _group_plans(packer: _GroupPacker, seg_ranges: list[tuple[tuple[int, int], ...]]) -> list[GroupPlan]:
+    """Phase 3: the packed groups, frozen with their segments' ancestor ranges."""
+    plans = []
+    for g in packer.groups:
+        ranges = [seg_ranges[s] for s in g.segments]
+        plans.append(
+            GroupPlan(
+                parent=g.parent,
+                stack_start=g.stack_start,
+                num_tokens=int(g.seg_q_offsets[-1]),
+                segments=g.segments,
+                seg_q_offsets=g.seg_q_offsets,
+                seg_prefix_ranges=ranges,
+                num_children=g.num_children,
+                in_call_ancestors=any(hi > g.stack_start for r in ranges for _, hi in r),
+            )
+        )
+    return plans
+
+
+def _rows(segs: _Segments, groups: list[GroupPlan]) -> tuple[np.ndarray, np.ndarray]:
+    """Phase 4: ([U] unique token of every row, group after group in pack order, [G+1] row offsets)."""
+    row_offsets = np.zeros(len(groups) + 1, dtype=np.int64)
+    np.cumsum([g.num_tokens for g in groups], out=row_offsets[1:])
+    row_unique = np.concatenate(
+        [np.concatenate([np.arange(segs.start[s], segs.start[s] + segs.length[s]) for s in g.segments]) for g in groups]
+    )
+    return row_unique, row_offsets
+
+
+def _every_term(forest: Forest, row_unique: np.ndarray, row_offsets: np.ndarray) -> LossTerms:
+    """Phase 5: every prediction (each non-root unique token, from its predecessor's
+    row, in the group that holds that row) and every loss term (each linearized token
+    after its sequence's first, in the group of its prediction)."""
+    num_groups = len(row_offsets) - 1
+    row_group = np.repeat(np.arange(num_groups), np.diff(row_offsets))
+    unique_group = np.empty(forest.num_unique_tokens, dtype=np.int64)
+    unique_local = np.empty(forest.num_unique_tokens, dtype=np.int64)
+    unique_group[row_unique] = row_group
+    unique_local[row_unique] = np.arange(len(row_unique)) - row_offsets[row_group]
+
+    predicted = np.flatnonzero(forest.predecessor >= 0)
+    p_group = unique_group[forest.predecessor[predicted]]
+    order = np.argsort(p_group, kind="stable")
+    pred_unique = predicted[order]
+    pred_group = p_group[order]
+    pred_offsets = np.searchsorted(pred_group, np.arange(num_groups + 1))
+    pred_index = np.empty(forest.num_unique_tokens, dtype=np.int64)  # local to the group's predictions
+    pred_index[pred_unique] = np.arange(len(pred_unique)) - pred_offsets[pred_group]
+    unique_pred_group = np.full(forest.num_unique_tokens, -1, dtype=np.int64)
+    unique_pred_group[pred_unique] = pred_group
+
+    lin_idx = prediction_lin(forest)
+    l_group = unique_pred_group[forest.lin_unique[lin_idx]]
+    order = np.argsort(l_group, kind="stable")
+    loss_lin = lin_idx[order]
+    return LossTerms(
+        pred_hidden_row=unique_local[forest.predecessor[pred_unique]],
+        pred_unique=pred_unique,
+        pred_offsets=pred_offsets,
+        loss_lin=loss_lin,
+        loss_pred=pred_index[forest.lin_unique[loss_lin]],
+        loss_offsets=np.searchsorted(l_group[order], np.arange(num_groups + 1)),
+    )
+
+
+def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0) -> Schedule:
+    """Plan the DFS over ``forest``: segments, groups and events, stack slots, rows, terms.
+
+    Args:
+        chunk_size: longest segment; longer nodes are split into chains.
+        group_tokens: token budget of one model call; 0 runs one segment per call.
+    """
+    if chunk_size < 1 or group_tokens < 0:
+        raise ValueError(f"chunk_size must be >= 1 and group_tokens >= 0, got {chunk_size} and {group_tokens}")
+    segs = _split_segments(forest, chunk_size)
+    packer, events = _walk_groups(segs, group_tokens)
+    seg_slot = np.array([packer.groups[g].stack_start for g in packer.seg_group], dtype=np.int64) + packer.seg_row
+    groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
+    row_unique, row_offsets = _rows(segs, groups)
+    return Schedule(
+        groups=groups, events=events,
+        stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
+        chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
+        terms=_every_term(forest, row_unique, row_offsets), num_segments=segs.num_segments,
+        segment_parent=segs.parent,
+    )

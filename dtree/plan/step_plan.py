@@ -1,0 +1,381 @@
+"""The plan of a step: what :class:`dtree.TreeRuntime` decides before the walk, built once.
+
+A *step* is one call of the runtime (``forward_backward``, ``logprobs``, ...); it reads
+check -> weights -> plan -> walk -> finish. :class:`StepPlanner` builds the plan, a
+:class:`StepPlan` value the walk (:mod:`dtree.engine.walk`) only reads: the attention and
+recurrence backends for the model's placement, the memory plan, the schedule, the loss
+terms, the retain budget, the stacks (KV and, for recurrent layers, states) sized by the
+slots the schedule writes, and the step's arrays on the device.
+
+Each is a function of the model's state now (device, dtype, training flags, HF
+gradient checkpointing), the :class:`~dtree.config.RuntimeConfig` and the step's
+forest or schedule, so the planner reads them at every call, not at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from . import memory_policy
+from ..models.checkpointing import decoder_layers
+from ..device.placement import model_placement
+from ..config import RuntimeConfig
+from .memory_probe import CallBytes, measure_call_bytes
+from ..models import ModelSpec, TreeModule, unwrap
+from ..ops import determinism, stack_ops
+from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
+from ..ops.registry import resolve_backend
+from .schedule import LossTerms, Schedule, all_predictions, build_schedule, select_loss_terms
+from ..stacks.step_stacks import StepStacks
+from .state_plan import StatePlan, plan_states
+from ..device.transfer import upload_arrays
+from ..forest.forest import Forest
+
+__all__ = [
+    "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "hf_checkpointing", "measured_call_bytes",
+    "pick_backend", "pick_recurrence", "plan_memory", "refine_plan", "step_shape",
+]
+
+Placement = tuple[torch.device, torch.dtype]
+
+
+def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
+    """The stack-attention backend for ``attention`` (a config value), from the registry
+    (:func:`dtree.ops.registry.resolve_backend`). ``auto``: the fused Triton kernel where
+    it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256; in
+    deterministic mode only if its backward has a deterministic form), else SDPA. An
+    explicit backend that cannot run here raises a ValueError saying why; one that cannot
+    run deterministically in deterministic mode raises a RuntimeError, as torch does."""
+    device, dtype = placement
+    head_dim = max((spec.kv_shape(i)[1] for i in spec.attention_layers), default=spec.head_dim)
+    return resolve_backend(
+        "stack_attention", attention, device, dtype, head_dim=head_dim, deterministic=deterministic
+    )
+
+
+def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str | None:
+    """The ``linear_recurrence`` backend for a model with recurrent layers (None without):
+    ``auto`` takes flash-linear-attention's kernels on CUDA where installed (not in
+    deterministic mode), else the chunked torch form; on CPU the float32 reference. An explicit backend that cannot run
+    here raises a ValueError. In deterministic mode on CUDA, the state ops' gathers and
+    depthwise convolutions are torch ops that sum in a fixed order only under
+    ``torch.use_deterministic_algorithms(True)``: without it, a RuntimeError (as torch raises)."""
+    if not spec.recurrent_states:
+        return None
+    device, dtype = placement
+    if deterministic and device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
+        determinism.alert_nondeterministic(
+            "recurrent layers on CUDA without torch.use_deterministic_algorithms(True)",
+            "their state ops' gathers and depthwise convolutions sum in a fixed order on CUDA only in torch's own "
+            "mode: call torch.use_deterministic_algorithms(True)",
+        )
+    return resolve_backend("linear_recurrence", recurrence, device, dtype, deterministic=deterministic)
+
+
+def hf_checkpointing(module: torch.nn.Module) -> bool:
+    """Whether HF gradient checkpointing is on for some module in training mode (it
+    then checkpoints the layers itself and dtree adds no checkpoint)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in module.modules())
+
+
+def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
+    try:
+        decoder_layers(unwrap(module))
+    except ValueError:
+        return False
+    return True
+
+
+def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
+    """The forest's unique tokens, longest path and shared tokens (of trie nodes with
+    children) for the memory policy; for a model with recurrent layers (``recurrent``),
+    its segments of at most ``chunk_size`` tokens that have children (the most state
+    slots a schedule can push)."""
+    lengths = forest.sequence_lengths()
+    inner = np.diff(forest.child_offsets) > 0
+    chunks = np.maximum(1, -(-forest.node_length // chunk_size))
+    state_slots = int((chunks - 1).sum() + inner.sum()) if recurrent else 0
+    return memory_policy.StepShape(
+        forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum()),
+        state_slots,
+    )
+
+
+def checkpoint_root(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The module whose decoder layers dtree checkpoints (None: it cannot: no layer list,
+    or HF gradient checkpointing does it already)."""
+    if hf_checkpointing(module) or not _can_checkpoint_layers(module):
+        return None
+    return unwrap(module)
+
+
+def plan_memory(
+    module: torch.nn.Module,
+    spec: ModelSpec,
+    head: OutputHead,
+    config: RuntimeConfig,
+    placement: Placement,
+    stack: StepStacks | None,
+    forest: Forest,
+    call_bytes: CallBytes | None = None,
+) -> memory_policy.MemoryPlan:
+    """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
+    ``stack``: the stacks the runtime holds now (their bytes are already allocated);
+    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate)."""
+    device, dtype = placement
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    kw = {}
+    if device.type == "cuda":
+        available, allocated = memory_policy.available_bytes(device)
+        kw = dict(
+            available=available,
+            allocated=allocated,
+            expandable_segments=memory_policy.expandable_segments(),
+            stack_held=float(stack.nbytes()) if stack is not None and stack.device == device else 0.0,
+            missing_grads=memory_policy.missing_grad_bytes(module.parameters()),
+            fused_head=fused_head_kernel(head, dtype, device),
+        )
+    shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
+    return memory_policy.plan_step(
+        spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
+        group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
+        logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module),
+        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, **kw,
+    )
+
+
+def measured_call_bytes(
+    module: torch.nn.Module, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str, cache: dict,
+    recurrence: str | None = None,
+) -> CallBytes | None:
+    """The model's per-token call figures (:func:`dtree.plan.memory_probe.measure_call_bytes`),
+    measured once per model state (its modules and which of them have a patched
+    ``forward``, frozen parameters, HF checkpointing, placement, attention and recurrence
+    backends) and kept in ``cache``. None off CUDA (no plan needs them), and under
+    ``torch.inference_mode()`` before a first measurement (no graph to measure there)."""
+    if placement[0].type != "cuda":
+        return None
+    key = (
+        placement, attention, recurrence, hf_checkpointing(module),
+        tuple((type(m).__name__, "forward" in vars(m)) for m in module.modules()),
+        tuple(p.requires_grad for p in module.parameters()),
+    )
+    if key not in cache and not torch.is_inference_mode_enabled():
+        cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module), recurrence)
+    return cache.get(key)
+
+
+def refine_plan(
+    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: StepStacks | None,
+    state_slots: int = 0,
+) -> memory_policy.MemoryPlan:
+    """The plan with its peak predicted from ``sched`` (the calls it makes, the path it
+    retains, the KV-stack slots it writes and its ``state_slots`` state-stack slots
+    (:attr:`dtree.plan.state_plan.StatePlan.capacity`) beyond those of the ``stack`` held)."""
+    rows = np.diff(sched.terms.pred_offsets).tolist()
+    held, held_states = (stack.capacity, stack.state_slots) if stack is not None else (0, 0)
+    grow = 0.0
+    if plan.spec is not None:
+        grow = max(0, sched.stack_tokens - held) * memory_policy.stack_slot_bytes(plan.spec, plan.itemsize)
+        grow += max(0, state_slots - held_states) * memory_policy.state_slot_bytes(plan.spec, plan.itemsize)
+    budget = memory_policy.retain_budget(plan, config.mode, config.retain_budget_tokens)
+    return memory_policy.refine(plan, sched, rows, budget, float(grow))
+
+
+@dataclass(frozen=True)
+class StepArrays:
+    """Every per-step array the walk slices, on the device (int64 unless noted), in one
+    upload per kind (:func:`dtree.device.transfer.upload_arrays`).
+
+    Attributes:
+        input_ids, positions: [U] token id and position of every row, group after group.
+        pred_hidden_row: [P] row (local to its group) whose hidden state predicts.
+        pred_unique: [P] unique token each prediction predicts.
+        labels: [P] its token id.
+        loss_pred: [E] index (local to its group's predictions) of each term's log-prob.
+        weights: [E] compute-dtype weight of each loss term (None in a log-prob walk).
+        fields: name -> [E] compute-dtype per-token field of each loss term.
+        stack_starts: [G] first stack slot of each group: the device-side slot offsets
+            the KV stack's CUDA ops read (:mod:`dtree.ops.stack_ops`).
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    pred_hidden_row: torch.Tensor
+    pred_unique: torch.Tensor
+    labels: torch.Tensor
+    loss_pred: torch.Tensor
+    weights: torch.Tensor | None = None
+    fields: dict[str, torch.Tensor] = field(default_factory=dict)
+    stack_starts: torch.Tensor | None = None
+
+    @classmethod
+    def upload(
+        cls, forest: Forest, sched: Schedule, terms: LossTerms, weights: np.ndarray | None,
+        field_names: Sequence[str], device: torch.device, dtype: torch.dtype,
+    ) -> "StepArrays":
+        """``weights``: [N] per linearized token (None: a log-prob walk, no terms)."""
+        per_term = [] if weights is None else [weights[terms.loss_lin]]
+        ints, floats = upload_arrays(
+            [forest.tokens[sched.row_unique], forest.positions[sched.row_unique], terms.pred_hidden_row,
+             terms.pred_unique, forest.tokens[terms.pred_unique], terms.loss_pred,
+             np.array([g.stack_start for g in sched.groups])],
+            per_term + [forest.fields[n][terms.loss_lin] for n in field_names],
+            device, compute_dtype(dtype),
+        )
+        w = None if weights is None else floats.pop(0)
+        return cls(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step's plan, built once by :meth:`StepPlanner.make_plan`; the walk only reads it.
+
+    ``memory``: the memory policy's decisions; ``sched``: the groups and calls; ``terms``:
+    the predictions and loss terms of each group (every prediction in a log-prob walk);
+    ``arrays``: their device arrays; ``stack``: the KV (and state) stacks, with gradient
+    slots in a training plan; ``states``: the state slots (recurrent layers, else None);
+    ``retain_budget``: tokens of groups with children whose graphs may be alive at once
+    (``mode``: the config's retain / recompute / auto).
+    The rest say how the model runs: ``checkpoint_root`` (None: no layer checkpointing)
+    with ``checkpoint_layers`` of its decoder layers checkpointed in the calls of groups
+    without children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in
+    retained groups with children; ``randomness``: every group runs under its own RNG
+    seed (a module is in training mode, :mod:`dtree.device.rng`); ``state_grads``: per layer,
+    whether its states' stack reads take gradients (None: all)."""
+
+    forest: Forest
+    memory: memory_policy.MemoryPlan
+    sched: Schedule
+    terms: LossTerms
+    arrays: StepArrays
+    stack: StepStacks
+    states: StatePlan | None
+    retain_budget: float
+    mode: str
+    model: TreeModule
+    head: OutputHead
+    attention: str
+    recurrence: str | None
+    logprob_chunk: int
+    device: torch.device
+    dtype: torch.dtype
+    randomness: bool
+    checkpoint_root: torch.nn.Module | None
+    checkpoint_layers: int
+    path_checkpoint_layers: int
+    progress: bool
+    deterministic: bool
+    state_grads: tuple[bool, ...] | None
+
+
+class StepPlanner:
+    """Builds every step's :class:`StepPlan` from the model's state now and keeps what
+    steps share: the backends for the model's placement, the stacks (reused while they
+    fit), the measured call figures per model state, the last schedule's state slots and
+    the last memory plan."""
+
+    def __init__(self, module: torch.nn.Module, model: TreeModule, spec: ModelSpec, config: RuntimeConfig) -> None:
+        self.module, self.model, self.spec, self.config = module, model, spec, config
+        self.placement: Placement | None = None
+        self.deterministic = False  # deterministic mode as the backends were picked for
+        self.attention: str | None = None
+        self.recurrence: str | None = None
+        self.stack: StepStacks | None = None
+        self.memory_plan: memory_policy.MemoryPlan | None = None  # the last planned step's
+        self.retain_budget = 0.0  # the last planned step's (memory_policy.retain_budget)
+        self._call_bytes: dict = {}
+        self._last: tuple[Schedule, StatePlan | None] | None = None  # the last schedule and its state slots
+
+    def sync(self) -> Placement:
+        """Read the model's device and dtype; when they (or torch's deterministic mode)
+        changed since the last call, pick the backends again (the stacks are reallocated
+        when they no longer fit)."""
+        placement = model_placement(self.module.parameters())
+        deterministic = determinism.requested(self.config.deterministic)
+        if placement != self.placement or deterministic != self.deterministic:
+            self.placement, self.deterministic = placement, deterministic
+            self.attention = pick_backend(self.config.attention, placement, self.spec, deterministic)
+            self.recurrence = pick_recurrence(self.config.recurrence, placement, self.spec, deterministic)
+            if deterministic:
+                stack_ops.note_missing_extension(placement[0])
+        return placement
+
+    @property
+    def logprob_chunk(self) -> int:
+        if self.config.logprob_chunk is not None:
+            return self.config.logprob_chunk
+        return self.memory_plan.logprob_chunk if self.memory_plan is not None else memory_policy.DEFAULT_LOGPROB_CHUNK
+
+    def schedule(self, forest: Forest) -> Schedule:
+        """The memory plan for ``forest`` (validated), then its schedule (calls of the plan's
+        size) and state slots, then the plan's peak predicted from the schedule (the calls it
+        makes, the path it retains, the KV and state slots it writes beyond those held)."""
+        self.sync()
+        head = as_output_head(self.model.dtree_output_layer())
+        call_bytes = measured_call_bytes(
+            self.module, self.model, self.spec, self.placement, self.attention, self._call_bytes, self.recurrence
+        )
+        memory = plan_memory(self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes)
+        sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
+        capacity = self.config.stack_capacity
+        if capacity is not None and sched.stack_tokens > capacity:
+            lengths = forest.sequence_lengths()
+            s = int(np.argmax(lengths))
+            hint = (
+                f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
+                if lengths[s] > capacity
+                else "lower group_tokens or raise stack_capacity"
+            )
+            raise ValueError(
+                f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
+            )
+        states = plan_states(sched) if self.spec.recurrent_states else None
+        self.memory_plan = refine_plan(memory, sched, self.config, self.stack, states.capacity if states else 0)
+        self.retain_budget = memory_policy.retain_budget(memory, self.config.mode, self.config.retain_budget_tokens)
+        self._last = (sched, states)
+        return sched
+
+    def make_plan(
+        self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
+        same_schedule: bool = False,
+    ) -> StepPlan:
+        """The plan of a step over ``forest``: a training plan with its [N] ``weights`` and the
+        loss's fields, else a log-prob plan (every prediction, no gradient slots); over the
+        last plan's schedule when ``same_schedule`` (the two-pass path's second pass), else
+        a new schedule. The stacks are the ones held when they fit, else new ones."""
+        sched, states = self._last if same_schedule else (self.schedule(forest), self._last[1])
+        training = weights is not None
+        terms = select_loss_terms(sched, weights) if training else all_predictions(sched)
+        device, dtype = self.placement
+        arrays = StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype)
+        capacity = max(sched.stack_tokens, self.config.stack_capacity or 0, 1)
+        state_slots = states.capacity if states is not None else 0
+        if self.stack is None or not self.stack.fits(self.spec, capacity, state_slots, dtype, device, training):
+            self.stack = None  # free the old buffers before allocating new ones
+            # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept for
+            # reuse, would make every later training step fail. Gradient slots in the compute dtype.
+            with torch.inference_mode(False):
+                self.stack = StepStacks(
+                    self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training
+                )
+        memory, root = self.memory_plan, checkpoint_root(self.module) if training else None
+        grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
+        return StepPlan(
+            forest=forest, memory=memory, sched=sched, terms=terms, arrays=arrays, stack=self.stack, states=states,
+            retain_budget=self.retain_budget, mode=self.config.mode, model=self.model,
+            head=as_output_head(self.model.dtree_output_layer()),
+            attention=self.attention, recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device,
+            dtype=dtype,
+            # model calls may draw random numbers (dropout) when any module is in training mode
+            randomness=any(m.training for m in self.module.modules()),
+            checkpoint_root=root,
+            checkpoint_layers=memory.checkpoint_layers if root is not None else 0,
+            path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
+            progress=self.config.progress, deterministic=self.deterministic,
+            state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
+        )
