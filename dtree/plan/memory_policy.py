@@ -74,9 +74,9 @@ from .memory_model import (
     SMALL_CALL_TOKENS, StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes,
     simulate_peak, stack_slot_bytes, state_slot_bytes,
 )
-from .memory_probe import CallBytes, estimated_call_bytes
-from ..config import MEMORY_SETTINGS
+from ..config import MEMORY_SETTINGS as SETTINGS
 from ..models.protocol import ModelSpec
+from .memory_probe import CallBytes, estimated_call_bytes
 
 __all__ = [
     "MemoryPlan", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
@@ -84,7 +84,6 @@ __all__ = [
     "state_slot_bytes",
 ]
 
-SETTINGS = MEMORY_SETTINGS
 # Plans within this fraction of the fastest predicted one count as equally fast; the
 # one with the least memory among them is taken when it saves at least LEANER of the
 # fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
