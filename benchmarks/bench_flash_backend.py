@@ -45,11 +45,17 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.baselines.kernels import varlen_attention_flash as vf  # noqa: E402
-from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, stack_attention_reference, stack_attention_sdpa  # noqa: E402
 from dtree.baselines.kernels.varlen_attention import VarlenLayout  # noqa: E402
 from dtree.baselines.kernels.varlen_interface import varlen_attention  # noqa: E402
+from dtree.ops.stack_attention import (  # noqa: E402
+    AttentionOptions,
+    SegmentLayout,
+    StackSlots,
+    stack_attention_reference,
+    stack_attention_sdpa,
+)
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 
 
 def parse_args() -> argparse.Namespace:

@@ -53,12 +53,22 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from stack_attention_cases import (  # noqa: E402
-    Case, bench_ms, bind, cases, dense_inputs, environment, flash, kernel_ms, short_kernel_name, stack_inputs, table,
+    Case,
+    bench_ms,
+    bind,
+    cases,
+    dense_inputs,
+    environment,
+    flash,
+    kernel_ms,
+    short_kernel_name,
+    stack_inputs,
+    table,
     variant,
 )
 
-from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.ops.stack_attention import stack_attention_reference  # noqa: E402
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 GRADS = ["out", "dq", "dk", "dv", "stack dk", "stack dv"]

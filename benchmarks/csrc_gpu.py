@@ -36,10 +36,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dtree  # noqa: E402
 from dtree.bench.measure import timed_step  # noqa: E402
 from dtree.bench.report import environment  # noqa: E402
-from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.ops.stack_ops import interface as stack_ops  # noqa: E402
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 

@@ -40,8 +40,8 @@ import torch.distributed as dist
 
 from dtree.config import RuntimeConfig
 from dtree.distributed import SYNCS, CostModel, DistributedStepError, DistributedTreeTrainer, wrap_model
-from dtree.losses import TokenLoss
 from dtree.forest.forest import Forest
+from dtree.losses import TokenLoss
 
 __all__ = ["FAILURES", "failure_runs", "summarize", "out_of_memory"]
 

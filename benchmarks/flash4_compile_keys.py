@@ -42,8 +42,8 @@ from stack_attention_cases import table  # noqa: E402
 
 from dtree.ops.stack_attention.flash4_replay import bucket_len  # noqa: E402
 from dtree.ops.stack_attention.region_plan import region_plan  # noqa: E402
-from dtree.ops.stack_attention.segment_layout import SegmentLayout  # noqa: E402
 from dtree.ops.stack_attention.regions import level_seqs, own_seqs  # noqa: E402
+from dtree.ops.stack_attention.segment_layout import SegmentLayout  # noqa: E402
 from dtree.plan.schedule import build_schedule  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 

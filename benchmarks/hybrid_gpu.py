@@ -292,8 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         from dtree.bench.measure import use_expandable_segments
 
         use_expandable_segments()
-    from dtree.ops.linear_recurrence.fla_backend import fla_unavailable
     from dtree.ops.backends import Target
+    from dtree.ops.linear_recurrence.fla_backend import fla_unavailable
 
     results: dict = {"environment": environment(device, wheels)}
     why = fla_unavailable(Target(device))

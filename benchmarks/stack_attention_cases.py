@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from dtree.ops.stack_ops.kv_stack import KVStack
 from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 __all__ = ["Case", "bench_ms", "cases", "dense_inputs", "environment", "flash", "kernel_ms", "stack_inputs", "table"]
 

@@ -23,8 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("file", help="JSON Lines: one {\"tokens\": [...], <field>: [...]} object per sequence")
     p.set_defaults(func=_stats)
 
-    from .bench.runner import add_bench_parser
     from .bench.calibrate import add_calibrate_parser
+    from .bench.runner import add_bench_parser
 
     add_bench_parser(sub)
     add_calibrate_parser(sub)

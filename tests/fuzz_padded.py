@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 import dtree
 
+
 @dataclass
 class PaddedCase:
     input_ids: Any

@@ -14,15 +14,18 @@ from hf_models import make_model
 
 import dtree
 from dtree.baselines import LinearizedTrainer, TreeMaskTrainer
-from dtree.ops.stack_ops.kv_stack import KVStack
 from dtree.baselines.kernels import tree_mask_attention as tm
 from dtree.baselines.kernels import varlen_attention as va
 from dtree.baselines.kernels import varlen_interface as vi
 from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention, tree_mask_attention_sdpa
+from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention_reference
+from dtree.baselines.kernels.varlen_interface import varlen_attention
 from dtree.ops import backends, registry
 from dtree.ops.registry import backend_names
 from dtree.ops.stack_attention import (
     BACKENDS as STACK_BACKENDS,
+)
+from dtree.ops.stack_attention import (
     AttentionOptions,
     SegmentLayout,
     StackSlots,
@@ -30,8 +33,7 @@ from dtree.ops.stack_attention import (
     stack_attention_reference,
     stack_attention_sdpa,
 )
-from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention_reference
-from dtree.baselines.kernels.varlen_interface import varlen_attention
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 REGISTRIES = {"stack_attention": STACK_BACKENDS, "varlen_attention": vi.BACKENDS, "tree_mask_attention": tm.BACKENDS}
 OPS = tuple(REGISTRIES)

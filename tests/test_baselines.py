@@ -19,12 +19,12 @@ from test_runtime_exact import EDGE_CASES, FP32_TOL, assert_exact
 
 import dtree
 from dtree.baselines import METHODS, LinearizedTrainer, TreeMaskTrainer, make_method
-from dtree.baselines.step import pack_in_order
-from dtree.baselines.tree_mask import split_tree, token_subtree_end
-from dtree.losses import TokenLoss
 from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention
 from dtree.baselines.kernels.varlen_attention import VarlenLayout
 from dtree.baselines.kernels.varlen_interface import varlen_attention
+from dtree.baselines.step import pack_in_order
+from dtree.baselines.tree_mask import split_tree, token_subtree_end
+from dtree.losses import TokenLoss
 
 ALL_EDGE_SEQS = [s for case in EDGE_CASES.values() for s in case]
 

@@ -158,9 +158,8 @@ def test_checkpointed_tree_mask_holds_less_on_cuda():
     """bf16 tree-mask (FlexAttention) on a 4k-token tree, 8 layers: the checkpointed
     step's peak is lower (it keeps one [T, hidden] input per layer and one layer's
     internals)."""
-    from transformers import AutoModelForCausalLM
-
     from hf_models import make_config
+    from transformers import AutoModelForCausalLM
 
     config = make_config("llama")
     config.head_dim, config.num_hidden_layers = 64, 8

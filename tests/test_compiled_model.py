@@ -42,8 +42,8 @@ def test_compiled_peft_model():
 
 
 def test_not_a_causal_lm_is_a_type_error():
-    from transformers import AutoModel
     from hf_models import make_config
+    from transformers import AutoModel
 
     for bad in (torch.nn.Linear(3, 3), torch.compile(torch.nn.Linear(3, 3)), AutoModel.from_config(make_config("llama"))):
         with pytest.raises(TypeError, match="dtree accepts a transformers causal LM|has no LM head"):

@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from hf_models import make_model
+from setups import CHUNK, SEQS
 
 import dtree
 from dtree.ops import determinism
@@ -18,8 +20,6 @@ from dtree.ops.registry import resolve_backend
 from dtree.ops.stack_attention import BACKENDS as STACK_BACKENDS
 from dtree.ops.stack_attention import AttentionOptions, StackSlots, stack_attention
 from dtree.ops.stack_ops import interface as stack_ops
-from hf_models import make_model
-from setups import CHUNK, SEQS
 
 
 @pytest.fixture

@@ -15,12 +15,12 @@ from __future__ import annotations
 import copy
 
 import pytest
+from spawn import spawn_gloo
 
 import dtree
 from benchmarks.distributed_failures import FAILURES, failure_runs, summarize
 from dtree.distributed import SYNCS
 from dtree.workloads import make_workload
-from spawn import spawn_gloo
 
 FP32_TOL = 1e-5
 

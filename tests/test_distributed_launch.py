@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from spawn import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -116,8 +116,8 @@ def test_eval_mode_is_exact_per_path(kind, mode):
 
 def test_attention_dropout_refused_in_train_mode():
     torch.manual_seed(0)
-    from transformers import AutoModelForCausalLM
     from hf_models import make_config
+    from transformers import AutoModelForCausalLM
 
     config = make_config("llama")
     config.attention_dropout = 0.1

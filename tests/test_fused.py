@@ -27,7 +27,6 @@ import torch
 triton = pytest.importorskip("triton")
 pytest.importorskip("liger_kernel")
 import triton.language as tl  # noqa: E402
-
 from interpreter_worker import InterpreterWorker  # noqa: E402
 
 import dtree  # noqa: E402

@@ -113,8 +113,8 @@ def test_hybrid_stacks_hold_only_their_layers():
 def test_runtime_plans_the_state_slots_once_and_counts_them(monkeypatch):
     """The memory policy's refined peak gets the step's state slots (the state stack's
     bytes), and the walk uses the same state plan, with a state stack of that size."""
-    import dtree.plan.step_plan
     import dtree.engine.walk
+    import dtree.plan.step_plan
 
     seen, planned, walked = [], [], []
     refine = dtree.plan.step_plan.refine_plan

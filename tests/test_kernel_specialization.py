@@ -17,12 +17,12 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 from dtree.ops.logprobs import fused_head as fh  # noqa: E402
 from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
+from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout, StackSlots  # noqa: E402
 from dtree.ops.stack_attention import triton_autograd as sat  # noqa: E402
 from dtree.ops.stack_attention import triton_launch as launch  # noqa: E402
-from dtree.ops.stack_attention import PLAIN, AttentionOptions, SegmentLayout, StackSlots  # noqa: E402
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
 
 pytestmark = pytest.mark.skipif(sat._INTERPRET, reason="the session runs the Triton interpreter")
 

@@ -21,11 +21,10 @@ from test_checkpoint_layers import hf_checkpointing
 from test_families import build
 
 import dtree
-
 from dtree.ops.linear_recurrence import fla_backend as linear_recurrence_fla
-from dtree.ops.registry import resolve_backend
 from dtree.ops.linear_recurrence import recurrence_reference
 from dtree.ops.linear_recurrence.chunked import recurrence_chunked
+from dtree.ops.registry import resolve_backend
 
 TOL = {torch.float64: 1e-12, torch.float32: 1e-5}
 

@@ -27,7 +27,6 @@ pytest.importorskip("triton")
 from interpreter_worker import InterpreterWorker  # noqa: E402
 
 from dtree.ops.logprobs import fused_head as fh  # noqa: E402
-
 from dtree.ops.logprobs import triton_kernels as lt  # noqa: E402
 
 TRANSFORMS = {

@@ -15,12 +15,12 @@ from hf_models import make_model
 from setups import SEQS
 
 import dtree
-from dtree.plan import memory_model as mm
-from dtree.plan import memory_policy as mp
 from dtree.config import RuntimeConfig
-from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.models import ModelSpec, adapt
 from dtree.ops.logprobs import as_output_head
+from dtree.plan import memory_model as mm
+from dtree.plan import memory_policy as mp
+from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.plan.schedule import build_schedule
 from dtree.plan.step_plan import plan_memory
 
@@ -345,9 +345,9 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     segment with children; after it, the state plan's slots beyond the stacks held."""
     from test_families import build
 
-    from dtree.stacks.step_stacks import StepStacks
     from dtree.plan.state_plan import plan_states
     from dtree.plan.step_plan import refine_plan, step_shape
+    from dtree.stacks.step_stacks import StepStacks
 
     model = build("qwen3_5_text")
     adapted = adapt(model)

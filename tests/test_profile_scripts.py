@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import dtree
-
 from benchmarks import profile_memory, profile_warmup
 
 TINY_TREE = ["--set", "num_trees=1", "--set", "target_unique_tokens=300", "--set", "system_prompt_len=48",

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
-from dtree.ops.stack_ops.kv_stack import KVStack
 from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, seed_from_stack, stack_attention
 from dtree.ops.stack_attention.reference import stack_attention_naive
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 
 def random_layout(rng, num_segments, max_len, capacity_used):

@@ -34,9 +34,9 @@ import pytest
 import torch
 from test_stack_attention import OPTIONS, check_against_naive, nested_layout, random_layout
 
-from dtree.ops.stack_ops.kv_stack import KVStack
 from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, stack_attention
 from dtree.ops.stack_attention.reference import stack_attention_naive
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 pytest.importorskip("triton")
 

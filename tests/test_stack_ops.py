@@ -12,10 +12,10 @@ import torch
 from transformers.models.gpt_neox.modeling_gpt_neox import apply_rotary_pos_emb as neox_rotary
 from transformers.models.qwen2.modeling_qwen2 import apply_rotary_pos_emb as qwen2_rotary
 
-from dtree.ops.stack_ops.kv_stack import KVStack
+from dtree.ops.stack_ops import SlotRows
 from dtree.ops.stack_ops import interface as stack_ops
 from dtree.ops.stack_ops import reference as stack_ops_torch
-from dtree.ops.stack_ops import SlotRows
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 CAP, HEADS, DK, DV = 29, 3, 60, 40
 

@@ -18,10 +18,16 @@ import pytest
 import torch
 from test_stack_attention import random_layout
 
-from dtree.ops.stack_ops.kv_stack import KVStack
 from dtree.baselines.kernels import varlen_attention_flash as vf
-from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, attend_math, stack_attention_reference
 from dtree.baselines.kernels.varlen_attention import VarlenLayout, varlen_attention_reference
+from dtree.ops.stack_attention import (
+    AttentionOptions,
+    SegmentLayout,
+    StackSlots,
+    attend_math,
+    stack_attention_reference,
+)
+from dtree.ops.stack_ops.kv_stack import KVStack
 
 
 def attend_in_dtype(q, kk, vv, scale):

@@ -25,6 +25,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.config import FSDPEngineConfig, FSDPOptimizerConfig, HFModelConfig
 from verl.workers.utils.padding import left_right_2_no_padding
 
+
 class PlatformCPU(PlatformBase):
     """verl's platform interface on the CPU (gloo)."""
 

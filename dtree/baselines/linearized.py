@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..forest.forest import Forest
 from ..models import AttendFn
 from ..ops.segment_states import LayerStates, StateLayout
 from .kernels.varlen_attention import VarlenLayout
 from .kernels.varlen_interface import BACKENDS, varlen_attention
-from ..forest.forest import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
 __all__ = ["LinearizedTrainer"]

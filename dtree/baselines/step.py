@@ -38,20 +38,20 @@ import numpy as np
 import torch
 
 from ..device.placement import model_placement
-from ..models.checkpointing import checkpointed_layers, decoder_layers
+from ..device.transfer import upload_arrays
 from ..engine.checks import (
     check_loss_argument,
     check_training_call,
     refuse_paths_beyond_window,
     validate_forest,
 )
+from ..engine.step import StepOutput, TokenStep, WalkOutput, token_loss_weights
+from ..forest.forest import Forest
 from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
-from ..ops.registry import resolve_backend
+from ..models.checkpointing import checkpointed_layers, decoder_layers
 from ..ops.logprobs import as_output_head, compute_dtype
-from ..engine.step import StepOutput, TokenStep, WalkOutput, token_loss_weights
-from ..device.transfer import upload_arrays
-from ..forest.forest import Forest
+from ..ops.registry import resolve_backend
 
 __all__ = ["MicroBatch", "MicroBatchTrainer", "pack_in_order"]
 

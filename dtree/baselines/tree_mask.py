@@ -29,9 +29,9 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from ..forest.forest import Forest
 from ..models import AttendFn
 from .kernels.tree_mask_attention import BACKENDS, TreeMaskLayout, tree_mask_attention
-from ..forest.forest import Forest
 from .step import MicroBatch, MicroBatchTrainer, pack_in_order
 
 __all__ = ["TreeMaskTrainer", "split_tree", "token_subtree_end"]

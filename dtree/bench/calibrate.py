@@ -31,9 +31,9 @@ import torch
 from ..config import ATTENTIONS, RuntimeConfig
 from ..distributed.cost_model import CostModel, FitReport
 from ..distributed.features import forest_features
-from ..losses import nll
 from ..engine.runtime import TreeRuntime
 from ..forest.forest import Forest
+from ..losses import nll
 
 __all__ = ["calibrate", "synthetic_forest", "SYNTHETIC_KINDS", "add_calibrate_parser", "time_step"]
 

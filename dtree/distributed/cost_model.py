@@ -27,8 +27,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from ..models.protocol import ModelSpec
 from ..forest.forest import Forest
+from ..models.protocol import ModelSpec
 from .features import FEATURES, CostFeatures, forest_features
 from .nnls import nnls
 

@@ -33,11 +33,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine.checks import check_forest, check_loss_argument
-from ..losses import Normalization, SequenceLoss, TokenLoss, local_normalization
 from ..config import RuntimeConfig
+from ..engine.checks import check_forest, check_loss_argument
 from ..engine.runtime import StepOutput, TreeRuntime
 from ..forest.forest import Forest
+from ..losses import Normalization, SequenceLoss, TokenLoss, local_normalization
 from .cost_model import CostModel
 from .partition import Partition, PartitionReport, plan_partition
 from .sync import DEFAULT_BUCKET_BYTES, GradSync, make_grad_sync

@@ -9,9 +9,9 @@ from typing import Any, Iterable, Mapping
 import numpy as np
 import torch
 
+from ..forest.forest import Forest
 from ..losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from ..models import ModelSpec
-from ..forest.forest import Forest
 
 __all__ = [
     "check_forest",

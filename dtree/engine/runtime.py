@@ -68,21 +68,34 @@ from typing import Iterator, Sequence
 
 import torch
 
-from ..models.checkpointing import decoder_layers
-from .checks import check_forest, check_loss_argument, check_normalization, check_training_call
-from .checks import checked_step_loss, validate_forest
 from ..config import RuntimeConfig
+from ..forest.forest import Forest
 from ..losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
-from ..plan.memory_policy import MemoryPlan
 from ..models import TreeModule, adapt, unwrap
+from ..models.checkpointing import decoder_layers
+from ..plan.memory_policy import MemoryPlan
 from ..plan.schedule import Schedule
+from ..plan.step_plan import StepPlan, StepPlanner
 from ..stacks.step_stacks import StepStacks
+from .checks import (
+    check_forest,
+    check_loss_argument,
+    check_normalization,
+    check_training_call,
+    checked_step_loss,
+    validate_forest,
+)
 from .step import StepOutput, TokenStep
 from .step_memory import after_step, drops_stack, with_report
-from ..plan.step_plan import StepPlan, StepPlanner
-from ..forest.forest import Forest
-from .two_pass import LogprobGrads, SequenceLossFn, check_temperature, logprob_grad_weights, logprob_pass
-from .two_pass import surrogate, two_pass_output
+from .two_pass import (
+    LogprobGrads,
+    SequenceLossFn,
+    check_temperature,
+    logprob_grad_weights,
+    logprob_pass,
+    surrogate,
+    two_pass_output,
+)
 from .walk import PerToken, TreeWalk
 
 __all__ = ["TreeRuntime", "StepOutput", "RuntimeConfig"]

@@ -27,10 +27,10 @@ import numpy as np
 import torch
 
 from ..device import rng
-from ..losses import LogprobLoss, SequenceLoss, TokenLoss
-from .step import StepOutput
-from ..plan.step_plan import StepPlan
 from ..forest.forest import Forest
+from ..losses import LogprobLoss, SequenceLoss, TokenLoss
+from ..plan.step_plan import StepPlan
+from .step import StepOutput
 from .walk import TreeWalk
 
 __all__ = [

@@ -43,14 +43,14 @@ from typing import Callable, Mapping
 import torch
 
 from ..device import rng
-from ..models.checkpointing import checkpointed_layers
 from ..losses import weighted_terms
-from ..stacks.group_attention import GroupAttention
+from ..models.checkpointing import checkpointed_layers
 from ..ops.logprobs import compute_dtype, token_logprobs
 from ..ops.stack_attention import SegmentLayout
 from ..plan.schedule import FORWARD, Schedule, prediction_lin
-from .step import WalkOutput, per_sequence
 from ..plan.step_plan import StepPlan
+from ..stacks.group_attention import GroupAttention
+from .step import WalkOutput, per_sequence
 
 __all__ = ["PerToken", "TreeWalk"]
 

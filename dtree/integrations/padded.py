@@ -36,8 +36,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..forest.padding import host_array
 from ..forest.forest import Forest
+from ..forest.padding import host_array
 
 __all__ = ["from_padded", "to_padded", "from_prompt_completion", "to_padded_completion"]
 

@@ -62,8 +62,8 @@ from typing import Any, Iterator
 import torch
 
 from ..device import rng
-from ..losses import TokenLoss
 from ..engine.runtime import StepOutput, TreeRuntime
+from ..losses import TokenLoss
 from .padded import from_padded, from_prompt_completion, to_padded, to_padded_completion
 from .trl_losses import (
     CLIP_METRIC_TYPES,

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..forest.forest import Forest
 from ..losses import (
     Normalization,
     SequenceLoss,
@@ -25,7 +26,6 @@ from ..losses import (
     prediction_mask,
     sapo,
 )
-from ..forest.forest import Forest
 
 __all__ = [
     "CLIP_METRIC_TYPES",

@@ -26,8 +26,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..losses import Normalization, SequenceLoss, TokenLoss, aggregation, cispo, gspo, local_normalization, ppo_clip, sapo
 from ..forest.forest import Forest
+from ..losses import (
+    Normalization,
+    SequenceLoss,
+    TokenLoss,
+    aggregation,
+    cispo,
+    gspo,
+    local_normalization,
+    ppo_clip,
+    sapo,
+)
 
 __all__ = ["FAST_PATH_LOSS_MODES", "VERL_KL_TYPES", "verl_actor_loss", "verl_kl_estimator", "verl_normalization"]
 

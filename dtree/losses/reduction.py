@@ -15,8 +15,8 @@ from typing import Callable, Iterable, Mapping, Protocol
 import numpy as np
 import torch
 
-from .aggregation import TRL_LOSS_TYPES, VERL_LOSS_AGG_MODES
 from ..forest.forest import Forest
+from .aggregation import TRL_LOSS_TYPES, VERL_LOSS_AGG_MODES
 
 __all__ = [
     "REDUCTIONS",

@@ -24,9 +24,9 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from .reduction import Normalization, check_loss_settings, prediction_mask, reduction_weights
-from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
 from ..forest.forest import Forest
+from .policy_losses import KL_ESTIMATORS, clip_bounds, clipped_surrogate, kl_penalty
+from .reduction import Normalization, check_loss_settings, prediction_mask, reduction_weights
 
 __all__ = ["LogprobLoss", "SequenceBatch", "SequenceLoss", "gspo"]
 

@@ -16,6 +16,8 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from ..forest.forest import Forest
+from ..ops.logprobs import OutputHead, token_logprobs
 from .reduction import (
     REDUCTIONS,
     LossPart,
@@ -26,8 +28,6 @@ from .reduction import (
     prediction_mask,
     reduction_weights,
 )
-from ..ops.logprobs import OutputHead, token_logprobs
-from ..forest.forest import Forest
 
 __all__ = [
     "PART_WEIGHT",

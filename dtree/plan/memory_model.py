@@ -32,8 +32,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
 from ..models.protocol import ModelSpec
+from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
 from .schedule import FORWARD, Schedule
 
 SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)

@@ -70,12 +70,20 @@ from typing import Iterable
 
 import torch
 
-from .memory_model import (
-    SMALL_CALL_TOKENS, StepShape, _Figures, call_count, head_bytes, layer_activation_bytes, layer_input_bytes,
-    simulate_peak, stack_slot_bytes, state_slot_bytes,
-)
 from ..config import MEMORY_SETTINGS as SETTINGS
 from ..models.protocol import ModelSpec
+from .memory_model import (
+    SMALL_CALL_TOKENS,
+    StepShape,
+    _Figures,
+    call_count,
+    head_bytes,
+    layer_activation_bytes,
+    layer_input_bytes,
+    simulate_peak,
+    stack_slot_bytes,
+    state_slot_bytes,
+)
 from .memory_probe import CallBytes, estimated_call_bytes
 
 __all__ = [

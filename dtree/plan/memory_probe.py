@@ -26,12 +26,12 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..models.checkpointing import checkpointed_layers
 from ..models import ModelSpec, TreeModule
-from ..ops.stack_attention.segment_layout import SegmentLayout
+from ..models.checkpointing import checkpointed_layers
 from ..ops.segment_states import StateLayout
-from ..stacks.step_stacks import StepStacks
+from ..ops.stack_attention.segment_layout import SegmentLayout
 from ..stacks.group_attention import GroupAttention
+from ..stacks.step_stacks import StepStacks
 
 __all__ = [
     "CallBytes", "LiveBytes", "estimated_call_bytes", "layer_activation_bytes", "layer_input_bytes", "measure_call_bytes",

@@ -20,20 +20,20 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from . import memory_policy
-from ..models.checkpointing import decoder_layers
-from ..device.placement import model_placement
 from ..config import RuntimeConfig
-from .memory_probe import CallBytes, measure_call_bytes
+from ..device.placement import model_placement
+from ..device.transfer import upload_arrays
+from ..forest.forest import Forest
 from ..models import ModelSpec, TreeModule, unwrap
+from ..models.checkpointing import decoder_layers
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
 from ..ops.registry import resolve_backend
-from .schedule import LossTerms, Schedule, all_predictions, build_schedule, select_loss_terms
 from ..stacks.step_stacks import StepStacks
+from . import memory_policy
+from .memory_probe import CallBytes, measure_call_bytes
+from .schedule import LossTerms, Schedule, all_predictions, build_schedule, select_loss_terms
 from .state_plan import StatePlan, plan_states
-from ..device.transfer import upload_arrays
-from ..forest.forest import Forest
 
 __all__ = [
     "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "hf_checkpointing", "measured_call_bytes",

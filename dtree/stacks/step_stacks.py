@@ -16,9 +16,9 @@ from typing import Protocol
 
 import torch
 
-from ..ops.stack_ops.kv_stack import KVStack
-from ..ops.logprobs import compute_dtype
 from ..ops.linear_recurrence import state_dtype
+from ..ops.logprobs import compute_dtype
+from ..ops.stack_ops.kv_stack import KVStack
 from .state_stack import StateStack
 
 __all__ = ["StackShapes", "StepStacks"]

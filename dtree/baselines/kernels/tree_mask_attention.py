@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 
 from ...device.transfer import upload
-from ...ops.stack_attention.options import check_packed_qkv
 from ...ops.backends import Backends, Target
+from ...ops.stack_attention.options import check_packed_qkv
 
 __all__ = [
     "BACKENDS",

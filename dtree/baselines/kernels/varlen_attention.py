@@ -30,9 +30,9 @@ import numpy as np
 import torch
 
 from ...device.transfer import upload
+from ...ops.backends import Target
 from ...ops.stack_attention.attention_math import attend_math, attend_sdpa
 from ...ops.stack_attention.options import check_packed_qkv
-from ...ops.backends import Target
 
 __all__ = [
     "VarlenLayout",

@@ -33,11 +33,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ...ops.stack_ops.kv_stack import KVStack
 from ...device.transfer import upload
 from ...ops.stack_attention.options import PLAIN, AttentionOptions, StackSlots, check_packed_qkv
 from ...ops.stack_attention.segment_layout import SegmentLayout
 from ...ops.stack_ops import SlotRows
+from ...ops.stack_ops.kv_stack import KVStack
 from .varlen_attention import FLASH_DTYPES, VarlenLayout, flash_attn_impl, installed_flash_attn
 
 __all__ = ["flash_attn_impl", "stack_attention_flash_attn", "varlen_attention_flash_attn"]

@@ -30,9 +30,9 @@ from dataclasses import replace
 
 import torch
 
-from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from ..backends import Target
 from .flash4_replay import bucket_len
+from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .regions import stack_attention_regions
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]

@@ -32,8 +32,8 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from ..stack_ops.kv_stack import KVStack
 from ...device.transfer import upload
+from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots
 from .region_plan import RegionLevel, RegionPlan, region_plan
 from .segment_layout import SegmentLayout

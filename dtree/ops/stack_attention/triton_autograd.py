@@ -134,7 +134,6 @@ from .triton_common import (
 )
 from .triton_launch import _FLAGS, _auto_item_rows, _kv_items, _launch, _q_blocks, _row_tables, _runs, _tiles
 
-
 __all__ = [
     "BACKWARDS", "DEFAULT_BACKWARD", "DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton",
     "stack_attention_triton",

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-
 try:
     import triton
     import triton.language as tl

@@ -15,7 +15,6 @@ from .triton_backward import _dkdv_kernel, _dq_kernel
 from .triton_common import _INTERPRET, _OWN, _PREFIX, PREFIX_ITEM_ROWS, InterpreterTiles, _Tuning, triton
 from .triton_forward import _fwd_kernel
 
-
 # --------------------------------------------------------------------------- tuning
 # Candidates as (inner tile, num_warps, num_stages), per kernel and per work-table tile
 # (chosen on the host by _tiles). The inner tile is BLOCK_N (keys per step) for the
