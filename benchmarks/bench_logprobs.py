@@ -69,6 +69,7 @@ def implementations(lt):
     """name -> fn(hidden, weight, labels, with_entropy, chunk) -> (logp, entropy | None),
     or a string saying why it is absent."""
     from dtree.ops import logprobs as ref_mod
+    from dtree.ops.logprobs import fused_head as fh  # the op beside its kernels (lt)
 
     if hasattr(ref_mod, "OutputHead"):  # the one LM-head op: (hidden, head, labels, chunk, *, ...)
 
@@ -119,6 +120,8 @@ def step(fn, hidden, weight, labels, with_entropy, chunk, g, ge, backward=True):
 def correctness(impls, lt, device, v, smoke) -> tuple[list[list[str]], bool]:
     """Flash-rule check of every implementation at vocab ``v``; rows of the table and
     whether the fused and torch-stage ops passed."""
+    from dtree.ops.logprobs import fused_head as fh  # the op beside its kernels (lt)
+
     n, h, chunk = (37, 24, 16) if smoke else (1000, 1536, 256)
     dtype = torch.float16 if smoke else torch.bfloat16  # the interpreter truncates bf16 stores
     hidden, weight, labels = inputs(n, h, v, device, dtype, seed=1)
@@ -226,12 +229,14 @@ def kernel_configs(lt, device, v, rows=4096) -> list[list[str]]:
     """Time each fused kernel alone on a [rows, v] bf16 chunk over a few launch shapes
     (the defaults are ``_FWD`` / ``_BWD`` in the op's module): ms and effective GB/s
     (forward reads 2 B per logit, backward reads and writes 2 B each)."""
+    from dtree.ops.logprobs import fused_head as fh  # the op beside its kernels (lt)
+
     if device.type != "cuda":
         return []
     gen = torch.Generator(device=device).manual_seed(3)
     logits = (torch.randn(rows, v, device=device, generator=gen) * 3).bfloat16()
     labels = torch.randint(0, v, (rows,), device=device, generator=gen)
-    tf = lt._Transform()
+    tf = lt.LogitTransform()
     _, norm, ent = fh._row_stats_torch(logits, labels, tf, True)
     g, ge = torch.randn(rows, device=device), torch.randn(rows, device=device)
     saved_fwd, saved_bwd = dict(lt._FWD), dict(lt._BWD)

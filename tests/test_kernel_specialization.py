@@ -130,7 +130,7 @@ def test_logprob_kernels_compile_once(monkeypatch):
     monkeypatch.setattr(lt, "_dlogits_kernel", _Recorder(lt._dlogits_kernel, calls))
     weight = torch.zeros(1000, 64, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.zeros(200, dtype=torch.int64)
-    tf = lt._Transform()
+    tf = lt.LogitTransform()
     for start, rows in [(0, 64), (1, 37), (3, 48), (17, 100)]:  # label slices at any offset, as the runtime's
         hidden = torch.zeros(rows, 64, dtype=torch.bfloat16, requires_grad=True)
         logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels[start : start + rows], tf, True, 32, True)

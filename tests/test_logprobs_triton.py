@@ -125,7 +125,7 @@ def _case_peaked_entropy():
     logq = torch.log_softmax(logits.double(), -1)
     exact = -(logq.exp() * logq).sum(-1)
     assert exact.min().item() < 1e-3 and logits.abs().max().item() > 100
-    _, _, entropy = _interpreted()._row_stats_triton(logits, labels, lt._Transform(), True)
+    _, _, entropy = _interpreted()._row_stats_triton(logits, labels, lt.LogitTransform(), True)
     assert (entropy.double() - exact).abs().max().item() <= 5e-7
     got = run(fh.token_logprobs_triton, *inputs, {"chunk_size": 16, "impl": "triton"}, "both")
     want = run(fh.token_logprobs_dense, *float64_copy(*inputs), {}, "both")
@@ -146,7 +146,7 @@ def _case_stages_match_torch_twins(dtype):
     labels[0], labels[3] = v - 1, 0
     g, ge = torch.randn(n, generator=gen), torch.randn(n, generator=gen)
     for kw in TRANSFORMS.values():
-        tf = lt_._Transform(kw.get("logit_scale", 1.0), kw.get("softcap"), kw.get("temperature", 1.0))
+        tf = lt_.LogitTransform(kw.get("logit_scale", 1.0), kw.get("softcap"), kw.get("temperature", 1.0))
         fused = lt_._row_stats_triton(x, labels, tf, True)
         twin = lt_._row_stats_torch(x, labels, tf, True)
         for name, a, b in zip(("logp", "normalizer", "entropy"), fused, twin):

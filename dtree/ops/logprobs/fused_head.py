@@ -11,28 +11,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .triton_kernels import _KERNEL_DTYPES, _can_launch, _dlogits_triton, _row_stats_triton, _Transform
+from .transform import LogitTransform, compute_dtype
+from .triton_kernels import _KERNEL_DTYPES, _can_launch, _dlogits_triton, _row_stats_triton
 
 __all__ = ["token_logprobs_dense", "token_logprobs_triton"]
 
 
 # --------------------------------------------------------------------------- torch twins
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _transform_torch(x: torch.Tensor, tf: _Transform) -> torch.Tensor:
-    """The logit transform on [rows, V] logits, in the compute dtype."""
-    z = x.to(_compute_dtype(x.dtype))
-    if tf.scale != 1.0:
-        z = z * tf.scale
-    if tf.softcap is not None:
-        z = torch.tanh(z / tf.softcap) * tf.softcap
-    if tf.temperature != 1.0:
-        z = z / tf.temperature
-    return z
-
-
 def _log_softmax(z: torch.Tensor, norm: torch.Tensor) -> torch.Tensor:
     """``log p`` of [rows, V] transformed logits from their normalizer [rows, 2]."""
     return (z - norm[:, :1]) - norm[:, 1:]
@@ -45,10 +30,10 @@ def _label_logp(z: torch.Tensor, norm: torch.Tensor, labels: torch.Tensor) -> to
     return torch.where(valid, _log_softmax(zl, norm).squeeze(1), torch.nan)
 
 
-def _row_stats_torch(logits, labels, tf: _Transform, with_entropy: bool):
+def _row_stats_torch(logits, labels, tf: LogitTransform, with_entropy: bool):
     """Per row of ``logits`` [rows, V]: (log p(label) [rows], normalizer [rows, 2] = (max,
     log sum exp(z - max)), entropy [rows] or None), float32 (float64 for float64 logits)."""
-    z = _transform_torch(logits, tf)
+    z = tf.apply(logits.to(compute_dtype(logits.dtype)))
     row_max = z.amax(dim=1, keepdim=True)
     norm = torch.cat([row_max, (z - row_max).exp().sum(1, keepdim=True).log()], dim=1)
     entropy = None
@@ -58,12 +43,12 @@ def _row_stats_torch(logits, labels, tf: _Transform, with_entropy: bool):
     return _label_logp(z, norm, labels), norm, entropy
 
 
-def _dlogits_torch(logits, labels, norm, entropy, g, ge, tf: _Transform) -> torch.Tensor:
+def _dlogits_torch(logits, labels, norm, entropy, g, ge, tf: LogitTransform) -> torch.Tensor:
     """Overwrite ``logits`` [rows, V] with dL/dlogits (see the module docstring) for
     gradients ``g`` on log p(label) and ``ge`` on the entropy ([rows] or None each)."""
     with torch.enable_grad():  # the transform's derivative, by autograd on the chunk
-        x = logits.detach().to(_compute_dtype(logits.dtype)).requires_grad_(True)
-        z = _transform_torch(x, tf)
+        x = logits.detach().to(compute_dtype(logits.dtype)).requires_grad_(True)
+        z = tf.apply(x.to(compute_dtype(x.dtype)))
     logq = _log_softmax(z.detach(), norm)
     p = logq.exp()
     dz = torch.zeros_like(p)
@@ -127,10 +112,10 @@ def _logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, 
 
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, tf: _Transform, with_entropy: bool, chunk: int, fused: bool):
+    def forward(ctx, hidden, weight, bias, labels, tf: LogitTransform, with_entropy: bool, chunk: int, fused: bool):
         n, v = hidden.shape[0], weight.shape[0]
         row_stats = _row_stats_triton if fused else _row_stats_torch
-        cdt = _compute_dtype(hidden.dtype)
+        cdt = compute_dtype(hidden.dtype)
         logp = torch.empty(n, dtype=cdt, device=hidden.device)
         norm = torch.empty(n, 2, dtype=cdt, device=hidden.device)
         entropy = torch.empty_like(logp) if with_entropy else None
@@ -195,7 +180,7 @@ class _FusedLogprobs(torch.autograd.Function):
         return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
-def _check(hidden, weight, labels, bias, tf: _Transform, chunk_size: int) -> None:
+def _check(hidden, weight, labels, bias, tf: LogitTransform, chunk_size: int) -> None:
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"expected hidden [N, H] and weight [V, H], got {tuple(hidden.shape)} and {tuple(weight.shape)}")
     if labels.dim() != 1 or labels.shape[0] != hidden.shape[0]:
@@ -258,7 +243,7 @@ def token_logprobs_triton(
         (logp [N], entropy [N] or None), float32 (float64 for float64 inputs), both
         differentiable w.r.t. ``hidden``, ``weight`` and ``bias``.
     """
-    tf = _Transform(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
+    tf = LogitTransform(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
     _check(hidden, weight, labels, bias, tf, chunk_size)
     runs_here = hidden.dtype in _KERNEL_DTYPES and _can_launch(hidden.device)
     if impl == "auto":
@@ -276,7 +261,7 @@ def token_logprobs_triton(
         raise ValueError(f"impl must be 'auto', 'triton' or 'torch', got {impl!r}")
     n = hidden.shape[0]
     if n == 0:
-        empty = hidden.new_zeros(0, dtype=_compute_dtype(hidden.dtype))
+        empty = hidden.new_zeros(0, dtype=compute_dtype(hidden.dtype))
         return empty, (empty.clone() if with_entropy else None)
     out = _FusedLogprobs.apply(
         hidden.contiguous(), weight, bias, labels.contiguous(), tf, bool(with_entropy), int(chunk_size), fused
@@ -297,8 +282,8 @@ def token_logprobs_dense(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Plain version of :func:`token_logprobs_triton`: full ``[N, V]`` logits and
     autograd (tests and small inputs only). Same arguments and results."""
-    tf = _Transform(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
-    z = _transform_torch(F.linear(hidden, weight, bias), tf)
+    tf = LogitTransform(float(logit_scale), None if softcap is None else float(softcap), float(temperature))
+    z = tf.apply(F.linear(hidden, weight, bias).to(compute_dtype(hidden.dtype)))
     logq = torch.log_softmax(z, dim=-1)
     logp = logq.gather(-1, labels[:, None].long()).squeeze(-1)
     return logp, (-(logq.exp() * logq).sum(-1) if with_entropy else None)

@@ -40,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ...device import rng
+from .transform import LogitTransform, compute_dtype
 
 __all__ = [
     "OutputHead",
@@ -51,11 +52,6 @@ __all__ = [
 ]
 
 IMPLS = ("auto", "torch", "triton")
-
-
-def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype log-probs and losses are computed in: float32, or float64 for float64 models."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 @dataclass(frozen=True, eq=False)
@@ -119,40 +115,7 @@ def as_output_head(layer) -> OutputHead:
     )
 
 
-@dataclass(frozen=True)
-class _Transform:
-    """``z = softcap(scale * y) / temperature`` and its derivative."""
-
-    scale: float
-    softcap: float | None
-    temperature: float
-
-    @classmethod
-    def of(cls, head: OutputHead, temperature: float) -> "_Transform":
-        if not (temperature > 0 and math.isfinite(temperature)):
-            raise ValueError(f"temperature must be a positive number, got {temperature}")
-        return cls(float(head.logit_scale), head.final_softcap, float(temperature))
-
-    def apply(self, y: torch.Tensor) -> torch.Tensor:
-        """[n, V] raw logits (compute dtype) -> transformed logits."""
-        if self.scale != 1.0:
-            y = y * self.scale
-        if self.softcap is not None:
-            y = torch.tanh(y / self.softcap) * self.softcap
-        if self.temperature != 1.0:
-            y = y / self.temperature
-        return y
-
-    def chain_(self, dz: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        """``dz`` -> ``dy`` in place, from the transformed logits ``z``:
-        ``dz/dy = scale / T * (1 - tanh^2)`` with ``tanh = z * T / softcap``."""
-        if self.softcap is not None:
-            dz.mul_(z.mul(self.temperature / self.softcap).square_().neg_().add_(1.0))
-        factor = self.scale / self.temperature
-        return dz.mul_(factor) if factor != 1.0 else dz
-
-
-def _forward_chunks(raw_logits, hidden, labels, transform: _Transform, chunk_size: int, with_entropy: bool):
+def _forward_chunks(raw_logits, hidden, labels, transform: LogitTransform, chunk_size: int, with_entropy: bool):
     """(logp [N], entropy [N] or None, lse [N]) in the compute dtype, chunk by chunk."""
     n = hidden.shape[0]
     cdt = compute_dtype(hidden.dtype)
@@ -172,7 +135,7 @@ def _forward_chunks(raw_logits, hidden, labels, transform: _Transform, chunk_siz
     return logp, ent, lse
 
 
-def _dlogits(z, lse, ent, labels, g_lp, g_ent, transform: _Transform) -> torch.Tensor:
+def _dlogits(z, lse, ent, labels, g_lp, g_ent, transform: LogitTransform) -> torch.Tensor:
     """d loss / d raw logits of one chunk, [n, V] compute dtype.
 
     With p = softmax(z): d logp / dz = onehot(label) - p, and
@@ -201,7 +164,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     """The fused path: logits = hidden @ weight.T + bias, recomputed per chunk in backward."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, transform: _Transform, chunk_size: int, with_entropy: bool):
+    def forward(ctx, hidden, weight, bias, labels, transform: LogitTransform, chunk_size: int, with_entropy: bool):
         logp, ent, lse = _forward_chunks(
             lambda h: F.linear(h, weight, bias), hidden, labels, transform, chunk_size, with_entropy
         )
@@ -253,7 +216,7 @@ class _ModuleHeadLogprobs(torch.autograd.Function):
     any other (hooks, ``torch.autograd.grad``, DDP all see them)."""
 
     @staticmethod
-    def forward(ctx, hidden, labels, module, transform: _Transform, chunk_size: int, with_entropy: bool, *params):
+    def forward(ctx, hidden, labels, module, transform: LogitTransform, chunk_size: int, with_entropy: bool, *params):
         states: list[rng.RngState] = []
         replay = any(m.training for m in module.modules())  # only a training module draws (dropout)
 
@@ -353,7 +316,7 @@ def token_logprobs(
         differentiable w.r.t. ``hidden`` and the head's weight, bias or module parameters.
     """
     head = as_output_head(head)
-    transform = _Transform.of(head, temperature)
+    transform = LogitTransform.of(head, temperature)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl == "triton" and not head.fused:
@@ -388,7 +351,7 @@ def token_logprobs_reference(
     """Plain version of :func:`token_logprobs` (same signature; ``chunk_size`` unused):
     full ``[N, V]`` logits, autograd for every gradient."""
     head = as_output_head(head)
-    transform = _Transform.of(head, temperature)
+    transform = LogitTransform.of(head, temperature)
     z = transform.apply(head.raw_logits(hidden).to(compute_dtype(hidden.dtype)))
     logp_all = torch.log_softmax(z, dim=-1)
     logp = logp_all.gather(-1, labels[:, None]).squeeze(-1)

@@ -48,9 +48,10 @@ Runs on CUDA or, for tests, on CPU tensors under the Triton interpreter
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
+
+from .transform import LogitTransform
 
 try:
     import triton
@@ -72,16 +73,6 @@ _BWD = {"BLOCK_M": 8, "BLOCK_V": 1024, "num_warps": 8}
 # Under the interpreter: small blocks, so that the tests' V ~ 1000 crosses many.
 _INTERPRETER_FWD = {"BLOCK_V": 128}
 _INTERPRETER_BWD = {"BLOCK_M": 4, "BLOCK_V": 128}
-
-
-@dataclass(frozen=True)
-class _Transform:
-    """The logit transform ``c * tanh(x * scale / c) / temperature`` (no tanh when
-    ``softcap`` is None)."""
-
-    scale: float = 1.0
-    softcap: float | None = None
-    temperature: float = 1.0
 
 
 # --------------------------------------------------------------------------- kernels
@@ -197,7 +188,7 @@ def _can_launch(device: torch.device) -> bool:
     return _INTERPRET if device.type == "cpu" else device.type == "cuda"
 
 
-def _row_stats_triton(logits, labels, tf: _Transform, with_entropy: bool):
+def _row_stats_triton(logits, labels, tf: LogitTransform, with_entropy: bool):
     """Fused twin of :func:`dtree.ops.logprobs.fused_head._row_stats_torch`."""
     n, v = logits.shape
     norm = torch.empty(n, 2, dtype=torch.float32, device=logits.device)
@@ -213,7 +204,7 @@ def _row_stats_triton(logits, labels, tf: _Transform, with_entropy: bool):
     return logp, norm, entropy
 
 
-def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: _Transform) -> torch.Tensor:
+def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: LogitTransform) -> torch.Tensor:
     """Fused twin of :func:`dtree.ops.logprobs.fused_head._dlogits_torch`."""
     n, v = logits.shape
     launch = dict(_INTERPRETER_BWD if _INTERPRET else _BWD)
