@@ -117,8 +117,8 @@ def test_runtime_plans_the_state_slots_once_and_counts_them(monkeypatch):
     import dtree.plan.step_plan
 
     seen, planned, walked = [], [], []
-    refine = dtree.plan.step_plan.refine_plan
-    monkeypatch.setattr(dtree.plan.step_plan, "refine_plan", lambda *a: seen.append(a[-1]) or refine(*a))
+    refine = dtree.plan.step_plan.refine
+    monkeypatch.setattr(dtree.plan.step_plan, "refine", lambda *a: seen.append(a[-1]) or refine(*a))
     monkeypatch.setattr(dtree.plan.step_plan, "plan_states", lambda sched: planned.append(plan_states(sched)) or planned[-1])
     init = dtree.engine.walk.TreeWalk.__init__
     monkeypatch.setattr(

@@ -107,3 +107,28 @@ def test_packages_stand_in_floors():
                 graph.setdefault(ROOT / a, set()).add(ROOT / b)
     assert ROOT / "plan" in graph[ROOT / "engine"] and ROOT / "stacks" in graph[ROOT / "plan"]
     assert _cycles(graph) == [], "import cycles between these dtree packages (move the shared piece lower)"
+
+
+MAX_FILE_LINES = 450
+MAX_FUNCTION_LINES = 80
+
+
+def _is_kernel(node: ast.FunctionDef) -> bool:
+    """A Triton kernel body (``@triton.jit``): kernels are exempt from the function size."""
+    return any("jit" in ast.unparse(d) for d in node.decorator_list)
+
+
+def test_files_and_functions_stay_small():
+    """No file of dtree/ over 450 lines and no function over 80, Triton kernel bodies aside:
+    a reader takes in one room, or one function, at a time."""
+    too_long = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_long.append(f"{path.relative_to(ROOT.parent)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not _is_kernel(node):
+                lines = node.end_lineno - node.lineno + 1
+                if lines > MAX_FUNCTION_LINES:
+                    too_long.append(f"{path.relative_to(ROOT.parent)}:{node.lineno} {node.name}: {lines} lines")
+    assert not too_long, too_long

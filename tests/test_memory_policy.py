@@ -101,7 +101,7 @@ def test_a_cap_is_honored_with_the_fastest_plan_under_it():
 def test_the_path_is_retained_checkpointed_and_recomputed_only_when_that_does_not_fit():
     p = plan(setting=16)
     assert p.path_checkpoint_layers == QWEN_1_5B.num_layers  # its layer inputs: cheap
-    assert mp.retain_budget(p, "auto") >= AGENTIC_64K.shared_tokens
+    assert p.retain_budget("auto") >= AGENTIC_64K.shared_tokens
     assert p.parts["path_graphs"] <= AGENTIC_64K.shared_tokens * estimated_call_bytes(QWEN_1_5B, 2).call(28) + 1
     # the peak is bounded by the path and one call, not the tree: 4x the tokens, same peak
     fixed = dict(group_tokens=4096, checkpoint_layers=0, mode="retain", logprob_chunk=4096)
@@ -109,7 +109,7 @@ def test_the_path_is_retained_checkpointed_and_recomputed_only_when_that_does_no
         plan(mp.StepShape(65606, 9836, 25200), **fixed).predicted_peak_bytes, rel=1e-6)
     # recompute mode and a hopeless budget recompute the path
     assert plan(mode="recompute").path_checkpoint_layers == mp.RECOMPUTE
-    assert mp.retain_budget(plan(mode="recompute"), "recompute") == 0
+    assert plan(mode="recompute").retain_budget("recompute") == 0
     hopeless = plan(available=3 * GIB)
     assert "no plan" in hopeless.reason and hopeless.path_checkpoint_layers == mp.RECOMPUTE
     # retain mode never recomputes; its path is retained with some checkpoint count
@@ -164,7 +164,7 @@ def test_a_bigger_model_takes_smaller_calls_or_checkpoints():
 def test_cpu_keeps_the_fixed_defaults():
     p = mp.plan_step(QWEN_1_5B, 4, AGENTIC_64K, on_cuda=False)
     assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (8192, 0, 4096)
-    assert math.isinf(p.retain_bytes) and math.isinf(mp.retain_budget(p, "auto"))
+    assert math.isinf(p.retain_bytes) and math.isinf(p.retain_budget("auto"))
     low = mp.plan_step(QWEN_1_5B, 4, AGENTIC_64K, on_cuda=False, setting="low")
     assert (low.group_tokens, low.checkpoint_layers, low.logprob_chunk) == (8192, 28, 1024)
 
@@ -179,10 +179,10 @@ def test_bad_settings_name_the_choices(bad):
 
 def test_retain_budget_by_mode():
     p = plan(setting=16)
-    assert math.isinf(mp.retain_budget(p, "retain"))
-    assert mp.retain_budget(p, "recompute") == 0
-    assert mp.retain_budget(p, "auto") == pytest.approx(p.retain_tokens())
-    assert mp.retain_budget(plan(mode="recompute"), "auto") == 0
+    assert math.isinf(p.retain_budget("retain"))
+    assert p.retain_budget("recompute") == 0
+    assert p.retain_budget("auto") == pytest.approx(p.retain_tokens())
+    assert plan(mode="recompute").retain_budget("auto") == 0
 
 
 def test_simulated_peak_is_the_hand_count():
@@ -303,8 +303,6 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     """The runtime's side of a CUDA step without a GPU: what the allocator can hand out,
     the gradients still to allocate, the stack held, the fused head, HF checkpointing,
     the measured per-token figures; and the refined prediction from the schedule."""
-    from dtree.plan.step_plan import refine_plan
-
     model = make_model("qwen2")
     cuda = (torch.device("cuda", 0), torch.bfloat16)
     forest = dtree.Forest.from_sequences(SEQS)
@@ -331,7 +329,7 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     cap = plan_on_cuda(RuntimeConfig(chunk_size=3, memory=1.5))
     assert cap.budget_bytes == pytest.approx(1.5 * GIB * (1 - mp.CAP_MARGIN) - 1 * GIB)
     sched = build_schedule(forest, 3, plan_.group_tokens)
-    refined = refine_plan(plan_, sched, RuntimeConfig(chunk_size=3), None)
+    refined = mm.refine(plan_, sched, plan_.retain_budget("auto"), (0, 0), 0)
     assert refined.predicted_peak_bytes <= plan_.predicted_peak_bytes  # the plan's bounds hold
     assert "peak at group" in refined.reason and set(refined.parts) == {"gradients", "kv_stack", "activations"}
     model.gradient_checkpointing_enable()
@@ -346,7 +344,7 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     from test_families import build
 
     from dtree.plan.state_plan import plan_states
-    from dtree.plan.step_plan import refine_plan, step_shape
+    from dtree.plan.step_plan import step_shape
     from dtree.stacks.step_stacks import StepStacks
 
     model = build("qwen3_5_text")
@@ -378,11 +376,12 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
 
     sched = build_schedule(forest, 3, 3)
     slots = plan_states(sched).capacity
-    refined = refine_plan(plan_, sched, config, None, slots)
+    retain = plan_.retain_budget(config.mode)
+    refined = mm.refine(plan_, sched, retain, (0, 0), slots)
     want = sched.stack_tokens * mm.stack_slot_bytes(spec, 4) + slots * mm.state_slot_bytes(spec, 4)
     assert refined.parts["kv_stack"] == pytest.approx(want)
     held = StepStacks(spec, sched.stack_tokens, slots - 1, dtype=torch.float32, device="cpu", with_grad=True)
     assert held.capacity == sched.stack_tokens
-    assert refine_plan(plan_, sched, config, held, slots).parts["kv_stack"] == pytest.approx(
+    assert mm.refine(plan_, sched, retain, (held.capacity, held.state_slots), slots).parts["kv_stack"] == pytest.approx(
         mm.state_slot_bytes(spec, 4)  # only the one state slot the stacks held lack
     )

@@ -20,7 +20,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["RngState", "capture", "restore", "replaying", "next_seed", "seeded"]
+__all__ = ["RngState", "capture", "restore", "rewound", "replaying", "next_seed", "seeded"]
 
 RngState = tuple[torch.Tensor, torch.Tensor | None]  # (CPU state, CUDA state of the device or None)
 
@@ -39,8 +39,9 @@ def restore(state: RngState, device: torch.device) -> None:
 
 
 @contextlib.contextmanager
-def _forked(device: torch.device) -> Iterator[None]:
-    """Whatever the block draws, the generators are as before it afterwards."""
+def rewound(device: torch.device) -> Iterator[None]:
+    """Whatever the block draws, the generators are as before it afterwards (the CPU
+    generator, and ``device``'s CUDA generator when it is one)."""
     saved = capture(device)
     try:
         yield
@@ -55,7 +56,7 @@ def replaying(state: RngState | None, device: torch.device) -> Iterator[None]:
     if state is None:
         yield
         return
-    with _forked(device):
+    with rewound(device):
         restore(state, device)
         yield
 
@@ -72,7 +73,7 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
     if seed is None:
         yield
         return
-    with _forked(device):
+    with rewound(device):
         torch.default_generator.manual_seed(seed)
         if device.type == "cuda":
             with torch.cuda.device(device):

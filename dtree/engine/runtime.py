@@ -75,7 +75,7 @@ from ..models import TreeModule, adapt, unwrap
 from ..models.checkpointing import decoder_layers
 from ..plan.memory_policy import MemoryPlan
 from ..plan.schedule import Schedule
-from ..plan.step_plan import StepPlan, StepPlanner
+from ..plan.step_plan import StepPlanner
 from ..stacks.step_stacks import StepStacks
 from .checks import (
     check_forest,
@@ -85,18 +85,20 @@ from .checks import (
     checked_step_loss,
     validate_forest,
 )
-from .step import StepOutput, TokenStep
+from .step import StepOutput
 from .step_memory import after_step, drops_stack, with_report
 from .two_pass import (
     LogprobGrads,
     SequenceLossFn,
     check_temperature,
+    host_step,
     logprob_grad_weights,
-    logprob_pass,
+    loss_temperature,
+    needs_entropy,
     surrogate,
     two_pass_output,
 )
-from .walk import PerToken, TreeWalk
+from .walk import TreeWalk, train_step
 
 __all__ = ["TreeRuntime", "StepOutput", "RuntimeConfig"]
 
@@ -268,14 +270,16 @@ class TreeRuntime:
             self._check_call(training=True)
             validate_forest(forest, self.spec)
             loss = checked_step_loss(loss, forest, normalization)
+            first, trained = None, loss
             if isinstance(loss, TokenLoss):
                 forest, weights = loss.prepare(forest, normalization)
-                plan, trained, first = self._planner.make_plan(forest, weights, loss.field_names), loss, None
-            else:  # two passes over one schedule (dtree.engine.two_pass): the log-probs, then a training walk
-                first = logprob_pass(self._planner.make_plan(forest), loss)
+            else:  # pass 1 of two (dtree.engine.two_pass): the log-probs, then the loss's gradient on the host
+                plan = self._planner.make_plan(forest)
+                lps, ents = TreeWalk(plan).logprobs(loss_temperature(loss), needs_entropy(loss), rewind_rng=True)
+                first = host_step(loss, forest, lps, ents)
                 forest, trained, weights = surrogate(forest, first.grads)
-                plan = self._planner.make_plan(forest, weights, trained.field_names, same_schedule=True)
-            out = self._train(plan, trained, return_logprobs and first is None)
+            plan = self._planner.make_plan(forest, weights, trained.field_names, same_schedule=first is not None)
+            out = train_step(plan, trained, self.module.parameters(), self._scope(), return_logprobs and first is None)
             if first is not None:
                 out = two_pass_output(out, loss, first, return_logprobs)
         return with_report(out, after, self.memory_plan)
@@ -307,18 +311,14 @@ class TreeRuntime:
             validate_forest(forest, self.spec)
             grads = LogprobGrads(float(loss_value), check_temperature(temperature), w, w_entropy)
             forest, loss, weights = surrogate(forest, grads)
-            out = self._train(self._planner.make_plan(forest, weights, loss.field_names), loss)
+            plan = self._planner.make_plan(forest, weights, loss.field_names)
+            out = train_step(plan, loss, self.module.parameters(), self._scope())
             out.loss = grads.value
         return with_report(out, after, self.memory_plan)
 
-    def _train(self, plan: StepPlan, loss: TokenLoss, return_logprobs: bool = False) -> StepOutput:
-        """The training walk of ``plan`` for ``loss``, between the two ends of a step
-        (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds)."""
-        parameters = self.module.parameters()
-        loss_lin = plan.terms.loss_lin
-        with TokenStep(parameters, plan.forest, loss, loss_lin, plan.device, plan.dtype, return_logprobs) as step:
-            per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
-            return step.finish(TreeWalk(plan).train(per_token, getattr(self.model, "dtree_scope", None)))
+    def _scope(self):
+        """The model adapter's attention scope, kept open over a training walk (None: none)."""
+        return getattr(self.model, "dtree_scope", None)
 
     # ------------------------------------------------------------------ inference
     @torch.no_grad()

@@ -12,9 +12,10 @@ schedule, two plain calls in :meth:`dtree.TreeRuntime.forward_backward`::
              (:func:`surrogate`)
 
 Pass 2's gradient is that of ``fn`` because it replays pass 1's random draws (the
-runtime restores the generator state), so it differentiates the log-probs ``fn`` saw.
-Pass 1 is :func:`logprob_pass` (the log-prob walk, the host step); pass 2 is the runtime's
-training walk of :func:`surrogate`; :func:`two_pass_output` makes its output the step's.
+log-prob walk rewinds the generators), so it differentiates the log-probs ``fn`` saw.
+The runtime runs pass 1's walk (:meth:`dtree.engine.walk.TreeWalk.logprobs`), then
+:func:`host_step` and :func:`surrogate`, then pass 2's training walk
+(:func:`dtree.engine.walk.train_step`); :func:`two_pass_output` makes its output the step's.
 """
 
 from __future__ import annotations
@@ -26,22 +27,20 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 import torch
 
-from ..device import rng
 from ..forest.forest import Forest
 from ..losses import LogprobLoss, SequenceLoss, TokenLoss
-from ..plan.step_plan import StepPlan
 from .step import StepOutput
-from .walk import TreeWalk
 
 __all__ = [
     "LogprobGrads",
     "LogprobPass",
     "SequenceLossFn",
     "check_temperature",
+    "host_step",
     "logprob_entropy_surrogate",
     "logprob_grad_weights",
     "logprob_grads",
-    "logprob_pass",
+    "loss_temperature",
     "logprob_surrogate",
     "needs_entropy",
     "surrogate",
@@ -178,17 +177,18 @@ class LogprobPass:
     grads: LogprobGrads
 
 
-def logprob_pass(plan: StepPlan, loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> LogprobPass:
-    """Pass 1 over a log-prob ``plan``, then the host step. The loss's log-probs are at its
-    ``temperature`` (a plain callable's at 1). The generator state is rewound at the end,
-    so that pass 2 replays pass 1's random draws (dropout masks)."""
-    temperature = getattr(loss_fn, "temperature", 1.0)
-    start = rng.capture(plan.device)
-    with torch.no_grad():
-        lps, ents = TreeWalk(plan).logprobs(temperature, needs_entropy(loss_fn))
-    grads = logprob_grads(loss_fn, plan.forest, lps, ents, temperature)
-    rng.restore(start, plan.device)
-    return LogprobPass(plan.forest, lps, ents, grads)
+def loss_temperature(loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn) -> float:
+    """The temperature of the log-probs pass 1 computes: the loss's, a plain callable's 1."""
+    return getattr(loss_fn, "temperature", 1.0)
+
+
+def host_step(
+    loss_fn: SequenceLoss | LogprobLoss | SequenceLossFn, forest: Forest, lps: list[torch.Tensor],
+    ents: list[torch.Tensor] | None,
+) -> LogprobPass:
+    """The host step after pass 1 (the log-prob walk, at :func:`loss_temperature`, with the
+    entropies when :func:`needs_entropy`): the loss's value and gradients on those log-probs."""
+    return LogprobPass(forest, lps, ents, logprob_grads(loss_fn, forest, lps, ents, loss_temperature(loss_fn)))
 
 
 def surrogate(forest: Forest, grads: LogprobGrads) -> tuple[Forest, TokenLoss, np.ndarray]:

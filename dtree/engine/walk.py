@@ -38,21 +38,21 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Callable, Mapping
+from typing import Callable, Iterable, Mapping
 
 import torch
 
 from ..device import rng
-from ..losses import weighted_terms
+from ..losses import TokenLoss, weighted_terms
 from ..models.checkpointing import checkpointed_layers
 from ..ops.logprobs import compute_dtype, token_logprobs
 from ..ops.stack_attention import SegmentLayout
 from ..plan.schedule import FORWARD, Schedule, prediction_lin
 from ..plan.step_plan import StepPlan
 from ..stacks.group_attention import GroupAttention
-from .step import WalkOutput, per_sequence
+from .step import StepOutput, TokenStep, WalkOutput, per_sequence
 
-__all__ = ["PerToken", "TreeWalk"]
+__all__ = ["PerToken", "TreeWalk", "train_step"]
 
 
 @dataclass(frozen=True)
@@ -250,10 +250,18 @@ class TreeWalk:
         return WalkOutput(total, term_log, calls, peak, self.sched.stack_tokens, metrics)
 
     # ------------------------------------------------------------------ inference
-    def logprobs(self, temperature: float, with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    def logprobs(
+        self, temperature: float, with_entropy: bool, rewind_rng: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         """Forward only, every prediction of the plan's terms: per sequence, [len-1]
         ``log p(s[t] | s[:t])`` under ``softmax(logits / temperature)``, and (when
-        ``with_entropy``, else None) the entropies of those distributions."""
+        ``with_entropy``, else None) the entropies of those distributions.
+        ``rewind_rng``: leave the random generators as they were before the walk, so that a
+        training walk of the same schedule draws what this one drew (the two-pass path)."""
+        with rng.rewound(self.plan.device) if rewind_rng else contextlib.nullcontext():
+            return self._logprobs(temperature, with_entropy)
+
+    def _logprobs(self, temperature: float, with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
         cdt = compute_dtype(self.plan.dtype)
         lp_unique = torch.full((self.plan.forest.num_unique_tokens,), float("nan"), dtype=cdt, device=self.plan.device)
         ent_unique = torch.full_like(lp_unique, float("nan")) if with_entropy else None
@@ -289,3 +297,15 @@ def _finish_group(state: _GroupState, total: torch.Tensor) -> torch.Tensor:
     elif state.hidden is not None:
         state.hidden.backward(torch.zeros_like(state.hidden))
     return total
+
+
+def train_step(
+    plan: StepPlan, loss: TokenLoss, parameters: Iterable[torch.nn.Parameter], scope: Callable | None = None,
+    return_logprobs: bool = False,
+) -> StepOutput:
+    """The training walk of ``plan`` for ``loss`` between the two ends of a step
+    (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds, one
+    device sync at the end). ``scope``: the model adapter's attention scope (:meth:`TreeWalk.train`)."""
+    with TokenStep(parameters, plan.forest, loss, plan.terms.loss_lin, plan.device, plan.dtype, return_logprobs) as step:
+        per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
+        return step.finish(TreeWalk(plan).train(per_token, scope))

@@ -1,9 +1,11 @@
-"""The byte figures of one training step: what each part of dtree holds at the peak.
+"""The figures of one training step and the plan made of them: what each part of dtree
+holds at the peak, what a model call costs, and :class:`MemoryPlan`, the memory
+policy's decisions.
 
-The memory policy (:mod:`dtree.plan.memory_policy`) picks a plan from these; after the
-schedule is built, :func:`simulate_peak` walks its events with the same figures and
-gives the step's predicted peak (what ``memory=<GiB>`` is held to, and what the step
-reports next to the measured peak).
+The memory policy (:mod:`dtree.plan.memory_policy`) picks a plan from these figures;
+after the schedule is built, :func:`refine` walks its events with the same figures
+(:func:`simulate_peak`) and gives the plan the step's predicted peak (what
+``memory=<GiB>`` is held to, and what the step reports next to the measured peak).
 
 What is alive at a moment of the walk, on top of what the process held when the step
 started (weights, optimizer state, the KV stack kept from the last step):
@@ -29,8 +31,9 @@ before it is added into ``.grad`` (the policy before this one left that out).
 
 from __future__ import annotations
 
+import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from ..models.protocol import ModelSpec
 from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
@@ -39,9 +42,18 @@ from .schedule import FORWARD, Schedule
 SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 
 __all__ = [
-    "StepShape", "head_bytes", "layer_activation_bytes", "layer_input_bytes", "peak_of", "simulate_peak",
-    "stack_slot_bytes", "state_slot_bytes",
+    "MemoryPlan", "RECOMPUTE", "StepShape", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
+    "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_slot_bytes",
+    "state_slot_bytes",
 ]
+
+RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
+# Cost model constants (see dtree.plan.memory_policy's docstring), for qwen2.5-1.5b on an H100
+# in eager mode; both scale with layers per unit of per-token compute.
+CALL_CPU_TOKENS = 2600.0
+CALL_FIXED_TOKENS = 1500.0  # H100, qwen2.5-1.5b, 64k agentic tree: 20 calls of 4,096 tokens took 4.22 s a step, ~6
+# calls of up to 14.9k tokens 2.65 s (kernel sessions 3, 4); session B measured ~43 ms (1,300) a call
+_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,99 @@ def head_bytes(spec: ModelSpec, itemsize: int, chunk: int, rows: int, fused: boo
     weight = spec.vocab_size * spec.hidden_size
     accumulator = weight * 4 if rows > chunk else 0
     return c * spec.vocab_size * per_element + accumulator + weight * itemsize + 2 * rows * spec.hidden_size * itemsize
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One step's decisions and the figures behind them (bytes are what the step adds
+    on top of ``start_bytes``, what was allocated when it started).
+
+    ``path_checkpoint_layers``: layers checkpointed in the retained groups with
+    children, or :data:`RECOMPUTE`; ``retain_bytes``: what their graphs may hold at
+    once, at ``retained_bytes_per_token`` (:meth:`retain_budget` turns it into
+    tokens); ``inf`` on CPU."""
+
+    group_tokens: int
+    checkpoint_layers: int
+    logprob_chunk: int
+    retain_bytes: float
+    retained_bytes_per_token: float
+    predicted_peak_bytes: float
+    predicted_cost: float  # tokens' worth of compute
+    budget_bytes: float
+    setting: str
+    path_checkpoint_layers: int = 0
+    start_bytes: float = 0.0
+    parts: dict = field(default_factory=dict, compare=False)  # predicted peak by part (bytes)
+    reason: str = ""
+    call_bytes: CallBytes | None = field(default=None, compare=False)
+    fused_head: bool = False
+    spec: ModelSpec | None = field(default=None, compare=False)
+    itemsize: int = 2
+
+    def retain_tokens(self) -> float:
+        """Tokens whose graphs fit in ``retain_bytes``."""
+        if self.retained_bytes_per_token <= 0:
+            return math.inf
+        return self.retain_bytes / self.retained_bytes_per_token
+
+    def retain_budget(self, mode: str, tokens: int | None = None) -> float:
+        """Tokens of groups with children whose graphs are kept alive at once (the walk retains
+        the outermost first, recomputes the rest): ``tokens`` (the config's
+        ``retain_budget_tokens``) when given, else all in ``retain`` mode and on CPU, none in
+        ``recompute`` mode or when the plan recomputes the path, else what fits in
+        ``retain_bytes``."""
+        if tokens is not None:
+            return float(tokens)
+        if mode == "retain" or (mode == "auto" and math.isinf(self.retain_bytes)):
+            return math.inf
+        if mode == "recompute" or self.path_checkpoint_layers == RECOMPUTE:
+            return 0.0
+        return self.retain_tokens()
+
+    def describe(self) -> dict:
+        """The plan as plain numbers (``StepOutput.metrics["memory_plan"]``)."""
+        gib = 2.0**30
+
+        def g(x):
+            return None if math.isinf(x) or math.isnan(x) else x / gib
+
+        return {
+            "setting": self.setting,
+            "group_tokens": self.group_tokens,
+            "checkpoint_layers": self.checkpoint_layers,
+            "path_checkpoint_layers": (
+                "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
+            ),
+            "logprob_chunk": self.logprob_chunk,
+            "predicted_peak_gib": g(self.predicted_peak_bytes),
+            "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
+            "start_gib": g(self.start_bytes),
+            "budget_gib": g(self.budget_bytes),
+            "retain_gib": g(self.retain_bytes),
+            "parts_gib": {k: v / gib for k, v in self.parts.items()},
+            "bytes_per_token": self.call_bytes.describe() if self.call_bytes is not None else None,
+            "reason": self.reason,
+        }
+
+
+@functools.lru_cache(maxsize=64)
+def cost_rates(spec: ModelSpec) -> tuple[float, float, float]:
+    """(a token's layer forward, all layers, as a fraction of its fwd+bwd compute; the LM
+    head's share of the forward; the call-cost scale: layers per unit of per-token
+    compute against the reference model's)."""
+    head = 2 * spec.hidden_size * spec.vocab_size
+    total = spec.forward_flops_per_token()
+    layers, flops = _CALL_REFERENCE
+    return (total - head) / (3 * total), head / total, (spec.num_layers / layers) * (flops / total)
+
+
+def call_overhead_tokens(spec: ModelSpec, tokens: float) -> float:
+    """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
+    part, and the CPU time its GPU work does not hide (both proportional to the layers,
+    against the per-token compute)."""
+    scale = cost_rates(spec)[2]
+    return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
 
 
 @dataclass(frozen=True)
@@ -154,3 +259,21 @@ def call_count(unique: int, group_tokens: int) -> float:
     if unique <= group_tokens:
         return 1.0
     return math.ceil(1.25 * unique / group_tokens) + 1.0
+
+
+def refine(plan: MemoryPlan, sched: Schedule, retain_tokens: float, held: tuple[int, int], state_slots: int) -> MemoryPlan:
+    """``plan`` with its predicted peak from ``sched`` (:func:`simulate_peak`): the calls it
+    makes, the path graphs the walk retains under ``retain_tokens``, and the stacks' growth:
+    the KV slots it writes and its ``state_slots`` state slots beyond the ``held`` (KV, state)
+    slots of the stacks kept from earlier steps. A plan without figures (CPU) is returned as is."""
+    if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
+        return plan
+    grow = max(0, sched.stack_tokens - held[0]) * stack_slot_bytes(plan.spec, plan.itemsize)
+    grow += max(0, state_slots - held[1]) * state_slot_bytes(plan.spec, plan.itemsize)
+    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
+    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
+    rows = [int(n) for n in sched.terms.pred_offsets[1:] - sched.terms.pred_offsets[:-1]]
+    activations, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig)
+    parts = {"gradients": plan.parts.get("gradients", 0.0), "kv_stack": float(grow), "activations": activations}
+    return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,
+                   reason=plan.reason + f"; peak at group {where.get('group')} ({where.get('tokens')} tokens)")

@@ -25,8 +25,9 @@ kernels and adapters included, by the runtime; HF's eager figure otherwise), the
 bytes the step may still allocate and the forest's size: nothing measured on earlier
 steps feeds back, so a step's calls (and the kernels they compile) do not change after
 the first step. The byte figures and the step simulation are in
-:mod:`dtree.plan.memory_model`; after scheduling, :func:`dtree.plan.memory_model.simulate_peak`
-replaces the plan's bound with the schedule's predicted peak (:func:`refine`).
+:mod:`dtree.plan.memory_model`, with :class:`~dtree.plan.memory_model.MemoryPlan`; after
+scheduling, :func:`dtree.plan.memory_model.refine` replaces the plan's bound with the
+schedule's predicted peak.
 
 Settings (``TreeRuntime(memory=...)``):
 
@@ -51,7 +52,7 @@ runtime are kept as given; the policy decides the rest.
 Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~38 us each for
 qwen2.5-1.5b on an H100): a model call's CPU work (eager layers: ~90 ms to launch its
 kernels forward and backward) is hidden behind the GPU unless the call's own GPU work is
-shorter, so a call of ``T`` tokens costs :data:`CALL_FIXED_TOKENS` plus ``max(0,
+shorter, so a call of ``T`` tokens costs :data:`~dtree.plan.memory_model.CALL_FIXED_TOKENS` plus ``max(0,
 CALL_CPU_TOKENS - T)`` (on an H100 a call cost 43-110 ms beyond its tokens' work on
 the agentic trees, where every call's attention also re-reads the path's K/V; an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an H200); re-running a layer (a checkpointed layer, a recomputed group) costs
 its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
@@ -62,10 +63,9 @@ within :data:`SLACK` of the fastest count as equally fast: the leanest of them r
 
 from __future__ import annotations
 
-import functools
 import math
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -73,23 +73,25 @@ import torch
 from ..config import MEMORY_SETTINGS as SETTINGS
 from ..models.protocol import ModelSpec
 from .memory_model import (
+    RECOMPUTE,
     SMALL_CALL_TOKENS,
+    MemoryPlan,
     StepShape,
     _Figures,
     call_count,
+    call_overhead_tokens,
+    cost_rates,
     head_bytes,
     layer_activation_bytes,
     layer_input_bytes,
-    simulate_peak,
     stack_slot_bytes,
     state_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
 
 __all__ = [
-    "MemoryPlan", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
-    "layer_input_bytes", "missing_grad_bytes", "plan_step", "refine", "retain_budget", "stack_slot_bytes",
-    "state_slot_bytes",
+    "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
+    "layer_input_bytes", "missing_grad_bytes", "plan_step", "stack_slot_bytes", "state_slot_bytes",
 ]
 
 # Plans within this fraction of the fastest predicted one count as equally fast; the
@@ -111,93 +113,7 @@ CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_LOGPROB_CHUNK = 1024
-# Cost model constants (see the module docstring), for qwen2.5-1.5b on an H100 in eager
-# mode; both scale with layers per unit of per-token compute.
-CALL_CPU_TOKENS = 2600.0
-CALL_FIXED_TOKENS = 1500.0  # H100, qwen2.5-1.5b, 64k agentic tree: 20 calls of 4,096 tokens took 4.22 s a step, ~6
-# calls of up to 14.9k tokens 2.65 s (kernel sessions 3, 4); session B measured ~43 ms (1,300) a call
-_CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
 HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
-RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
-
-
-@functools.lru_cache(maxsize=64)
-def _rates(spec: ModelSpec) -> tuple[float, float, float]:
-    """(a token's layer forward, all layers, as a fraction of its fwd+bwd compute; the LM
-    head's share of the forward; the call-cost scale: layers per unit of per-token
-    compute against the reference model's)."""
-    head = 2 * spec.hidden_size * spec.vocab_size
-    total = spec.forward_flops_per_token()
-    layers, flops = _CALL_REFERENCE
-    return (total - head) / (3 * total), head / total, (spec.num_layers / layers) * (flops / total)
-
-
-def _call_tokens(spec: ModelSpec, tokens: float) -> float:
-    """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
-    part, and the CPU time its GPU work does not hide (both proportional to the layers,
-    against the per-token compute)."""
-    scale = _rates(spec)[2]
-    return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
-
-
-@dataclass(frozen=True)
-class MemoryPlan:
-    """One step's decisions and the figures behind them (bytes are what the step adds
-    on top of ``start_bytes``, what was allocated when it started).
-
-    ``path_checkpoint_layers``: layers checkpointed in the retained groups with
-    children, or :data:`RECOMPUTE`; ``retain_bytes``: what their graphs may hold at
-    once, at ``retained_bytes_per_token`` (:func:`retain_budget` turns it into
-    tokens); ``inf`` on CPU."""
-
-    group_tokens: int
-    checkpoint_layers: int
-    logprob_chunk: int
-    retain_bytes: float
-    retained_bytes_per_token: float
-    predicted_peak_bytes: float
-    predicted_cost: float  # tokens' worth of compute
-    budget_bytes: float
-    setting: str
-    path_checkpoint_layers: int = 0
-    start_bytes: float = 0.0
-    parts: dict = field(default_factory=dict, compare=False)  # predicted peak by part (bytes)
-    reason: str = ""
-    call_bytes: CallBytes | None = field(default=None, compare=False)
-    fused_head: bool = False
-    spec: ModelSpec | None = field(default=None, compare=False)
-    itemsize: int = 2
-
-    def retain_tokens(self) -> float:
-        """Tokens whose graphs fit in ``retain_bytes``."""
-        if self.retained_bytes_per_token <= 0:
-            return math.inf
-        return self.retain_bytes / self.retained_bytes_per_token
-
-    def describe(self) -> dict:
-        """The plan as plain numbers (``StepOutput.metrics["memory_plan"]``)."""
-        gib = 2.0**30
-
-        def g(x):
-            return None if math.isinf(x) or math.isnan(x) else x / gib
-
-        return {
-            "setting": self.setting,
-            "group_tokens": self.group_tokens,
-            "checkpoint_layers": self.checkpoint_layers,
-            "path_checkpoint_layers": (
-                "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
-            ),
-            "logprob_chunk": self.logprob_chunk,
-            "predicted_peak_gib": g(self.predicted_peak_bytes),
-            "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
-            "start_gib": g(self.start_bytes),
-            "budget_gib": g(self.budget_bytes),
-            "retain_gib": g(self.retain_bytes),
-            "parts_gib": {k: v / gib for k, v in self.parts.items()},
-            "bytes_per_token": self.call_bytes.describe() if self.call_bytes is not None else None,
-            "reason": self.reason,
-        }
 
 
 def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
@@ -235,16 +151,16 @@ def _candidate(
         "call_activations": call * cb.call(knobs.checkpoint),
         "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
     }
-    (s, head_share, _), L = _rates(spec), max(1, spec.num_layers)
+    (s, head_share, _), L = cost_rates(spec), max(1, spec.num_layers)
     shared = min(shape.shared_tokens, u)
     cost = u + (u - shared) * s * knobs.checkpoint / L
     if knobs.path == RECOMPUTE:
         reruns = math.ceil(shared / max(call, 1))
-        cost += shared * s * (1 + knobs.checkpoint / L) + reruns * _call_tokens(spec, min(call, shared))
+        cost += shared * s * (1 + knobs.checkpoint / L) + reruns * call_overhead_tokens(spec, min(call, shared))
     else:
         cost += shared * s * knobs.path / L
     calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
-    cost += calls * _call_tokens(spec, u / calls)
+    cost += calls * call_overhead_tokens(spec, u / calls)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
     return sum(parts.values()), cost, parts
 
@@ -311,11 +227,13 @@ def plan_step(
         for g in _options(group_tokens, GROUP_TOKENS) for k in ckpts for p in paths
         for c in _options(logprob_chunk, LOGPROB_CHUNKS)
     ]
-    plans = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs]
-    if setting == "low":  # the lean recipe's peak is the cap
-        recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk)
+    recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
+    if recipe is not None:  # the lean recipe's peak is the cap: scored last, beside the plans
         fig_of.setdefault(recipe.chunk, _Figures(spec, itemsize, cb, fused_head, recipe.chunk))
-        budget = min(budget, _candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
+    scored = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs + [recipe] * bool(recipe)]
+    plans = scored[: len(knobs)]
+    if recipe is not None:
+        budget = min(budget, scored[-1][0] * (1 + SLACK))
     (peak, cost, parts, kn), reason = _choose(plans, budget)
     per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
     retain = 0.0 if kn.path == RECOMPUTE else max(parts["path_graphs"], budget - peak + parts["path_graphs"])
@@ -397,34 +315,6 @@ def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
     if len(plans) > 1:
         reason += f" ({len(fitting)} of {len(plans)} plans fit)"
     return chosen, reason
-
-
-def retain_budget(plan: MemoryPlan, mode: str, tokens: int | None = None) -> float:
-    """Tokens of groups with children whose graphs are kept alive at once (the walk retains the
-    outermost first, recomputes the rest): ``tokens`` (the config's ``retain_budget_tokens``) when
-    given, else all in ``retain`` mode and on CPU, none in ``recompute`` mode or when the plan
-    recomputes the path, else what fits in ``plan.retain_bytes``."""
-    if tokens is not None:
-        return float(tokens)
-    if mode == "retain" or (mode == "auto" and math.isinf(plan.retain_bytes)):
-        return math.inf
-    if mode == "recompute" or plan.path_checkpoint_layers == RECOMPUTE:
-        return 0.0
-    return plan.retain_tokens()
-
-
-def refine(plan: MemoryPlan, sched, rows: list[int], budget_tokens: float, stack_bytes: float) -> MemoryPlan:
-    """``plan`` with its predicted peak from the schedule (:func:`dtree.plan.memory_model.simulate_peak`):
-    the actual calls, the path graphs the walk retains under ``budget_tokens``, the
-    stacks' growth ``stack_bytes`` (KV and state slots written, less what was held)."""
-    if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
-        return plan
-    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
-    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
-    activations, where = simulate_peak(sched, rows, budget_tokens, plan.checkpoint_layers, path, fig)
-    parts = {"gradients": plan.parts.get("gradients", 0.0), "kv_stack": stack_bytes, "activations": activations}
-    return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,
-                   reason=plan.reason + f"; peak at group {where.get('group')} ({where.get('tokens')} tokens)")
 
 
 def available_bytes(device: torch.device) -> tuple[float, float]:

@@ -38,8 +38,8 @@ import numpy as np
 from ..forest.forest import Forest
 
 __all__ = [
-    "Schedule", "GroupPlan", "LossTerms", "build_schedule", "all_predictions", "select_loss_terms", "prediction_lin",
-    "FORWARD", "BACKWARD",
+    "Schedule", "GroupPlan", "LossTerms", "build_schedule", "check_stack_capacity", "all_predictions",
+    "select_loss_terms", "prediction_lin", "FORWARD", "BACKWARD",
 ]
 
 FORWARD, BACKWARD = 0, 1
@@ -193,9 +193,7 @@ class _Segments:
     sub_count: np.ndarray
     sub_tokens: np.ndarray
 
-    @property
-    def num_segments(self) -> int:
-        return len(self.start)
+    num_segments = property(lambda self: len(self.start))
 
 
 def _split_segments(forest: Forest, chunk_size: int) -> _Segments:
@@ -365,18 +363,11 @@ def _group_plans(packer: _GroupPacker, seg_ranges: list[tuple[tuple[int, int], .
     plans = []
     for g in packer.groups:
         ranges = [seg_ranges[s] for s in g.segments]
-        plans.append(
-            GroupPlan(
-                parent=g.parent,
-                stack_start=g.stack_start,
-                num_tokens=int(g.seg_q_offsets[-1]),
-                segments=g.segments,
-                seg_q_offsets=g.seg_q_offsets,
-                seg_prefix_ranges=ranges,
-                num_children=g.num_children,
-                in_call_ancestors=any(hi > g.stack_start for r in ranges for _, hi in r),
-            )
-        )
+        plans.append(GroupPlan(
+            parent=g.parent, stack_start=g.stack_start, num_tokens=int(g.seg_q_offsets[-1]), segments=g.segments,
+            seg_q_offsets=g.seg_q_offsets, seg_prefix_ranges=ranges, num_children=g.num_children,
+            in_call_ancestors=any(hi > g.stack_start for r in ranges for _, hi in r),
+        ))
     return plans
 
 
@@ -417,11 +408,8 @@ def _every_term(forest: Forest, row_unique: np.ndarray, row_offsets: np.ndarray)
     order = np.argsort(l_group, kind="stable")
     loss_lin = lin_idx[order]
     return LossTerms(
-        pred_hidden_row=unique_local[forest.predecessor[pred_unique]],
-        pred_unique=pred_unique,
-        pred_offsets=pred_offsets,
-        loss_lin=loss_lin,
-        loss_pred=pred_index[forest.lin_unique[loss_lin]],
+        pred_hidden_row=unique_local[forest.predecessor[pred_unique]], pred_unique=pred_unique,
+        pred_offsets=pred_offsets, loss_lin=loss_lin, loss_pred=pred_index[forest.lin_unique[loss_lin]],
         loss_offsets=np.searchsorted(l_group[order], np.arange(num_groups + 1)),
     )
 
@@ -447,3 +435,15 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         terms=_every_term(forest, row_unique, row_offsets), num_segments=segs.num_segments,
         segment_parent=segs.parent,
     )
+
+
+def check_stack_capacity(sched: Schedule, forest: Forest, capacity: int | None) -> None:
+    """A ValueError, naming the fix, when ``sched`` writes more KV-stack slots than the
+    runtime's ``stack_capacity`` (None: no limit)."""
+    if capacity is None or sched.stack_tokens <= capacity:
+        return
+    lengths = forest.sequence_lengths()
+    s = int(np.argmax(lengths))
+    too_long = f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
+    hint = too_long if lengths[s] > capacity else "lower group_tokens or raise stack_capacity"
+    raise ValueError(f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}")

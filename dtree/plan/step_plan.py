@@ -31,13 +31,14 @@ from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head
 from ..ops.registry import resolve_backend
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
+from .memory_model import refine
 from .memory_probe import CallBytes, measure_call_bytes
-from .schedule import LossTerms, Schedule, all_predictions, build_schedule, select_loss_terms
+from .schedule import LossTerms, Schedule, all_predictions, build_schedule, check_stack_capacity, select_loss_terms
 from .state_plan import StatePlan, plan_states
 
 __all__ = [
     "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "hf_checkpointing", "measured_call_bytes",
-    "pick_backend", "pick_recurrence", "plan_memory", "refine_plan", "step_shape",
+    "pick_backend", "pick_recurrence", "plan_memory", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -169,23 +170,6 @@ def measured_call_bytes(
     return cache.get(key)
 
 
-def refine_plan(
-    plan: memory_policy.MemoryPlan, sched: Schedule, config: RuntimeConfig, stack: StepStacks | None,
-    state_slots: int = 0,
-) -> memory_policy.MemoryPlan:
-    """The plan with its peak predicted from ``sched`` (the calls it makes, the path it
-    retains, the KV-stack slots it writes and its ``state_slots`` state-stack slots
-    (:attr:`dtree.plan.state_plan.StatePlan.capacity`) beyond those of the ``stack`` held)."""
-    rows = np.diff(sched.terms.pred_offsets).tolist()
-    held, held_states = (stack.capacity, stack.state_slots) if stack is not None else (0, 0)
-    grow = 0.0
-    if plan.spec is not None:
-        grow = max(0, sched.stack_tokens - held) * memory_policy.stack_slot_bytes(plan.spec, plan.itemsize)
-        grow += max(0, state_slots - held_states) * memory_policy.state_slot_bytes(plan.spec, plan.itemsize)
-    budget = memory_policy.retain_budget(plan, config.mode, config.retain_budget_tokens)
-    return memory_policy.refine(plan, sched, rows, budget, float(grow))
-
-
 @dataclass(frozen=True)
 class StepArrays:
     """Every per-step array the walk slices, on the device (int64 unless noted), in one
@@ -212,23 +196,6 @@ class StepArrays:
     weights: torch.Tensor | None = None
     fields: dict[str, torch.Tensor] = field(default_factory=dict)
     stack_starts: torch.Tensor | None = None
-
-    @classmethod
-    def upload(
-        cls, forest: Forest, sched: Schedule, terms: LossTerms, weights: np.ndarray | None,
-        field_names: Sequence[str], device: torch.device, dtype: torch.dtype,
-    ) -> "StepArrays":
-        """``weights``: [N] per linearized token (None: a log-prob walk, no terms)."""
-        per_term = [] if weights is None else [weights[terms.loss_lin]]
-        ints, floats = upload_arrays(
-            [forest.tokens[sched.row_unique], forest.positions[sched.row_unique], terms.pred_hidden_row,
-             terms.pred_unique, forest.tokens[terms.pred_unique], terms.loss_pred,
-             np.array([g.stack_start for g in sched.groups])],
-            per_term + [forest.fields[n][terms.loss_lin] for n in field_names],
-            device, compute_dtype(dtype),
-        )
-        w = None if weights is None else floats.pop(0)
-        return cls(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
 
 
 @dataclass(frozen=True)
@@ -287,9 +254,9 @@ class StepPlanner:
         self.recurrence: str | None = None
         self.stack: StepStacks | None = None
         self.memory_plan: memory_policy.MemoryPlan | None = None  # the last planned step's
-        self.retain_budget = 0.0  # the last planned step's (memory_policy.retain_budget)
         self._call_bytes: dict = {}
-        self._last: tuple[Schedule, StatePlan | None] | None = None  # the last schedule and its state slots
+        # the last step's memory plan, schedule and state slots (the two-pass path reuses them)
+        self._last: tuple[memory_policy.MemoryPlan, Schedule, StatePlan | None] | None = None
 
     def sync(self) -> Placement:
         """Read the model's device and dtype; when they (or torch's deterministic mode)
@@ -312,9 +279,20 @@ class StepPlanner:
         return self.memory_plan.logprob_chunk if self.memory_plan is not None else memory_policy.DEFAULT_LOGPROB_CHUNK
 
     def schedule(self, forest: Forest) -> Schedule:
-        """The memory plan for ``forest`` (validated), then its schedule (calls of the plan's
-        size) and state slots, then the plan's peak predicted from the schedule (the calls it
-        makes, the path it retains, the KV and state slots it writes beyond those held)."""
+        """The schedule a step over ``forest`` (validated) would run now."""
+        return self._plan_schedule(forest, None, same_schedule=False)[1]
+
+    def _plan_schedule(
+        self, forest: Forest, weights: np.ndarray | None, same_schedule: bool
+    ) -> tuple[memory_policy.MemoryPlan, Schedule, LossTerms, StatePlan | None]:
+        """The memory plan, schedule, loss terms (``weights`` None: every prediction) and state
+        slots of a step over ``forest``, in that order: the plan sizes the calls, the schedule
+        packs them, the state slots follow the schedule, and the plan's peak is then predicted
+        from the schedule (:func:`dtree.plan.memory_model.refine`). ``same_schedule``: the last
+        step's plan, schedule and state slots, with new loss terms (the two-pass path)."""
+        if same_schedule:
+            memory, sched, states = self._last
+            return memory, sched, select_loss_terms(sched, weights), states
         self.sync()
         head = as_output_head(self.model.dtree_output_layer())
         call_bytes = measured_call_bytes(
@@ -322,23 +300,14 @@ class StepPlanner:
         )
         memory = plan_memory(self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes)
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
-        capacity = self.config.stack_capacity
-        if capacity is not None and sched.stack_tokens > capacity:
-            lengths = forest.sequence_lengths()
-            s = int(np.argmax(lengths))
-            hint = (
-                f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
-                if lengths[s] > capacity
-                else "lower group_tokens or raise stack_capacity"
-            )
-            raise ValueError(
-                f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}"
-            )
+        check_stack_capacity(sched, forest, self.config.stack_capacity)
+        terms = select_loss_terms(sched, weights) if weights is not None else all_predictions(sched)
         states = plan_states(sched) if self.spec.recurrent_states else None
-        self.memory_plan = refine_plan(memory, sched, self.config, self.stack, states.capacity if states else 0)
-        self.retain_budget = memory_policy.retain_budget(memory, self.config.mode, self.config.retain_budget_tokens)
-        self._last = (sched, states)
-        return sched
+        held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
+        retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
+        memory = refine(memory, sched, retain_tokens, held, states.capacity if states is not None else 0)
+        self.memory_plan, self._last = memory, (memory, sched, states)
+        return memory, sched, terms, states
 
     def make_plan(
         self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
@@ -347,12 +316,19 @@ class StepPlanner:
         """The plan of a step over ``forest``: a training plan with its [N] ``weights`` and the
         loss's fields, else a log-prob plan (every prediction, no gradient slots); over the
         last plan's schedule when ``same_schedule`` (the two-pass path's second pass), else
-        a new schedule. The stacks are the ones held when they fit, else new ones."""
-        sched, states = self._last if same_schedule else (self.schedule(forest), self._last[1])
-        training = weights is not None
-        terms = select_loss_terms(sched, weights) if training else all_predictions(sched)
-        device, dtype = self.placement
-        arrays = StepArrays.upload(forest, sched, terms, weights, field_names, device, dtype)
+        a new schedule. The step's arrays go to the device in one copy per kind; the stacks
+        are the ones held when they fit, else new ones."""
+        memory, sched, terms, states = self._plan_schedule(forest, weights, same_schedule)
+        training, (device, dtype) = weights is not None, self.placement
+        ints, floats = upload_arrays(
+            [forest.tokens[sched.row_unique], forest.positions[sched.row_unique], terms.pred_hidden_row,
+             terms.pred_unique, forest.tokens[terms.pred_unique], terms.loss_pred,
+             np.array([g.stack_start for g in sched.groups])],
+            ([weights[terms.loss_lin]] if training else []) + [forest.fields[n][terms.loss_lin] for n in field_names],
+            device, compute_dtype(dtype),
+        )
+        w = floats.pop(0) if training else None
+        arrays = StepArrays(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
         capacity = max(sched.stack_tokens, self.config.stack_capacity or 0, 1)
         state_slots = states.capacity if states is not None else 0
         if self.stack is None or not self.stack.fits(self.spec, capacity, state_slots, dtype, device, training):
@@ -363,12 +339,12 @@ class StepPlanner:
                 self.stack = StepStacks(
                     self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training
                 )
-        memory, root = self.memory_plan, checkpoint_root(self.module) if training else None
+        root = checkpoint_root(self.module) if training else None
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepPlan(
             forest=forest, memory=memory, sched=sched, terms=terms, arrays=arrays, stack=self.stack, states=states,
-            retain_budget=self.retain_budget, mode=self.config.mode, model=self.model,
-            head=as_output_head(self.model.dtree_output_layer()),
+            retain_budget=memory.retain_budget(self.config.mode, self.config.retain_budget_tokens),
+            mode=self.config.mode, model=self.model, head=as_output_head(self.model.dtree_output_layer()),
             attention=self.attention, recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device,
             dtype=dtype,
             # model calls may draw random numbers (dropout) when any module is in training mode
