@@ -88,24 +88,29 @@ def _sync(device) -> None:
 
 
 # ----------------------------------------------------------------------- profiling
-def profile_kernels(fn, device) -> dict[str, list[float]]:
+def profile_kernels(fn, device, with_cpu: bool = False) -> dict[str, list[float]]:
     """Kernels ``fn()`` launches: name -> [launches, GPU microseconds] (every CUDA-device
     event: kernels, memcpy and memset, as the issue's baseline counted them; on CPU, for
-    the smoke run, every aten op, nested ones too, with its CPU time)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    the smoke run, every aten op, nested ones too, with its CPU time). On a GPU only the
+    device is traced (a 64k step's host events would take minutes to read back), unless
+    that recorded nothing: then ``fn`` runs again with the host traced too."""
+    on_gpu = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CUDA] if on_gpu else [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu and with_cpu:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
     with torch.profiler.profile(activities=activities) as prof:
         fn()
         _sync(device)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
-        if device.type == "cuda" and evt.device_type == torch.autograd.DeviceType.CUDA:
+        if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
             kernels[evt.name][0] += 1
             kernels[evt.name][1] += getattr(evt, "device_time_total", 0.0)
-        elif device.type != "cuda" and evt.name.startswith("aten::"):
+        elif not on_gpu and evt.name.startswith("aten::"):
             kernels[evt.name][0] += 1
             kernels[evt.name][1] += evt.cpu_time_total
+    if on_gpu and not kernels and not with_cpu:
+        return profile_kernels(fn, device, with_cpu=True)
     return dict(kernels)
 
 
