@@ -1,50 +1,67 @@
-"""What issue 21 asks to measure of the KV-stack CUDA extension (csrc/), in one process:
+"""What issue 21 asks to measure of the KV-stack CUDA extension (csrc/), in one process,
+on one model with the layers of the main bench (``dtree bench --layers auto``:
+:func:`dtree.bench.layers.apply_layers`) and its allocator setting (expandable segments):
 
+* launches: CUDA kernels per layer per model call in one default step of grpo case 1,
+  with HF's eager layers and with the bench's layers, with and without the extension,
+  against the issue's baseline (148.9: torch ops, eager); the stack glue alone (launches
+  and GPU time of one layer's push + seed and one call's zeroing) at the workloads'
+  call sizes;
+* step time, timed INTERLEAVED: three configurations (default + extension, default +
+  torch ops, deterministic + extension), each with its own runtime and warm-up steps,
+  then one timed step of each per round (the order rotates every round), the memory
+  plan of every step recorded; when the configurations' plans differ, all three are
+  pinned to the default's (its group_tokens, checkpoint_layers, logprob_chunk, path and
+  retain budget given explicitly) and warmed up again, and the report says so; then one
+  profiled step of each, the GPU kernel time by kernel (where a difference comes from);
 * determinism: three runs of one ~32k-unique-token agentic forest in deterministic mode
-  give bitwise-identical gradients on every parameter (and, for contrast, how far two
-  default-mode runs are apart);
-* the cost of deterministic mode: steady step time, deterministic vs default, on the
-  64k agentic tree and grpo case 1 (prompt 2048, G=8, answers 512);
-* no step slower with the extension: the default step with it and with the torch ops;
-* launches: CUDA kernels per layer per model call in one step with and without the
-  extension, and the stack glue alone (push + seed + zero of one layer of one call).
+  give bitwise-identical gradients on every parameter (two default runs for contrast).
 
     python benchmarks/csrc_gpu.py --out DIR            # H100, qwen2.5-1.5b, bf16 (~4 min)
     python benchmarks/csrc_gpu.py --smoke --out DIR    # CPU, tiny model, small trees (plumbing)
 
-Order: launches, the default step with and without the extension, determinism, then the
-deterministic steps (slow while the Triton backward has no deterministic form: SDPA per
-segment, one timed step). DIR/csrc_gpu.md and DIR/csrc_gpu.json are rewritten after every
-part, so a run cut short keeps what it finished.
-``benchmarks/csrc_gpu.sh`` builds the extension first and runs the GPU tests.
+DIR/csrc_gpu.md and .json (:mod:`benchmarks.csrc_gpu_report`) are rewritten after every part,
+so a run cut short keeps what it finished. ``benchmarks/csrc_gpu.sh`` builds the extension first.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
+import gc
+import math
 import os
+import statistics
 import sys
 import time
-from collections import Counter
+from collections import defaultdict
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree  # noqa: E402
-from dtree.bench.measure import timed_step  # noqa: E402
+from benchmarks.csrc_gpu_report import BASELINE_PER_LAYER_PER_CALL, kernel_summary, write  # noqa: E402
+from dtree.bench.layers import LAYER_CHOICES, apply_layers  # noqa: E402
+from dtree.bench.measure import timed_step, use_expandable_segments  # noqa: E402
 from dtree.bench.report import environment  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.ops.stack_ops import interface as stack_ops  # noqa: E402
 from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
+from dtree.plan import memory_policy  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
 CASE1 = {"num_prompts": 1, "prompt_len": 2048, "group_size": 8, "answer_len": 512}
 SMALL_TREE = {"num_trees": 1, "system_prompt_len": 64, "trajectories": 2, "turn_len": (4, 40), "turn_len_median": 12}
+# (key, label, deterministic, extension): the configurations timed side by side
+CONFIGS = (
+    ("ext", "default, extension", False, True),
+    ("ops", "default, torch ops", False, False),
+    ("det", "deterministic, extension", True, True),
+)
+PLAN_FIELDS = ("group_tokens", "checkpoint_layers", "path_checkpoint_layers", "logprob_chunk")
 
 
 def workloads(smoke: bool) -> dict[str, tuple[str, dict]]:
@@ -61,6 +78,250 @@ def workloads(smoke: bool) -> dict[str, tuple[str, dict]]:
     }
 
 
+def _scope(ext: bool):
+    return contextlib.nullcontext() if ext else stack_ops.extension_disabled()
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ----------------------------------------------------------------------- profiling
+def profile_kernels(fn, device, with_cpu: bool = False) -> dict[str, list[float]]:
+    """Kernels ``fn()`` launches: name -> [launches, GPU microseconds] (every CUDA-device
+    event: kernels, memcpy and memset, as the issue's baseline counted them; on CPU, for
+    the smoke run, every aten op, nested ones too, with its CPU time). On a GPU only the
+    device is traced (a 64k step's host events would take minutes to read back), unless
+    that recorded nothing: then ``fn`` runs again with the host traced too."""
+    on_gpu = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CUDA] if on_gpu else [torch.profiler.ProfilerActivity.CPU]
+    if on_gpu and with_cpu:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    with torch.profiler.profile(activities=activities) as prof:
+        fn()
+        _sync(device)
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for evt in prof.events():
+        if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[evt.name][0] += 1
+            kernels[evt.name][1] += getattr(evt, "device_time_total", 0.0)
+        elif not on_gpu and evt.name.startswith("aten::"):
+            kernels[evt.name][0] += 1
+            kernels[evt.name][1] += evt.cpu_time_total
+    if on_gpu and not kernels and not with_cpu:
+        return profile_kernels(fn, device, with_cpu=True)
+    return dict(kernels)
+
+
+def _profiled_step(rt, model, forest, loss, device) -> tuple[dict, object]:
+    holder = {}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        holder["out"] = rt.forward_backward(forest, loss)
+
+    kernels = profile_kernels(step, device)
+    return kernels, holder["out"]
+
+
+def count_launches(model, forest, loss, device, spec) -> dict:
+    """Kernels per layer per model call in one default step (after a warm-up step), with
+    and without the extension."""
+    out = {}
+    for label, ext in (("extension", True), ("torch ops", False)):
+        with _scope(ext):
+            rt = dtree.TreeRuntime(model)
+            timed_step(rt, forest, loss, model, device)  # warm-up: Triton compiles, the memory probe
+            kernels, step = _profiled_step(rt, model, forest, loss, device)
+            del rt
+        total = sum(c for c, _ in kernels.values())
+        out[label] = {
+            "kernels": total, "model_calls": step.num_model_calls,
+            "per_layer_per_call": total / (step.num_model_calls * spec.num_layers),
+            "plan": plan_of(step),
+        }
+        model.zero_grad(set_to_none=True)
+    return out
+
+
+# ----------------------------------------------------------------------- stack glue alone
+def _time_us(fn, device, reps: int) -> float:
+    """Median microseconds of ``fn()`` (CUDA events on a GPU)."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) * 1e3)
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e6)
+    return statistics.median(times)
+
+
+def glue_costs(spec, device, rows_list: dict[str, int], reps: int) -> dict:
+    """The stack glue of one call with grad, per call size (name -> rows): launches and
+    time with and without the extension (:func:`_glue_one`)."""
+    return {name: {"rows": t, **_glue_one(spec, device, t, reps)} for name, t in rows_list.items()}
+
+
+def _glue_one(spec, device, t: int, reps: int) -> dict:
+    """One layer's push (K and V) and seed (the slots' gradients folded into dK/dV) of a
+    call of ``t`` rows, and the call's zeroing of its gradient slots in every layer
+    (shared by its layers)."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    stack = KVStack(spec.num_layers, t + 64, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+    k = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
+    device_lo = torch.tensor([64], device=device)
+
+    def per_layer():
+        stack.push(3, 64, k, k, device_lo=device_lo)
+        stack.seed_grad(3, 64, 64 + t, k, k, (dtype, dtype), device_lo=device_lo)
+
+    def per_call():
+        stack.zero_grad(64, 64 + t, device_lo=device_lo)
+
+    row = {}
+    for label, ext in (("extension", True), ("torch ops", False)):
+        with _scope(ext):
+            per_layer(), per_call()
+            _sync(device)
+            layer = sum(c for c, _ in profile_kernels(per_layer, device).values())
+            call = sum(c for c, _ in profile_kernels(per_call, device).values())
+            row[label] = {
+                "launches_per_layer": layer + call / spec.num_layers,
+                "layer_us": _time_us(per_layer, device, reps), "call_us": _time_us(per_call, device, reps),
+            }
+    return row
+
+
+# ----------------------------------------------------------------------- interleaved timing
+def plan_of(out) -> dict:
+    """A step's memory plan and what it made of it (``StepOutput``)."""
+    plan = out.metrics.get("memory_plan") or {}
+    return {
+        **{f: plan.get(f) for f in PLAN_FIELDS},
+        "model_calls": out.num_model_calls, "recomputed_tokens": out.metrics.get("recomputed_tokens"),
+        "predicted_total_gib": plan.get("predicted_total_gib"),
+    }
+
+
+def _plan_key(plan: dict) -> tuple:
+    return tuple(plan[f] for f in (*PLAN_FIELDS, "model_calls", "recomputed_tokens"))
+
+
+class _Run:
+    """One configuration: its runtime, its extension setting, and what its steps did."""
+
+    def __init__(self, key: str, label: str, config: dtree.RuntimeConfig, ext: bool):
+        self.key, self.label, self.config, self.ext = key, label, config, ext
+        self.rt = None
+        self.warmup_plans: list[dict] = []
+        self.steps: list[dict] = []
+
+    def start(self, model, config: dtree.RuntimeConfig | None = None) -> None:
+        self.rt = None
+        gc.collect()
+        self.config = config or self.config
+        self.rt = dtree.TreeRuntime(model, config=self.config)
+
+    def step(self, model, forest, loss, device, timed: bool) -> dict:
+        gc.collect()  # outside the timed region: no collection of earlier steps' garbage inside it
+        mallocs = _device_mallocs(device)
+        with _scope(self.ext):
+            out, seconds = timed_step(self.rt, forest, loss, model, device)
+        rec = {
+            "seconds": seconds, "plan": plan_of(out), "cuda_mallocs": _device_mallocs(device) - mallocs,
+            "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        }
+        if timed:
+            self.steps.append(rec)
+        else:
+            self.warmup_plans.append(rec["plan"])
+        return rec
+
+
+def _device_mallocs(device) -> int:  # cudaMalloc calls so far (the allocator's growth inside a step)
+    return int(torch.cuda.memory_stats(device).get("num_device_alloc", 0)) if device.type == "cuda" else 0
+
+
+def pinned_config(run: _Run, forest) -> dict:
+    """The default's plan as explicit runtime options: call size, checkpointed layers and
+    head chunk; the path (recomputed, or retained with the call's checkpointed layers)
+    and the retain budget the policy gave it."""
+    plan = run.warmup_plans[-1]
+    recompute = plan["path_checkpoint_layers"] == "recompute"
+    budget = memory_policy.retain_budget(run.rt.memory_plan, run.config.mode, run.config.retain_budget_tokens)
+    tokens = forest.num_unique_tokens if math.isinf(budget) else int(budget)
+    return {
+        "group_tokens": plan["group_tokens"], "checkpoint_layers": plan["checkpoint_layers"],
+        "logprob_chunk": plan["logprob_chunk"], "mode": "recompute" if recompute else "retain",
+        "retain_budget_tokens": tokens,
+    }
+
+
+def _warm(runs, model, forest, loss, device, warmup: int) -> None:
+    for run in runs:
+        for _ in range(warmup):
+            run.step(model, forest, loss, device, timed=False)
+
+
+def time_interleaved(model, forest, loss, device, steps: int, warmup: int, configs: dict | None = None) -> dict:
+    """The three configurations on one forest, interleaved step by step after their
+    warm-ups, at one memory plan (pinned to the default's when theirs differ).
+    ``configs``: key -> RuntimeConfig instead of :data:`CONFIGS`' (tests force a plan)."""
+    configs = configs or {}
+    runs = [_Run(key, label, configs.get(key, dtree.RuntimeConfig(deterministic=det)), ext)
+            for key, label, det, ext in CONFIGS]
+    for run in runs:
+        run.start(model)
+    _warm(runs, model, forest, loss, device, warmup)
+    chosen = {run.key: run.warmup_plans[-1] for run in runs}
+    pin = None
+    if len({_plan_key(p) for p in chosen.values()}) > 1:
+        pin = pinned_config(runs[0], forest)
+        for run in runs:
+            run.start(model, run.config.replace(**pin))
+            run.warmup_plans.clear()
+        _warm(runs, model, forest, loss, device, warmup)
+    for i in range(steps):
+        for j in range(len(runs)):  # A B C, B C A, C A B, ...: no configuration always runs first
+            runs[(i + j) % len(runs)].step(model, forest, loss, device, timed=True)
+    breakdown = {}
+    for run in runs:  # after the timing: one profiled step of each
+        with _scope(run.ext):
+            kernels, _ = _profiled_step(run.rt, model, forest, loss, device)
+        breakdown[run.key] = kernels
+    result = {"unpinned_plans": chosen, "pinned": pin, "configs": {}, "kernels": kernel_summary(breakdown)}
+    for run in runs:
+        secs = [s["seconds"] for s in run.steps]
+        result["configs"][run.key] = {
+            "label": run.label, "backend": run.rt.attention, "steps": run.steps, "steps_s": secs,
+            "median_s": statistics.median(secs), "min_s": min(secs), "max_s": max(secs),
+            "plans": sorted({_plan_key(s["plan"]) for s in run.steps}, key=str),
+        }
+        run.rt = None
+    result["same_plan"] = len({p for c in result["configs"].values() for p in c["plans"]}) == 1
+    result["paired"] = {
+        "ext_vs_ops": _paired(result["configs"]["ext"]["steps_s"], result["configs"]["ops"]["steps_s"]),
+        "det_vs_ext": _paired(result["configs"]["det"]["steps_s"], result["configs"]["ext"]["steps_s"]),
+    }
+    model.zero_grad(set_to_none=True)
+    gc.collect()
+    return result
+
+
+def _paired(a: list[float], b: list[float]) -> float:
+    """The median over rounds of a_i / b_i - 1 (each round's steps ran back to back)."""
+    return statistics.median(x / y - 1 for x, y in zip(a, b, strict=True))
+
+
+# ----------------------------------------------------------------------- determinism
 def _grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
@@ -107,209 +368,39 @@ def check_determinism(model, forest, loss, device, runs: int = 3) -> dict:
     return out
 
 
-def time_steps(
-    model, forest, loss, device, config: dtree.RuntimeConfig, steps: int, ext: bool, warmup: bool = True
-) -> dict:
-    """Steady step time of ``config``: one warm-up step, then the median of ``steps``."""
-    scope = contextlib.nullcontext() if ext else stack_ops.extension_disabled()
-    with scope:
-        rt = dtree.TreeRuntime(model, config=config)
-        if warmup:
-            timed_step(rt, forest, loss, model, device)
-        times = sorted(timed_step(rt, forest, loss, model, device)[1] for _ in range(steps))
-        backend = rt.attention
-    del rt
-    model.zero_grad(set_to_none=True)
-    return {"median_s": times[len(times) // 2], "steps_s": times, "backend": backend}
-
-
-def _count_kernels(fn, device) -> Counter:
-    """CUDA kernels ``fn()`` launches, by name (CPU: aten ops, for the smoke run)."""
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-    names = Counter()
-    for evt in prof.events():
-        if device.type == "cuda":
-            if evt.device_type == torch.autograd.DeviceType.CUDA:
-                names[evt.name] += 1
-        elif evt.name.startswith("aten::"):  # the smoke run: every aten op, nested ones too
-            names[evt.name] += 1
-    return names
-
-
-def count_launches(model, forest, loss, device, spec) -> dict:
-    """Kernels per layer per model call in one default step, with and without the
-    extension; and the stack glue of one layer of one call alone."""
-    out = {}
-    for label, ext in (("extension", True), ("torch ops", False)):
-        scope = contextlib.nullcontext() if ext else stack_ops.extension_disabled()
-        with scope:
-            rt = dtree.TreeRuntime(model)
-            timed_step(rt, forest, loss, model, device)  # warm-up (Triton compiles, stack allocation)
-            holder = {}
-
-            def step():
-                model.zero_grad(set_to_none=True)
-                holder["out"] = rt.forward_backward(forest, loss)
-
-            kernels = _count_kernels(step, device)
-            calls = holder["out"].num_model_calls
-            del rt
-        out[label] = {
-            "kernels": sum(kernels.values()),
-            "model_calls": calls,
-            "per_layer_per_call": sum(kernels.values()) / (calls * spec.num_layers),
-            "glue_per_layer_per_call": _glue_launches(spec, device, ext),
-        }
-        model.zero_grad(set_to_none=True)
-    return out
-
-
-def _glue_launches(spec, device, ext: bool) -> float:
-    """Kernels of one layer's stack glue in one call with grad: push (K and V), the seed's
-    backward (dK, dV with the slots' gradients), and the call's zeroing shared by its layers."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    stack = KVStack(spec.num_layers, 1024, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-    t = 256
-    k = torch.randn(t, spec.num_kv_heads, spec.head_dim, dtype=dtype, device=device)
-    device_lo = torch.tensor([64], device=device)
-    scope = contextlib.nullcontext() if ext else stack_ops.extension_disabled()
-
-    def per_layer():
-        stack.push(3, 64, k, k, device_lo=device_lo)
-        stack.seed_grad(3, 64, 64 + t, k, k, (dtype, dtype), device_lo=device_lo)
-
-    def per_call():
-        stack.zero_grad(64, 64 + t, device_lo=device_lo)
-
-    with scope:
-        per_layer(), per_call()
-        layer = sum(_count_kernels(per_layer, device).values())
-        call = sum(_count_kernels(per_call, device).values())
-    return layer + call / spec.num_layers
-
-
-def _pct(new: float, old: float) -> str:
-    return f"{(new / old - 1) * 100:+.1f}%"
-
-
-def _determinism_lines(result: dict) -> list[str]:
-    det = result["determinism"]
-    lines = [
-        f"## Determinism: {result['forests']['agentic32k']} unique tokens, agentic",
-        "",
-        "| mode | backend | runs bitwise identical | parameters not equal | largest relative difference | steps (s) |",
-        "|---|---|---|---|---|---|",
-    ]
-    for label in ("default", "deterministic"):
-        d = det[label]
-        lines.append(
-            f"| {label} | {d['backend']} | {d['bitwise_identical']} | {d['unequal_parameters']} of {det['parameters']} "
-            f"| {d['max_rel_diff']:.2e} ({d['worst_parameter'] or '-'}) | "
-            + ", ".join(f"{s:.2f}" for s in d["step_s"]) + " |"
-        )
-    return lines + [""]
-
-
-def _time_lines(result: dict) -> list[str]:
-    lines = [
-        "## Step time (median of steady steps, same forest)",
-        "",
-        "| workload | default, extension | default, torch ops | extension vs torch ops | deterministic "
-        "| deterministic cost |",
-        "|---|---|---|---|---|---|",
-    ]
-    for name, c in result["cost"].items():
-        ext, ops, det = c["default"], c["default_torch_ops"], c.get("deterministic")
-        det_cells = "not run | -" if det is None else (
-            f"{det['median_s']:.3f} s ({det['backend']}, {len(det['steps_s'])} steps) | "
-            f"{_pct(det['median_s'], ext['median_s'])}"
-        )
-        lines.append(
-            f"| {name} ({result['forests'][name]} unique) | {ext['median_s']:.3f} s | {ops['median_s']:.3f} s | "
-            f"{_pct(ext['median_s'], ops['median_s'])} | {det_cells} |"
-        )
-    return lines + [""]
-
-
-def _launch_lines(result: dict) -> list[str]:
-    e, t = result["launches"]["extension"], result["launches"]["torch ops"]
-
-    def row(label, x):
-        return (f"| {label} | {x['kernels']} | {x['model_calls']} | {x['per_layer_per_call']:.1f} "
-                f"| {x['glue_per_layer_per_call']:.2f} |")
-
-    return [
-        f"## Launches ({result['launch_workload']}, one default step)",
-        "",
-        "| | kernels | model calls | per layer per call | stack glue per layer per call |",
-        "|---|---|---|---|---|",
-        row("extension", e),
-        row("torch ops", t),
-        f"| change | {_pct(e['kernels'], t['kernels'])} | | {_pct(e['per_layer_per_call'], t['per_layer_per_call'])} "
-        f"| {_pct(e['glue_per_layer_per_call'], t['glue_per_layer_per_call'])} |",
-        "",
-    ]
-
-
-def report(result: dict) -> str:
-    """The Markdown of what has run so far."""
-    env = result["env"]
-    lines = [
-        "# KV-stack CUDA extension (issue 21)",
-        "",
-        f"{env['device']}, torch {env['torch']} (CUDA {env['cuda']}), triton {env['triton']}, "
-        f"transformers {env['transformers']}; model {result['model']}, {result['dtype']}; "
-        f"extension: {result['extension'] or 'loaded'}",
-        "",
-    ]
-    if "launches" in result:
-        lines += _launch_lines(result)
-    if "determinism" in result:
-        lines += _determinism_lines(result)
-    if result.get("cost"):
-        lines += _time_lines(result)
-    return "\n".join(lines)
-
-
-def write(result: dict, out: str) -> str:
-    """Write csrc_gpu.md / .json (after every part: a run cut short keeps what it finished)."""
-    text = report(result)
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "csrc_gpu.md"), "w") as f:
-        f.write(text + "\n")
-    with open(os.path.join(out, "csrc_gpu.json"), "w") as f:
-        json.dump(result, f, indent=1, default=str)
-    return text
-
-
-def main() -> int:
+# ----------------------------------------------------------------------- main
+def _args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="qwen2.5-1.5b")
-    p.add_argument("--steps", type=int, default=3, help="timed steps per configuration after one warm-up")
+    p.add_argument("--layers", choices=LAYER_CHOICES, default="auto",
+                   help="the decoder layers of the timed model (dtree bench's --layers; default auto, as the bench)")
+    p.add_argument("--steps", type=int, default=6, help="timed steps per configuration (>= 5); case 1: twice as many")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps per configuration before the timed rounds")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, small trees: checks the plumbing")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
     args = p.parse_args()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if args.steps < 5 or args.warmup < 1:
+        p.error("--steps must be >= 5 and --warmup >= 1 (the medians and min/max need them)")
+    return args
+
+
+def main() -> int:
+    args = _args()
+    on_gpu = not args.smoke and torch.cuda.is_available()
+    allocator = use_expandable_segments() if on_gpu else None  # as dtree bench: before CUDA allocates
+    device = torch.device("cuda" if on_gpu else "cpu")
+    dtype = torch.bfloat16 if on_gpu else torch.float32
     model_name = "tiny" if args.smoke else args.model
     model = build_model(model_name, dtype=dtype, device=device)
     spec = adapt(model).dtree_spec()
-    loss = ppo_clip()
-    forests = {
-        name: make_workload(kind, vocab_size=spec.vocab_size, **params)
-        for name, (kind, params) in workloads(args.smoke).items()
-    }
+    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")  # dtree bench's loss on RL forests
+    forests = {n: make_workload(kind, vocab_size=spec.vocab_size, **params)
+               for n, (kind, params) in workloads(args.smoke).items()}
     result = {
         "env": environment(device), "model": model_name, "dtype": str(dtype).removeprefix("torch."),
-        "extension": stack_ops.extension_error(),
-        "forests": {n: f.num_unique_tokens for n, f in forests.items()},
-        "cost": {},
+        "extension": stack_ops.extension_error(), "allocator": allocator, "steps": args.steps,
+        "warmup": args.warmup, "forests": {n: f.num_unique_tokens for n, f in forests.items()},
+        "baseline_per_layer_per_call": BASELINE_PER_LAYER_PER_CALL, "launches": {}, "cost": {},
     }
     t0 = time.perf_counter()
 
@@ -317,28 +408,24 @@ def main() -> int:
         write(result, args.out)
         print(f"{part} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
-    result["launch_workload"] = "case1"
-    result["launches"] = count_launches(model, forests["case1"], loss, device, spec)
-    done("launches")
-    plain, det = dtree.RuntimeConfig(), dtree.RuntimeConfig(deterministic=True)
-    for name in ("agentic64k", "case1"):
-        result["cost"][name] = {
-            "default": time_steps(model, forests[name], loss, device, plain, args.steps, ext=True),
-            "default_torch_ops": time_steps(model, forests[name], loss, device, plain, args.steps, ext=False),
-        }
-        done(f"{name} default")
+    result["launches"]["eager"] = count_launches(model, forests["case1"], loss, device, spec)
+    done("launches, eager layers")
+    result["layers"] = apply_layers(model, args.layers, device)
+    print(f"decoder layers from here on: {result['layers']}", flush=True)
+    result["launches"]["bench"] = count_launches(model, forests["case1"], loss, device, spec)
+    done("launches, the bench's layers")
+    for name, factor in (("case1", 2), ("agentic64k", 1)):
+        result["cost"][name] = time_interleaved(model, forests[name], loss, device, args.steps * factor, args.warmup)
+        done(f"{name} interleaved")
+    # the glue at the call sizes the steps ran: case 1's one call, the 64k plan's call budget
+    calls = {"case1": forests["case1"].num_unique_tokens,
+             "agentic64k": result["cost"]["agentic64k"]["configs"]["ext"]["steps"][-1]["plan"]["group_tokens"]}
+    calls = {n: max(16, min(int(t or 0), 32768, forests[n].num_unique_tokens)) for n, t in calls.items()}
+    result["glue"] = glue_costs(spec, device, calls, reps=5 if args.smoke else 30)
+    done("stack glue")
     result["determinism"] = check_determinism(model, forests["agentic32k"], loss, device)
     done("determinism")
-    # deterministic mode on a backend other than Triton (per-segment SDPA until the Triton
-    # backward takes deterministic=True) is slow on large trees: one timed step, no warm-up
-    fast = result["determinism"]["deterministic"]["backend"] == "triton"
-    for name in ("case1", "agentic64k"):
-        steps = args.steps if fast else 1
-        result["cost"][name]["deterministic"] = time_steps(
-            model, forests[name], loss, device, det, steps, ext=True, warmup=fast
-        )
-        done(f"{name} deterministic")
-    print(report(result))
+    print(write(result, args.out))
     return 0 if result["determinism"]["deterministic"]["bitwise_identical"] else 1
 
 

@@ -15,9 +15,14 @@
 #    graph replayed at other slot offsets), deterministic mode, and the runtime against HF per
 #    path (the flash-attention rule in bf16) with the extension, then again with the torch ops
 #    (DTREE_STACK_OPS=torch);
-# 3. benchmarks/csrc_gpu.py: bitwise-identical gradients over 3 deterministic runs of a 32k
-#    agentic forest, the cost of deterministic mode (64k agentic, grpo case 1), the default step
-#    with and without the extension, kernel launches per layer per call.
+# 3. benchmarks/csrc_gpu.py (~4 min), on one model with the main bench's layers (--layers auto)
+#    and allocator (expandable segments): kernel launches per layer per call (eager and bench
+#    layers, with and without the extension, against the issue's 148.9); the default step with
+#    the extension, with the torch ops and in deterministic mode timed INTERLEAVED (warm-ups,
+#    then rotating rounds, >= 5 steps each; grpo case 1 and 64k agentic) at one memory plan
+#    (pinned to the default's when the plans differ), with one profiled step of each (GPU time
+#    by kernel); the stack glue alone; bitwise-identical gradients over 3 deterministic runs of
+#    a 32k agentic forest.
 #
 # Files in $OUT: summary.md, csrc_gpu.md, csrc_gpu.json, build.log, tests.log, csrc_gpu.log.
 set -uo pipefail
@@ -73,7 +78,7 @@ fi
 say ""
 say "## tests"
 if [ "$SMOKE" = 1 ]; then
-  TESTS="tests/test_stack_ops.py tests/test_determinism.py tests/test_build.py tests/test_kv_stack.py"
+  TESTS="tests/test_stack_ops.py tests/test_determinism.py tests/test_build.py tests/test_kv_stack.py tests/test_csrc_gpu_script.py"
   timeout 300 $PY -m pytest -q -p no:cacheprovider $TESTS > "$OUT/tests.log" 2>&1
   say "CPU tests: $(tail -1 "$OUT/tests.log")"
 else
@@ -90,7 +95,7 @@ grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -20 | tee -a "$LOG" >> "$SUMMA
 say ""
 ARGS="--out $OUT"
 [ "$SMOKE" = 1 ] && ARGS="$ARGS --smoke"
-timeout 330 $PY benchmarks/csrc_gpu.py $ARGS >> "$LOG" 2>&1
+timeout 390 $PY benchmarks/csrc_gpu.py $ARGS >> "$LOG" 2>&1
 say "benchmarks/csrc_gpu.py: exit $?"
 [ -f "$OUT/csrc_gpu.md" ] && cat "$OUT/csrc_gpu.md" >> "$SUMMARY"
 rm -f "$REPO"/dtree/_stack_ops_cuda*.so
