@@ -49,7 +49,6 @@ from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.ops.stack_ops import interface as stack_ops  # noqa: E402
 from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
-from dtree.plan import memory_policy  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
@@ -256,7 +255,7 @@ def pinned_config(run: _Run, forest) -> dict:
     and the retain budget the policy gave it."""
     plan = run.warmup_plans[-1]
     recompute = plan["path_checkpoint_layers"] == "recompute"
-    budget = memory_policy.retain_budget(run.rt.memory_plan, run.config.mode, run.config.retain_budget_tokens)
+    budget = run.rt.memory_plan.retain_budget(run.config.mode, run.config.retain_budget_tokens)
     tokens = forest.num_unique_tokens if math.isinf(budget) else int(budget)
     return {
         "group_tokens": plan["group_tokens"], "checkpoint_layers": plan["checkpoint_layers"],

@@ -48,7 +48,7 @@ def after_step(device: torch.device | None, free: bool) -> dict:
 def with_report(out, after: dict, plan):
     """``out`` with, when it is a ``StepOutput`` and ``after`` (:func:`after_step`) is not
     empty, the report and the plan's predicted peak in ``metrics["memory"]``. ``plan``: the
-    step's :class:`~dtree.plan.memory_policy.MemoryPlan` or None."""
+    step's :class:`~dtree.plan.memory_model.MemoryPlan` or None."""
     metrics = getattr(out, "metrics", None)
     if after and isinstance(metrics, dict):
         predicted = plan.describe().get("predicted_total_gib") if plan is not None else None
