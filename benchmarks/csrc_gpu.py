@@ -339,32 +339,40 @@ def _max_rel_diff(a: dict, b: dict) -> tuple[float, str, int]:
 
 
 def check_determinism(model, forest, loss, device, runs: int = 3) -> dict:
-    """Bitwise comparison of every parameter gradient over ``runs`` deterministic runs, and
-    of two default runs for contrast."""
+    """Bitwise comparison of every parameter gradient between every pair of ``runs``
+    deterministic runs (and of two default runs for contrast), with each run's memory plan:
+    a run that planned differently (other call sizes: other sums) is named as such."""
     out = {"parameters": sum(1 for _ in model.parameters())}
     for label, deterministic in (("default", False), ("deterministic", True)):
         rt = dtree.TreeRuntime(model, config=dtree.RuntimeConfig(deterministic=deterministic))
-        first, diffs, seconds = None, [], []
+        kept, seconds, plans = [], [], []
         for _ in range(runs if deterministic else 2):
-            _, s = timed_step(rt, forest, loss, model, device)
+            step, s = timed_step(rt, forest, loss, model, device)
             seconds.append(s)
-            grads = _grads(model)
-            if first is None:
-                first = grads
-            else:
-                diffs.append(_max_rel_diff(first, grads))
-            del grads
+            plans.append(_plan_label(step.metrics.get("memory_plan") or {}, step.num_model_calls))
+            kept.append(_grads(model))
+        pairs = {f"{i + 1}-{j + 1}": _max_rel_diff(kept[i], kept[j])
+                 for i in range(len(kept)) for j in range(i + 1, len(kept))}
+        diffs = list(pairs.values())
         out[label] = {
             "backend": rt.attention,
             "bitwise_identical": all(d[2] == 0 for d in diffs),
             "max_rel_diff": max(d[0] for d in diffs),
             "worst_parameter": max(diffs)[1],
             "unequal_parameters": max(d[2] for d in diffs),
+            "unequal_by_pair": {k: d[2] for k, d in pairs.items()},
+            "plans": plans,
+            "same_plan": len(set(plans)) == 1,
             "step_s": seconds,
         }
-        del rt, first
+        del rt, kept
         model.zero_grad(set_to_none=True)
     return out
+
+
+def _plan_label(plan: dict, calls: int) -> str:
+    return (f"{calls} calls of <= {plan.get('group_tokens')} tokens, {plan.get('checkpoint_layers')} ckpt, path "
+            f"{plan.get('path_checkpoint_layers')}, chunk {plan.get('logprob_chunk')}")
 
 
 # ----------------------------------------------------------------------- main

@@ -197,6 +197,12 @@ def _determinism_lines(result: dict) -> list[str]:
             f"| {d['max_rel_diff']:.2e} ({d['worst_parameter'] or '-'}) | "
             + ", ".join(f"{s:.2f}" for s in d["step_s"]) + " |"
         )
+    for label in ("default", "deterministic"):
+        d = det[label]
+        if "plans" in d:
+            pairs = ", ".join(f"runs {k}: {n}" for k, n in d["unequal_by_pair"].items())
+            lines += ["", f"{label}: parameters not equal by pair of runs: {pairs}; plans: "
+                      + ("one plan in every run, " + d["plans"][0] if d["same_plan"] else "; ".join(d["plans"]))]
     return lines + [""]
 
 
