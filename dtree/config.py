@@ -55,8 +55,9 @@ class RuntimeConfig:
             small value forces auto mode to recompute (tests use it to cover both).
         deterministic: every dtree kernel runs in a fixed order, so two runs of the same
             forest give bitwise-identical gradients (on the same GPU and software), or
-            raises as torch does where one cannot (:mod:`dtree.ops.determinism`). Also on
-            whenever ``torch.use_deterministic_algorithms(True)`` is.
+            raises as torch does where one cannot (:mod:`dtree.ops.determinism`); and a
+            forest shape keeps its last memory plan while it fits (the plan sets the order
+            of the sums). Also on whenever ``torch.use_deterministic_algorithms(True)`` is.
         free_after_step: on CUDA, after each call drop the KV stack and hand the caching
             allocator's unused blocks back to the device (``torch.cuda.empty_cache``), so
             what the step used is free for another process (a colocated inference

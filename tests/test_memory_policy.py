@@ -385,3 +385,45 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     assert mm.refine(plan_, sched, retain, (held.capacity, held.state_slots), slots).parts["kv_stack"] == pytest.approx(
         mm.state_slot_bytes(spec, 4)  # only the one state slot the stacks held lack
     )
+
+
+def _knobs(p) -> tuple[int, int, int, int]:
+    return (p.group_tokens, p.checkpoint_layers, p.path_checkpoint_layers, p.logprob_chunk)
+
+
+def test_a_kept_plan_runs_while_it_fits():
+    """Deterministic mode keeps a forest shape's plan (its sums set the gradient's bits) while
+    it is predicted to fit, whatever else more free memory would allow; when it no longer
+    fits, the policy chooses again."""
+    roomy, tight = plan(), plan(setting=14)
+    assert _knobs(roomy) != _knobs(tight)  # free memory changes the plan
+    kept = plan(keep=_knobs(tight))  # plenty of memory: the kept (leaner) plan runs
+    assert _knobs(kept) == _knobs(tight) and "deterministic mode" in kept.reason
+    assert kept.predicted_peak_bytes <= kept.budget_bytes
+    squeezed = plan(setting=12, keep=_knobs(roomy))  # the kept plan no longer fits: chosen again
+    assert _knobs(squeezed) == _knobs(plan(setting=12)) and "deterministic mode" not in squeezed.reason
+
+
+def test_the_planner_keeps_a_shape_plan_in_deterministic_mode(monkeypatch):
+    """Two steps over one forest plan alike in deterministic mode when the memory free at the
+    call changed in between (the H100 rerun of issue 21: run 2 planned 2,048-row head chunks,
+    runs 1 and 3 4,096, and only runs 1 and 3 agreed bit for bit); by default each step takes
+    what its free memory allows."""
+    model = make_model("qwen2")
+    cuda = (torch.device("cuda", 0), torch.bfloat16)
+    forest = dtree.Forest.from_sequences(SEQS)
+    free = {"bytes": 0.5 * GIB}
+    monkeypatch.setattr(mp, "available_bytes", lambda device: (free["bytes"], 1 * GIB))
+    adapted = adapt(model)
+    head, spec = as_output_head(adapted.dtree_output_layer()), adapted.dtree_spec()
+    cb = CallBytes(5e7, 5e6, 2, 144.0)  # at 0.5 GiB the path is recomputed, at 8 GiB kept
+
+    def step(kept):
+        return plan_memory(model, spec, head, RuntimeConfig(chunk_size=3), cuda, None, forest, cb, kept)
+
+    kept: dict = {}
+    first = step(kept)
+    free["bytes"] = 8 * GIB
+    assert _knobs(step(None)) != _knobs(first)  # the default follows the memory
+    again = step(kept)
+    assert _knobs(again) == _knobs(first) and len(kept) == 1

@@ -24,6 +24,11 @@ a ``RuntimeError`` the way torch's own nondeterministic ops do (a warning instea
   (flash-linear-attention's kernels, not checked for a fixed order) is skipped by
   ``recurrence="auto"`` (which takes ``chunked``, torch ops) and refused when named.
 
+The plan sets the order of the sums as well (call sizes, checkpointed layers, head
+chunks): in deterministic mode the planner keeps a forest shape's last plan while it is
+predicted to fit (:func:`dtree.plan.step_plan.plan_memory`), so the memory free at the
+call does not change the bits.
+
 torch's ops inside the model (matmuls, norms, the embedding backward) follow
 ``torch.use_deterministic_algorithms``; on one GPU the usual ones are deterministic
 already, which ``benchmarks/csrc_gpu.py`` checks on every parameter of a real model.

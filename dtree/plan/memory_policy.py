@@ -185,6 +185,7 @@ def plan_step(
     hf_checkpointing: bool = False,
     can_checkpoint: bool = True,
     call_bytes: CallBytes | None = None,
+    keep: tuple[int, int, int, int] | None = None,
 ) -> MemoryPlan:
     """Decide one step (see the module docstring).
 
@@ -207,6 +208,8 @@ def plan_step(
             checkpointing; ``call_bytes`` measured so): dtree adds no checkpoint.
         can_checkpoint: dtree can checkpoint the model's layers (a layer list).
         call_bytes: per-token bytes of the model's calls (None: HF's eager figure).
+        keep: an earlier plan's (group_tokens, checkpoint_layers, path_checkpoint_layers,
+            logprob_chunk), kept while predicted to fit (deterministic mode).
     """
     label = _setting_label(setting)
     L = spec.num_layers
@@ -231,10 +234,8 @@ def plan_step(
     if recipe is not None:  # the lean recipe's peak is the cap: scored last, beside the plans
         fig_of.setdefault(recipe.chunk, _Figures(spec, itemsize, cb, fused_head, recipe.chunk))
     scored = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs + [recipe] * bool(recipe)]
-    plans = scored[: len(knobs)]
-    if recipe is not None:
-        budget = min(budget, scored[-1][0] * (1 + SLACK))
-    (peak, cost, parts, kn), reason = _choose(plans, budget)
+    plans, budget = scored[: len(knobs)], min(budget, scored[-1][0] * (1 + SLACK)) if recipe else budget
+    (peak, cost, parts, kn), reason = _choose(plans, budget, _Knobs(*keep) if keep is not None else None)
     per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
     retain = 0.0 if kn.path == RECOMPUTE else max(parts["path_graphs"], budget - peak + parts["path_graphs"])
     return MemoryPlan(
@@ -300,11 +301,14 @@ def _options(fixed, choices) -> tuple:
     return (fixed,) if fixed is not None else choices
 
 
-def _choose(plans: list[tuple], budget: float) -> tuple[tuple, str]:
-    """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: the
-    fastest that fits, or a leaner one within ``SLACK`` of its cost that saves at least
-    ``LEANER`` of its memory; the leanest when none fits."""
+def _choose(plans: list[tuple], budget: float, keep: _Knobs | None = None) -> tuple[tuple, str]:
+    """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: ``keep``'s
+    when it fits; else the fastest that fits, or a leaner one within ``SLACK`` of its cost
+    that saves at least ``LEANER`` of its memory; the leanest when none fits."""
     fitting = [p for p in plans if p[0] <= budget]
+    kept = next((p for p in fitting if p[3] == keep), None)
+    if kept is not None:
+        return kept, "deterministic mode: the plan of the last step over a forest of this shape, which still fits"
     if not fitting:
         return min(plans, key=lambda p: (p[0], p[1])), "no plan is predicted to fit: the leanest one"
     fastest = min(fitting, key=lambda p: (p[1], p[0]))

@@ -42,6 +42,7 @@ __all__ = [
 ]
 
 Placement = tuple[torch.device, torch.dtype]
+KEPT_PLANS = 256  # forest shapes whose plans deterministic mode keeps
 
 
 def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
@@ -123,10 +124,15 @@ def plan_memory(
     stack: StepStacks | None,
     forest: Forest,
     call_bytes: CallBytes | None = None,
+    kept: dict | None = None,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
     ``stack``: the stacks the runtime holds now (their bytes are already allocated);
-    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate)."""
+    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate).
+    ``kept`` (deterministic mode): the last plan per forest shape, which a step over that
+    shape keeps while it is predicted to fit, whatever else the memory free at the call
+    would allow: call sizes, checkpointing and head chunks set the order of the gradient's
+    sums, so two runs of one forest give the same bits only under one plan."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
     kw = {}
@@ -141,12 +147,22 @@ def plan_memory(
             fused_head=fused_head_kernel(head, dtype, device),
         )
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
-    return memory_policy.plan_step(
+    last = kept.get(shape) if kept is not None else None
+    keep = None if last is None else (
+        last.group_tokens, last.checkpoint_layers, last.path_checkpoint_layers, last.logprob_chunk
+    )
+    plan = memory_policy.plan_step(
         spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
         group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
         logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module),
-        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, **kw,
+        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, keep=keep, **kw,
     )
+    if kept is not None:
+        kept.pop(shape, None)
+        kept[shape] = plan
+        while len(kept) > KEPT_PLANS:  # the oldest shapes first
+            kept.pop(next(iter(kept)))
+    return plan
 
 
 def measured_call_bytes(
@@ -255,6 +271,7 @@ class StepPlanner:
         self.stack: StepStacks | None = None
         self.memory_plan: memory_policy.MemoryPlan | None = None  # the last planned step's
         self._call_bytes: dict = {}
+        self._kept_plans: dict = {}  # deterministic mode: the last plan per forest shape (plan_memory)
         # the last step's memory plan, schedule and state slots (the two-pass path reuses them)
         self._last: tuple[memory_policy.MemoryPlan, Schedule, StatePlan | None] | None = None
 
@@ -298,7 +315,10 @@ class StepPlanner:
         call_bytes = measured_call_bytes(
             self.module, self.model, self.spec, self.placement, self.attention, self._call_bytes, self.recurrence
         )
-        memory = plan_memory(self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes)
+        kept = self._kept_plans if self.deterministic else None
+        memory = plan_memory(
+            self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept
+        )
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
         check_stack_capacity(sched, forest, self.config.stack_capacity)
         terms = select_loss_terms(sched, weights) if weights is not None else all_predictions(sched)
