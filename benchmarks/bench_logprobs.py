@@ -36,7 +36,6 @@ import datetime
 import os
 import platform
 import re
-import statistics
 import sys
 import time
 
@@ -168,22 +167,11 @@ def sync(device):
 
 
 def time_ms(fn, device, reps) -> float:
+    from dtree.bench.measure import median_ms
+
     fn()  # warm-up (compiles the kernels on the first shape)
     sync(device)
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    return median_ms(fn, device, reps)
 
 
 def peak_gib(fn, device) -> float:

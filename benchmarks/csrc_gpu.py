@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dtree  # noqa: E402
 from benchmarks.csrc_gpu_report import BASELINE_PER_LAYER_PER_CALL, kernel_summary, write  # noqa: E402
 from dtree.bench.layers import LAYER_CHOICES, apply_layers  # noqa: E402
-from dtree.bench.measure import timed_step, use_expandable_segments  # noqa: E402
+from dtree.bench.measure import median_ms, timed_step, use_expandable_segments  # noqa: E402
 from dtree.bench.report import environment  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
@@ -147,20 +147,7 @@ def count_launches(model, forest, loss, device, spec) -> dict:
 # ----------------------------------------------------------------------- stack glue alone
 def _time_us(fn, device, reps: int) -> float:
     """Median microseconds of ``fn()`` (CUDA events on a GPU)."""
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) * 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e6)
-    return statistics.median(times)
+    return median_ms(fn, device, reps) * 1e3
 
 
 def glue_costs(spec, device, rows_list: dict[str, int], reps: int) -> dict:

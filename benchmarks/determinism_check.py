@@ -30,13 +30,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree  # noqa: E402
 from dtree.bench.layers import apply_layers  # noqa: E402
-from dtree.bench.measure import timed_step, use_expandable_segments  # noqa: E402
+from dtree.bench.measure import emit_report, script_model, timed_step  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.models.lean_layers import remove_lean_layers  # noqa: E402
 from dtree.ops.rms_norm import rms_norm  # noqa: E402
 from dtree.ops.swiglu import silu_mul  # noqa: E402
-from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
 
@@ -112,11 +111,7 @@ def main() -> int:
     p.add_argument("--tokens", type=int, default=32768)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small tree")
     args = p.parse_args()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    if device.type == "cuda":
-        use_expandable_segments()
-    model = build_model("tiny" if args.smoke else "qwen2.5-1.5b", dtype=dtype, device=device)
+    model, device = script_model(args.smoke)
     spec = adapt(model).dtree_spec()
     tree = {"num_trees": 1, "target_unique_tokens": 400 if args.smoke else args.tokens}
     if args.smoke:
@@ -124,16 +119,12 @@ def main() -> int:
     forest = make_workload("agentic", vocab_size=spec.vocab_size, **tree)
     loss = ppo_clip()
     lines = [f"# Deterministic runs of one forest ({forest.num_unique_tokens} unique tokens), {device}", ""]
-    lines += kernel_lines(device, dtype, spec.hidden_size, 4096 if not args.smoke else 64)
+    lines += kernel_lines(device, next(model.parameters()).dtype, spec.hidden_size, 4096 if not args.smoke else 64)
     layers = apply_layers(model, "auto", device)
     lines += pair_lines(f"bench layers: {layers}", runs_of(model, forest, loss, device, args.runs))
     remove_lean_layers(model)
     lines += pair_lines("HF eager layers", runs_of(model, forest, loss, device, args.runs))
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "determinism_check.md"), "w") as f:
-            f.write(text + "\n")
+    emit_report("\n".join(lines), "determinism_check.md")
     return 0
 
 

@@ -29,11 +29,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree  # noqa: E402
 from dtree.bench.layers import apply_layers  # noqa: E402
-from dtree.bench.measure import use_expandable_segments  # noqa: E402
+from dtree.bench.measure import emit_report, script_model  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.ops.stack_ops import interface as stack_ops  # noqa: E402
-from dtree.presets import build_model  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
 CASE1 = {"num_prompts": 1, "prompt_len": 2048, "group_size": 8, "answer_len": 512}
@@ -78,11 +77,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=12, help="timed steps per configuration, alternating")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model (checks the plumbing)")
     args = p.parse_args()
-    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    if device.type == "cuda":
-        use_expandable_segments()
-    model = build_model("tiny" if args.smoke else "qwen2.5-1.5b", dtype=dtype, device=device)
+    model, device = script_model(args.smoke)
     layers = apply_layers(model, "auto", device)
     spec = adapt(model).dtree_spec()
     forest = make_workload("grpo", vocab_size=spec.vocab_size, **(SMOKE if args.smoke else CASE1))
@@ -106,7 +101,8 @@ def main() -> int:
         f"# Host time of a one-call step, extension vs torch stack ops ({device}, {layers})", "",
         f"extension: {stack_ops.extension_error() or 'loaded'}; GRPO case 1, {forest.num_unique_tokens} unique tokens; "
         f"{args.steps} alternating steps each after 3 warm-up steps", "",
-        "| stack ops | wall median (s) | wall min (s) | main-thread CPU median (s) | CPU min (s) |", "|---|---|---|---|---|",
+        "| stack ops | wall median (s) | wall min (s) | main-thread CPU median (s) | CPU min (s) |",
+        "|---|---|---|---|---|",
     ]
     for name in configs:
         wall, cpu = [t[0] for t in times[name]], [t[1] for t in times[name]]
@@ -121,11 +117,7 @@ def main() -> int:
         lines.append(f"| `{k[:80]}` | {ca} / {cb} | {ta / 1e3:.2f} / {tb / 1e3:.2f} | {(ta - tb) / 1e3:+.2f} |")
     total = (sum(v[1] for v in a.values()) / 1e3, sum(v[1] for v in b.values()) / 1e3)
     lines += ["", f"Self CPU time over all ops: extension {total[0]:.1f} ms, torch ops {total[1]:.1f} ms", ""]
-    text = "\n".join(lines)
-    print(text, flush=True)
-    if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "extension_host_cost.md"), "w") as f:
-            f.write(text + "\n")
+    emit_report("\n".join(lines), "extension_host_cost.md")
     return 0
 
 

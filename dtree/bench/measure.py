@@ -19,6 +19,7 @@ configurations still run; any other exception is ``status="error"``.
 from __future__ import annotations
 
 import gc
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -198,6 +199,46 @@ def timed_step(runner, forest, loss, model: torch.nn.Module, device: torch.devic
     out = runner.forward_backward(forest, loss)
     _sync(device)
     return out, time.perf_counter() - t0
+
+
+def median_ms(fn, device: torch.device, reps: int) -> float:
+    """Median milliseconds of ``fn()`` over ``reps`` calls: CUDA events around each call on
+    a GPU (its device time, waited for), the host clock elsewhere."""
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def script_model(smoke: bool, name: str = "qwen2.5-1.5b") -> tuple[torch.nn.Module, torch.device]:
+    """A benchmark script's model and device: ``name`` in bf16 on the GPU (with expandable
+    segments, as ``dtree bench`` runs), or the tiny model in float32 on the CPU when ``smoke``
+    or without a GPU."""
+    from ..presets import build_model
+
+    device = torch.device("cpu" if smoke or not torch.cuda.is_available() else "cuda")
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    if device.type == "cuda":
+        use_expandable_segments()
+    return build_model("tiny" if device.type == "cpu" else name, dtype=dtype, device=device), device
+
+
+def emit_report(text: str, filename: str) -> None:
+    """Print a script's Markdown report, and write it to ``$OUT/filename`` when OUT is set."""
+    print(text, flush=True)
+    if os.environ.get("OUT"):
+        with open(os.path.join(os.environ["OUT"], filename), "w") as f:
+            f.write(text + "\n")
 
 
 def free_memory(device: torch.device) -> None:
