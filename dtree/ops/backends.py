@@ -20,6 +20,7 @@ op name. This module imports no op (the ops import it).
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -131,3 +132,19 @@ class Backends:
                     f"it {why.removeprefix('is not deterministic here: it ')}; use {self.option}='auto'",
                 )
         return name
+
+
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def triton_kernels_for(x: torch.Tensor, package: str):
+    """The ``triton_kernels`` module of op package ``package`` when ``x`` runs there (a
+    kernel dtype, and the module's ``runs_on``: CUDA, or CPU under the Triton interpreter),
+    else None: the op's torch kernels (also when Triton is missing)."""
+    if x.dtype not in KERNEL_DTYPES:
+        return None
+    try:
+        module = importlib.import_module(".triton_kernels", package)
+    except ImportError:
+        return None
+    return module if module.runs_on(x.device) else None

@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import triton_kernels_for
+
 __all__ = [
     "RMSNormFunction",
     "rms_norm",
@@ -67,13 +69,7 @@ def rms_norm_backward_torch(
 def load_triton_kernels(x: torch.Tensor):
     """The Triton module when ``x`` runs there (CUDA, or CPU under the interpreter; a
     kernel dtype), else None (the torch kernels)."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None
-    try:
-        from . import triton_kernels as rms_norm_triton
-    except ImportError:
-        return None
-    return rms_norm_triton if rms_norm_triton.runs_on(x.device) else None
+    return triton_kernels_for(x, __package__)
 
 
 class RMSNormFunction(torch.autograd.Function):

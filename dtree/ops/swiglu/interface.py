@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..backends import triton_kernels_for
+
 __all__ = [
     "SiluMulFunction",
     "SwiGLUDownFunction",
@@ -76,13 +78,7 @@ def silu_mul_backward_torch(
 
 def _kernels(x: torch.Tensor):
     """The Triton module when ``x`` runs there, else None (the torch kernels)."""
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        return None
-    try:
-        from . import triton_kernels as swiglu_triton
-    except ImportError:
-        return None
-    return swiglu_triton if swiglu_triton.runs_on(x.device) else None
+    return triton_kernels_for(x, __package__)
 
 
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
