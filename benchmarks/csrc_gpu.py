@@ -2,8 +2,10 @@
 on one model with the layers of the main bench (``dtree bench --layers auto``:
 :func:`dtree.bench.layers.apply_layers`) and its allocator setting (expandable segments):
 
-* launches: CUDA kernels per layer per model call in one default step of grpo case 1,
-  with HF's eager layers and with the bench's layers, with and without the extension,
+* launches: CUDA kernels per layer per model call in one step of grpo case 1, on the
+  model as users hand it over (HF's eager layers) with ``lean_layers=False`` and with
+  dtree's defaults (its lean norms and MLPs during its steps), then with the bench's
+  layers, each with and without the extension,
   against the issue's baseline (148.9: torch ops, eager); the stack glue alone (launches
   and GPU time of one layer's push + seed and one call's zeroing) at the workloads'
   call sizes;
@@ -31,6 +33,7 @@ import contextlib
 import gc
 import math
 import os
+import random
 import statistics
 import sys
 import time
@@ -124,13 +127,13 @@ def _profiled_step(rt, model, forest, loss, device) -> tuple[dict, object]:
     return kernels, holder["out"]
 
 
-def count_launches(model, forest, loss, device, spec) -> dict:
-    """Kernels per layer per model call in one default step (after a warm-up step), with
-    and without the extension."""
+def count_launches(model, forest, loss, device, spec, config: dtree.RuntimeConfig | None = None) -> dict:
+    """Kernels per layer per model call in one step of ``config`` (default: dtree's
+    defaults) after a warm-up step, with and without the extension."""
     out = {}
     for label, ext in (("extension", True), ("torch ops", False)):
         with _scope(ext):
-            rt = dtree.TreeRuntime(model)
+            rt = dtree.TreeRuntime(model, config=config)
             timed_step(rt, forest, loss, model, device)  # warm-up: Triton compiles, the memory probe
             kernels, step = _profiled_step(rt, model, forest, loss, device)
             del rt
@@ -297,6 +300,10 @@ def time_interleaved(model, forest, loss, device, steps: int, warmup: int, confi
         "ext_vs_ops": _paired(result["configs"]["ext"]["steps_s"], result["configs"]["ops"]["steps_s"]),
         "det_vs_ext": _paired(result["configs"]["det"]["steps_s"], result["configs"]["ext"]["steps_s"]),
     }
+    result["paired_interval"] = {
+        "ext_vs_ops": _paired_interval(result["configs"]["ext"]["steps_s"], result["configs"]["ops"]["steps_s"]),
+        "det_vs_ext": _paired_interval(result["configs"]["det"]["steps_s"], result["configs"]["ext"]["steps_s"]),
+    }
     model.zero_grad(set_to_none=True)
     gc.collect()
     return result
@@ -305,6 +312,14 @@ def time_interleaved(model, forest, loss, device, steps: int, warmup: int, confi
 def _paired(a: list[float], b: list[float]) -> float:
     """The median over rounds of a_i / b_i - 1 (each round's steps ran back to back)."""
     return statistics.median(x / y - 1 for x, y in zip(a, b, strict=True))
+
+
+def _paired_interval(a: list[float], b: list[float], draws: int = 2000) -> tuple[float, float]:
+    """A 90% bootstrap interval of :func:`_paired` (rounds resampled, seeded)."""
+    ratios = [x / y - 1 for x, y in zip(a, b, strict=True)]
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(draws))
+    return medians[int(0.05 * draws)], medians[int(0.95 * draws) - 1]
 
 
 # ----------------------------------------------------------------------- determinism
@@ -368,7 +383,8 @@ def _args():
     p.add_argument("--model", default="qwen2.5-1.5b")
     p.add_argument("--layers", choices=LAYER_CHOICES, default="auto",
                    help="the decoder layers of the timed model (dtree bench's --layers; default auto, as the bench)")
-    p.add_argument("--steps", type=int, default=6, help="timed steps per configuration (>= 5); case 1: twice as many")
+    p.add_argument("--steps", type=int, default=6,
+                   help="timed steps per configuration (>= 5); case 1: five times as many")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps per configuration before the timed rounds")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, small trees: checks the plumbing")
     p.add_argument("--out", default=os.environ.get("OUT", "benchmarks/results"))
@@ -402,13 +418,18 @@ def main() -> int:
         write(result, args.out)
         print(f"{part} done at {time.perf_counter() - t0:.0f} s", flush=True)
 
-    result["launches"]["eager"] = count_launches(model, forests["case1"], loss, device, spec)
+    # the model as users hand it over (HF's eager layers): the issue's baseline path
+    # (lean_layers=False), then dtree's defaults (its lean norms and MLPs during its steps)
+    result["launches"]["eager"] = count_launches(model, forests["case1"], loss, device, spec,
+                                                 dtree.RuntimeConfig(lean_layers=False))
     done("launches, eager layers")
+    result["launches"]["default"] = count_launches(model, forests["case1"], loss, device, spec)
+    done("launches, the default path")
     result["layers"] = apply_layers(model, args.layers, device)
     print(f"decoder layers from here on: {result['layers']}", flush=True)
     result["launches"]["bench"] = count_launches(model, forests["case1"], loss, device, spec)
     done("launches, the bench's layers")
-    for name, factor in (("case1", 2), ("agentic64k", 1)):
+    for name, factor in (("case1", 5), ("agentic64k", 1)):  # case 1: a short, noisy step; many rounds
         result["cost"][name] = time_interleaved(model, forests[name], loss, device, args.steps * factor, args.warmup)
         done(f"{name} interleaved")
     # the glue at the call sizes the steps ran: case 1's one call, the 64k plan's call budget

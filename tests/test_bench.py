@@ -188,6 +188,7 @@ def test_every_method_runs_the_same_layers_and_the_report_says_which(tmp_path):
     assert len({round(r["loss"], 4) for r in report["results"]}) == 1  # one model, the same layers
     eager = _run(tmp_path / "eager", "--steps", "2", "--configs", "dtree", "--layers", "eager")
     assert eager["layers"].startswith("eager")
+    assert eager["configs"][0]["options"] == {"lean_layers": False}  # dtree runs them too, not its lean default
     with pytest.raises(ValueError, match="a CUDA device is needed"):
         apply_layers(build_model("tiny"), "liger", torch.device("cpu"))
     with pytest.raises(ValueError, match="must be one of"):

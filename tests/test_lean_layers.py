@@ -5,7 +5,9 @@ TreeRuntime against the unpatched model run on each path by HF (``tests/referenc
 every parameter gradient, for Llama, Qwen2 (tied), Qwen3 (per-head q/k norms) and
 Mistral, in every mode, with checkpointed layers, with PEFT LoRA on every linear layer
 (the down projection is then called as a module); the patched model's own forward is
-HF's; removing the layers restores them; other families are refused by name. Under the
+HF's; removing the layers restores them; other families are refused by name. The
+runtime runs them during its steps by default and gives the model its own modules back
+afterwards (also after a failed step). Under the
 Triton interpreter the kernels run end to end. GPU (``-m gpu``): bf16 by the
 flash-attention rule.
 """
@@ -88,6 +90,88 @@ def test_other_families_are_refused_by_name():
     with pytest.raises(ValueError, match="model_type is 'gpt2'"):
         lean_layers.apply_lean_layers(gpt2)
     assert lean_layers.lean_layers_supported(make_model("mistral"))
+
+
+# --------------------------------------------------------------------------- during dtree's steps
+def _lean_seen(model) -> list[bool]:
+    """A hook on the first norm: per forward run, whether it ran the lean kernel."""
+    seen: list[bool] = []
+    norm = next(m for m in model.modules() if type(m).__name__.endswith("RMSNorm"))
+    norm.register_forward_hook(lambda m, args, out: seen.append(getattr(m, "_dtree_lean", False)))
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["retain", "recompute"])
+def test_the_runtime_runs_lean_layers_during_its_steps_only(mode):
+    """By default (``lean_layers=True``) every forward of a dtree step runs the lean
+    modules, gradients stay exact against the unpatched model per path, and the model
+    is the user's own again after the step; ``lean_layers=False`` leaves it alone."""
+    model = make_model("qwen2", tied=True)
+    ref_model, ref_loss = reference(model)
+    tree_model = copy.deepcopy(model)
+    seen = _lean_seen(tree_model)
+    out, _ = run_dtree(tree_model, copy_model=False, mode=mode, group_tokens=8)
+    assert seen and all(seen), seen
+    assert not lean_layers.lean_layers_applied(tree_model)
+    assert not any("forward" in vars(m) for m in tree_model.modules())
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+    plain = copy.deepcopy(model)
+    seen = _lean_seen(plain)
+    run_dtree(plain, copy_model=False, mode=mode, group_tokens=8, lean_layers=False)
+    assert seen and not any(seen)
+
+
+def test_lean_layers_during_keeps_the_callers_and_restores_after_an_error():
+    model = make_model("llama")
+    applied = lean_layers.apply_lean_layers(copy.deepcopy(model))
+    with lean_layers.lean_layers_during(model) as info:
+        assert info == applied and lean_layers.lean_layers_applied(model)
+    assert not lean_layers.lean_layers_applied(model)
+    with pytest.raises(RuntimeError, match="inside"):
+        with lean_layers.lean_layers_during(model):
+            raise RuntimeError("inside")
+    assert not lean_layers.lean_layers_applied(model)
+    lean_layers.apply_lean_layers(model)  # the caller's own: kept after the block
+    with lean_layers.lean_layers_during(model) as info:
+        assert info is None
+    assert lean_layers.lean_layers_applied(model)
+    with lean_layers.lean_layers_during(make_model("llama"), enabled=False) as info:
+        assert info is None
+
+
+def test_lean_layers_during_keeps_forwards_patched_by_someone_else():
+    """A module whose ``forward`` the user patched (here: the float64 golden model's
+    norms) keeps that forward during the block and after it; the MLPs still go lean."""
+    from hf_models import make_golden_model
+
+    model = make_golden_model("qwen2")
+    patched = {m: vars(m)["forward"] for m in model.modules() if "forward" in vars(m)}
+    assert patched
+    with lean_layers.lean_layers_during(model) as info:
+        assert info.norms == 0 and info.mlps == 2
+        assert all(vars(m)["forward"] is f for m, f in patched.items())
+    assert {m: vars(m)["forward"] for m in model.modules() if "forward" in vars(m)} == patched
+
+
+def test_lean_layers_during_leaves_compiled_layers_alone():
+    model = make_model("qwen3")
+    dtree.compile_layers(model)
+    with lean_layers.lean_layers_during(model) as info:
+        assert info is None and not lean_layers.lean_layers_applied(model)
+
+
+def test_a_failed_step_gives_the_model_its_own_layers_back():
+    model = make_model("mistral")
+    forest = dtree.Forest.from_sequences(SEQS)
+    rt = dtree.TreeRuntime(model, chunk_size=2)
+
+    def bad_loss(logprobs, forest):
+        raise RuntimeError("the loss failed")
+
+    with pytest.raises(RuntimeError, match="the loss failed"):
+        rt.forward_backward(forest, bad_loss)
+    assert not lean_layers.lean_layers_applied(model)
 
 
 # --------------------------------------------------------------------------- interpreter

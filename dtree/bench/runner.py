@@ -111,8 +111,13 @@ def _method_options(opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 def select_configs(args: argparse.Namespace, on_gpu: bool) -> list[MethodConfig]:
-    """``--configs``, else ``--methods`` at their defaults, else the device's preset."""
+    """``--configs``, else ``--methods`` at their defaults, else the device's preset.
+    With ``--layers eager`` or ``liger`` dtree's configurations get ``lean_layers=False``
+    (its default runs lean layers during its steps; the baselines would not)."""
     base = _method_options(parse_assignments(args.opt, "--opt"))
+    layers = "liger" if getattr(args, "fused", False) else getattr(args, "layers", "auto")
+    if layers in ("eager", "liger"):  # dtree too runs the layers --layers names
+        base["dtree"] = {"lean_layers": False, **base.get("dtree", {})}
     text = args.configs or args.methods or ("gpu" if on_gpu else "basic")
     if args.methods:
         unknown = [m for m in args.methods.split(",") if m.strip() and m.strip() not in ("dtree", "linearized", "tree-mask")]

@@ -73,6 +73,7 @@ from ..forest.forest import Forest
 from ..losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from ..models import TreeModule, adapt, unwrap
 from ..models.checkpointing import decoder_layers
+from ..models.lean_layers import lean_layers_during
 from ..plan.memory_policy import MemoryPlan
 from ..plan.schedule import Schedule
 from ..plan.step_plan import StepPlanner
@@ -123,7 +124,9 @@ class TreeRuntime:
             how many decoder layers to checkpoint in every call; None: the policy's
             choice), ``memory`` (``"auto"``, ``"low"`` or a cap in GiB on the step's peak),
             ``stack_capacity``, ``progress``, ``retain_budget_tokens``, ``free_after_step``,
-            ``deterministic`` (bitwise-identical gradients in every run; :mod:`dtree.ops.determinism`).
+            ``deterministic`` (bitwise-identical gradients in every run; :mod:`dtree.ops.determinism`),
+            ``lean_layers`` (the model's norms and MLPs run dtree's lean kernels during
+            its steps; :mod:`dtree.models.lean_layers`).
 
     To ``torch.compile`` the decoder layers, call :func:`dtree.compile_layers` on the
     model first (the runtime never recompiles the user's model itself).
@@ -211,12 +214,14 @@ class TreeRuntime:
 
     @contextlib.contextmanager
     def _released(self) -> Iterator[dict]:
-        """The call's body; then, also when it fails, what ``free_after_step`` releases on
-        CUDA (the stacks, then the allocator's cache), reported into the yielded dict
-        (:mod:`dtree.engine.step_memory`)."""
+        """The call's body, with the model's norms and MLPs lean when ``lean_layers``
+        (:func:`dtree.models.lean_layers.lean_layers_during`); then, also when it fails,
+        what ``free_after_step`` releases on CUDA (the stacks, then the allocator's cache),
+        reported into the yielded dict (:mod:`dtree.engine.step_memory`)."""
         after: dict = {}
         try:
-            yield after
+            with lean_layers_during(self.module, self.config.lean_layers):
+                yield after
         finally:
             device = self._planner.placement[0] if self._planner.placement else None
             if drops_stack(device, self.config.free_after_step):

@@ -33,6 +33,7 @@ from .guard import AttentionCalls, activate
 from .layer_kinds import layer_fields, state_grads
 from .layer_list import find_decoder_layers
 from .protocol import AttendFn, ModelSpec
+from .plain_linear import is_plain_linear
 
 __all__ = ["HFTreeModel", "ATTENTION_NAME"]
 
@@ -50,26 +51,6 @@ def _effective_sliding_window(config) -> int | None:
     if getattr(config, "use_sliding_window", True) is False:
         return None
     return int(window)
-
-
-def _is_plain_linear(head: torch.nn.Module) -> bool:
-    """True for an ``nn.Linear`` that does exactly ``F.linear(x, weight, bias)`` when
-    called: not a subclass (quantized, parametrized, adapter-wrapped), no hooks, no
-    patched ``forward``, plain parameters. Anything else goes through the module."""
-    from torch.nn.modules import module as nn_module
-
-    global_hooks = any(
-        getattr(nn_module, name, None) for name in ("_global_forward_hooks", "_global_forward_pre_hooks")
-    )
-    return (
-        type(head) is torch.nn.Linear
-        and not head._forward_hooks
-        and not head._forward_pre_hooks
-        and not global_hooks
-        and "forward" not in vars(head)
-        and type(head.weight) is torch.nn.Parameter
-        and (head.bias is None or type(head.bias) is torch.nn.Parameter)
-    )
 
 
 # model_type -> ModelSpec fields for families whose attention function receives other K/V
@@ -346,7 +327,7 @@ class HFTreeModel:
         device and dtype, the model is probed (:func:`dtree.models.probe.check_model`)."""
         module = self.model.get_output_embeddings()
         transform = dict(logit_scale=self.logit_scale, final_softcap=self.final_softcap)
-        if _is_plain_linear(module):
+        if is_plain_linear(module):
             head = OutputHead(weight=module.weight, bias=module.bias, **transform)
         else:
             head = OutputHead(module=module, **transform)

@@ -21,7 +21,10 @@ stay HF's: they keep no activation of their own (only the per-call ``cos``/``sin
 :func:`apply_lean_layers` swaps the ``forward`` of the model's own norm and MLP
 modules (this instance only, nothing process-wide; :func:`remove_lean_layers` undoes
 it) for the families whose modules it reproduces exactly: Llama, Qwen2, Qwen3 and
-Mistral (HF's Llama-style RMSNorm; ``hidden_act="silu"``). Adapters stay in charge of
+Mistral (HF's Llama-style RMSNorm; ``hidden_act="silu"``). :func:`lean_layers_during`
+does the same for the length of a block: the runtime runs each of its steps inside it
+(``RuntimeConfig.lean_layers``, on by default), so the model is the user's own again
+between steps. Adapters stay in charge of
 their modules: a LoRA-wrapped or hooked down projection is called as a module (its
 input, the product, is then kept as HF keeps it); gate and up projections are always
 called as modules.
@@ -29,16 +32,21 @@ called as modules.
 
 from __future__ import annotations
 
+import contextlib
 import types
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
 from ..ops.rms_norm import rms_norm
 from ..ops.swiglu import silu_mul, swiglu_down
-from .hf import _is_plain_linear
+from .plain_linear import is_plain_linear
 
-__all__ = ["LeanLayers", "apply_lean_layers", "lean_layers_applied", "lean_layers_supported", "remove_lean_layers"]
+__all__ = [
+    "LeanLayers", "apply_lean_layers", "lean_layers_applied", "lean_layers_during", "lean_layers_supported",
+    "remove_lean_layers",
+]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 _NORMS = tuple(f"{p}RMSNorm" for p in ("Llama", "Qwen2", "Qwen3", "Mistral"))
@@ -69,7 +77,7 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
-    if _is_plain_linear(down):
+    if is_plain_linear(down):
         return swiglu_down(gate, up, down.weight, down.bias)
     return down(silu_mul(gate, up))
 
@@ -81,19 +89,20 @@ def _model_type(model: torch.nn.Module) -> str | None:
     return getattr(config, "model_type", None)
 
 
+def _is_norm(m: torch.nn.Module) -> bool:
+    return (type(m).__name__ in _NORMS and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 1 and isinstance(getattr(m, "variance_epsilon", None), float))
+
+
+def _is_mlp(m: torch.nn.Module) -> bool:
+    return (type(m).__name__ in _MLPS and type(getattr(m, "act_fn", None)).__name__ in _SILU
+            and all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")))
+
+
 def _targets(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
     """(the model's Llama-style RMSNorm modules, its SiLU-gated MLP modules)."""
-    norms = [
-        m for m in model.modules()
-        if type(m).__name__ in _NORMS and isinstance(getattr(m, "weight", None), torch.Tensor)
-        and m.weight.dim() == 1 and isinstance(getattr(m, "variance_epsilon", None), float)
-    ]
-    mlps = [
-        m for m in model.modules()
-        if type(m).__name__ in _MLPS and type(getattr(m, "act_fn", None)).__name__ in _SILU
-        and all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj"))
-    ]
-    return norms, mlps
+    modules = list(model.modules())
+    return [m for m in modules if _is_norm(m)], [m for m in modules if _is_mlp(m)]
 
 
 def lean_layers_supported(model: torch.nn.Module) -> bool:
@@ -129,14 +138,24 @@ def apply_lean_layers(model: torch.nn.Module) -> LeanLayers:
     norms, mlps = _targets(model)
     if not norms and not mlps:
         raise ValueError(f"{type(model).__name__}: no {'/'.join(_NORMS)} or SiLU {'/'.join(_MLPS)} module to replace")
+    return _swap(model_type, norms, mlps)
+
+
+def _swap(model_type: str, norms: list[torch.nn.Module], mlps: list[torch.nn.Module]) -> LeanLayers:
     for m in norms:
         m.forward = types.MethodType(_norm_forward, m)
         m._dtree_lean = True
     for m in mlps:
         m.forward = types.MethodType(_mlp_forward, m)
         m._dtree_lean = True
-    fused_down = sum(_is_plain_linear(m.down_proj) for m in mlps)
+    fused_down = sum(is_plain_linear(m.down_proj) for m in mlps)
     return LeanLayers(model_type, len(norms), len(mlps), fused_down)
+
+
+def _restore(modules: list[torch.nn.Module]) -> None:
+    for m in modules:
+        del m.forward
+        del m._dtree_lean
 
 
 def remove_lean_layers(model: torch.nn.Module) -> None:
@@ -145,3 +164,38 @@ def remove_lean_layers(model: torch.nn.Module) -> None:
         if getattr(m, "_dtree_lean", False):
             del m.forward
             del m._dtree_lean
+
+
+def _compiled(m: torch.nn.Module) -> bool:
+    """Whether module ``m`` runs through ``torch.compile`` (a swapped ``forward`` in it
+    would only make it recompile)."""
+    return getattr(m, "_dtree_compiled", False) or getattr(m, "_compiled_call_impl", None) is not None \
+        or hasattr(m, "_orig_mod")
+
+
+@contextlib.contextmanager
+def lean_layers_during(model: torch.nn.Module, enabled: bool = True) -> Iterator[LeanLayers | None]:
+    """:func:`apply_lean_layers` for the length of the block, then the modules' own
+    ``forward`` again (also when the block raises). A module whose ``forward`` is
+    already patched on the instance (the user's own, or another library's) keeps it.
+    Yields what it changed, or None where it changes nothing: ``enabled`` False, a family
+    it does not reproduce, lean layers already applied (by the caller, who keeps them),
+    compiled modules, or nothing left unpatched."""
+    if not enabled or _model_type(model) not in FAMILIES:
+        yield None
+        return
+    norms, mlps = [], []
+    for m in model.modules():  # once: this runs at every step
+        if getattr(m, "_dtree_lean", False) or _compiled(m):
+            yield None
+            return
+        if "forward" not in vars(m):
+            (norms if _is_norm(m) else mlps if _is_mlp(m) else []).append(m)
+    if not norms and not mlps:
+        yield None
+        return
+    applied = _swap(_model_type(model), norms, mlps)
+    try:
+        yield applied
+    finally:
+        _restore(norms + mlps)
