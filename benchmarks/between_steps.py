@@ -6,8 +6,9 @@ between ``--min-tokens`` and ``--max-tokens``), ``rt.forward_backward``, AdamW's
 what is allocated beyond the weights and the optimizer state (the gradients are None
 by then: dtree's own leftovers), what is reserved (allocated plus the allocator's
 cache, which another process on the GPU cannot have), and the step's peak; once with
-``free_after_step=True`` (the default: the KV stack and the allocator cache released
-after every call) and once with ``False``. The issue measured, before this: 77 of 80
+``free_after_step=True`` (the allocator's cache emptied after every call) and once
+with ``False`` (the default since session F: the cache kept; the KV stack is dropped
+after every call either way). The issue measured, before this: 77 of 80
 GiB reserved and ~10 GiB allocated beyond weights and optimizer state over 20 steps on
 16k-41k-token trees.
 

@@ -64,10 +64,15 @@ class RuntimeConfig:
             ``forward`` back when the step returns; only where those kernels reproduce the
             modules exactly (Llama, Qwen2, Qwen3, Mistral), not in compiled layers, and
             not where they were applied already. False: the model's modules as they are.
-        free_after_step: on CUDA, after each call drop the KV stack and hand the caching
-            allocator's unused blocks back to the device (``torch.cuda.empty_cache``), so
-            what the step used is free for another process (a colocated inference
-            engine) between steps; False keeps both for the next step.
+        free_after_step: on CUDA, after each call hand the caching allocator's unused
+            blocks back to the device (``torch.cuda.empty_cache``), so what the step used
+            is free for another process (a colocated inference engine woken between
+            micro-batches); the next step then maps its memory again (on an H100: +2.2%
+            on the 64k agentic step at 17.6 GiB, +7.7% at 63 GiB, up to +35% on a 0.23 s
+            GRPO step). False (default) keeps the blocks cached, as PyTorch training
+            loops do, for the trainer to release at a phase boundary. The KV stack is
+            dropped after every CUDA call either way, so nothing of dtree's stays
+            allocated, and the step reports what is reserved (``StepOutput.metrics["memory"]``).
     """
 
     mode: Mode = "auto"
@@ -83,7 +88,7 @@ class RuntimeConfig:
     retain_budget_tokens: int | None = None
     deterministic: bool = False
     lean_layers: bool = True
-    free_after_step: bool = True
+    free_after_step: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:

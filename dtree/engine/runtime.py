@@ -47,8 +47,8 @@ the model's shape and dtype, the bytes its calls keep per token (measured once p
 model state, :mod:`dtree.plan.memory_probe`), the memory free at the call and the forest's
 size: the call size, how many decoder layers a call checkpoints, how the path's groups
 with children are kept (their layers checkpointed or not) or recomputed, the LM-head
-chunk; explicit arguments win. On CUDA the KV stack and the allocator's cache are
-released after every call (``free_after_step``, :mod:`dtree.engine.step_memory`).
+chunk; explicit arguments win. On CUDA the KV stack is dropped after every call, and
+with ``free_after_step`` the allocator's cache is emptied too (:mod:`dtree.engine.step_memory`).
 
 Model state is read at every call, not at construction: device and dtype (the KV stack
 is reallocated when they change), the LM head (adapters injected later), HF gradient
@@ -207,24 +207,23 @@ class TreeRuntime:
         return self._planner.schedule(forest)
 
     def release_memory(self) -> None:
-        """Drop the KV stack buffers (kept between steps for reuse with
-        ``free_after_step=False``; on CUDA the runtime drops them after every call by
-        default)."""
+        """Drop the KV stack buffers (on CUDA the runtime drops them after every call;
+        elsewhere they are kept for the next step)."""
         self._planner.stack = None
 
     @contextlib.contextmanager
     def _released(self) -> Iterator[dict]:
         """The call's body, with the model's norms and MLPs lean when ``lean_layers``
         (:func:`dtree.models.lean_layers.lean_layers_during`); then, also when it fails,
-        what ``free_after_step`` releases on CUDA (the stacks, then the allocator's cache),
-        reported into the yielded dict (:mod:`dtree.engine.step_memory`)."""
+        on CUDA: the stacks dropped, the allocator's cache emptied when
+        ``free_after_step``, reported into the yielded dict (:mod:`dtree.engine.step_memory`)."""
         after: dict = {}
         try:
             with lean_layers_during(self.module, self.config.lean_layers):
                 yield after
         finally:
             device = self._planner.placement[0] if self._planner.placement else None
-            if drops_stack(device, self.config.free_after_step):
+            if drops_stack(device):
                 self.release_memory()
             after.update(after_step(device, self.config.free_after_step))
 
