@@ -54,6 +54,7 @@ transformers model (see :mod:`dtree.device.rng`).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Callable, Protocol, runtime_checkable
 
 import torch
@@ -101,26 +102,40 @@ class ModelSpec:
             return self.num_kv_heads, self.head_dim, self.value_head_dim
         return self.layer_kv[layer]
 
-    @property
+    # The derived figures below are cached on the (frozen) instance: the memory policy
+    # reads them for each of its ~660 candidate plans per step.
+    @cached_property
     def attention_layers(self) -> tuple[int, ...]:
         """The layers that attend (every layer unless ``layer_kv`` says otherwise)."""
         return tuple(i for i in range(self.num_layers) if self.kv_shape(i) is not None)
 
-    @property
+    @cached_property
     def recurrent_layers(self) -> tuple[int, ...]:
         """The layers that carry recurrent states, in order."""
         return tuple(sorted({layer for layer, _, _ in self.recurrent_states}))
 
+    @cached_property
+    def _kv_elements(self) -> int:
+        return sum(h * (d + dv) for h, d, dv in (self.kv_shape(i) for i in self.attention_layers))
+
     def kv_elements_per_token(self) -> int:
         """K and V elements one token leaves on the KV stack, over every attending layer."""
-        return sum(h * (d + dv) for h, d, dv in (self.kv_shape(i) for i in self.attention_layers))
+        return self._kv_elements
+
+    @cached_property
+    def _state_elements(self) -> int:
+        return sum(int(torch.Size(shape).numel()) for _, _, shape in self.recurrent_states)
 
     def state_elements(self) -> int:
         """Elements of one segment's recurrent states, over every recurrent layer."""
-        return sum(int(torch.Size(shape).numel()) for _, _, shape in self.recurrent_states)
+        return self._state_elements
 
     def forward_flops_per_token(self) -> float:
         """Matmul FLOPs of one token's forward, excluding attention scores."""
+        return self._forward_flops
+
+    @cached_property
+    def _forward_flops(self) -> float:
         h, d, dv = self.hidden_size, self.head_dim, self.value_head_dim
         attn_proj = 2 * h * (d + dv) * (self.num_heads + self.num_kv_heads)  # q, k (d wide); v, o (dv wide)
         mlp = 2 * 3 * h * self.intermediate_size  # gate, up, down
