@@ -1,0 +1,188 @@
+"""Where a step's host time goes, on the GPU machine (issue 17: short calls are host-bound).
+
+GRPO case 1 runs as one model call of 6,144 tokens: ~0.23 s of wall time over ~0.15 s of
+GPU kernel time on the H100, and the 64k agentic tree slows by a third when its calls
+shrink to 4,096 tokens. This script reads, for dtree's default runtime on fresh forests:
+
+* per step: wall time, the main thread's CPU time (``time.thread_time``: the forward,
+  planning, the loss) and the process's (``time.process_time``: also the autograd
+  engine's device thread, which runs the backward);
+* cProfile of the main thread over the profiled steps: the functions with the most own
+  time and the most cumulative time, per step;
+* one step under torch.profiler: kernel time, launches, and how much of the step the
+  GPU had no kernel running (the part host work is not hidden behind).
+
+    python benchmarks/host_profile.py                          # H100: case 1, ~1 min
+    python benchmarks/host_profile.py --workload agentic64k --opt group_tokens=4096
+    python benchmarks/host_profile.py --smoke                  # CPU, tiny model (plumbing)
+
+Prints Markdown, also written to ``$OUT/host_profile_<workload>.md`` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dtree  # noqa: E402
+from dtree.bench.configs import parse_assignments  # noqa: E402
+from dtree.bench.measure import emit_report, script_model  # noqa: E402
+from dtree.losses import ppo_clip  # noqa: E402
+from dtree.models import adapt  # noqa: E402
+from dtree.workloads import make_workload  # noqa: E402
+
+WORKLOADS = {
+    "case1": ("grpo", {"num_prompts": 1, "prompt_len": 2048, "group_size": 8, "answer_len": 512}),
+    "agentic64k": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}),
+}
+SMOKE = {
+    "case1": ("grpo", {"num_prompts": 1, "prompt_len": 64, "group_size": 4, "answer_len": 16}),
+    "agentic64k": ("agentic", {"num_trees": 1, "system_prompt_len": 64, "trajectories": 2, "turn_len": (4, 40),
+                               "target_unique_tokens": 400}),
+}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_step(rt, model, forest, loss, device) -> dict:
+    """Wall, main-thread CPU and process CPU seconds of one step, between syncs."""
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    w0, t0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+    out = rt.forward_backward(forest, loss)
+    _sync(device)
+    return {"wall": time.perf_counter() - w0, "main_cpu": time.thread_time() - t0,
+            "process_cpu": time.process_time() - p0, "calls": out.num_model_calls}
+
+
+def kernel_busy(rt, model, forest, loss, device) -> dict:
+    """One profiled step: kernel time, launches, and the step's time with no kernel running."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if device.type != "cuda":
+        return {}
+    model.zero_grad(set_to_none=True)
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        w0 = time.perf_counter()
+        with record_function("dtree step"):  # a host event where the step starts
+            rt.forward_backward(forest, loss)
+        _sync(device)
+        wall = time.perf_counter() - w0
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end) for e in events
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    host = [e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU]
+    busy, end = 0.0, float("-inf")
+    for a, b in spans:  # the union of the kernels' intervals (microseconds)
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    first, last = (spans[0][0], max(b for _, b in spans)) if spans else (0.0, 0.0)
+    return {"wall_s": wall, "launches": len(spans), "kernel_union_s": busy / 1e6,
+            "kernel_sum_s": sum(b - a for a, b in spans) / 1e6, "first_to_last_kernel_s": (last - first) / 1e6,
+            "host_before_first_kernel_s": (first - min(host)) / 1e6 if host and spans else None}
+
+
+def profile_rows(stats: pstats.Stats, key: str, steps: int, top: int) -> list[str]:
+    """The ``top`` functions by ``key`` (``tottime`` or ``cumtime``), per step."""
+    index = {"tottime": 2, "cumtime": 3}[key]
+    entries = sorted(stats.stats.items(), key=lambda kv: kv[1][index], reverse=True)[:top]
+    lines = ["| function | where | calls per step | own ms per step | cumulative ms per step |", "|---|---|---|---|---|"]
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in entries:
+        where = path.split("site-packages/")[-1].split("/work/")[-1].split("dtree/", 1)[-1] if "/" in path else path
+        lines.append(f"| `{name}` | {where}:{line} | {ncalls / steps:.0f} | {1e3 * tottime / steps:.2f} | "
+                     f"{1e3 * cumtime / steps:.2f} |")
+    return lines
+
+
+def callers(profiler: cProfile.Profile, name: str) -> list[str]:
+    """Who calls the functions matching ``name`` (pstats' regex), with their counts."""
+    stream = io.StringIO()
+    pstats.Stats(profiler, stream=stream).print_callers(name)
+    text = stream.getvalue()
+    body = text[text.find("was called by..."):] if "was called by..." in text else text
+    return [f"### callers of `{name}`", "", "```", body.strip()[:6000], "```", ""]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="case1")
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    p.add_argument("--steps", type=int, default=8, help="timed steps (fresh forests), then as many profiled")
+    p.add_argument("--top", type=int, default=30)
+    p.add_argument("--callers", action="append", default=None, metavar="NAME",
+                   help="list who calls these functions (pstats regex; default: module and parameter walks, "
+                        "the allocator's statistics)")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
+    args = p.parse_args()
+    model, device = script_model(args.smoke)
+    spec = adapt(model).dtree_spec()
+    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
+    options = parse_assignments(args.opt, "--opt")
+    rt = dtree.TreeRuntime(model, **options)
+    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
+    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(2 * args.steps + 3)]
+    for forest in forests[:3]:  # warm-up: Triton compiles, the memory probe
+        one_step(rt, model, forest, loss, device)
+    timed = [one_step(rt, model, f, loss, device) for f in forests[3:3 + args.steps]]
+    profiler = cProfile.Profile()
+    for forest in forests[3 + args.steps:]:
+        model.zero_grad(set_to_none=True)
+        _sync(device)
+        profiler.enable()
+        rt.forward_backward(forest, loss)
+        _sync(device)
+        profiler.disable()
+    busy = kernel_busy(rt, model, forests[-1], loss, device)
+    stats = pstats.Stats(profiler)
+
+    def med(key: str) -> float:
+        return statistics.median(s[key] for s in timed)
+
+    lines = [
+        f"# Host time of a dtree step: {args.workload} ({kind}), {device.type}",
+        "",
+        f"torch {torch.__version__}; {sum(f.num_unique_tokens for f in forests) // len(forests)} unique tokens per "
+        f"forest on average; runtime options {options or 'default'}; plan: {rt.memory_plan.describe() if rt.memory_plan else '-'}",
+        "",
+        "| steps | model calls | wall median (s) | main-thread CPU (s) | process CPU (s) |",
+        "|---|---|---|---|---|",
+        f"| {len(timed)} | {timed[-1]['calls']} | {med('wall'):.4f} | {med('main_cpu'):.4f} | {med('process_cpu'):.4f} |",
+        "",
+    ]
+    if busy:
+        idle = busy["wall_s"] - busy["kernel_union_s"]
+        lines += [
+            "One profiled step: "
+            f"{busy['wall_s']:.4f} s wall, {busy['launches']} kernels, {busy['kernel_union_s']:.4f} s with a kernel "
+            f"running ({busy['kernel_sum_s']:.4f} s summed), the first kernel {busy['host_before_first_kernel_s']:.4f} s "
+            f"after the step started, first to last kernel {busy['first_to_last_kernel_s']:.4f} s; "
+            f"**no kernel running for {idle:.4f} s ({100 * idle / busy['wall_s']:.0f}% of the step)**.",
+            "",
+        ]
+    lines += [f"## Main thread, by own time ({args.steps} profiled steps)", "",
+              *profile_rows(stats, "tottime", args.steps, args.top), "",
+              "## Main thread, by cumulative time", "", *profile_rows(stats, "cumtime", args.steps, args.top), "",
+              f"## Callers ({args.steps} profiled steps)", ""]
+    for name in args.callers or [r"\(named_modules\)", r"\(parameters\)", r"\(memory_stats\)"]:
+        lines += callers(profiler, name)
+    emit_report("\n".join(lines), f"host_profile_{args.workload}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
