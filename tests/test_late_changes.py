@@ -57,7 +57,7 @@ def test_bf16_move_on_cpu():
     agrees with the float32 reference to bf16 precision."""
     model = make_model("llama")
     _, ref_loss = reference(model)
-    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8, free_after_step=False)  # keep the stack to read
+    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8)  # on CPU the stack is kept between steps
     step(rt)
     model.to(torch.bfloat16).zero_grad(set_to_none=True)
     out = step(rt)
@@ -114,6 +114,14 @@ def test_gradient_checkpointing_on_at_construction_then_off():
     assert_exact(model, ref_model, step(rt), ref_loss)
 
 
+def _stacks_during_steps(rt, model) -> list:
+    """The runtime's KV stack as each model forward finishes (on CUDA it is dropped after
+    every call, so it can only be read during one)."""
+    seen: list = []
+    model.model.register_forward_hook(lambda *args: seen.append(rt.stack))
+    return seen
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_move_after_wrapping(mode):
@@ -121,14 +129,14 @@ def test_cuda_move_after_wrapping(mode):
     Triton kernel, and the gradients match HF per path on the GPU (fp32, no tf32)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_model("qwen2", tied=True)
-    # free_after_step off: the stack stays allocated after the step, so its device can be read
-    rt = dtree.TreeRuntime(model, mode=mode, chunk_size=3, group_tokens=8, free_after_step=False)
+    rt = dtree.TreeRuntime(model, mode=mode, chunk_size=3, group_tokens=8)
+    stacks = _stacks_during_steps(rt, model)
     step(rt)
     assert rt.attention == "sdpa"
     model.cuda().zero_grad(set_to_none=True)
     ref_model, ref_loss = reference(model)
     out = step(rt)
-    assert rt.stack.device.type == "cuda" and rt.attention == "triton"
+    assert stacks[-1].device.type == "cuda" and rt.attention == "triton"
     assert_exact(model, ref_model, out, ref_loss, tol=1e-4)  # fp32 kernels, another summation order
 
 
@@ -140,12 +148,13 @@ def test_bf16_move_after_wrapping_on_cuda():
     torch.backends.cuda.matmul.allow_tf32 = False
     model = make_model("qwen2").cuda()
     fp32_ref, _ = reference(model)
-    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8, free_after_step=False)  # keep the stack to read
+    rt = dtree.TreeRuntime(model, chunk_size=3, group_tokens=8)
+    stacks = _stacks_during_steps(rt, model)
     step(rt)
     model.to(torch.bfloat16).zero_grad(set_to_none=True)
     bf16_ref, _ = reference(model)
     step(rt)
-    assert rt.stack.dtype == torch.bfloat16
+    assert stacks[-1].dtype == torch.bfloat16
     want = dict(fp32_ref.named_parameters())
     hf16 = dict(bf16_ref.named_parameters())
     for name, p in model.named_parameters():
