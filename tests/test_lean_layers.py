@@ -161,6 +161,20 @@ def test_lean_layers_during_leaves_compiled_layers_alone():
         assert info is None and not lean_layers.lean_layers_applied(model)
 
 
+def test_compiled_layers_run_the_lean_modules_eagerly_and_stay_exact():
+    """Lean layers applied, then ``dtree.compile_layers``: the lean forwards are opaque to
+    dynamo (a graph break each), so the compiled layers run them as they are and the
+    gradients match HF per path."""
+    model = make_model("qwen2", tied=True)
+    ref_model, ref_loss = reference(model)
+    patched, _ = lean(model)
+    dtree.compile_layers(patched)
+    seen = _lean_seen(patched)
+    out, tree_model = run_dtree(patched, copy_model=False, chunk_size=2)
+    assert seen and all(seen)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
 def test_a_failed_step_gives_the_model_its_own_layers_back():
     model = make_model("mistral")
     forest = dtree.Forest.from_sequences(SEQS)
@@ -196,6 +210,24 @@ def test_triton_kernels_end_to_end(worker, arch):
 
 
 # --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_compiled_lean_layers_by_the_flash_rule():
+    """On CUDA the lean kernels are Triton launches, which dynamo failed to trace with
+    dynamic shapes (``dtree bench --compile`` on the H100, session F): compiled layers
+    call them eagerly, and bf16 training stays within the flash-attention rule."""
+    from reference import linearized_step
+
+    base = make_model("qwen2", tied=True).cuda()
+    exact, bf16_ref = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
+    model = copy.deepcopy(base).to(torch.bfloat16)
+    exact_loss, _ = linearized_step(exact, SEQS)
+    bf16_loss, _ = linearized_step(bf16_ref, SEQS)
+    lean_layers.apply_lean_layers(model)
+    dtree.compile_layers(model)
+    out = dtree.TreeRuntime(model, chunk_size=2).forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
+    assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss, "qwen2 lean compiled")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch", ["qwen2", "llama", "qwen3"])
 def test_gpu_bf16_flash_rule_end_to_end(arch):

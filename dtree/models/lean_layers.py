@@ -33,6 +33,7 @@ called as modules.
 from __future__ import annotations
 
 import contextlib
+import functools
 import types
 from dataclasses import dataclass
 from typing import Iterator
@@ -141,12 +142,22 @@ def apply_lean_layers(model: torch.nn.Module) -> LeanLayers:
     return _swap(model_type, norms, mlps)
 
 
+@functools.cache
+def _forwards() -> tuple:
+    """The lean forwards, opaque to ``torch.compile``: a compiled layer calls them
+    eagerly (a graph break) instead of tracing their Triton launches, which dynamo fails
+    on with dynamic shapes (H100, torch 2.11: ``'SymNodeVariable' object has no attribute
+    'value'``). Built at the first swap, so importing this module imports no dynamo."""
+    return torch.compiler.disable(_norm_forward), torch.compiler.disable(_mlp_forward)
+
+
 def _swap(model_type: str, norms: list[torch.nn.Module], mlps: list[torch.nn.Module]) -> LeanLayers:
+    norm_forward, mlp_forward = _forwards()
     for m in norms:
-        m.forward = types.MethodType(_norm_forward, m)
+        m.forward = types.MethodType(norm_forward, m)
         m._dtree_lean = True
     for m in mlps:
-        m.forward = types.MethodType(_mlp_forward, m)
+        m.forward = types.MethodType(mlp_forward, m)
         m._dtree_lean = True
     fused_down = sum(is_plain_linear(m.down_proj) for m in mlps)
     return LeanLayers(model_type, len(norms), len(mlps), fused_down)
