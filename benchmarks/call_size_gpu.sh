@@ -15,14 +15,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dtree_calls}
 mkdir -p "$OUT"
-BENCH="python -m dtree bench --model qwen2.5-1.5b"
-AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"
-CAP=17.6 STEPS=4
-if [ "${SMOKE:-0}" = 1 ]; then
-  BENCH="python -m dtree bench --model tiny --device cpu"
-  AGENTIC64K="--workload agentic --set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set target_unique_tokens=400"
-  CAP=4 STEPS=2
-fi
+source benchmarks/bench_cases.sh
+CAP=$MASK_GIB
 PARTS=${PARTS:-eager compiled}
 SMALL="dtree:memory=$CAP+group_tokens=4096+checkpoint_layers=0,dtree:memory=$CAP+group_tokens=8192+checkpoint_layers=0"
 

@@ -17,22 +17,14 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dtree_defaults}
 mkdir -p "$OUT"
-BENCH="python -m dtree bench --model qwen2.5-1.5b"
-CASE1="--workload grpo --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512"
-AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"
-STEPS=4 CASE1_STEPS=10
-if [ "${SMOKE:-0}" = 1 ]; then
-  BENCH="python -m dtree bench --model tiny --device cpu"
-  CASE1="--workload grpo --set num_prompts=1 --set prompt_len=64 --set group_size=4 --set answer_len=16"
-  AGENTIC64K="--workload agentic --set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set target_unique_tokens=400"
-  STEPS=2 CASE1_STEPS=2
-fi
+source benchmarks/bench_cases.sh
+CASE1_STEPS=$([ "${SMOKE:-0}" = 1 ] && echo 2 || echo 10)
 KEEP=free_after_step=false
 FREE=free_after_step=true
 
 echo "== 64k agentic: the allocator's cache kept or emptied after every step, against the mask"
 timeout 290 $BENCH $AGENTIC64K --steps $STEPS --time-budget 270 --tag defaults-64k --out "$OUT/agentic64k" \
-  --configs "dtree:$FREE,dtree:$KEEP,tree-mask:whole+ckpt,dtree:memory=17.6+$FREE,dtree:memory=17.6+$KEEP" 2>&1 | tail -14
+  --configs "dtree:$FREE,dtree:$KEEP,tree-mask:whole+ckpt,dtree:memory=$MASK_GIB+$FREE,dtree:memory=$MASK_GIB+$KEEP" 2>&1 | tail -14
 
 echo "== GRPO case 1: the same"
 timeout 120 $BENCH $CASE1 --steps $CASE1_STEPS --time-budget 100 --tag defaults-case1 --out "$OUT/case1" \

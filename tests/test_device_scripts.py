@@ -1,0 +1,35 @@
+"""The H100 scripts that measure dtree's step defaults and call costs
+(``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, sharing
+``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
+they name parses and runs, and each writes its reports."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return subprocess.run(
+        ["bash", f"benchmarks/{script}"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "PATH": path, "SMOKE": "1", "OUT": str(out), **env},
+    )
+
+
+@pytest.mark.parametrize(("script", "parts", "reports"), [
+    ("step_defaults_gpu.sh", {}, ("agentic64k", "case1", "case1_eager")),
+    ("call_size_gpu.sh", {"PARTS": "eager"}, ("eager",)),
+])
+def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
+    r = _smoke(script, tmp_path, **parts)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "error" not in r.stdout.lower(), r.stdout[-3000:]
+    for name in reports:
+        assert list((tmp_path / name).glob("*.md")), f"{script}: no report in {name}/"
