@@ -1,7 +1,10 @@
-# Sourced by the H100 scripts (house_gpu_check.sh, step_defaults_gpu.sh, call_size_gpu.sh):
+# Sourced, from the repository root, by the H100 scripts (house_gpu_check.sh,
+# step_defaults_gpu.sh, call_size_gpu.sh): dtree importable from this checkout, $OUT created,
 # the bench command and issue 17's two cases, or with SMOKE=1 their CPU stand-ins on the
 # tiny model (plumbing only). Sets BENCH, CASE1, AGENTIC64K, MASK_GIB (the mask's peak on the
 # 64k tree: the memory cap that compares dtree at the mask's memory) and STEPS.
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+mkdir -p "$OUT"
 BENCH="python -m dtree bench --model qwen2.5-1.5b"
 CASE1="--workload grpo --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512"
 AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"

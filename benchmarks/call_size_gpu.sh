@@ -12,9 +12,7 @@
 # SMOKE=1 runs the same on CPU with the tiny model (plumbing only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dtree_calls}
-mkdir -p "$OUT"
 source benchmarks/bench_cases.sh
 CAP=$MASK_GIB
 PARTS=${PARTS:-eager compiled}

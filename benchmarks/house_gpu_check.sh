@@ -10,9 +10,7 @@
 # SMOKE=1 runs the same on CPU with the tiny model (the GPU tests then skip).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dtree_house}
-mkdir -p "$OUT"
 TESTS_S=${TESTS_S:-300}
 source benchmarks/bench_cases.sh
 [ "${SMOKE:-0}" = 1 ] && TESTS_S=60

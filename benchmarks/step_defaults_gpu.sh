@@ -14,9 +14,7 @@
 # SMOKE=1 runs the same on CPU with the tiny model (plumbing only).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/dtree_defaults}
-mkdir -p "$OUT"
 source benchmarks/bench_cases.sh
 CASE1_STEPS=$([ "${SMOKE:-0}" = 1 ] && echo 2 || echo 10)
 KEEP=free_after_step=false
