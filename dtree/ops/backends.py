@@ -26,7 +26,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Backends", "Target"]
+__all__ = ["Backends", "Target", "sm_count", "triton_kernels_for"]
 
 
 @dataclass(frozen=True)
@@ -148,3 +148,14 @@ def triton_kernels_for(x: torch.Tensor, package: str):
     except ImportError:
         return None
     return module if module.runs_on(x.device) else None
+
+
+_SMS: dict = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of CUDA ``device``, read once per device (the kernels size
+    their grids by it at every launch; ``torch.cuda.get_device_properties`` costs host time)."""
+    if device not in _SMS:
+        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[device]

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends import sm_count
+
 __all__ = ["rms_norm_backward", "rms_norm_forward", "runs_on"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -100,7 +102,7 @@ def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
 def _programs(m: int, device: torch.device) -> int:
     if _INTERPRET or device.type != "cuda":
         return max(1, min(m, 4))
-    return max(1, min(m, 4 * torch.cuda.get_device_properties(device).multi_processor_count))
+    return max(1, min(m, 4 * sm_count(device)))
 
 
 def rms_norm_backward(

@@ -115,6 +115,7 @@ from __future__ import annotations
 
 import torch
 
+from ..backends import sm_count
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .segment_layout import SegmentLayout
@@ -324,16 +325,11 @@ def _backward_dkdv(
     return dk, dv
 
 
-_SMS: dict = {}
-
-
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of ``device`` (8 under the interpreter)."""
     if _INTERPRET or device.type != "cuda":
         return 8
-    if device not in _SMS:
-        _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
-    return _SMS[device]
+    return sm_count(device)
 
 
 def _check(q, k, v, slots: StackSlots, options: AttentionOptions) -> None:
