@@ -6,6 +6,8 @@ model's per-token bytes; and the runtime using the plan (CPU: no device memory).
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 
 import numpy as np
@@ -427,3 +429,16 @@ def test_the_planner_keeps_a_shape_plan_in_deterministic_mode(monkeypatch):
     assert _knobs(step(None)) != _knobs(first)  # the default follows the memory
     again = step(kept)
     assert _knobs(again) == _knobs(first) and len(kept) == 1
+
+
+@pytest.mark.parametrize("shape", [mp.StepShape(6144, 2560, 2048), mp.StepShape(3000, 3000, 0), AGENTIC_64K])
+@pytest.mark.parametrize("kw", [{}, {"setting": 17.6}, {"setting": "low"}, {"mode": "recompute"}])
+def test_call_budgets_that_plan_the_same_calls_are_scored_once(monkeypatch, shape, kw):
+    """A forest smaller than several call budgets (GRPO case 1: 6,144 tokens) scores one of
+    them, not each: the plan is the one every budget gives, and fewer are scored."""
+    budgets = mp._call_budgets(None, shape.unique_tokens)
+    assert len(budgets) == len({min(g, shape.unique_tokens) for g in mp.GROUP_TOKENS})
+    fewer = plan(shape, **kw)
+    monkeypatch.setattr(mp, "_call_budgets", lambda fixed, u: (fixed,) if fixed is not None else mp.GROUP_TOKENS)
+    every = plan(shape, **kw)
+    assert dataclasses.replace(fewer, reason="") == dataclasses.replace(every, reason="")  # the reason counts the plans

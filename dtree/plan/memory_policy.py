@@ -227,7 +227,7 @@ def plan_step(
     paths = _path_options(mode, fixed_ckpt, L)
     knobs = [
         _Knobs(g, k, p, c)
-        for g in _options(group_tokens, GROUP_TOKENS) for k in ckpts for p in paths
+        for g in _call_budgets(group_tokens, shape.unique_tokens) for k in ckpts for p in paths
         for c in _options(logprob_chunk, LOGPROB_CHUNKS)
     ]
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
@@ -299,6 +299,23 @@ def _setting_label(setting: str | float) -> str:
 def _options(fixed, choices) -> tuple:
     """What the planner tries for one knob: the user's value, or every choice."""
     return (fixed,) if fixed is not None else choices
+
+
+def _call_budgets(fixed: int | None, unique_tokens: int) -> tuple[int, ...]:
+    """The call budgets worth scoring: the user's, or :data:`GROUP_TOKENS` without those
+    that plan the same calls as a larger one (every budget at or above the forest's size
+    is one call of the whole forest: a GRPO group of 6k tokens scores one of 32k, 16k and
+    8k, not all three)."""
+    if fixed is not None:
+        return (fixed,)
+    seen: set[int] = set()
+    out = []
+    for g in GROUP_TOKENS:
+        call = min(g, max(1, unique_tokens))
+        if call not in seen:
+            seen.add(call)
+            out.append(g)
+    return tuple(out)
 
 
 def _choose(plans: list[tuple], budget: float, keep: _Knobs | None = None) -> tuple[tuple, str]:
