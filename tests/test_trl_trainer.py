@@ -396,3 +396,22 @@ def test_ddp_two_ranks(model_dir):
         assert_same_logs(res["tree"]["logs"], res["trl"]["logs"])
     for name, p in ranks[0]["tree"]["after"].items():
         torch.testing.assert_close(ranks[1]["tree"]["after"][name], p, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(("use_vllm", "mode", "freed"), [(True, "colocate", True), (True, "server", None), (False, None, None)])
+def test_colocated_vllm_gets_the_cache_back_after_every_call(monkeypatch, use_vllm, mode, freed):
+    """With vLLM in the trainer's process (``vllm_mode="colocate"``) dtree returns the
+    allocator's cache after every call (vLLM wakes up into that memory); otherwise the
+    runtime's default (keep it) holds; an explicit option always wins."""
+    from types import SimpleNamespace
+
+    from dtree.integrations.trl import TreeGRPOTrainer
+
+    def fake_init(self, *args, **kwargs):
+        self.args = SimpleNamespace(gradient_checkpointing=False, vllm_mode=mode)
+        self.use_vllm = use_vllm
+
+    monkeypatch.setattr(trl.GRPOTrainer, "__init__", fake_init)
+    assert TreeGRPOTrainer().dtree_options.get("free_after_step") is freed
+    explicit = TreeGRPOTrainer(dtree_options={"free_after_step": False}).dtree_options
+    assert explicit["free_after_step"] is False

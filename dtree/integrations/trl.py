@@ -108,7 +108,10 @@ class TreeGRPOTrainer(GRPOTrainer):
             :class:`~dtree.RuntimeConfig`). With
             ``gradient_checkpointing=True`` in the config, the default mode is
             ``"recompute"`` (dtree's own activation saving; HF's checkpointing is
-            switched off around dtree's calls and back on after).
+            switched off around dtree's calls and back on after). With vLLM colocated
+            (``use_vllm=True, vllm_mode="colocate"``) the default ``free_after_step`` is
+            True: the allocator's cache goes back to the device after every dtree call,
+            so vLLM can wake up into it.
     """
 
     def __init__(self, *args: Any, dtree_options: dict | None = None, **kwargs: Any) -> None:
@@ -116,6 +119,10 @@ class TreeGRPOTrainer(GRPOTrainer):
         self.dtree_options = dict(dtree_options or {})
         if self.args.gradient_checkpointing:
             self.dtree_options.setdefault("mode", "recompute")
+        if getattr(self, "use_vllm", False) and getattr(self.args, "vllm_mode", None) == "colocate":
+            # vLLM in this process wakes up between steps and asks the driver for memory
+            # the allocator's cache would hold: hand it back after every dtree call
+            self.dtree_options.setdefault("free_after_step", True)
         self._dtree_runtimes: dict[int, tuple[torch.nn.Module, TreeRuntime]] = {}
         self._dtree_warned: set[str] = set()
 
