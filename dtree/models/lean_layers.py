@@ -171,10 +171,7 @@ def _restore(modules: list[torch.nn.Module]) -> None:
 
 def remove_lean_layers(model: torch.nn.Module) -> None:
     """Undo :func:`apply_lean_layers` on ``model``."""
-    for m in model.modules():
-        if getattr(m, "_dtree_lean", False):
-            del m.forward
-            del m._dtree_lean
+    _restore([m for m in model.modules() if getattr(m, "_dtree_lean", False)])
 
 
 def _compiled(m: torch.nn.Module) -> bool:
