@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import dtree  # noqa: E402
 from benchmarks.csrc_gpu_report import BASELINE_PER_LAYER_PER_CALL, kernel_summary, write  # noqa: E402
 from dtree.bench.layers import LAYER_CHOICES, apply_layers  # noqa: E402
-from dtree.bench.measure import median_ms, timed_step, use_expandable_segments  # noqa: E402
+from dtree.bench.measure import median_ms, sync_device, timed_step, use_expandable_segments  # noqa: E402
 from dtree.bench.report import environment  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
@@ -84,11 +84,6 @@ def _scope(ext: bool):
     return contextlib.nullcontext() if ext else stack_ops.extension_disabled()
 
 
-def _sync(device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 # ----------------------------------------------------------------------- profiling
 def profile_kernels(fn, device, with_cpu: bool = False) -> dict[str, list[float]]:
     """Kernels ``fn()`` launches: name -> [launches, GPU microseconds] (every CUDA-device
@@ -102,7 +97,7 @@ def profile_kernels(fn, device, with_cpu: bool = False) -> dict[str, list[float]
         activities.append(torch.profiler.ProfilerActivity.CPU)
     with torch.profiler.profile(activities=activities) as prof:
         fn()
-        _sync(device)
+        sync_device(device)
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     for evt in prof.events():
         if on_gpu and evt.device_type == torch.autograd.DeviceType.CUDA:
@@ -179,7 +174,7 @@ def _glue_one(spec, device, t: int, reps: int) -> dict:
     for label, ext in (("extension", True), ("torch ops", False)):
         with _scope(ext):
             per_layer(), per_call()
-            _sync(device)
+            sync_device(device)
             layer = sum(c for c, _ in profile_kernels(per_layer, device).values())
             call = sum(c for c, _ in profile_kernels(per_call, device).values())
             row[label] = {

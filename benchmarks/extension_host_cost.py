@@ -20,7 +20,6 @@ import contextlib
 import os
 import statistics
 import sys
-import time
 from collections import defaultdict
 
 import torch
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree  # noqa: E402
 from dtree.bench.layers import apply_layers  # noqa: E402
-from dtree.bench.measure import emit_report, script_model  # noqa: E402
+from dtree.bench.measure import emit_report, host_timed_step, script_model, sync_device  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.ops.stack_ops import interface as stack_ops  # noqa: E402
@@ -43,28 +42,13 @@ def _scope(ext: bool):
     return contextlib.nullcontext() if ext else stack_ops.extension_disabled()
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def one_step(rt, model, forest, loss, device) -> tuple[float, float]:
-    """(wall seconds, main-thread CPU seconds) of one step between syncs."""
-    model.zero_grad(set_to_none=True)
-    _sync(device)
-    w0, c0 = time.perf_counter(), time.thread_time()
-    rt.forward_backward(forest, loss)
-    _sync(device)
-    return time.perf_counter() - w0, time.thread_time() - c0
-
-
 def host_ops(rt, model, forest, loss, device) -> dict[str, tuple[int, float]]:
     """Op name -> (calls, self CPU microseconds) over one profiled step."""
     model.zero_grad(set_to_none=True)
-    _sync(device)
+    sync_device(device)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         rt.forward_backward(forest, loss)
-        _sync(device)
+        sync_device(device)
     out: dict[str, list] = defaultdict(lambda: [0, 0.0])
     for e in prof.key_averages():
         out[e.key][0] += e.count
@@ -87,12 +71,12 @@ def main() -> int:
     for name, ext in configs.items():
         with _scope(ext):
             for _ in range(3):
-                one_step(runtimes[name], model, forest, loss, device)
+                host_timed_step(runtimes[name], forest, loss, model, device)
     times: dict[str, list] = {name: [] for name in configs}
     for i in range(args.steps):
         for name, ext in (list(configs.items()) if i % 2 == 0 else list(configs.items())[::-1]):
             with _scope(ext):
-                times[name].append(one_step(runtimes[name], model, forest, loss, device))
+                times[name].append(host_timed_step(runtimes[name], forest, loss, model, device))
     ops = {}
     for name, ext in configs.items():
         with _scope(ext):
@@ -105,7 +89,7 @@ def main() -> int:
         "|---|---|---|---|---|",
     ]
     for name in configs:
-        wall, cpu = [t[0] for t in times[name]], [t[1] for t in times[name]]
+        wall, cpu = [t["wall"] for t in times[name]], [t["main_cpu"] for t in times[name]]
         lines.append(f"| {name} | {statistics.median(wall):.4f} | {min(wall):.4f} | {statistics.median(cpu):.4f} | "
                      f"{min(cpu):.4f} |")
     a, b = ops["extension"], ops["torch ops"]

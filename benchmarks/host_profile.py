@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree  # noqa: E402
 from dtree.bench.configs import parse_assignments  # noqa: E402
-from dtree.bench.measure import emit_report, script_model  # noqa: E402
+from dtree.bench.measure import emit_report, host_timed_step, script_model, sync_device  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
@@ -55,22 +55,6 @@ SMOKE = {
 STEP_LABEL = "dtree step"
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def one_step(rt, model, forest, loss, device) -> dict:
-    """Wall, main-thread CPU and process CPU seconds of one step, between syncs."""
-    model.zero_grad(set_to_none=True)
-    _sync(device)
-    w0, t0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
-    out = rt.forward_backward(forest, loss)
-    _sync(device)
-    return {"wall": time.perf_counter() - w0, "main_cpu": time.thread_time() - t0,
-            "process_cpu": time.process_time() - p0, "calls": out.num_model_calls}
-
-
 def kernel_busy(rt, model, forest, loss, device) -> dict:
     """One profiled step: kernel time, launches, and the step's time with no kernel running."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -78,12 +62,12 @@ def kernel_busy(rt, model, forest, loss, device) -> dict:
     if device.type != "cuda":
         return {}
     model.zero_grad(set_to_none=True)
-    _sync(device)
+    sync_device(device)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         w0 = time.perf_counter()
         with record_function(STEP_LABEL):  # a host event where the step starts
             rt.forward_backward(forest, loss)
-        _sync(device)
+        sync_device(device)
         wall = time.perf_counter() - w0
     events = prof.events()
     spans = sorted((e.time_range.start, e.time_range.end) for e in events  # not the step's own GPU-side annotation
@@ -141,15 +125,15 @@ def main() -> int:
     loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
     forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(2 * args.steps + 3)]
     for forest in forests[:3]:  # warm-up: Triton compiles, the memory probe
-        one_step(rt, model, forest, loss, device)
-    timed = [one_step(rt, model, f, loss, device) for f in forests[3:3 + args.steps]]
+        host_timed_step(rt, forest, loss, model, device)
+    timed = [host_timed_step(rt, f, loss, model, device) for f in forests[3:3 + args.steps]]
     profiler = cProfile.Profile()
     for forest in forests[3 + args.steps:]:
         model.zero_grad(set_to_none=True)
-        _sync(device)
+        sync_device(device)
         profiler.enable()
         rt.forward_backward(forest, loss)
-        _sync(device)
+        sync_device(device)
         profiler.disable()
     busy = kernel_busy(rt, model, forests[-1], loss, device)
     stats = pstats.Stats(profiler)

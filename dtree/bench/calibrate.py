@@ -34,6 +34,7 @@ from ..distributed.features import forest_features
 from ..engine.runtime import TreeRuntime
 from ..forest.forest import Forest
 from ..losses import nll
+from .measure import sync_device
 
 __all__ = ["calibrate", "synthetic_forest", "SYNTHETIC_KINDS", "add_calibrate_parser", "time_step"]
 
@@ -86,11 +87,6 @@ def synthetic_forest(kind: str, tokens: int, *, seed: int = 0, vocab_size: int =
     return Forest.from_sequences(seqs)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def time_step(runtime: TreeRuntime, forest: Forest, repeats: int = 3, warmup: int = 1) -> float:
     """Median seconds of ``forward_backward`` (NLL, sum) on ``forest``; grads are cleared
     before every run so each run does the same work."""
@@ -98,10 +94,10 @@ def time_step(runtime: TreeRuntime, forest: Forest, repeats: int = 3, warmup: in
     times = []
     for i in range(warmup + repeats):
         runtime.module.zero_grad(set_to_none=True)
-        _sync(runtime.device)
+        sync_device(runtime.device)
         t0 = time.perf_counter()
         runtime.forward_backward(forest, loss)
-        _sync(runtime.device)
+        sync_device(runtime.device)
         if i >= warmup:
             times.append(time.perf_counter() - t0)
     runtime.module.zero_grad(set_to_none=True)

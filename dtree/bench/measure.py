@@ -182,7 +182,8 @@ def _first_line(error: BaseException) -> str:
     return f"{type(error).__name__}: {text[0] if text else ''}"
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
+    """Wait for ``device``'s queued work (nothing to wait for off CUDA)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -194,11 +195,25 @@ def timed_step(runner, forest, loss, model: torch.nn.Module, device: torch.devic
     model.zero_grad(set_to_none=True)
     if reset_peak and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    _sync(device)
+    sync_device(device)
     t0 = time.perf_counter()
     out = runner.forward_backward(forest, loss)
-    _sync(device)
+    sync_device(device)
     return out, time.perf_counter() - t0
+
+
+def host_timed_step(runtime, forest, loss, model: torch.nn.Module, device: torch.device) -> dict:
+    """One ``runtime.forward_backward(forest, loss)`` between device syncs (gradients
+    cleared first): wall seconds, the calling thread's CPU seconds (``time.thread_time``:
+    the forward, planning, the loss) and the process's (``time.process_time``: also the
+    autograd engine's device thread, which runs the backward), and the model calls."""
+    model.zero_grad(set_to_none=True)
+    sync_device(device)
+    w0, t0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
+    out = runtime.forward_backward(forest, loss)
+    sync_device(device)
+    return {"wall": time.perf_counter() - w0, "main_cpu": time.thread_time() - t0,
+            "process_cpu": time.process_time() - p0, "calls": out.num_model_calls}
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:

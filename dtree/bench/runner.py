@@ -110,12 +110,12 @@ def _method_options(opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return per
 
 
-def select_configs(args: argparse.Namespace, on_gpu: bool) -> list[MethodConfig]:
+def select_configs(args: argparse.Namespace, on_gpu: bool, layers: str = "auto") -> list[MethodConfig]:
     """``--configs``, else ``--methods`` at their defaults, else the device's preset.
-    With ``--layers eager`` or ``liger`` dtree's configurations get ``lean_layers=False``
-    (its default runs lean layers during its steps; the baselines would not)."""
+    With ``layers`` (the run's ``--layers`` choice) ``eager`` or ``liger`` dtree's
+    configurations get ``lean_layers=False`` (its default runs lean layers during its
+    steps; the baselines would not)."""
     base = _method_options(parse_assignments(args.opt, "--opt"))
-    layers = "liger" if getattr(args, "fused", False) else getattr(args, "layers", "auto")
     if layers in ("eager", "liger"):  # dtree too runs the layers --layers names
         base["dtree"] = {"lean_layers": False, **base.get("dtree", {})}
     text = args.configs or args.methods or ("gpu" if on_gpu else "basic")
@@ -263,17 +263,18 @@ class BenchConfig:
         device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         on_gpu = device.type == "cuda"
         same_forest = args.same_forest or bool(args.data)
+        layers = "liger" if args.fused else args.layers
         return cls(
             device=device,
             dtype=DTYPES[args.dtype or ("bf16" if on_gpu else "fp32")],
             model_name=args.model or ("qwen2.5-1.5b" if on_gpu else "tiny"),
-            configs=select_configs(args, on_gpu),
+            configs=select_configs(args, on_gpu, layers),
             workload=args.workload or "grpo",
             data=args.data,
             overrides=parse_assignments(args.overrides, "--set"),
             loss=args.loss,
             compile=args.compile,
-            layers="liger" if args.fused else args.layers,
+            layers=layers,
             expandable_segments=not args.no_expandable_segments,
             memory_limit_gib=args.memory_limit_gib,
             steps=1 if same_forest else (args.steps or (6 if on_gpu else 4)),

@@ -189,7 +189,8 @@ def lean_layers_during(model: torch.nn.Module, enabled: bool = True) -> Iterator
     Yields what it changed, or None where it changes nothing: ``enabled`` False, a family
     it does not reproduce, lean layers already applied (by the caller, who keeps them),
     compiled modules, or nothing left unpatched."""
-    if not enabled or _model_type(model) not in FAMILIES:
+    model_type = _model_type(model)
+    if not enabled or model_type not in FAMILIES:
         yield None
         return
     norms, mlps = [], []
@@ -202,7 +203,7 @@ def lean_layers_during(model: torch.nn.Module, enabled: bool = True) -> Iterator
     if not norms and not mlps:
         yield None
         return
-    applied = _swap(_model_type(model), norms, mlps)
+    applied = _swap(model_type, norms, mlps)
     try:
         yield applied
     finally:
