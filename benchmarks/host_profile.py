@@ -116,6 +116,10 @@ def main() -> int:
                    help="list who calls these functions (pstats regex; default: module and parameter walks, "
                         "the allocator's statistics)")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
+    p.add_argument("--tag", default="", help="appended to the report's file name")
+    p.add_argument("--backward-here", action="store_true",
+                   help="run the profiled steps' backward on the calling thread (autograd multithreading off), "
+                        "so that the profile shows the backward's host time too")
     args = p.parse_args()
     model, device = script_model(args.smoke)
     spec = adapt(model).dtree_spec()
@@ -131,10 +135,11 @@ def main() -> int:
     for forest in forests[3 + args.steps:]:
         model.zero_grad(set_to_none=True)
         sync_device(device)
-        profiler.enable()
-        rt.forward_backward(forest, loss)
-        sync_device(device)
-        profiler.disable()
+        with torch.autograd.set_multithreading_enabled(not args.backward_here):
+            profiler.enable()
+            rt.forward_backward(forest, loss)
+            sync_device(device)
+            profiler.disable()
     busy = kernel_busy(rt, model, forests[-1], loss, device)
     stats = pstats.Stats(profiler)
 
@@ -145,7 +150,9 @@ def main() -> int:
         f"# Host time of a dtree step: {args.workload} ({kind}), {device.type}",
         "",
         f"torch {torch.__version__}; {sum(f.num_unique_tokens for f in forests) // len(forests)} unique tokens per "
-        f"forest on average; runtime options {options or 'default'}; plan: {rt.memory_plan.describe() if rt.memory_plan else '-'}",
+        f"forest on average; runtime options {options or 'default'}; "
+        f"profiled backward on {'the calling thread' if args.backward_here else 'autograd device threads'}; "
+        f"DTREE_FAST_LAUNCH={os.environ.get('DTREE_FAST_LAUNCH', '1')}; plan: {rt.memory_plan.describe() if rt.memory_plan else '-'}",
         "",
         "| steps | model calls | wall median (s) | main-thread CPU (s) | process CPU (s) |",
         "|---|---|---|---|---|",
@@ -168,7 +175,7 @@ def main() -> int:
               f"## Callers ({args.steps} profiled steps)", ""]
     for name in args.callers or [r"\(named_modules\)", r"\(parameters\)", r"\(memory_stats\)"]:
         lines += callers(profiler, name)
-    emit_report("\n".join(lines), f"host_profile_{args.workload}.md")
+    emit_report("\n".join(lines), f"host_profile_{args.workload}{'_' + args.tag if args.tag else ''}.md")
     return 0
 
 

@@ -51,6 +51,7 @@ import os
 
 import torch
 
+from ..fast_launch import fast_launch
 from .transform import LogitTransform
 
 try:
@@ -195,7 +196,8 @@ def _row_stats_triton(logits, labels, tf: LogitTransform, with_entropy: bool):
     logp = torch.empty(n, dtype=torch.float32, device=logits.device)
     entropy = torch.empty_like(logp) if with_entropy else None
     launch = _INTERPRETER_FWD if _INTERPRET else _FWD
-    _row_stats_kernel[(n,)](
+    fast_launch(
+        _row_stats_kernel, (n,),
         logits, labels, logp, norm, entropy if with_entropy else logp,
         logits.stride(0), v,
         tf.scale, tf.softcap or 1.0, tf.temperature,
@@ -209,7 +211,8 @@ def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: LogitTransform) ->
     n, v = logits.shape
     launch = dict(_INTERPRETER_BWD if _INTERPRET else _BWD)
     grid = (triton.cdiv(n, launch["BLOCK_M"]), triton.cdiv(v, launch["BLOCK_V"]))
-    _dlogits_kernel[grid](
+    fast_launch(
+        _dlogits_kernel, grid,
         logits, labels, norm, entropy if entropy is not None else norm,
         g if g is not None else norm, ge if ge is not None else norm,
         logits.stride(0), n, v,

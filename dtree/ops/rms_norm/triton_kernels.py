@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from ..backends import sm_count
+from ..fast_launch import fast_launch
 
 __all__ = ["rms_norm_backward", "rms_norm_forward", "runs_on"]
 
@@ -94,8 +95,10 @@ def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tupl
     r = torch.empty(m, dtype=torch.float32, device=x2.device)
     if m:
         block = _block(n)
-        _rms_norm_fwd_kernel[(m,)](x2, weight, y, r, x2.stride(0), y.stride(0), n, eps, BLOCK_N=block,
-                                   num_warps=_warps(block))
+        fast_launch(
+            _rms_norm_fwd_kernel, (m,), x2, weight, y, r, x2.stride(0), y.stride(0), n, eps, BLOCK_N=block,
+            num_warps=_warps(block),
+        )
     return y, r
 
 
@@ -115,7 +118,8 @@ def rms_norm_backward(
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device) if need_dweight else r
     if m:
         block = _block(n)
-        _rms_norm_bwd_kernel[(programs,)](
+        fast_launch(
+            _rms_norm_bwd_kernel, (programs,),
             dy2, x2, weight, r, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
             triton.cdiv(m, programs), BLOCK_N=block, NEED_DW=need_dweight, num_warps=_warps(block),
         )

@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fast_launch import fast_launch
+
 __all__ = ["lse_merge_triton"]
 
 
@@ -67,7 +69,8 @@ def lse_merge_triton(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tens
     out = torch.empty((t, h, dv), dtype=outs.dtype, device=outs.device)
     lse = torch.empty((h, t), dtype=lses.dtype, device=lses.device)
     block_t = 64
-    _lse_merge_kernel[(triton.cdiv(t, block_t), h)](
+    fast_launch(
+        _lse_merge_kernel, (triton.cdiv(t, block_t), h),
         outs, lses, out, lse, t, c, outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0),
         out.stride(0), out.stride(1),
         DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_T=block_t, num_warps=4,

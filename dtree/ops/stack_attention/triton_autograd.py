@@ -116,6 +116,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import sm_count
+from ..fast_launch import fast_launch
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .segment_layout import SegmentLayout
@@ -249,7 +250,8 @@ def _delta(q, k, v, out, do, delta, dq_acc: torch.Tensor | None) -> None:
     meta = _common_meta(q, k, v)
     acc = delta if dq_acc is None else dq_acc  # unread without ZERO_DQ: any fp32 tensor
     strides = (0, 0) if dq_acc is None else (dq_acc.stride(0), dq_acc.stride(1))
-    _delta_kernel[(triton.cdiv(t, 64), hq)](
+    fast_launch(
+        _delta_kernel, (triton.cdiv(t, 64), hq),
         out, do, delta, acc, out.stride(0), out.stride(1), do.stride(0), do.stride(1), *strides, t,
         HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"],
         BLOCK_M=64, ZERO_DQ=dq_acc is not None,

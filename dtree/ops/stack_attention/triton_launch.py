@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from ...device.transfer import upload
+from ..fast_launch import fast_launch
 from .segment_layout import SegmentLayout
 from .triton_backward import _dkdv_kernel, _dq_kernel
 from .triton_common import _INTERPRET, _OWN, _PREFIX, PREFIX_ITEM_ROWS, InterpreterTiles, _Tuning, triton
@@ -105,7 +106,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
     forced = dict(tuning.configs).get(kernel)
     if forced is not None:
         inner, warps, stages = forced
-        _KERNELS[kernel][grid](*args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
+        fast_launch(_KERNELS[kernel], grid, *args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
         return
     flags = tuple(sorted((f, v) for f, v in meta.items() if f.startswith("HAS_") or f in _KEYED_FLAGS))
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"], *flags)
@@ -114,7 +115,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
     for i in range(_FITTING.get(key, 0), len(candidates)):
         inner, warps, stages = candidates[i]
         try:
-            _KERNELS[kernel][grid](*args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
+            fast_launch(_KERNELS[kernel], grid, *args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources:
             continue
         _FITTING[key] = i

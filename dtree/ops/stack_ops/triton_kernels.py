@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fast_launch import fast_launch
+
 __all__ = ["fold_seed", "push_kv", "runs_on"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -49,7 +51,8 @@ def push_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, k: torch.Tensor, v: to
     dv = v.shape[-1]
     if not (k_slots.is_contiguous() and v_slots.is_contiguous()):
         raise ValueError("the stack slices must be contiguous")
-    _push_kernel[(triton.cdiv(t, _ROWS),)](
+    fast_launch(
+        _push_kernel, (triton.cdiv(t, _ROWS),),
         k, v, k_slots, v_slots, t, *k.stride(), *v.stride(), HKV=hkv, DK=dk, DV=dv, ROWS=_ROWS,
         BK=triton.next_power_of_2(hkv * dk), BV=triton.next_power_of_2(hkv * dv), num_warps=1 if _INTERPRET else 4,
     )
@@ -86,7 +89,8 @@ def fold_seed(
     dv = torch.empty(v_slots.shape, dtype=dtypes[1], device=v_slots.device)
     nk, nv = k_slots.numel(), v_slots.numel()
     grid = (triton.cdiv(nk, _BLOCK) + triton.cdiv(nv, _BLOCK),)
-    _fold_kernel[grid](
+    fast_launch(
+        _fold_kernel, grid,
         k_slots, v_slots, gk if gk is not None else k_slots, gv if gv is not None else v_slots, dk, dv, nk, nv,
         HAS_GK=gk is not None, HAS_GV=gv is not None, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8,
     )

@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ..fast_launch import fast_launch
+
 __all__ = ["runs_on", "silu_mul_backward", "silu_mul_forward"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
@@ -64,7 +66,8 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     p = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        _silu_mul_fwd_kernel[(triton.cdiv(n, _BLOCK),)](gate, up, p, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8)
+        grid = (triton.cdiv(n, _BLOCK),)
+        fast_launch(_silu_mul_fwd_kernel, grid, gate, up, p, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8)
     return p
 
 
@@ -79,7 +82,8 @@ def silu_mul_backward(
     usable = spare is not None and spare.is_contiguous() and spare.dtype == dp.dtype and spare.numel() == n
     dup = spare.view(dp.shape) if usable else torch.empty_like(dp)
     if n:
-        _silu_mul_bwd_kernel[(triton.cdiv(n, _BLOCK),)](
+        fast_launch(
+            _silu_mul_bwd_kernel, (triton.cdiv(n, _BLOCK),),
             dp, gate, up, dgate, dup, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8
         )
     return dgate, dup
