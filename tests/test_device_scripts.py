@@ -42,3 +42,10 @@ def test_fast_launch_script_runs_on_cpu(tmp_path):
     for name in ("fast_launch_gpu.md", "host_profile_agentic64k_4096_calls.md", "host_profile_case1.md"):
         assert (tmp_path / name).exists(), name
     assert "paired speedup" in (tmp_path / "fast_launch_gpu.md").read_text()
+
+
+def test_gpu_idle_script_runs_on_cpu(tmp_path):
+    r = _smoke("gpu_idle_gpu.sh", tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for name in ("gpu_idle_agentic64k_4096_calls.md", "gpu_idle_agentic64k_default.md", "gpu_idle_case1.md"):
+        assert "| forward |" in (tmp_path / name).read_text(), name

@@ -188,3 +188,8 @@ def test_gpu_fast_launches_match_triton_launches(monkeypatch):
     classes, after = fl.launch_counts(rt._rms_norm_fwd_kernel)
     assert after - hits >= 16  # the second launch of each (offset, rows) at least
     assert classes >= 2  # aligned and misaligned x
+
+
+def test_grid_arithmetic_matches_triton():
+    assert all(fl.next_power_of_2(n) == triton.next_power_of_2(n) for n in range(0, 20_000))
+    assert all(fl.cdiv(a, b) == triton.cdiv(a, b) for a in range(0, 2000) for b in (1, 3, 16, 64, 1024))

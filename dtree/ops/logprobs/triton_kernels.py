@@ -51,7 +51,7 @@ import os
 
 import torch
 
-from ..fast_launch import fast_launch
+from ..fast_launch import cdiv, fast_launch
 from .transform import LogitTransform
 
 try:
@@ -210,7 +210,7 @@ def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: LogitTransform) ->
     """Fused twin of :func:`dtree.ops.logprobs.fused_head._dlogits_torch`."""
     n, v = logits.shape
     launch = dict(_INTERPRETER_BWD if _INTERPRET else _BWD)
-    grid = (triton.cdiv(n, launch["BLOCK_M"]), triton.cdiv(v, launch["BLOCK_V"]))
+    grid = (cdiv(n, launch["BLOCK_M"]), cdiv(v, launch["BLOCK_V"]))
     fast_launch(
         _dlogits_kernel, grid,
         logits, labels, norm, entropy if entropy is not None else norm,

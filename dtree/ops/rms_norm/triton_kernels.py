@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from ..backends import sm_count
-from ..fast_launch import fast_launch
+from ..fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["rms_norm_backward", "rms_norm_forward", "runs_on"]
 
@@ -85,7 +85,7 @@ def _rms_norm_bwd_kernel(
 def _block(n: int) -> int:
     if n > _MAX_N:
         raise ValueError(f"the Triton RMSNorm takes rows of at most {_MAX_N} elements, got {n}")
-    return triton.next_power_of_2(n)
+    return next_power_of_2(n)
 
 
 def rms_norm_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,7 +121,7 @@ def rms_norm_backward(
         fast_launch(
             _rms_norm_bwd_kernel, (programs,),
             dy2, x2, weight, r, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
-            triton.cdiv(m, programs), BLOCK_N=block, NEED_DW=need_dweight, num_warps=_warps(block),
+            cdiv(m, programs), BLOCK_N=block, NEED_DW=need_dweight, num_warps=_warps(block),
         )
     elif need_dweight:
         partial.zero_()

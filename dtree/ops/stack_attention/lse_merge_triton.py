@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fast_launch import fast_launch
+from ..fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["lse_merge_triton"]
 
@@ -70,9 +70,9 @@ def lse_merge_triton(outs: torch.Tensor, lses: torch.Tensor) -> tuple[torch.Tens
     lse = torch.empty((h, t), dtype=lses.dtype, device=lses.device)
     block_t = 64
     fast_launch(
-        _lse_merge_kernel, (triton.cdiv(t, block_t), h),
+        _lse_merge_kernel, (cdiv(t, block_t), h),
         outs, lses, out, lse, t, c, outs.stride(0), outs.stride(1), outs.stride(2), lses.stride(0),
         out.stride(0), out.stride(1),
-        DV=dv, BLOCK_DV=max(16, triton.next_power_of_2(dv)), BLOCK_T=block_t, num_warps=4,
+        DV=dv, BLOCK_DV=max(16, next_power_of_2(dv)), BLOCK_T=block_t, num_warps=4,
     )
     return out, lse

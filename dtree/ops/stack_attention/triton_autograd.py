@@ -116,7 +116,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import sm_count
-from ..fast_launch import fast_launch
+from ..fast_launch import cdiv, fast_launch, next_power_of_2
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .segment_layout import SegmentLayout
@@ -132,7 +132,6 @@ from .triton_common import (
     InterpreterTiles,
     _Tuning,
     require_triton,
-    triton,
 )
 from .triton_launch import _FLAGS, _auto_item_rows, _kv_items, _launch, _q_blocks, _row_tables, _runs, _tiles
 
@@ -153,9 +152,9 @@ def _common_meta(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> dict:
     return {
         "GROUP": q.shape[1] // k.shape[1],
         "HEAD_DIM": k.shape[-1],
-        "BLOCK_D": max(16, triton.next_power_of_2(k.shape[-1])),
+        "BLOCK_D": max(16, next_power_of_2(k.shape[-1])),
         "V_DIM": v.shape[-1],
-        "BLOCK_DV": max(16, triton.next_power_of_2(v.shape[-1])),
+        "BLOCK_DV": max(16, next_power_of_2(v.shape[-1])),
         # fp32 inputs: true fp32 products, as torch's default matmul (no TF32)
         "DOT_PREC": "ieee" if q.dtype == torch.float32 else "tf32",
     }
@@ -251,7 +250,7 @@ def _delta(q, k, v, out, do, delta, dq_acc: torch.Tensor | None) -> None:
     acc = delta if dq_acc is None else dq_acc  # unread without ZERO_DQ: any fp32 tensor
     strides = (0, 0) if dq_acc is None else (dq_acc.stride(0), dq_acc.stride(1))
     fast_launch(
-        _delta_kernel, (triton.cdiv(t, 64), hq),
+        _delta_kernel, (cdiv(t, 64), hq),
         out, do, delta, acc, out.stride(0), out.stride(1), do.stride(0), do.stride(1), *strides, t,
         HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"], V_DIM=meta["V_DIM"], BLOCK_DV=meta["BLOCK_DV"],
         BLOCK_M=64, ZERO_DQ=dq_acc is not None,

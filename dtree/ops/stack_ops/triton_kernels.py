@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fast_launch import fast_launch
+from ..fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["fold_seed", "push_kv", "runs_on"]
 
@@ -52,9 +52,9 @@ def push_kv(k_slots: torch.Tensor, v_slots: torch.Tensor, k: torch.Tensor, v: to
     if not (k_slots.is_contiguous() and v_slots.is_contiguous()):
         raise ValueError("the stack slices must be contiguous")
     fast_launch(
-        _push_kernel, (triton.cdiv(t, _ROWS),),
+        _push_kernel, (cdiv(t, _ROWS),),
         k, v, k_slots, v_slots, t, *k.stride(), *v.stride(), HKV=hkv, DK=dk, DV=dv, ROWS=_ROWS,
-        BK=triton.next_power_of_2(hkv * dk), BV=triton.next_power_of_2(hkv * dv), num_warps=1 if _INTERPRET else 4,
+        BK=next_power_of_2(hkv * dk), BV=next_power_of_2(hkv * dv), num_warps=1 if _INTERPRET else 4,
     )
 
 
@@ -88,7 +88,7 @@ def fold_seed(
     dk = torch.empty(k_slots.shape, dtype=dtypes[0], device=k_slots.device)
     dv = torch.empty(v_slots.shape, dtype=dtypes[1], device=v_slots.device)
     nk, nv = k_slots.numel(), v_slots.numel()
-    grid = (triton.cdiv(nk, _BLOCK) + triton.cdiv(nv, _BLOCK),)
+    grid = (cdiv(nk, _BLOCK) + cdiv(nv, _BLOCK),)
     fast_launch(
         _fold_kernel, grid,
         k_slots, v_slots, gk if gk is not None else k_slots, gv if gv is not None else v_slots, dk, dv, nk, nv,

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..fast_launch import fast_launch
+from ..fast_launch import cdiv, fast_launch
 
 __all__ = ["runs_on", "silu_mul_backward", "silu_mul_forward"]
 
@@ -66,7 +66,7 @@ def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     p = torch.empty_like(gate)
     n = gate.numel()
     if n:
-        grid = (triton.cdiv(n, _BLOCK),)
+        grid = (cdiv(n, _BLOCK),)
         fast_launch(_silu_mul_fwd_kernel, grid, gate, up, p, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8)
     return p
 
@@ -83,7 +83,7 @@ def silu_mul_backward(
     dup = spare.view(dp.shape) if usable else torch.empty_like(dp)
     if n:
         fast_launch(
-            _silu_mul_bwd_kernel, (triton.cdiv(n, _BLOCK),),
+            _silu_mul_bwd_kernel, (cdiv(n, _BLOCK),),
             dp, gate, up, dgate, dup, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8
         )
     return dgate, dup
