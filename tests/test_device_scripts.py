@@ -1,6 +1,6 @@
-"""The H100 scripts that measure dtree's step defaults, call costs and launch costs
-(``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/fast_launch_gpu.sh``, sharing
-``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
+"""The H100 scripts that measure dtree's step defaults, call costs and host costs
+(``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/host_cost_gpu.sh``,
+``benchmarks/gpu_idle_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
 from __future__ import annotations
@@ -35,13 +35,14 @@ def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
         assert list((tmp_path / name).glob("*.md")), f"{script}: no report in {name}/"
 
 
-def test_fast_launch_script_runs_on_cpu(tmp_path):
-    r = _smoke("fast_launch_gpu.sh", tmp_path)
+def test_host_cost_script_runs_on_cpu(tmp_path):
+    r = _smoke("host_cost_gpu.sh", tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     assert "error" not in r.stdout.lower(), r.stdout[-3000:]
-    for name in ("fast_launch_gpu.md", "host_profile_agentic64k_4096_calls.md", "host_profile_case1.md"):
+    for name in ("host_cost_ab.md", "gpu_idle_agentic64k_4096_calls.md"):
         assert (tmp_path / name).exists(), name
-    assert "paired speedup" in (tmp_path / "fast_launch_gpu.md").read_text()
+    report = (tmp_path / "host_cost_ab.md").read_text()
+    assert all(f"| {v} |" in report for v in ("default", "no_fast_launch", "hf_rotary"))
 
 
 def test_gpu_idle_script_runs_on_cpu(tmp_path):

@@ -15,6 +15,7 @@ flash-attention rule.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -122,11 +123,39 @@ def test_the_runtime_runs_lean_layers_during_its_steps_only(mode):
     assert seen and not any(seen)
 
 
+def test_the_step_runs_dtrees_rotary_and_puts_hfs_back(monkeypatch):
+    """During the scope HF's ``apply_rotary_pos_emb`` global is dtree's (one kernel each
+    way), put back after it, also after an error; a runtime step goes through it and
+    stays exact against HF per path."""
+    from transformers.models.qwen2 import modeling_qwen2
+
+    original = modeling_qwen2.apply_rotary_pos_emb
+    model = make_model("qwen2", tied=True)
+    with lean_layers.lean_layers_during(model) as info:
+        assert info.rotary and "rotary" in info.describe()
+        assert modeling_qwen2.apply_rotary_pos_emb is not original
+        assert modeling_qwen2.apply_rotary_pos_emb._dtree_lean
+    assert modeling_qwen2.apply_rotary_pos_emb is original
+    with pytest.raises(RuntimeError, match="inside"):
+        with lean_layers.lean_layers_during(model):
+            raise RuntimeError("inside")
+    assert modeling_qwen2.apply_rotary_pos_emb is original
+
+    calls = []
+    supported = lean_layers.rotary_supported
+    monkeypatch.setattr(lean_layers, "rotary_supported", lambda *a: calls.append(1) or supported(*a))
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, mode="retain", group_tokens=8)
+    assert len(calls) >= model.config.num_hidden_layers
+    assert modeling_qwen2.apply_rotary_pos_emb is original
+    assert_exact(tree_model, ref_model, out, ref_loss)
+
+
 def test_lean_layers_during_keeps_the_callers_and_restores_after_an_error():
     model = make_model("llama")
     applied = lean_layers.apply_lean_layers(copy.deepcopy(model))
     with lean_layers.lean_layers_during(model) as info:
-        assert info == applied and lean_layers.lean_layers_applied(model)
+        assert info == dataclasses.replace(applied, rotary=True) and lean_layers.lean_layers_applied(model)
     assert not lean_layers.lean_layers_applied(model)
     with pytest.raises(RuntimeError, match="inside"):
         with lean_layers.lean_layers_during(model):
@@ -189,14 +218,16 @@ def test_a_failed_step_gives_the_model_its_own_layers_back():
 
 
 # --------------------------------------------------------------------------- interpreter
-def _case_runtime_exact(arch: str):
+def _case_runtime_exact(arch: str, scope: bool):
+    """``scope``: the runtime's own lean scope (with dtree's rotary kernel), else the
+    caller's ``apply_lean_layers`` (HF's rotary)."""
     from dtree.ops.rms_norm import interface as rms_norm
     from dtree.ops.swiglu import triton_kernels as swiglu_triton
 
     assert swiglu_triton._INTERPRET and rms_norm.load_triton_kernels(torch.zeros(1)) is not None
     model = make_model(arch)
     ref_model, ref_loss = reference(model)
-    patched, _ = lean(model)
+    patched = copy.deepcopy(model) if scope else lean(model)[0]
     out, tree_model = run_dtree(patched, copy_model=False, mode="retain", group_tokens=8)
     assert_exact(tree_model, ref_model, out, ref_loss)
 
@@ -204,9 +235,9 @@ def _case_runtime_exact(arch: str):
 worker = worker_fixture("test_lean_layers")
 
 
-@pytest.mark.parametrize("arch", ["qwen3"])
-def test_triton_kernels_end_to_end(worker, arch):
-    worker.run("runtime_exact", arch=arch)
+@pytest.mark.parametrize("arch,scope", [("qwen3", False), ("llama", True)])
+def test_triton_kernels_end_to_end(worker, arch, scope):
+    worker.run("runtime_exact", arch=arch, scope=scope)
 
 
 # --------------------------------------------------------------------------- GPU

@@ -15,8 +15,15 @@ measures it; ``benchmarks/PERF_NOTES.md`` has the table):
   elementwise pass, when the down projection is a plain ``nn.Linear``).
 
 The kernels run in Triton on CUDA (one kernel per norm, one per activation, forward
-and backward) and in torch elsewhere, with the same saved tensors. Rotary embeddings
-stay HF's: they keep no activation of their own (only the per-call ``cos``/``sin``).
+and backward) and in torch elsewhere, with the same saved tensors.
+
+During a step (:func:`lean_layers_during`), the attention's rotary embedding of q and k
+runs through :mod:`dtree.ops.rotary` too: one kernel each way instead of HF's ~10
+forward and ~20 backward launches per layer, with HF's roundings (bit for bit on the
+H100). HF's attention calls ``apply_rotary_pos_emb`` as a global of its modeling module,
+so that global is what the scope swaps, and puts back when it ends: the one
+process-wide change here, and a harmless one (any caller during the step gets the same
+values from the same function signature).
 
 :func:`apply_lean_layers` swaps the ``forward`` of the model's own norm and MLP
 modules (this instance only, nothing process-wide; :func:`remove_lean_layers` undoes
@@ -33,14 +40,18 @@ called as modules.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import inspect
+import sys
 import types
-from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
 from ..ops.rms_norm import rms_norm
+from ..ops.rotary import RotaryFunction
+from ..ops.rotary.interface import rotary_supported
 from ..ops.swiglu import silu_mul, swiglu_down
 from .plain_linear import is_plain_linear
 
@@ -55,7 +66,7 @@ _MLPS = tuple(f"{p}MLP" for p in ("Llama", "Qwen2", "Qwen3", "Mistral"))
 _SILU = ("SiLUActivation", "SiLU")
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class LeanLayers:
     """What :func:`apply_lean_layers` changed: the family, how many RMSNorm and MLP
     modules now run dtree's lean kernels, and how many of those MLPs fold the down
@@ -65,10 +76,11 @@ class LeanLayers:
     norms: int
     mlps: int
     fused_down: int
+    rotary: bool = False
 
     def describe(self) -> str:
         return (f"dtree lean layers ({self.model_type}): RMSNorm x{self.norms}, SwiGLU MLP x{self.mlps} "
-                f"({self.fused_down} with the down projection fused)")
+                f"({self.fused_down} with the down projection fused){', rotary' if self.rotary else ''}")
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -81,6 +93,36 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     if is_plain_linear(down):
         return swiglu_down(gate, up, down.weight, down.bias)
     return down(silu_mul(gate, up))
+
+
+_ROTARY_PARAMETERS = ("q", "k", "cos", "sin", "unsqueeze_dim")
+
+
+@functools.cache
+def _lean_rotary(original):
+    """``original`` (HF's ``apply_rotary_pos_emb``) through :mod:`dtree.ops.rotary` where it
+    takes the inputs, else ``original`` itself; opaque to ``torch.compile``."""
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+        if unsqueeze_dim == 1 and rotary_supported(q, k, cos, sin):
+            return RotaryFunction.apply(q, k, cos, sin)
+        return original(q, k, cos, sin, unsqueeze_dim)
+
+    apply_rotary_pos_emb._dtree_lean = True
+    return torch.compiler.disable(apply_rotary_pos_emb)
+
+
+def _rotary_module(attention: torch.nn.Module | None) -> types.ModuleType | None:
+    """The modeling module whose global ``apply_rotary_pos_emb`` (HF's signature, not
+    already dtree's) ``attention`` calls, or None."""
+    module = sys.modules.get(type(attention).__module__) if attention is not None else None
+    fn = getattr(module, "apply_rotary_pos_emb", None)
+    if fn is None or getattr(fn, "_dtree_lean", False) or not callable(fn):
+        return None
+    try:
+        return module if tuple(inspect.signature(fn).parameters) == _ROTARY_PARAMETERS else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _model_type(model: torch.nn.Module) -> str | None:
@@ -193,18 +235,27 @@ def lean_layers_during(model: torch.nn.Module, enabled: bool = True) -> Iterator
     if not enabled or model_type not in FAMILIES:
         yield None
         return
-    norms, mlps = [], []
+    norms, mlps, attention = [], [], None
     for m in model.modules():  # once: this runs at every step
         if getattr(m, "_dtree_lean", False) or _compiled(m):
             yield None
             return
         if "forward" not in vars(m):
             (norms if _is_norm(m) else mlps if _is_mlp(m) else []).append(m)
+        if attention is None and type(m).__name__.endswith("Attention"):
+            attention = m
     if not norms and not mlps:
         yield None
         return
     applied = _swap(model_type, norms, mlps)
+    module = _rotary_module(attention)
+    if module is not None:
+        original = module.apply_rotary_pos_emb
+        module.apply_rotary_pos_emb = _lean_rotary(original)
+        applied = dataclasses.replace(applied, rotary=True)
     try:
         yield applied
     finally:
         _restore(norms + mlps)
+        if module is not None and getattr(module.apply_rotary_pos_emb, "_dtree_lean", False):
+            module.apply_rotary_pos_emb = original
