@@ -3,7 +3,10 @@
 * ``fast_launch`` (``dtree/ops/fast_launch.py``): dtree's Triton kernels launched through
   the compiled kernel kept per argument class instead of ``kernel[grid]``;
 * dtree's rotary kernel during the step (``dtree/ops/rotary``, swapped in by the lean
-  scope) instead of HF's ``apply_rotary_pos_emb``.
+  scope) instead of HF's ``apply_rotary_pos_emb``;
+
+and one candidate, not a default: Python's garbage collector paused for the step
+(``gc_paused``: does a collection inside a host-bound step explain its outliers?).
 
 Parts:
 
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -56,13 +60,15 @@ SMOKE = {
                                         "turn_len": (4, 40), "target_unique_tokens": 400}, {"group_tokens": 128}),
 }
 ROUNDS = {"case1": 20, "agentic64k": 4, "agentic64k_4096_calls": 4}
-VARIANTS = ("default", "no_fast_launch", "hf_rotary")
+VARIANTS = ("default", "no_fast_launch", "hf_rotary", "gc_paused")
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """The default, or one change turned off for the block."""
+    """The default, one change turned off, or the candidate, for the block."""
     saved = fl._ENABLED, lean_layers._rotary_module
+    if name == "gc_paused":
+        gc.disable()
     if name == "no_fast_launch":
         fl._ENABLED = False
     elif name == "hf_rotary":
@@ -71,6 +77,7 @@ def variant(name: str):
         yield
     finally:
         fl._ENABLED, lean_layers._rotary_module = saved
+        gc.enable()
 
 
 def launch_host_us(launches: int = 3000) -> dict:
@@ -130,7 +137,7 @@ def report(result: dict) -> str:
                   *(f"| {k} | {v:.1f} |" for k, v in result["launch_us"].items()), ""]
     lines += ["## Steps, interleaved (a fresh forest per round, every variant on it)", "",
               "ratio = the variant's wall time over the default's in the same round (median): above 1, the change "
-              "turned off here saves time.", "",
+              "turned off here saves time (for gc_paused, below 1 means pausing would).", "",
               "| case | calls | rounds | variant | wall median (s) | ratio to default | main CPU (s) | process CPU (s) |",
               "|---|---|---|---|---|---|---|---|"]
     for name, r in result["steps"].items():
@@ -146,6 +153,7 @@ def main() -> int:
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--cases", default=None, help="comma-separated subset of the cases")
+    p.add_argument("--rounds", type=int, default=None, help="rounds per case (default: per case)")
     args = p.parse_args()
     model, device = script_model(args.smoke)
     spec = adapt(model).dtree_spec()
@@ -156,7 +164,7 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     for name in chosen:
         t0 = time.perf_counter()
-        result["steps"][name] = interleaved(model, device, spec, cases[name], 2 if args.smoke else ROUNDS.get(name, 4))
+        result["steps"][name] = interleaved(model, device, spec, cases[name], 2 if args.smoke else args.rounds or ROUNDS.get(name, 4))
         ratios = {v: round(m["paired_ratio_median"], 3) for v, m in result["steps"][name]["variants"].items()}
         print(f"{name}: {ratios} in {time.perf_counter() - t0:.0f} s", flush=True)
         with open(os.path.join(args.out, "host_cost_ab.json"), "w") as f:
