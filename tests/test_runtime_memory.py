@@ -10,6 +10,7 @@ import weakref
 import pytest
 import torch
 from hf_models import make_model
+from setups import SEQS
 from test_families import build
 
 import dtree
@@ -157,7 +158,8 @@ def test_after_step_releases_and_reports(monkeypatch):
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 9 * gib)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=state["allocated"]))
     rt = dtree.TreeRuntime(make_model("qwen2"))
-    sentinel = object()
+    released = []
+    sentinel = SimpleNamespace(release=lambda: released.append(1))
 
     def call(placement, free: bool, fail: bool = False):
         """A call of ``rt`` on ``placement`` holding a stack; its report in a StepOutput-like value."""
@@ -182,8 +184,46 @@ def test_after_step_releases_and_reports(monkeypatch):
     with pytest.raises(RuntimeError, match="boom"):
         call(cuda, True, fail=True)
     assert rt.stack is None  # released after a failed step too
+    assert len(released) == 3
     cpu = call((torch.device("cpu"), torch.float32), True)
-    assert cpu.metrics == {} and rt.stack is sentinel
+    assert cpu.metrics == {} and rt.stack is sentinel and len(released) == 3
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_stack_buffers_are_gone_when_the_cache_is_emptied(monkeypatch, fail):
+    """Where the runtime drops its stacks (CUDA; faked here on CPU), no buffer of them is
+    referenced any more when the allocator's cache is emptied and the step's memory read
+    (:func:`dtree.engine.step_memory.after_step`), although the step's plan, which holds
+    the stacks, is still alive then (in the runtime's frame, or a failed step's
+    traceback): ``free_after_step`` must be able to return those blocks."""
+    import gc
+
+    from dtree.engine import runtime
+    from dtree.stacks.step_stacks import StepStacks
+
+    held_at_release = []
+
+    def after_step(device, free):
+        gc.collect()
+        held_at_release.append(sum(len(s.tensors()) for s in gc.get_objects() if isinstance(s, StepStacks)))
+        return {}
+
+    monkeypatch.setattr(runtime, "drops_stack", lambda device: True)
+    monkeypatch.setattr(runtime, "after_step", after_step)
+    rt = dtree.TreeRuntime(make_model("qwen2"), chunk_size=2)
+    forest = dtree.Forest.from_sequences(SEQS)
+
+    def loss(logprobs, forest):
+        if fail:
+            raise RuntimeError("the loss failed")
+        return sum(lp.sum() for lp in logprobs)
+
+    if fail:
+        with pytest.raises(RuntimeError, match="the loss failed"):
+            rt.forward_backward(forest, loss)
+    else:
+        rt.forward_backward(forest, dtree.losses.nll())
+    assert held_at_release == [0] and rt._planner.stack is None
 
 
 def test_stack_sized_by_the_slots_written_saves_on_qwen_1_5b():

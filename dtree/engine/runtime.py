@@ -208,7 +208,9 @@ class TreeRuntime:
 
     def release_memory(self) -> None:
         """Drop the KV stack buffers (on CUDA the runtime drops them after every call;
-        elsewhere they are kept for the next step)."""
+        elsewhere they are kept for the next step), also those the last step's plan holds."""
+        if self._planner.stack is not None:
+            self._planner.stack.release()
         self._planner.stack = None
 
     @contextlib.contextmanager

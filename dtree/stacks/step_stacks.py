@@ -81,6 +81,7 @@ class StepStacks:
         )
         self.device = torch.empty(0, device=device).device
         self.with_grad = with_grad
+        self.released = False
 
     @property
     def has_grad(self) -> bool:
@@ -108,12 +109,22 @@ class StepStacks:
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.kv) + (self.states.nbytes() if self.states is not None else 0)
 
+    def release(self) -> None:
+        """Drop every buffer now, whoever still holds this object: the step's plan is
+        alive in the runtime's frame (or a failed step's traceback) when the runtime
+        releases memory after a call, and ``torch.cuda.empty_cache`` can only return
+        blocks nothing references. An empty shell afterwards: it fits no step."""
+        self.kv, self._where, self.states = [], {}, None
+        self.tokens = self.state_slots = 0
+        self.released = True
+
     def fits(
         self, spec: StackShapes, tokens: int, state_slots: int, dtype: torch.dtype, device, with_grad: bool
     ) -> bool:
         """Whether these stacks serve a step needing ``tokens`` KV slots and ``state_slots``."""
         return (
-            self.spec.attention_layers == spec.attention_layers
+            not self.released
+            and self.spec.attention_layers == spec.attention_layers
             and all(self.spec.kv_shape(i) == spec.kv_shape(i) for i in spec.attention_layers)
             and self.spec.recurrent_states == spec.recurrent_states
             and self.tokens >= tokens
