@@ -178,12 +178,18 @@ def test_default_output_is_git_ignored():
 
 def test_every_method_runs_the_same_layers_and_the_report_says_which(tmp_path):
     """``--layers auto`` (default) gives the model dtree's lean layers once, before any
-    method (the tiny preset is a Qwen2); ``eager`` keeps HF's; the report names them."""
+    method, and its rotary kernel for the run (the tiny preset is a Qwen2); ``eager``
+    keeps HF's; the report names them."""
     from dtree.bench.layers import apply_layers
     from dtree.presets import build_model
 
+    from transformers.models.qwen2 import modeling_qwen2
+
+    original = modeling_qwen2.apply_rotary_pos_emb
     report = _run(tmp_path, "--steps", "2", "--configs", "dtree,tree-mask,linearized")
     assert report["_rc"] == 0 and report["layers"].startswith("dtree lean layers (qwen2): RMSNorm x9, SwiGLU MLP x4")
+    assert "rotary: dtree's kernel (transformers.models.qwen2.modeling_qwen2" in report["layers"]
+    assert modeling_qwen2.apply_rotary_pos_emb is original  # HF's again after the run
     assert "the same for every method: dtree lean layers" in next(tmp_path.glob("*.md")).read_text()
     assert len({round(r["loss"], 4) for r in report["results"]}) == 1  # one model, the same layers
     eager = _run(tmp_path / "eager", "--steps", "2", "--configs", "dtree", "--layers", "eager")

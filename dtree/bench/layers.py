@@ -5,19 +5,25 @@ kernels: faster norms or a leaner MLP help the mask-based and linearized baselin
 much as dtree. ``--layers`` picks them:
 
 * ``auto`` (default): dtree's lean RMSNorm and SwiGLU MLP (:mod:`dtree.models.lean_layers`)
-  where the family has them, with Liger-Kernel's fused rotary on CUDA when Liger is
-  installed; else Liger's layers on CUDA when it has the family; else HF's eager layers;
-* ``lean``: dtree's lean layers only; ``liger``: Liger's norms, rotary and MLP activation
-  (``--fused`` is this); ``eager``: the model's own.
+  and dtree's rotary kernel (:mod:`dtree.ops.rotary`) where the family has them; else
+  Liger's layers on CUDA when it has the family; else HF's eager layers;
+* ``lean``: the same, without the Liger fallback; ``liger``: Liger's norms, rotary and MLP
+  activation (``--fused`` is this); ``eager``: the model's own.
 
-The report says which were used (``report["layers"]``).
+The rotary kernel replaces a global of the family's modeling module (HF's attention calls
+``apply_rotary_pos_emb`` from there), so :func:`bench_layers` holds it for the length of
+the run only; :func:`apply_layers` changes the model instance alone. The report says which
+were used (``report["layers"]``).
 """
 
 from __future__ import annotations
 
+import contextlib
+from typing import Iterator
+
 import torch
 
-__all__ = ["LAYER_CHOICES", "apply_layers"]
+__all__ = ["LAYER_CHOICES", "apply_layers", "bench_layers"]
 
 LAYER_CHOICES = ("auto", "lean", "liger", "eager")
 
@@ -56,12 +62,22 @@ def apply_layers(model: torch.nn.Module, choice: str, device: torch.device) -> s
                              "(pip install liger-kernel, or 'dtree[fused]')")
         return described
     if lean_layers_supported(model):
-        described = apply_lean_layers(model).describe()
-        if choice == "auto" and on_cuda:
-            rope = _liger(model, rms_norm=False, rope=True, mlp=False)
-            if rope is not None:
-                described += f"; rotary: {rope}"
-        return described
+        return apply_lean_layers(model).describe()
     if choice == "lean":
         raise ValueError("--layers lean: dtree's lean layers support Llama, Qwen2, Qwen3 and Mistral models")
     return (_liger(model) if on_cuda else None) or "eager (the model's own: no lean or Liger kernels for it)"
+
+
+@contextlib.contextmanager
+def bench_layers(model: torch.nn.Module, choice: str, device: torch.device) -> Iterator[str]:
+    """:func:`apply_layers`, and with ``auto`` or ``lean`` dtree's rotary kernel for the
+    model's family for the length of the block (every method of the run calls it); yields
+    what the model runs, for the report."""
+    from ..models.lean_layers import lean_layers_applied, lean_rotary
+
+    described = apply_layers(model, choice, device)
+    if choice not in ("auto", "lean") or not lean_layers_applied(model):
+        yield described
+        return
+    with lean_rotary(model) as module:
+        yield described if module is None else f"{described}; rotary: dtree's kernel ({module}.apply_rotary_pos_emb)"

@@ -21,7 +21,7 @@ import torch
 
 from ..presets import DTYPES, MODEL_PRESETS, build_model
 from .configs import PRESETS, MethodConfig, parse_assignments, parse_configs
-from .layers import LAYER_CHOICES, apply_layers
+from .layers import LAYER_CHOICES, bench_layers
 from .measure import (
     MethodResult,
     StepForest,
@@ -305,19 +305,25 @@ def run(cfg: BenchConfig) -> int:
                 else f"{cfg.steps} steps, a fresh forest each")
     print(f"dtree bench: {cfg.model_name} ({cfg.dtype}) on {device_name(cfg.device)}; {protocol}; "
           f"configurations: {', '.join(c.label for c in cfg.configs)}", flush=True)
-    model, spec, layers = _bench_model(cfg)
+    model, spec = _bench_model(cfg)
     forests, workload = _step_forests(cfg, spec, data)
     loss, loss_desc = _loss(cfg.loss, forests[0].forest)
     report = _report_header(cfg, model, spec, workload, forests, loss_desc, allocator)
-    report["layers"] = layers
     results: list[MethodResult] = []
-    for method_cfg in cfg.configs:
-        res = _measure_config(cfg, method_cfg, model, forests, loss, start)
-        results.append(res)
-        report["results"] = [r.as_dict() for r in results]
-        finish_report(report)
-        if cfg.write_reports:
-            write_reports(report, cfg.out, chart=False)
+    with bench_layers(model, cfg.layers, cfg.device) as layers:
+        print(f"decoder layers, for every method: {layers}", flush=True)
+        if cfg.compile:
+            from ..models import compile_layers
+
+            compile_layers(model)
+        report["layers"] = layers
+        for method_cfg in cfg.configs:
+            res = _measure_config(cfg, method_cfg, model, forests, loss, start)
+            results.append(res)
+            report["results"] = [r.as_dict() for r in results]
+            finish_report(report)
+            if cfg.write_reports:
+                write_reports(report, cfg.out, chart=False)
     print()
     print(format_table(report))
     for line in report.get("summary_lines", []):
@@ -340,17 +346,12 @@ def _prepare_device(cfg: BenchConfig) -> str | None:
 
 
 def _bench_model(cfg: BenchConfig):
-    """The one model every configuration trains, with its layer kernels and compiled
-    layers when asked (applied once, for every method alike); and what the layers are."""
-    from ..models import adapt, compile_layers
+    """The one model every configuration trains, and its spec (its layer kernels and
+    compiled layers come once, for every method alike, in :func:`run`)."""
+    from ..models import adapt
 
     model = build_model(cfg.model_name, dtype=cfg.dtype, device=cfg.device, seed=cfg.seed)
-    spec = adapt(model).dtree_spec()
-    layers = apply_layers(model, cfg.layers, cfg.device)
-    print(f"decoder layers, for every method: {layers}", flush=True)
-    if cfg.compile:
-        compile_layers(model)
-    return model, spec, layers
+    return model, adapt(model).dtree_spec()
 
 
 def _report_header(cfg: BenchConfig, model, spec, workload: dict, forests: list[StepForest], loss_desc: str,

@@ -57,7 +57,7 @@ from .plain_linear import is_plain_linear
 
 __all__ = [
     "LeanLayers", "apply_lean_layers", "lean_layers_applied", "lean_layers_during", "lean_layers_supported",
-    "remove_lean_layers",
+    "lean_rotary", "remove_lean_layers",
 ]
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
@@ -110,6 +110,41 @@ def _lean_rotary(original):
 
     apply_rotary_pos_emb._dtree_lean = True
     return torch.compiler.disable(apply_rotary_pos_emb)
+
+
+@contextlib.contextmanager
+def _swapped_rotary(attention: torch.nn.Module | None) -> Iterator[types.ModuleType | None]:
+    """dtree's rotary in ``attention``'s modeling module for the block (yields the module,
+    or None where it changes nothing), HF's function back after it, also on errors."""
+    module = _rotary_module(attention)
+    if module is None:
+        yield None
+        return
+    original = module.apply_rotary_pos_emb
+    module.apply_rotary_pos_emb = _lean_rotary(original)
+    try:
+        yield module
+    finally:
+        if getattr(module.apply_rotary_pos_emb, "_dtree_lean", False):
+            module.apply_rotary_pos_emb = original
+
+
+def _first_attention(model: torch.nn.Module) -> torch.nn.Module | None:
+    return next((m for m in model.modules() if type(m).__name__.endswith("Attention")), None)
+
+
+@contextlib.contextmanager
+def lean_rotary(model: torch.nn.Module) -> Iterator[str | None]:
+    """dtree's rotary kernel for every model of ``model``'s family in the process, for the
+    length of the block: what ``dtree bench`` gives every method alongside the lean layers
+    (the runtime's own scope, :func:`lean_layers_during`, does it per step). Yields the
+    modeling module's name, or None where the family's ``apply_rotary_pos_emb`` is not
+    HF's (or is already dtree's)."""
+    if _model_type(model) not in FAMILIES:
+        yield None
+        return
+    with _swapped_rotary(_first_attention(model)) as module:
+        yield None if module is None else module.__name__
 
 
 def _rotary_module(attention: torch.nn.Module | None) -> types.ModuleType | None:
@@ -248,14 +283,8 @@ def lean_layers_during(model: torch.nn.Module, enabled: bool = True) -> Iterator
         yield None
         return
     applied = _swap(model_type, norms, mlps)
-    module = _rotary_module(attention)
-    if module is not None:
-        original = module.apply_rotary_pos_emb
-        module.apply_rotary_pos_emb = _lean_rotary(original)
-        applied = dataclasses.replace(applied, rotary=True)
     try:
-        yield applied
+        with _swapped_rotary(attention) as module:
+            yield applied if module is None else dataclasses.replace(applied, rotary=True)
     finally:
         _restore(norms + mlps)
-        if module is not None and getattr(module.apply_rotary_pos_emb, "_dtree_lean", False):
-            module.apply_rotary_pos_emb = original
