@@ -32,14 +32,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import dtree  # noqa: E402
-from benchmarks.host_profile import SMOKE, WORKLOADS  # noqa: E402
-from dtree.bench.configs import parse_assignments  # noqa: E402
-from dtree.bench.measure import emit_report, host_timed_step, script_model, sync_device  # noqa: E402
+from benchmarks.host_profile import WORKLOADS, script_setup  # noqa: E402
+from dtree.bench.measure import emit_report, host_timed_step, sync_device  # noqa: E402
 from dtree.engine import walk  # noqa: E402
-from dtree.losses import ppo_clip  # noqa: E402
-from dtree.models import adapt  # noqa: E402
-from dtree.workloads import make_workload  # noqa: E402
 
 PHASES = {"_run_group": "forward+loss", "zero_grad": "zero stack grads", "hidden": "forward"}
 
@@ -129,15 +124,7 @@ def main() -> int:
     args = p.parse_args()
     from torch.profiler import ProfilerActivity, profile, record_function
 
-    model, device = script_model(args.smoke)
-    spec = adapt(model).dtree_spec()
-    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
-    options = parse_assignments(args.opt, "--opt")
-    rt = dtree.TreeRuntime(model, **options)
-    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
-    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(6)]
-    for forest in forests[:3]:
-        host_timed_step(rt, forest, loss, model, device)
+    model, device, rt, loss, forests, _, options = script_setup(args, 6)
     wall = host_timed_step(rt, forests[3], loss, model, device)["wall"]
     lines = [f"# Where the GPU waits in a dtree step: {args.workload}, {device.type}", "",
              f"torch {torch.__version__}; runtime options {options or 'default'}; {forests[4].num_unique_tokens} unique "

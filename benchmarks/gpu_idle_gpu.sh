@@ -13,7 +13,6 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_gpu_idle}
 source benchmarks/bench_cases.sh
-SMOKE_FLAG=$([ "${SMOKE:-0}" = 1 ] && echo --smoke || echo)
 
 if [ "${SMOKE:-0}" != 1 ]; then
   echo "== 1. GPU tests"

@@ -55,6 +55,23 @@ SMOKE = {
 STEP_LABEL = "dtree step"
 
 
+def script_setup(args, num_forests: int):
+    """What a host-time script runs (``args``: its ``--smoke``, ``--workload``, ``--opt``):
+    (model, device, runtime, loss, ``num_forests`` fresh forests, workload kind, runtime
+    options), after three warm-up steps on the first forests (Triton compiles, the memory
+    probe)."""
+    model, device = script_model(args.smoke)
+    spec = adapt(model).dtree_spec()
+    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
+    options = parse_assignments(args.opt, "--opt")
+    rt = dtree.TreeRuntime(model, **options)
+    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
+    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(num_forests)]
+    for forest in forests[:3]:
+        host_timed_step(rt, forest, loss, model, device)
+    return model, device, rt, loss, forests, kind, options
+
+
 def kernel_busy(rt, model, forest, loss, device) -> dict:
     """One profiled step: kernel time, launches, and the step's time with no kernel running."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -121,15 +138,7 @@ def main() -> int:
                    help="run the profiled steps' backward on the calling thread (autograd multithreading off), "
                         "so that the profile shows the backward's host time too")
     args = p.parse_args()
-    model, device = script_model(args.smoke)
-    spec = adapt(model).dtree_spec()
-    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
-    options = parse_assignments(args.opt, "--opt")
-    rt = dtree.TreeRuntime(model, **options)
-    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
-    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(2 * args.steps + 3)]
-    for forest in forests[:3]:  # warm-up: Triton compiles, the memory probe
-        host_timed_step(rt, forest, loss, model, device)
+    model, device, rt, loss, forests, kind, options = script_setup(args, 2 * args.steps + 3)
     timed = [host_timed_step(rt, f, loss, model, device) for f in forests[3:3 + args.steps]]
     profiler = cProfile.Profile()
     for forest in forests[3 + args.steps:]:

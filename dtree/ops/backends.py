@@ -21,12 +21,13 @@ op name. This module imports no op (the ops import it).
 from __future__ import annotations
 
 import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 
-__all__ = ["Backends", "Target", "sm_count", "triton_kernels_for"]
+__all__ = ["Backends", "Target", "sm_count", "triton_kernels_for", "triton_runs_on"]
 
 
 @dataclass(frozen=True)
@@ -159,3 +160,20 @@ def sm_count(device: torch.device) -> int:
     if device not in _SMS:
         _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
     return _SMS[device]
+
+
+_TRITON_INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+_CAPABLE: dict = {}
+
+
+def triton_runs_on(device: torch.device) -> bool:
+    """Whether the elementwise Triton kernels run on ``device``: CUDA of compute capability
+    >= 7.0 (read once per device: the ops ask at every call), or any device under the
+    Triton interpreter (``TRITON_INTERPRET=1`` set before import)."""
+    if _TRITON_INTERPRET:
+        return True
+    if device.type != "cuda":
+        return False
+    if device not in _CAPABLE:
+        _CAPABLE[device] = torch.cuda.get_device_capability(device)[0] >= 7
+    return _CAPABLE[device]

@@ -21,20 +21,13 @@ import torch
 import triton
 import triton.language as tl
 
-from ..backends import sm_count
+from ..backends import sm_count, triton_runs_on as runs_on
 from ..fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["rms_norm_backward", "rms_norm_forward", "runs_on"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _MAX_N = 65536
-
-
-def runs_on(device: torch.device) -> bool:
-    """CUDA (compute capability >= 7.0), or any device under the interpreter."""
-    if _INTERPRET:
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 7
 
 
 def _warps(block_n: int) -> int:

@@ -17,19 +17,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends import triton_runs_on as runs_on
 from ..fast_launch import cdiv, fast_launch, next_power_of_2
 
 __all__ = ["rotary_apply", "runs_on", "takes"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _BLOCK_T = 8 if _INTERPRET else 32
-
-
-def runs_on(device: torch.device) -> bool:
-    """CUDA (compute capability >= 7.0), or any device under the interpreter."""
-    if _INTERPRET:
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 7
 
 
 def takes(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> bool:

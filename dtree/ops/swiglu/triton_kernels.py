@@ -22,19 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
+from ..backends import triton_runs_on as runs_on
 from ..fast_launch import cdiv, fast_launch
 
 __all__ = ["runs_on", "silu_mul_backward", "silu_mul_forward"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _BLOCK = 128 if _INTERPRET else 2048
-
-
-def runs_on(device: torch.device) -> bool:
-    """CUDA (compute capability >= 7.0), or any device under the interpreter."""
-    if _INTERPRET:
-        return True
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 7
 
 
 @triton.jit(do_not_specialize=["n"])
