@@ -140,6 +140,8 @@ def fast_launch(kernel, grid: tuple, *args, **kwargs) -> None:
         compiled = kernel[grid](*args, **kwargs)
         if hasattr(compiled, "result"):  # Triton's asynchronous compile mode
             compiled = compiled.result()
+        if getattr(compiled, "function", None) is None:  # nothing launchable to keep: Triton's path next time too
+            return
         if len(table.compiled) >= _MAX_CLASSES:
             table.compiled.clear()
         table.compiled[key] = compiled
