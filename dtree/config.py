@@ -60,10 +60,12 @@ class RuntimeConfig:
             of the sums). Also on whenever ``torch.use_deterministic_algorithms(True)`` is.
         lean_layers: during dtree's steps, the model's Llama-style RMSNorm and SwiGLU MLP
             modules run dtree's lean kernels (:mod:`dtree.models.lean_layers`: fewer
-            launches, ~45% fewer activation bytes per token), and get their own
-            ``forward`` back when the step returns; only where those kernels reproduce the
-            modules exactly (Llama, Qwen2, Qwen3, Mistral), not in compiled layers, and
-            not where they were applied already. False: the model's modules as they are.
+            launches, ~45% fewer activation bytes per token) and its attention's rotary
+            embedding dtree's rotary kernel (:mod:`dtree.ops.rotary`, HF's values), and
+            they get their own ``forward`` and function back when the step returns; only
+            where those kernels reproduce the modules exactly (Llama, Qwen2, Qwen3,
+            Mistral), not in compiled layers, and not where they were applied already.
+            False: the model's modules as they are.
         free_after_step: on CUDA, after each call hand the caching allocator's unused
             blocks back to the device (``torch.cuda.empty_cache``), so what the step used
             is free for another process (a colocated inference engine woken between
