@@ -1,5 +1,5 @@
 # Sourced, from the repository root, by the H100 scripts (house_gpu_check.sh,
-# step_defaults_gpu.sh, call_size_gpu.sh, host_cost_gpu.sh, gpu_idle_gpu.sh, vs_mask_gpu.sh,
+# step_defaults_gpu.sh, call_size_gpu.sh, host_cost_gpu.sh, gpu_idle_gpu.sh, vs_mask_gpu.sh, profile_gpu.sh,
 # scale_gpu.sh): dtree importable from this checkout, $OUT created,
 # the bench command and issue 17's two cases, or with SMOKE=1 their CPU stand-ins on the
 # tiny model (plumbing only). Sets BENCH, CASE1, AGENTIC64K, SMOKE_FLAG (--smoke for the Python

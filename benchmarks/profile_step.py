@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from dtree.baselines import make_method  # noqa: E402
 from dtree.bench.configs import parse_assignments, parse_configs  # noqa: E402
+from dtree.bench.layers import LAYER_CHOICES, bench_layers  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.presets import build_model  # noqa: E402
@@ -33,6 +34,8 @@ from dtree.workloads import make_workload  # noqa: E402
 
 def setup(model_name: str, workload: str, overrides: list[str], dtype=torch.bfloat16):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cpu":
+        dtype = torch.float32
     model = build_model(model_name, dtype=dtype, device=device)
     spec = adapt(model).dtree_spec()
     forest = make_workload(workload, vocab_size=spec.vocab_size, **parse_assignments(overrides, "--set"))
@@ -48,16 +51,21 @@ def classify(name: str) -> str:
     return "other"
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def profile(runner, forest, loss, model, steps: int = 2):
     for _ in range(steps):
         model.zero_grad(set_to_none=True)
         runner.forward_backward(forest, loss)
-    torch.cuda.synchronize()
+    _sync()
     model.zero_grad(set_to_none=True)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         runner.forward_backward(forest, loss)
-        torch.cuda.synchronize()
+        _sync()
         wall = time.perf_counter() - t0
     cpu = defaultdict(float)
     for evt in prof.key_averages():
@@ -72,23 +80,9 @@ def profile(runner, forest, loss, model, steps: int = 2):
     return wall, kernels, cpu
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="qwen2.5-1.5b")
-    p.add_argument("--workload", default="grpo")
-    p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--configs", default="dtree,tree-mask", help="as dtree bench --configs")
-    p.add_argument("--out", default=None)
-    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (all configs)")
-    p.add_argument("--top", type=int, default=12)
-    p.add_argument("--name", default="")
-    args = p.parse_args()
-    model, forest, loss, _ = setup(args.model, args.workload, args.overrides)
-    if args.compile:
-        from dtree.models import compile_layers
-
-        compile_layers(model)
-    lines = [f"# profile: {args.model} / {args.workload} {args.overrides}", ""]
+def _profile_configs(model, forest, loss, args) -> list[str]:
+    """The Markdown lines of every configuration's profiled step."""
+    lines = []
     for config in parse_configs(args.configs):
         cfg = config.label
         runner = make_method(config.method, model, **config.options)
@@ -113,7 +107,33 @@ def main() -> int:
             lines.append(f"| `{name[:90]}` | {us / 1e3:.2f} |")
         lines.append("")
         del runner
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return lines
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="qwen2.5-1.5b")
+    p.add_argument("--workload", default="grpo")
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--configs", default="dtree,tree-mask", help="as dtree bench --configs")
+    p.add_argument("--out", default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the decoder layers (all configs)")
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--name", default="")
+    p.add_argument("--layers", default="auto", choices=LAYER_CHOICES,
+                   help="decoder layers of every method, as dtree bench --layers (default auto: dtree's lean layers)")
+    args = p.parse_args()
+    model, forest, loss, _ = setup(args.model, args.workload, args.overrides)
+    if args.compile:
+        from dtree.models import compile_layers
+
+        compile_layers(model)
+    device = next(model.parameters()).device
+    with bench_layers(model, args.layers, device) as layers:
+        lines = [f"# profile: {args.model} / {args.workload} {args.overrides}", "", f"layers (every method): {layers}", ""]
+        lines += _profile_configs(model, forest, loss, args)
     text = "\n".join(lines)
     print(text)
     if args.out:

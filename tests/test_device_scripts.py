@@ -1,7 +1,7 @@
 """The H100 scripts that measure dtree's step defaults, call costs and host costs
 (``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/host_cost_gpu.sh``,
 ``benchmarks/gpu_idle_gpu.sh``, ``benchmarks/vs_mask_gpu.sh``,
-``benchmarks/scale_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
+``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
 from __future__ import annotations
@@ -53,3 +53,13 @@ def test_gpu_idle_script_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for name in ("gpu_idle_agentic64k_4096_calls.md", "gpu_idle_agentic64k_default.md", "gpu_idle_case1.md"):
         assert "| forward |" in (tmp_path / name).read_text(), name
+
+
+def test_profile_script_runs_on_cpu(tmp_path):
+    r = _smoke("profile_gpu.sh", tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for name, configs in (("profile_tiny_agentic_64k.md", ("dtree", "dtree:memory=3", "tree-mask:whole+ckpt")),
+                          ("profile_tiny_grpo_case1.md", ("dtree", "tree-mask:whole+ckpt"))):
+        report = (tmp_path / name).read_text()
+        assert "layers (every method): dtree lean layers" in report, report[:500]
+        assert all(f"## {c}\n" in report for c in configs), report[:2000]
