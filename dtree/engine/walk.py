@@ -138,7 +138,8 @@ class TreeWalk:
             plan.state_grads,
         )
         checkpointed = plan.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
-        with checkpointed_layers(plan.checkpoint_root, checkpoint) if checkpointed else contextlib.nullcontext():
+        keep = plan.keep_attention_outputs
+        with checkpointed_layers(plan.checkpoint_root, checkpoint, keep) if checkpointed else contextlib.nullcontext():
             hidden = plan.model.dtree_hidden_states(plan.arrays.input_ids[r0:r1], plan.arrays.positions[r0:r1], attend)
         if push:
             attend.check_layers()

@@ -36,13 +36,14 @@ import math
 from dataclasses import dataclass, field, replace
 
 from ..models.protocol import ModelSpec
+from ..ops.stack_attention.output_memo import kept_bytes_per_token
 from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
 from .schedule import FORWARD, Schedule
 
 SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 
 __all__ = [
-    "MemoryPlan", "RECOMPUTE", "StepShape", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
+    "MemoryPlan", "RECOMPUTE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
     "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_slot_bytes",
     "state_slot_bytes",
 ]
@@ -62,12 +63,14 @@ class StepShape:
     tokens of trie nodes with children (shared prefixes: about what the groups with
     children hold), and the segments with children (each may store its recurrent
     states in a state-stack slot: a bound on the state stack's slots; 0 for a model
-    without recurrent layers)."""
+    without recurrent layers), and the (query, key) pairs of the forest's attention
+    (what re-running a checkpointed layer's attention costs)."""
 
     unique_tokens: int
     longest_path: int
     shared_tokens: int = 0
     state_slots: int = 0
+    attention_keys: float = 0.0  # keys the unique tokens attend to, summed (a token at depth p sees p + 1)
 
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
@@ -107,7 +110,8 @@ class MemoryPlan:
     ``path_checkpoint_layers``: layers checkpointed in the retained groups with
     children, or :data:`RECOMPUTE`; ``retain_bytes``: what their graphs may hold at
     once, at ``retained_bytes_per_token`` (:meth:`retain_budget` turns it into
-    tokens); ``inf`` on CPU."""
+    tokens); ``inf`` on CPU. ``keep_attention_outputs``: the checkpointed layers keep
+    their attention outputs (``call_bytes`` then counts them)."""
 
     group_tokens: int
     checkpoint_layers: int
@@ -119,6 +123,7 @@ class MemoryPlan:
     budget_bytes: float
     setting: str
     path_checkpoint_layers: int = 0
+    keep_attention_outputs: bool = False  # checkpointed layers keep their attention outputs
     start_bytes: float = 0.0
     parts: dict = field(default_factory=dict, compare=False)  # predicted peak by part (bytes)
     reason: str = ""
@@ -162,6 +167,7 @@ class MemoryPlan:
                 "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
             ),
             "logprob_chunk": self.logprob_chunk,
+            "keep_attention_outputs": self.keep_attention_outputs,
             "predicted_peak_gib": g(self.predicted_peak_bytes),
             "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
             "start_gib": g(self.start_bytes),
@@ -194,13 +200,32 @@ def call_overhead_tokens(spec: ModelSpec, tokens: float) -> float:
 
 @dataclass(frozen=True)
 class _Figures:
-    """Everything :func:`peak_of` needs besides the plan's knobs."""
+    """Everything :func:`peak_of` needs besides the plan's knobs; ``call_bytes_keeping``:
+    the call figures when checkpointed layers keep their attention outputs."""
 
     spec: ModelSpec
     itemsize: int
     call_bytes: CallBytes
     fused_head: bool
     chunk: int
+    call_bytes_keeping: CallBytes | None = None
+
+
+def _figures(spec: ModelSpec, itemsize: int, call_bytes: CallBytes, fused_head: bool, chunk: int) -> _Figures:
+    layers = list(spec.attention_layers)
+    kept = sum(kept_bytes_per_token(spec.num_heads, spec.kv_shape(i)[2], itemsize) for i in layers)
+    keeping = call_bytes.keeping_attention(kept / max(1, len(layers)), len(layers))
+    return _Figures(spec, itemsize, call_bytes, fused_head, chunk, keeping)
+
+
+def attention_rerun_rate(spec: ModelSpec, shape: StepShape) -> float:
+    """Re-running every attention layer's forward over ``shape``'s forest, per unique
+    token, in tokens' worth of fwd+bwd compute (:func:`cost_rates`' unit; the matmul
+    figure leaves attention out)."""
+    if shape.unique_tokens <= 0:
+        return 0.0
+    keys_per_token = shape.attention_keys / shape.unique_tokens
+    return keys_per_token * spec.forward_attention_flops_per_key() / (3 * spec.forward_flops_per_token())
 
 
 def peak_of(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: int) -> float:

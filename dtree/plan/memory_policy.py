@@ -78,6 +78,8 @@ from .memory_model import (
     MemoryPlan,
     StepShape,
     _Figures,
+    _figures,
+    attention_rerun_rate,
     call_count,
     call_overhead_tokens,
     cost_rates,
@@ -129,6 +131,13 @@ class _Knobs:
     checkpoint: int
     path: int  # layers checkpointed in retained groups with children, or RECOMPUTE
     chunk: int
+    keep: bool = False  # checkpointed layers keep their attention outputs
+
+
+def _keep_options(can_keep: bool, checkpoint: int, path: int) -> tuple[bool, ...]:
+    """Whether the checkpointed layers keep their attention outputs: both, where some
+    layer is checkpointed and the attention backend can keep them."""
+    return (False, True) if can_keep and (checkpoint > 0 or path > 0) else (False,)
 
 
 def _candidate(
@@ -139,7 +148,7 @@ def _candidate(
     u = shape.unique_tokens
     call = max(1, min(knobs.group_tokens if knobs.group_tokens > 0 else SMALL_CALL_TOKENS, u))
     path = min(shape.longest_path, shape.shared_tokens, u)
-    cb = fig.call_bytes
+    cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
     retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
     kv = min(u, shape.longest_path + call) * stack_slot_bytes(spec, fig.itemsize)
     stack = max(0.0, kv + shape.state_slots * state_slot_bytes(spec, fig.itemsize) - fixed["stack_held"])
@@ -152,13 +161,17 @@ def _candidate(
         "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
     }
     (s, head_share, _), L = cost_rates(spec), max(1, spec.num_layers)
+    # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
+    attention = attention_rerun_rate(spec, shape)
+    rerun = s + (0.0 if knobs.keep else attention)
     shared = min(shape.shared_tokens, u)
-    cost = u + (u - shared) * s * knobs.checkpoint / L
+    cost = u + (u - shared) * rerun * knobs.checkpoint / L
     if knobs.path == RECOMPUTE:
         reruns = math.ceil(shared / max(call, 1))
-        cost += shared * s * (1 + knobs.checkpoint / L) + reruns * call_overhead_tokens(spec, min(call, shared))
+        cost += shared * (s + attention + rerun * knobs.checkpoint / L)
+        cost += reruns * call_overhead_tokens(spec, min(call, shared))
     else:
-        cost += shared * s * knobs.path / L
+        cost += shared * rerun * knobs.path / L
     calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
     cost += calls * call_overhead_tokens(spec, u / calls)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
@@ -185,7 +198,8 @@ def plan_step(
     hf_checkpointing: bool = False,
     can_checkpoint: bool = True,
     call_bytes: CallBytes | None = None,
-    keep: tuple[int, int, int, int] | None = None,
+    keep: tuple[int, int, int, int, bool] | None = None,
+    can_keep_attention: bool = False,
 ) -> MemoryPlan:
     """Decide one step (see the module docstring).
 
@@ -209,7 +223,11 @@ def plan_step(
         can_checkpoint: dtree can checkpoint the model's layers (a layer list).
         call_bytes: per-token bytes of the model's calls (None: HF's eager figure).
         keep: an earlier plan's (group_tokens, checkpoint_layers, path_checkpoint_layers,
-            logprob_chunk), kept while predicted to fit (deterministic mode).
+            logprob_chunk, keep_attention_outputs), kept while predicted to fit
+            (deterministic mode).
+        can_keep_attention: the attention backend can keep a checkpointed layer's
+            outputs for its re-run (:mod:`dtree.ops.stack_attention.output_memo`): plans
+            with and without are scored.
     """
     label = _setting_label(setting)
     L = spec.num_layers
@@ -217,33 +235,39 @@ def plan_step(
     fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
-    fig_of = {c: _Figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
+    fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = {"stack_held": stack_held, "missing_grads": missing_grads}
     margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
     budget = available * (1.0 - margin)
     if not isinstance(setting, str):
         budget = min(budget, setting * 2.0**30 * (1 - CAP_MARGIN) - allocated)
-    ckpts = _checkpoint_options(fixed_ckpt, L)
-    paths = _path_options(mode, fixed_ckpt, L)
-    knobs = [
-        _Knobs(g, k, p, c)
-        for g in _call_budgets(group_tokens, shape.unique_tokens) for k in ckpts for p in paths
-        for c in _options(logprob_chunk, LOGPROB_CHUNKS)
-    ]
+    knobs = _all_knobs(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
     if recipe is not None:  # the lean recipe's peak is the cap: scored last, beside the plans
-        fig_of.setdefault(recipe.chunk, _Figures(spec, itemsize, cb, fused_head, recipe.chunk))
+        fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
     scored = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs + [recipe] * bool(recipe)]
     plans, budget = scored[: len(knobs)], min(budget, scored[-1][0] * (1 + SLACK)) if recipe else budget
     (peak, cost, parts, kn), reason = _choose(plans, budget, _Knobs(*keep) if keep is not None else None)
+    cb = fig_of[kn.chunk].call_bytes_keeping if kn.keep else cb
     per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
     retain = 0.0 if kn.path == RECOMPUTE else max(parts["path_graphs"], budget - peak + parts["path_graphs"])
     return MemoryPlan(
         group_tokens=kn.group_tokens, checkpoint_layers=kn.checkpoint, path_checkpoint_layers=kn.path,
-        logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token, predicted_peak_bytes=peak,
+        keep_attention_outputs=kn.keep, logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token, predicted_peak_bytes=peak,
         predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated, parts=parts, reason=reason,
         call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
     )
+
+
+def _all_knobs(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, can_keep: bool):
+    """Every plan the policy scores: call sizes, checkpointed layers (calls and path),
+    head chunks, and whether checkpointed layers keep their attention outputs."""
+    paths = _path_options(mode, fixed_ckpt, layers)
+    return [
+        _Knobs(g, k, p, c, keep)
+        for g in _call_budgets(group_tokens, shape.unique_tokens) for k in _checkpoint_options(fixed_ckpt, layers)
+        for p in paths for c in _options(logprob_chunk, LOGPROB_CHUNKS) for keep in _keep_options(can_keep, k, p)
+    ]
 
 
 def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> _Knobs:

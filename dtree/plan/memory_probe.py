@@ -18,7 +18,7 @@ the wrong figure either runs out of memory or wastes it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -84,6 +84,15 @@ class CallBytes:
         if measured is not None:
             return measured
         return (1.0 if checkpointed_layers > 0 else 0.5) * self.per_layer
+
+    def keeping_attention(self, kept: float, attention_layers: int) -> "CallBytes":
+        """These figures when every checkpointed layer also keeps its attention output,
+        ``kept`` bytes per token and attention layer
+        (:mod:`dtree.ops.stack_attention.output_memo`): spread over the layers, a
+        checkpointed layer's input grows by ``kept * attention_layers / layers``."""
+        share = kept * attention_layers / max(1, self.layers)
+        return replace(self, checkpointed=self.checkpointed + kept * attention_layers,
+                       layer_input=self.layer_input + share)
 
     def describe(self) -> dict:
         return {"full_kb": self.full / 1e3, "checkpointed_kb": self.checkpointed / 1e3,

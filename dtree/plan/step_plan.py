@@ -29,6 +29,7 @@ from ..models.checkpointing import decoder_layers
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
 from ..ops.registry import resolve_backend
+from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
 from .memory_model import refine
@@ -93,8 +94,8 @@ def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
 
 
 def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
-    """The forest's unique tokens, longest path and shared tokens (of trie nodes with
-    children) for the memory policy; for a model with recurrent layers (``recurrent``),
+    """The forest's unique tokens, longest path, shared tokens (of trie nodes with
+    children) and attention keys for the memory policy; for a model with recurrent layers (``recurrent``),
     its segments of at most ``chunk_size`` tokens that have children (the most state
     slots a schedule can push)."""
     lengths = forest.sequence_lengths()
@@ -103,7 +104,7 @@ def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memo
     state_slots = int((chunks - 1).sum() + inner.sum()) if recurrent else 0
     return memory_policy.StepShape(
         forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum()),
-        state_slots,
+        state_slots, float((forest.positions + 1).sum()),
     )
 
 
@@ -125,10 +126,13 @@ def plan_memory(
     forest: Forest,
     call_bytes: CallBytes | None = None,
     kept: dict | None = None,
+    attention: str | None = None,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
     ``stack``: the stacks the runtime holds now (their bytes are already allocated);
-    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate).
+    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate);
+    ``attention``: the stack-attention backend (one of ``KEEPING_BACKENDS`` lets the
+    plan keep checkpointed layers' attention outputs).
     ``kept`` (deterministic mode): the last plan per forest shape, which a step over that
     shape keeps while it is predicted to fit, whatever else the memory free at the call
     would allow: call sizes, checkpointing and head chunks set the order of the gradient's
@@ -149,13 +153,15 @@ def plan_memory(
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
     last = kept.get(shape) if kept is not None else None
     keep = None if last is None else (
-        last.group_tokens, last.checkpoint_layers, last.path_checkpoint_layers, last.logprob_chunk
+        last.group_tokens, last.checkpoint_layers, last.path_checkpoint_layers, last.logprob_chunk,
+        last.keep_attention_outputs,
     )
     plan = memory_policy.plan_step(
         spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
         group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
         logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module),
-        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, keep=keep, **kw,
+        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, keep=keep,
+        can_keep_attention=attention in KEEPING_BACKENDS, **kw,
     )
     if kept is not None:
         kept.pop(shape, None)
@@ -227,7 +233,8 @@ class StepPlan:
     The rest say how the model runs: ``checkpoint_root`` (None: no layer checkpointing)
     with ``checkpoint_layers`` of its decoder layers checkpointed in the calls of groups
     without children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in
-    retained groups with children; ``randomness``: every group runs under its own RNG
+    retained groups with children, ``keep_attention_outputs``: whether those
+    checkpointed layers keep their attention outputs for the re-run; ``randomness``: every group runs under its own RNG
     seed (a module is in training mode, :mod:`dtree.device.rng`); ``state_grads``: per layer,
     whether its states' stack reads take gradients (None: all)."""
 
@@ -251,6 +258,7 @@ class StepPlan:
     checkpoint_root: torch.nn.Module | None
     checkpoint_layers: int
     path_checkpoint_layers: int
+    keep_attention_outputs: bool
     progress: bool
     deterministic: bool
     state_grads: tuple[bool, ...] | None
@@ -317,7 +325,8 @@ class StepPlanner:
         )
         kept = self._kept_plans if self.deterministic else None
         memory = plan_memory(
-            self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept
+            self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept,
+            self.attention,
         )
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
         check_stack_capacity(sched, forest, self.config.stack_capacity)
@@ -372,6 +381,7 @@ class StepPlanner:
             checkpoint_root=root,
             checkpoint_layers=memory.checkpoint_layers if root is not None else 0,
             path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
+            keep_attention_outputs=memory.keep_attention_outputs and root is not None,
             progress=self.config.progress, deterministic=self.deterministic,
             state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )

@@ -119,6 +119,7 @@ from ..backends import sm_count
 from ..fast_launch import cdiv, fast_launch, next_power_of_2
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
+from .output_memo import active_memo
 from .segment_layout import SegmentLayout
 from .triton_backward import _delta_kernel
 from .triton_common import (
@@ -197,22 +198,13 @@ class _StackAttention(torch.autograd.Function):
         sk, sv = stack.k[layer], stack.v[layer]
         tiles = tuning.interpreter_tiles
         block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype, tiles)
-        tables = layout.device_tables(q.device)
-        seg_start, _ = _row_tables(layout, q.device)
-        q_blocks = _q_blocks(layout, q.device, block_m)
-        out = torch.empty((t, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
-        opts = _Options(options, scale, lse)
-        meta = _common_meta(q, k, v)
-        args = (
-            q, k, v, sk, sv, out, lse, q_blocks, tables["range_lo"], tables["range_hi"], seg_start, opts.sinks2,
-            opts.slopes2,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), out.stride(0), out.stride(1),
-            t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
-        )
-        _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
-                {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")}, tuning)
+        memo = active_memo()
+        if memo is not None and memo.replaying:  # a checkpointed layer's re-run: its forward kept them
+            out, lse = memo.take((t, hq, v.shape[-1]), (hq, t), q.dtype)
+        else:
+            out, lse = _forward(q, k, v, sk, sv, layout, scale, options, tuning, block_m)
+            if memo is not None:
+                memo.record(out, lse)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
         ctx.tuning, ctx.blocks = tuning, (block_m, block_n)
@@ -241,6 +233,28 @@ class _StackAttention(torch.autograd.Function):
             p_sink = torch.exp2(opts.sinks2[:, None] - lse)
             dsinks = -(p_sink * delta).sum(1).to(sinks.dtype)
         return dq, dk, dv, dsinks, None, None, None, None, None, None
+
+
+def _forward(q, k, v, sk, sv, layout: SegmentLayout, scale: float, options, tuning: _Tuning, block_m: int):
+    """(out [T, Hq, Dv], lse [Hq, T] float32, base 2) of the forward kernel."""
+    t, hq, _ = q.shape
+    tables = layout.device_tables(q.device)
+    seg_start, _ = _row_tables(layout, q.device)
+    q_blocks = _q_blocks(layout, q.device, block_m)
+    out = torch.empty((t, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lse = torch.empty((hq, t), dtype=torch.float32, device=q.device)
+    opts = _Options(options, scale, lse)
+    meta = _common_meta(q, k, v)
+    args = (
+        q, k, v, sk, sv, out, lse, q_blocks, tables["range_lo"], tables["range_hi"], seg_start, opts.sinks2,
+        opts.slopes2,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), out.stride(0), out.stride(1),
+        t, opts.qk_scale, opts.cap_in, opts.cap_out, opts.window,
+    )
+    _launch("fwd", block_m, q.dtype, (q_blocks.shape[0], hq), args,
+            {"BLOCK_M": block_m, **meta, **opts.flags_for("fwd")}, tuning)
+    return out, lse
 
 
 def _delta(q, k, v, out, do, delta, dq_acc: torch.Tensor | None) -> None:

@@ -1,0 +1,207 @@
+"""Checkpointed layers that keep their stack attention's outputs
+(:mod:`dtree.ops.stack_attention.output_memo`): the re-run takes the forward's output and
+log-sum-exp back instead of launching the attention forward again.
+
+The Triton kernels run under the interpreter (a worker subprocess, see
+``interpreter_worker.py``), in fp32: with the memo, a checkpointed attention's gradients
+are bitwise those without it, and its forward kernel runs once instead of twice; a whole
+runtime step with every layer checkpointed and outputs kept trains exactly as HF per
+path. The policy's side (bytes and cost) is checked on CPU directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from interpreter_worker import worker_fixture
+from setups import SEQS, assert_exact, reference, run_dtree
+
+from dtree.models import ModelSpec
+from dtree.ops.stack_attention.output_memo import OutputMemo, kept_bytes_per_token
+from dtree.plan import memory_policy as mp
+from dtree.plan.memory_probe import CallBytes
+
+QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
+                      vocab_size=151936, intermediate_size=8960)
+# the H100's measured figures with the lean layers (benchmarks/results/h100/session_g/vs_mask_final)
+LEAN_H100 = CallBytes(1.5565e6, 0.0927e6, 28, 3072, "measured", 35.8e3, 52.3e3)
+
+
+def _count_forwards(monkeypatch) -> list:
+    from dtree.ops.stack_attention import triton_autograd as sat
+
+    launches: list = []
+    original = sat._forward
+
+    def counted(*args, **kwargs):
+        launches.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sat, "_forward", counted)
+    return launches
+
+
+# --------------------------------------------------------------------------- interpreter
+def _case_checkpointed_attention_is_bitwise_and_runs_forward_once():
+    from test_stack_attention_triton import layout_of, make_problem
+    from torch.utils.checkpoint import checkpoint
+
+    from dtree.ops.stack_attention import StackSlots, stack_attention
+
+    mp_ = pytest.MonkeyPatch()
+    launches = _count_forwards(mp_)
+    layout, t = layout_of([37, 20, 29], [[(0, 40)], [(0, 40)], [(0, 25), (30, 61)]], 61)
+    grads = {}
+    for keep in (False, True):
+        stack, q, k, v = make_problem(layout, t, 61, 4, 2, 16, seed=3)
+        slots = StackSlots(stack, 0, layout)
+        memo, runs = OutputMemo(), [0]
+
+        def layer(q, k, v):
+            if not keep:
+                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+            with memo.recording() if runs[0] == 0 else memo.replaying_scope():
+                runs[0] += 1
+                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+
+        launches.clear()
+        out = checkpoint(layer, q, k, v, use_reentrant=False)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        grads[keep] = [x.grad.clone() for x in (q, k, v)] + [stack.grad_k.clone(), stack.grad_v.clone(), out.detach()]
+        assert len(launches) == (1 if keep else 2), (keep, len(launches))
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+    mp_.undo()
+
+
+def _case_runtime_step_keeping_outputs_is_exact(arch: str):
+    from hf_models import make_model
+
+    from dtree.plan import memory_policy
+
+    mp_ = pytest.MonkeyPatch()
+    launches = _count_forwards(mp_)
+    cpu_plan = memory_policy._cpu_plan
+    mp_.setattr(memory_policy, "_cpu_plan",
+                lambda *a, **kw: dataclasses.replace(cpu_plan(*a, **kw), keep_attention_outputs=True))
+    model = make_model(arch)
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, attention="triton", checkpoint_layers=True, group_tokens=8, mode="retain")
+    assert_exact(tree_model, ref_model, out, ref_loss)
+    assert out.metrics["memory_plan"]["keep_attention_outputs"] is True
+    kept = len(launches)
+    launches.clear()
+    mp_.setattr(memory_policy, "_cpu_plan", cpu_plan)
+    run_dtree(model, attention="triton", checkpoint_layers=True, group_tokens=8, mode="retain")
+    assert 0 < kept and len(launches) == 2 * kept, (kept, len(launches))  # every forward ran again in backward
+    mp_.undo()
+
+
+worker = worker_fixture("test_output_memo")
+
+
+def test_checkpointed_attention_keeping_outputs_is_bitwise_and_runs_forward_once(worker):
+    worker.run("checkpointed_attention_is_bitwise_and_runs_forward_once")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch):
+    worker.run("runtime_step_keeping_outputs_is_exact", arch=arch)
+
+
+# --------------------------------------------------------------------------- CPU
+def test_a_replay_past_the_recorded_calls_is_refused():
+    memo = OutputMemo()
+    with memo.recording():
+        memo.record(torch.zeros(3, 2, 4), torch.zeros(2, 3))
+    with memo.replaying_scope():
+        out, lse = memo.take((3, 2, 4), (2, 3), torch.float32)
+        assert out.shape == (3, 2, 4) and lse.shape == (2, 3)
+        with pytest.raises(RuntimeError, match="made attention call 2, but its forward recorded 1"):
+            memo.take((3, 2, 4), (2, 3), torch.float32)
+    with memo.replaying_scope(), pytest.raises(RuntimeError, match="asked for an attention output"):
+        memo.take((4, 2, 4), (2, 4), torch.float32)
+
+
+def test_the_policy_keeps_outputs_when_it_pays_and_counts_their_bytes():
+    spec = QWEN_1_5B
+    shape = mp.StepShape(65_600, 9_836, 9_000, 0, 65_600 * 6_000.0)  # the 64k agentic tree, ~6k keys a token
+    h100 = dict(on_cuda=True, available=72 * 2**30, expandable_segments=True, allocated=2.94 * 2**30,
+                call_bytes=LEAN_H100, fused_head=True)
+    capped = mp.plan_step(spec, 2, shape, setting=14.5, can_keep_attention=True, **h100)
+    plain = mp.plan_step(spec, 2, shape, setting=14.5, can_keep_attention=False, **h100)
+    assert capped.checkpoint_layers > 0 and capped.keep_attention_outputs, capped.describe()
+    assert not plain.keep_attention_outputs
+    assert capped.predicted_cost < plain.predicted_cost
+    assert capped.start_bytes + capped.predicted_peak_bytes <= 14.5 * 2**30
+    kept = kept_bytes_per_token(spec.num_heads, spec.head_dim, 2)
+    assert kept == 12 * (128 * 2 + 4)
+    assert capped.call_bytes.call(10) - capped.call_bytes.call(0) == pytest.approx(
+        LEAN_H100.call(10) - LEAN_H100.call(0) + 10 * kept)
+    assert capped.call_bytes.per_layer == pytest.approx(LEAN_H100.per_layer)
+    free = mp.plan_step(spec, 2, shape, can_keep_attention=True, **h100)  # nothing checkpointed: nothing to keep
+    assert free.checkpoint_layers > 0 or not free.keep_attention_outputs
+
+
+# --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, dtype):
+    """Compiled kernels: the kept output gives the gradients of the re-run, bit for bit."""
+    from test_stack_attention_triton import layout_of, make_problem
+    from torch.utils.checkpoint import checkpoint
+
+    from dtree.ops.stack_attention import StackSlots, stack_attention
+
+    launches = _count_forwards(monkeypatch)
+    layout, t = layout_of([700, 333, 1024], [[(0, 2048)], [(0, 2048)], [(0, 1000), (1500, 3000)]], 3000)
+    grads = {}
+    for keep in (False, True):
+        stack, q, k, v = make_problem(layout, t, 3000, 12, 2, 128, dtype=dtype, device="cuda", seed=5)
+        slots = StackSlots(stack, 0, layout)
+        memo, runs = OutputMemo(), [0]
+
+        def layer(q, k, v):
+            if not keep:
+                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+            with memo.recording() if runs[0] == 0 else memo.replaying_scope():
+                runs[0] += 1
+                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+
+        launches.clear()
+        out = checkpoint(layer, q, k, v, use_reentrant=False)
+        (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
+        grads[keep] = [x.grad.clone() for x in (q, k, v)] + [stack.grad_k.clone(), stack.grad_v.clone(), out.detach()]
+        assert len(launches) == (1 if keep else 2)
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_runtime_keeping_attention_outputs_by_the_flash_rule(monkeypatch):
+    """bf16 qwen2 with every layer checkpointed and outputs kept, against the float32
+    per-path reference by the flash-attention rule."""
+    import copy
+
+    from reference import linearized_step
+    from setups import assert_model_flash_rule
+
+    import dtree
+
+    plan_step = mp.plan_step
+    monkeypatch.setattr(mp, "plan_step", lambda *a, **kw: dataclasses.replace(plan_step(*a, **kw),
+                                                                                keep_attention_outputs=True))
+    launches = _count_forwards(monkeypatch)
+    from hf_models import make_model
+
+    base = make_model("qwen2", tied=True).cuda()
+    exact, bf16_ref, model = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16), base.to(torch.bfloat16)
+    exact_loss, _ = linearized_step(exact, SEQS)
+    bf16_loss, _ = linearized_step(bf16_ref, SEQS)
+    rt = dtree.TreeRuntime(model, chunk_size=2, checkpoint_layers=True, attention="triton", mode="retain")
+    out = rt.forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
+    assert out.metrics["memory_plan"]["keep_attention_outputs"] is True
+    assert launches and out.metrics["memory_plan"]["checkpoint_layers"] > 0
+    assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss, "qwen2 keeping outputs")
