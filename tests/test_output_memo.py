@@ -149,11 +149,15 @@ def test_the_policy_keeps_outputs_when_it_pays_and_counts_their_bytes():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, dtype):
-    """Compiled kernels: the kept output gives the gradients of the re-run, bit for bit."""
+    """Compiled kernels: the kept output gives the gradients of the re-run, bit for bit.
+    The deterministic backward, since the default one's float atomics add in a
+    different order on every run, memo or not."""
     from test_stack_attention_triton import layout_of, make_problem
     from torch.utils.checkpoint import checkpoint
 
-    from dtree.ops.stack_attention import StackSlots, stack_attention
+    from dtree.ops.stack_attention import AttentionOptions, StackSlots, stack_attention
+
+    ordered = AttentionOptions(deterministic=True)
 
     launches = _count_forwards(monkeypatch)
     layout, t = layout_of([700, 333, 1024], [[(0, 2048)], [(0, 2048)], [(0, 1000), (1500, 3000)]], 3000)
@@ -165,10 +169,10 @@ def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, dtyp
 
         def layer(q, k, v):
             if not keep:
-                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+                return stack_attention(q * 1.0, k, v, slots, ordered, backend="triton")
             with memo.recording() if runs[0] == 0 else memo.replaying_scope():
                 runs[0] += 1
-                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+                return stack_attention(q * 1.0, k, v, slots, ordered, backend="triton")
 
         launches.clear()
         out = checkpoint(layer, q, k, v, use_reentrant=False)
