@@ -56,7 +56,10 @@ shorter, so a call of ``T`` tokens costs :data:`~dtree.plan.memory_model.CALL_FI
 CALL_CPU_TOKENS - T)`` (on an H100 a call cost 43-110 ms beyond its tokens' work on
 the agentic trees, where every call's attention also re-reads the path's K/V; an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an H200); re-running a layer (a checkpointed layer, a recomputed group) costs
 its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
-on qwen2.5-1.5b (0.28 for all 28); LM-head chunks of 1,024 rows re-read the float32
+on qwen2.5-1.5b (0.28 for all 28), plus its attention forward over the forest's keys
+(:func:`~dtree.plan.memory_model.attention_rerun_rate`) unless the plan keeps checkpointed
+layers' attention outputs (:mod:`dtree.ops.stack_attention.output_memo`; only where the
+backend can, at 3 KB per layer and token on qwen2.5-1.5b); LM-head chunks of 1,024 rows re-read the float32
 weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
 within :data:`SLACK` of the fastest count as equally fast: the leanest of them runs.
 """
