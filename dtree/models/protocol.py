@@ -144,6 +144,10 @@ class ModelSpec:
     def forward_attention_flops_per_key(self) -> float:
         """FLOPs of one (query, key) pair in the forward: QK^T and PV over the attending
         layers (every query head reads its K/V group's head dims)."""
+        return self._attention_flops_per_key
+
+    @cached_property
+    def _attention_flops_per_key(self) -> float:
         return sum(2 * self.num_heads * (d + dv) for _, d, dv in (self.kv_shape(i) for i in self.attention_layers))
 
     def training_flops(self, positions: torch.Tensor | list[int] | int) -> float:

@@ -165,7 +165,7 @@ def _candidate(
     }
     (s, head_share, _), L = cost_rates(spec), max(1, spec.num_layers)
     # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
-    attention = attention_rerun_rate(spec, shape)
+    attention = fixed["attention_rerun"]
     rerun = s + (0.0 if knobs.keep else attention)
     shared = min(shape.shared_tokens, u)
     cost = u + (u - shared) * rerun * knobs.checkpoint / L
@@ -239,7 +239,7 @@ def plan_step(
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
-    fixed = {"stack_held": stack_held, "missing_grads": missing_grads}
+    fixed = {"stack_held": stack_held, "missing_grads": missing_grads, "attention_rerun": attention_rerun_rate(spec, shape)}
     margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
     budget = available * (1.0 - margin)
     if not isinstance(setting, str):
