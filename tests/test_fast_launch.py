@@ -135,21 +135,6 @@ def test_argument_class():
 
 
 @pytest.mark.skipif(_INTERPRET, reason="the session runs the Triton interpreter")
-def test_tensor_descriptor_class_follows_tritons_key():
-    """A host TMA descriptor: Triton keys it by dtype and block shape (its binder's
-    ``tensordesc<fp32[64, 128]>``), not by where or how large the tensor is."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    def desc(t, block):
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], block)
-
-    a, b = torch.zeros(64, 256), torch.zeros(300, 256)
-    assert fl.argument_class(desc(a, [64, 128])) == fl.argument_class(desc(b, [64, 128]))
-    assert fl.argument_class(desc(a, [64, 128])) != fl.argument_class(desc(a, [32, 128]))
-    assert fl.argument_class(desc(a, [64, 128])) != fl.argument_class(desc(a.bfloat16(), [64, 128]))
-
-
-@pytest.mark.skipif(_INTERPRET, reason="the session runs the Triton interpreter")
 def test_bind_orders_parameters_and_separates_options():
     from dtree.ops.rms_norm import triton_kernels as rt
 

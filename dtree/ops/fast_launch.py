@@ -73,8 +73,6 @@ def argument_class(value: Any, constexpr: bool = False) -> Any:
     if isinstance(value, torch.Tensor):
         return (value.dtype, value.data_ptr() % 16 == 0)
     kind = type(value)
-    if kind.__name__ == "TensorDescriptor":  # Triton keys a host TMA descriptor by its dtype and block
-        return (kind, value.base.dtype, tuple(value.block_shape), value.padding)
     if kind is int:
         return (int, value == 1, value % 16 == 0, -(2**31) <= value < 2**31, -(2**63) <= value < 2**63)
     if kind is float:

@@ -110,6 +110,7 @@ Runs on CUDA (compute capability >= 8.0) or, for tests, on CPU tensors under the
 Triton interpreter (``TRITON_INTERPRET=1`` set before this module is imported).
 """
 
+
 from __future__ import annotations
 
 import torch
@@ -133,13 +134,12 @@ from .triton_common import (
     _Tuning,
     require_triton,
 )
-from .triton_launch import (
-    _FLAGS, _auto_item_rows, _kv_items, _launch, _q_blocks, _row_tables, _runs, _tiles, dq_reduce_target,
-)
+from .triton_launch import _FLAGS, _auto_item_rows, _kv_items, _launch, _q_blocks, _row_tables, _runs, _tiles
 
 __all__ = [
     "BACKWARDS", "DEFAULT_BACKWARD", "DTYPES", "MAX_HEAD_DIM", "PREFIX_ITEM_ROWS", "InterpreterTiles", "require_triton",
-    "stack_attention_triton", "stack_attention_triton_tuned",
+    "stack_attention_triton",
+    "stack_attention_triton_tuned",
 ]
 
 
@@ -323,20 +323,19 @@ def _backward_dkdv(
     if deterministic:
         cells = max(1, -(-_runs(layout)["slots_end"] // block_n))
         tickets = torch.zeros((cells, hkv), dtype=torch.int32, device=device)
-    else:
-        tickets = items  # unread: any int32 tensor
-    dq_ptr = dq_acc if fused else gk  # unread without FUSED_DQ: any fp32 tensor; DQ_DESC: its TMA view, or itself
-    dq_desc, dq_tma = dq_reduce_target(dq_ptr, fused, k.shape[-1], _common_meta(q, k, v)["BLOCK_D"])
+    else:  # unread: any int32 tensor
+        tickets = items
+    dq_ptr = dq_acc if fused else gk  # unread without FUSED_DQ: any fp32 tensor
     args = (
-        q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, dq_ptr, dq_desc, items, seg_start, seg_end, opts.slopes2,
-        tickets, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        q, k, v, sk, sv, do, lse, delta, dk, dv, gk, gv, dq_ptr, items, seg_start, seg_end, opts.slopes2, tickets,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sk.stride(0), sk.stride(1), sv.stride(0), sv.stride(1), do.stride(0), do.stride(1),
         dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
         gk.stride(0), gk.stride(1), gv.stride(0), gv.stride(1), dq_ptr.stride(0), dq_ptr.stride(1),
         q.shape[0], opts.qk_scale, ctx.scale, opts.cap_in, opts.cap_out, opts.window,
     )
     meta = {"BLOCK_N": block_n, **_common_meta(q, k, v), **opts.flags_for("dkdv"), "DETERMINISTIC": deterministic,
-            "FUSED_DQ": fused, "STACK_GRAD": stack_grad or not fused, "DQ_TMA": dq_tma}  # split: one variant
+            "FUSED_DQ": fused, "STACK_GRAD": stack_grad or not fused}  # split: one variant (no prefix items without)
     _launch("fused" if fused else "dkdv", block_n, q.dtype, (items.shape[0], hkv), args, meta, tuning)
     return dk, dv
 

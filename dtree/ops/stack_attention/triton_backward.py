@@ -32,19 +32,16 @@ def _delta_kernel(
 
 @triton.jit
 def _dkdv_tile(
-    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, head, start, rows, row_ok, cols, col_ok, col_seg_end, is_prefix,
-    dist_t, masked, stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv,
-    qk_scale, sm_scale, cap_in, cap_out, slope, window,
+    dk, dv, k, v, Q, DO, LSE, DELTA, DQ, head, rows, row_ok, cols, col_ok, col_seg_end, is_prefix, dist_t, masked,
+    stride_qt, stride_qh, stride_dot, stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale,
+    cap_in, cap_out, slope, window,
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     DOT_PREC: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    FUSED_DQ: tl.constexpr, DQ_TMA: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
 ):
-    """dK/dV (transposed: keys x rows) of one row tile (rows ``start + [0, BLOCK_M)``) of
-    query head ``head``. ``col_seg_end`` is 0 for prefix keys, whose mask is only the
-    window. FUSED_DQ: also add this tile's dq (ds @ k, scaled) into the fp32 accumulator
-    ``DQ`` with float atomics, or with DQ_TMA as one bulk reduce of the tile through the
-    TMA unit (``DQ_DESC``: ``DQ`` as [T, Hq * HEAD_DIM], block [BLOCK_M, HEAD_DIM]) that
-    leaves the warps' load/store units to the loop, as FlashAttention-3 adds its dq."""
+    """dK/dV (transposed: keys x rows) of one row tile of query head ``head``.
+    ``col_seg_end`` is 0 for prefix keys, whose mask is only the window. FUSED_DQ: also
+    add this tile's dq (ds @ k, scaled) into the fp32 accumulator ``DQ`` with atomics."""
     q = _load_tile(Q + head * stride_qh, rows, stride_qt, row_ok, offs_d, HEAD_DIM, BLOCK_D)
     do = _load_tile(DO + head * stride_doh, rows, stride_dot, row_ok, offs_dv, V_DIM, BLOCK_DV)
     lse = tl.load(LSE + head * T + rows, mask=row_ok, other=0.0)
@@ -78,18 +75,14 @@ def _dkdv_tile(
     dk = tl.dot(ds_t, q, dk, input_precision=DOT_PREC)
     if FUSED_DQ:
         dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PREC)
-        if DQ_TMA:  # rows past the item's add 0 (rows past T are dropped by the TMA unit)
-            dq = tl.where(row_ok[:, None], dq * sm_scale, 0.0)
-            DQ_DESC.atomic_add([start, (head * HEAD_DIM).to(tl.int32)], dq)
-        else:
-            dq_ptrs = DQ + head * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :]
-            tl.atomic_add(dq_ptrs, dq * sm_scale, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")
+        dq_ptrs = DQ + head * stride_dqh + rows.to(tl.int64)[:, None] * stride_dqt + offs_d[None, :]
+        tl.atomic_add(dq_ptrs, dq * sm_scale, mask=row_ok[:, None] & (offs_d < HEAD_DIM)[None, :], sem="relaxed")
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["T", "window", "ITEMS", "SEG_START", "SEG_END"])
 def _dkdv_kernel(
-    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, DQ, DQ_DESC, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES, TICKETS,
+    Q, K, V, SK, SV, DO, LSE, DELTA, DK, DV, GK, GV, DQ, ITEMS, SEG_START, SEG_END, ALIBI_SLOPES, TICKETS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_skt, stride_skh, stride_svt, stride_svh,
     stride_dot, stride_doh, stride_dkt, stride_dkh, stride_dvt, stride_dvh, stride_gkt, stride_gkh, stride_gvt,
     stride_gvh, stride_dqt, stride_dqh,
@@ -97,7 +90,7 @@ def _dkdv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, V_DIM: tl.constexpr, BLOCK_DV: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, DOT_PREC: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, HAS_WINDOW: tl.constexpr, DETERMINISTIC: tl.constexpr,
-    FUSED_DQ: tl.constexpr, STACK_GRAD: tl.constexpr, DQ_TMA: tl.constexpr = False,
+    FUSED_DQ: tl.constexpr, STACK_GRAD: tl.constexpr,
 ):
     """Grid (work items, kv heads). ITEMS[i] = (kind, c0, c1, q0, q1, kshift, plen, turn):
     keys ``[c0, c1)`` (at most BLOCK_N; own rows of ``K, V`` or stack slots of ``SK, SV``
@@ -192,17 +185,17 @@ def _dkdv_kernel(
                 q_hi = tl.max(tl.where(row_ok, qpos, -(1 << 30)), 0)
                 masked = masked | (q_hi - k_first >= window)
                 if q_lo - k_last < window:  # some row of the tile sees some key
-                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, head, start, rows, row_ok, cols,
-                                        col_ok, col_seg_end, is_prefix, dist_t, masked, stride_qt, stride_qh,
-                                        stride_dot, stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale,
-                                        sm_scale, cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
-                                        DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW, FUSED_DQ, DQ_TMA)
+                    dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, head, rows, row_ok, cols, col_ok,
+                                        col_seg_end, is_prefix, dist_t, masked, stride_qt, stride_qh, stride_dot,
+                                        stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale,
+                                        cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV,
+                                        DOT_PREC, HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW, FUSED_DQ)
             else:
-                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, DQ_DESC, head, start, rows, row_ok, cols,
-                                    col_ok, col_seg_end, is_prefix, dist_t, masked, stride_qt, stride_qh, stride_dot,
-                                    stride_doh, stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale,
-                                    cap_in, cap_out, slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, DOT_PREC,
-                                    HAS_SOFTCAP, HAS_ALIBI, HAS_WINDOW, FUSED_DQ, DQ_TMA)
+                dk, dv = _dkdv_tile(dk, dv, k, v, Q, DO, LSE, DELTA, DQ, head, rows, row_ok, cols, col_ok, col_seg_end,
+                                    is_prefix, dist_t, masked, stride_qt, stride_qh, stride_dot, stride_doh,
+                                    stride_dqt, stride_dqh, T, offs_d, offs_dv, qk_scale, sm_scale, cap_in, cap_out,
+                                    slope, window, HEAD_DIM, BLOCK_D, V_DIM, BLOCK_DV, DOT_PREC, HAS_SOFTCAP,
+                                    HAS_ALIBI, HAS_WINDOW, FUSED_DQ)
     dk = dk * sm_scale
 
     if is_prefix:

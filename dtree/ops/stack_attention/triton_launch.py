@@ -6,8 +6,6 @@ built once per layout.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 
@@ -96,47 +94,6 @@ def _fixed_candidates(
     return candidates if first is None or score_transform else [first, *candidates]
 
 
-class RowTileDescriptor:
-    """A 2-D fp32 ``tensor`` a kernel reduces into by TMA, one [row tile, ``cols``] block
-    at a time: the row tile is the launch config's inner tile, so :func:`_launch` makes
-    the descriptor (``triton.tools.tensor_descriptor.TensorDescriptor``) per config."""
-
-    def __init__(self, tensor: torch.Tensor, cols: int) -> None:
-        self.tensor, self.cols = tensor, cols
-
-    def for_rows(self, rows: int):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        t = self.tensor
-        return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, self.cols])
-
-
-def dq_reduce_target(dq: torch.Tensor, fused: bool, head_dim: int, block_d: int) -> tuple:
-    """(what the dK/dV kernel's ``DQ_DESC`` gets, DQ_TMA) for the fp32 accumulator ``dq``
-    [T, Hq, D] of the fused backward: a :class:`RowTileDescriptor` where the TMA unit can
-    add its tiles (Hopper or newer, compiled Triton with tensor descriptors, the head dim
-    a power of two, ``DTREE_DQ_TMA`` not 0), else ``dq`` itself (the float atomics)."""
-    usable = (
-        fused and not _INTERPRET and dq.is_cuda and head_dim == block_d and dq.is_contiguous()
-        and os.environ.get("DTREE_DQ_TMA", "1") != "0" and _has_tma(dq.device)
-    )
-    return (RowTileDescriptor(dq.view(dq.shape[0], -1), head_dim), True) if usable else (dq, False)
-
-
-def _has_tma(device: torch.device) -> bool:
-    if device not in _TMA:
-        try:
-            from triton.tools.tensor_descriptor import TensorDescriptor  # noqa: F401
-
-            _TMA[device] = torch.cuda.get_device_capability(device)[0] >= 9
-        except ImportError:
-            _TMA[device] = False
-    return _TMA[device]
-
-
-_TMA: dict = {}
-
-
 def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tuple, meta: dict, tuning: _Tuning) -> None:
     """Launch ``kernel`` ("fwd", "dq", "dkdv") on ``grid``: under the interpreter with
     its small tiles, else the config ``tuning`` forces, else the first fixed candidate
@@ -149,8 +106,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
     forced = dict(tuning.configs).get(kernel)
     if forced is not None:
         inner, warps, stages = forced
-        fast_launch(_KERNELS[kernel], grid, *_for_rows(args, inner), **meta, **{name: inner}, num_warps=warps,
-                    num_stages=stages)
+        fast_launch(_KERNELS[kernel], grid, *args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
         return
     flags = tuple(sorted((f, v) for f, v in meta.items() if f.startswith("HAS_") or f in _KEYED_FLAGS))
     key = (kernel, table, dtype, args[0].device, meta["HEAD_DIM"], meta["V_DIM"], meta["GROUP"], *flags)
@@ -159,8 +115,7 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
     for i in range(_FITTING.get(key, 0), len(candidates)):
         inner, warps, stages = candidates[i]
         try:
-            fast_launch(_KERNELS[kernel], grid, *_for_rows(args, inner), **meta, **{name: inner}, num_warps=warps,
-                        num_stages=stages)
+            fast_launch(_KERNELS[kernel], grid, *args, **meta, **{name: inner}, num_warps=warps, num_stages=stages)
         except triton.runtime.errors.OutOfResources:
             continue
         _FITTING[key] = i
@@ -169,11 +124,6 @@ def _launch(kernel: str, table: int, dtype: torch.dtype, grid: tuple, args: tupl
         f"no config of the {kernel} kernel fits this GPU's shared memory (head dims {meta['HEAD_DIM']}/"
         f"{meta['V_DIM']}, {dtype}); use attention='sdpa'"
     )
-
-
-def _for_rows(args: tuple, rows: int) -> tuple:
-    """``args`` with every :class:`RowTileDescriptor` made for row tiles of ``rows``."""
-    return tuple(a.for_rows(rows) if isinstance(a, RowTileDescriptor) else a for a in args)
 
 
 def _tiles(head_dim: int, v_head_dim: int, dtype: torch.dtype, tiles: InterpreterTiles) -> tuple[int, int]:
