@@ -112,6 +112,40 @@ def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch):
 
 
 # --------------------------------------------------------------------------- CPU
+def test_region_attention_keeping_outputs_is_bitwise_and_runs_forward_once(monkeypatch):
+    """The flash-attn backend's region path (here with its pure-torch region kernel, in
+    float64 on CPU) keeps and takes back its merged output and LSE the same way."""
+    from test_stack_attention_triton import layout_of, make_problem
+    from torch.utils.checkpoint import checkpoint
+
+    from dtree.ops.stack_attention import StackSlots, regions
+
+    forwards: list = []
+    original = regions._forward
+    monkeypatch.setattr(regions, "_forward", lambda *a, **kw: forwards.append(1) or original(*a, **kw))
+    layout, t = layout_of([37, 20, 29], [[(0, 40)], [(0, 40)], [(0, 25), (30, 61)]], 61)
+    grads = {}
+    for keep in (False, True):
+        stack, q, k, v = make_problem(layout, t, 61, 4, 2, 16, dtype=torch.float64, seed=3)
+        slots = StackSlots(stack, 0, layout)
+        memo, runs = OutputMemo(), [0]
+
+        def layer(q, k, v):
+            if not keep:
+                return regions.stack_attention_regions(q * 1.0, k, v, slots)
+            with memo.recording() if runs[0] == 0 else memo.replaying_scope():
+                runs[0] += 1
+                return regions.stack_attention_regions(q * 1.0, k, v, slots)
+
+        forwards.clear()
+        out = checkpoint(layer, q, k, v, use_reentrant=False)
+        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
+        grads[keep] = [x.grad.clone() for x in (q, k, v)] + [stack.grad_k.clone(), stack.grad_v.clone(), out.detach()]
+        assert len(forwards) == (1 if keep else 2), (keep, len(forwards))
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
 def test_a_replay_past_the_recorded_calls_is_refused():
     memo = OutputMemo()
     with memo.recording():
@@ -147,19 +181,27 @@ def test_the_policy_keeps_outputs_when_it_pays_and_counts_their_bytes():
 
 # --------------------------------------------------------------------------- GPU
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, dtype):
+@pytest.mark.parametrize("backend,dtype", [("triton", torch.bfloat16), ("triton", torch.float32),
+                                           ("flash-attn", torch.bfloat16)])
+def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, backend, dtype):
     """Compiled kernels: the kept output gives the gradients of the re-run, bit for bit.
     The deterministic backward, since the default one's float atomics add in a
     different order on every run, memo or not."""
     from test_stack_attention_triton import layout_of, make_problem
     from torch.utils.checkpoint import checkpoint
 
-    from dtree.ops.stack_attention import AttentionOptions, StackSlots, stack_attention
+    from dtree.ops.backends import Target
+    from dtree.ops.stack_attention import AttentionOptions, StackSlots, regions, stack_attention
+    from dtree.ops.stack_attention.flash4 import flash4_unavailable
 
+    if backend == "flash-attn" and (why := flash4_unavailable(Target(torch.device("cuda"), dtype, head_dim=128))):
+        pytest.skip(why)
     ordered = AttentionOptions(deterministic=True)
-
-    launches = _count_forwards(monkeypatch)
+    if backend == "triton":
+        launches = _count_forwards(monkeypatch)
+    else:
+        launches, original = [], regions._forward
+        monkeypatch.setattr(regions, "_forward", lambda *a, **kw: launches.append(1) or original(*a, **kw))
     layout, t = layout_of([700, 333, 1024], [[(0, 2048)], [(0, 2048)], [(0, 1000), (1500, 3000)]], 3000)
     grads = {}
     for keep in (False, True):
@@ -169,10 +211,10 @@ def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, dtyp
 
         def layer(q, k, v):
             if not keep:
-                return stack_attention(q * 1.0, k, v, slots, ordered, backend="triton")
+                return stack_attention(q * 1.0, k, v, slots, ordered, backend=backend)
             with memo.recording() if runs[0] == 0 else memo.replaying_scope():
                 runs[0] += 1
-                return stack_attention(q * 1.0, k, v, slots, ordered, backend="triton")
+                return stack_attention(q * 1.0, k, v, slots, ordered, backend=backend)
 
         launches.clear()
         out = checkpoint(layer, q, k, v, use_reentrant=False)

@@ -29,7 +29,7 @@ import torch
 
 __all__ = ["KEEPING_BACKENDS", "OutputMemo", "active_memo", "kept_bytes_per_token"]
 
-KEEPING_BACKENDS = frozenset({"triton"})
+KEEPING_BACKENDS = frozenset({"triton", "flash-attn"})
 
 _ACTIVE: contextvars.ContextVar["OutputMemo | None"] = contextvars.ContextVar("dtree_output_memo", default=None)
 

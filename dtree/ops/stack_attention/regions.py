@@ -35,6 +35,7 @@ import torch
 from ...device.transfer import upload
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots
+from .output_memo import active_memo
 from .region_plan import RegionLevel, RegionPlan, region_plan
 from .segment_layout import SegmentLayout
 
@@ -188,24 +189,35 @@ class _TorchRegions:
 TORCH_REGIONS: RegionKernel = _TorchRegions()
 
 
+def _forward(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float, kernel: RegionKernel):
+    """(out [T, Hq, Dv], lse [Hq, T]) of every region, merged."""
+    plan = region_plan(layout)
+    t, hq = q.shape[:2]
+    n = len(plan.levels) + 1
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    outs = torch.empty((n, t, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
+    lses = torch.empty((n, hq, t), dtype=lse_dtype, device=q.device)
+    if n > 1:  # rows a level does not cover
+        lses[:-1].fill_(float("-inf"))
+    for c, level in enumerate(plan.levels):
+        lo, hi = level.span
+        kernel.forward(q, stack.k[layer, lo:hi], stack.v[layer, lo:hi], level_seqs(plan, c), layout, scale, False,
+                       outs[c], lses[c])
+    kernel.forward(q, k, v, own_seqs(plan), layout, scale, True, outs[-1], lses[-1])
+    return (outs[0], lses[0]) if n == 1 else kernel.merge(outs, lses)
+
+
 class _RegionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float,
                 kernel: RegionKernel, deterministic: bool):
-        plan = region_plan(layout)
-        t, hq = q.shape[:2]
-        n = len(plan.levels) + 1
-        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        outs = torch.empty((n, t, hq, v.shape[-1]), dtype=q.dtype, device=q.device)
-        lses = torch.empty((n, hq, t), dtype=lse_dtype, device=q.device)
-        if n > 1:  # rows a level does not cover
-            lses[:-1].fill_(float("-inf"))
-        for c, level in enumerate(plan.levels):
-            lo, hi = level.span
-            kernel.forward(q, stack.k[layer, lo:hi], stack.v[layer, lo:hi], level_seqs(plan, c), layout, scale, False,
-                           outs[c], lses[c])
-        kernel.forward(q, k, v, own_seqs(plan), layout, scale, True, outs[-1], lses[-1])
-        out, lse = (outs[0], lses[0]) if n == 1 else kernel.merge(outs, lses)
+        memo = active_memo()
+        if memo is not None and memo.replaying:  # a checkpointed layer's re-run: its forward kept them
+            out, lse = memo.take((q.shape[0], q.shape[1], v.shape[-1]), (q.shape[1], q.shape[0]), q.dtype)
+        else:
+            out, lse = _forward(q, k, v, stack, layer, layout, scale, kernel)
+            if memo is not None:
+                memo.record(out, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale = stack, layer, layout, scale
         ctx.kernel, ctx.deterministic = kernel, deterministic
