@@ -216,3 +216,29 @@ def test_checkpoint_layers_needs_a_layer_list():
     with pytest.raises(ValueError, match="checkpoint_layers must be None"):
         dtree.TreeRuntime(NanoGPT(), checkpoint_layers="yes")
     dtree.TreeRuntime(NanoGPTWithoutLayerList())  # the policy leaves such a model unchecked
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_the_rerun_skips_the_mlp_down_projection_and_stays_exact(monkeypatch, arch):
+    """A checkpointed lean layer's re-run keeps what the backward saves and skips the
+    MLP's down projection (its output only reaches the residual add, which the re-run's
+    caller drops): the SiLU product is not computed in the re-run, and the gradients are
+    HF's per path, with the skip and without it."""
+    from dtree.models import lean_layers
+    from dtree.ops import rerun
+    from dtree.ops.swiglu import interface as swiglu
+
+    original = swiglu._forward
+    model = make_model(arch)
+    ref_model, ref_loss = reference(model)
+    products = {}
+    for skip in (True, False):
+        seen: list = []
+        monkeypatch.setattr(swiglu, "_forward", lambda *a, seen=seen: seen.append(rerun.in_rerun()) or original(*a))
+        monkeypatch.setattr(lean_layers, "in_rerun", rerun.in_rerun if skip else (lambda: False))
+        out, tree_model = run_dtree(model, checkpoint_layers=True, mode="retain", group_tokens=16)
+        assert_exact(tree_model, ref_model, out, ref_loss)
+        products[skip] = seen
+    assert products[True] and not any(products[True]), "the re-run computed the SiLU product"
+    in_reruns = sum(products[False])
+    assert in_reruns > 0 and len(products[False]) - len(products[True]) == in_reruns

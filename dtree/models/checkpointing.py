@@ -25,6 +25,9 @@ and log-sum-exp, and the re-run takes them back instead of running the attention
 again (:mod:`dtree.ops.stack_attention.output_memo`): 3 KB more per token and layer on
 qwen2.5-1.5b, one attention forward less per layer. The memory policy decides.
 
+The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output no backward of
+the layer reads may skip their work there (the lean MLP's down projection).
+
 The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
 for the duration of the block (the wrapper calls the layer itself, so a
 ``torch.compile``-d layer stays compiled inside the checkpoint), and restored after.
@@ -39,6 +42,7 @@ from typing import Any, Iterator
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..ops.rerun import rerun_scope
 from ..ops.stack_attention.output_memo import OutputMemo
 from .layer_list import LAYER_LIST_PATHS, find_decoder_layers
 
@@ -107,11 +111,12 @@ class CheckpointedLayer(torch.nn.Module):
         runs = [0]  # the first run is the forward, every later one a re-run
 
         def call(*a, **kw):
-            with _attention_implementations(saved):
+            rerun = runs[0] > 0
+            runs[0] += 1
+            with _attention_implementations(saved), rerun_scope() if rerun else contextlib.nullcontext():
                 if memo is None:
                     return layer(*a, **kw)
-                with memo.recording() if runs[0] == 0 else memo.replaying_scope():
-                    runs[0] += 1
+                with memo.replaying_scope() if rerun else memo.recording():
                     return layer(*a, **kw)
 
         def run(*a, **kw):

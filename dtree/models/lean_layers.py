@@ -52,6 +52,7 @@ import torch
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import RotaryFunction
 from ..ops.rotary.interface import rotary_supported
+from ..ops.rerun import in_rerun
 from ..ops.swiglu import silu_mul, swiglu_down
 from .plain_linear import is_plain_linear
 
@@ -91,7 +92,7 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
     gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
     if is_plain_linear(down):
-        return swiglu_down(gate, up, down.weight, down.bias)
+        return swiglu_down(gate, up, down.weight, down.bias, output_unused=in_rerun())  # only the residual add reads it
     return down(silu_mul(gate, up))
 
 

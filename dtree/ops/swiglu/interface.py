@@ -121,15 +121,17 @@ class SwiGLUDownFunction(torch.autograd.Function):
     the product is recomputed in backward (for ``weight``'s gradient)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias):
+    def forward(ctx, gate, up, weight, bias, output_unused: bool = False):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
+        if output_unused:  # a checkpointed layer's re-run (dtree.ops.rerun): only the saved tensors count
+            return gate.new_zeros(()).expand(*gate.shape[:-1], weight.shape[0])
         return F.linear(_forward(gate, up), weight, bias)
 
     @staticmethod
     def backward(ctx, dy: torch.Tensor):
         gate, up, weight = ctx.saved_tensors
-        need_gate, need_up, need_w, need_b = ctx.needs_input_grad
+        need_gate, need_up, need_w, need_b = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = db = dgate = dup = None
         product = None
@@ -141,7 +143,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)
-        return (dgate if need_gate else None), (dup if need_up else None), dw, db
+        return (dgate if need_gate else None), (dup if need_up else None), dw, db, None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -152,12 +154,15 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def swiglu_down(
-    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+    gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+    output_unused: bool = False,
 ) -> torch.Tensor:
     """``linear(silu(gate) * up, weight, bias)``: gate, up [..., I], weight [H, I], bias
-    [H] or None -> [..., H]; keeps gate, up and the weight only."""
+    [H] or None -> [..., H]; keeps gate, up and the weight only. ``output_unused``: the
+    caller drops the output (a checkpointed layer's re-run, :mod:`dtree.ops.rerun`):
+    the same saved tensors, a zero view returned, no matmul."""
     if gate.shape != up.shape or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
         raise ValueError(
             f"swiglu_down: gate {tuple(gate.shape)}, up {tuple(up.shape)} and weight {tuple(weight.shape)} do not match"
         )
-    return SwiGLUDownFunction.apply(gate, up, weight, bias)
+    return SwiGLUDownFunction.apply(gate, up, weight, bias, output_unused)
