@@ -1,7 +1,7 @@
 """The H100 scripts that measure dtree's step defaults, call costs and host costs
 (``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/host_cost_gpu.sh``,
 ``benchmarks/gpu_idle_gpu.sh``, ``benchmarks/vs_mask_gpu.sh``,
-``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
+``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
 from __future__ import annotations
@@ -63,3 +63,13 @@ def test_profile_script_runs_on_cpu(tmp_path):
         report = (tmp_path / name).read_text()
         assert "layers (every method): dtree lean layers" in report, report[:500]
         assert all(f"## {c}\n" in report for c in configs), report[:2000]
+
+
+def test_flash_step_script_runs_on_cpu(tmp_path):
+    """Its flash-attn configurations cannot run on CPU (reported as errors, the bench goes
+    on); the Triton/sdpa ones run and every report is written."""
+    r = _smoke("flash_step_gpu.sh", tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for name in ("agentic64k", "case1"):
+        report = next((tmp_path / name).glob("*.md")).read_text()
+        assert "| `dtree` | ok |" in report and "`dtree:attention=flash-attn`" in report, report[:1500]
