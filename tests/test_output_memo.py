@@ -29,50 +29,74 @@ QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128,
 LEAN_H100 = CallBytes(1.5565e6, 0.0927e6, 28, 3072, "measured", 35.8e3, 52.3e3)
 
 
-def _count_forwards(monkeypatch) -> list:
-    from dtree.ops.stack_attention import triton_autograd as sat
+def _count_forwards(monkeypatch, module=None) -> list:
+    """A list that grows by one at every attention forward ``module`` (default: the
+    Triton backend's ``triton_autograd``) computes: ``_forward`` is patched to count."""
+    if module is None:
+        from dtree.ops.stack_attention import triton_autograd as module
 
     launches: list = []
-    original = sat._forward
+    original = module._forward
 
     def counted(*args, **kwargs):
         launches.append(1)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sat, "_forward", counted)
+    monkeypatch.setattr(module, "_forward", counted)
     return launches
 
 
-# --------------------------------------------------------------------------- interpreter
-def _case_checkpointed_attention_is_bitwise_and_runs_forward_once():
-    from test_stack_attention_triton import layout_of, make_problem
+def _check_keeping_is_bitwise(attend, problem, launches: list) -> None:
+    """``attend(q, k, v, slots)`` under non-reentrant checkpointing, without and with its
+    outputs kept for the re-run, on fresh ``problem()`` inputs ``(stack, slots, q, k, v)``:
+    the forward runs twice without, once with, and every gradient (q, k, v, the stack's
+    dK/dV) and the output are bit for bit the same."""
     from torch.utils.checkpoint import checkpoint
 
-    from dtree.ops.stack_attention import StackSlots, stack_attention
-
-    mp_ = pytest.MonkeyPatch()
-    launches = _count_forwards(mp_)
-    layout, t = layout_of([37, 20, 29], [[(0, 40)], [(0, 40)], [(0, 25), (30, 61)]], 61)
     grads = {}
     for keep in (False, True):
-        stack, q, k, v = make_problem(layout, t, 61, 4, 2, 16, seed=3)
-        slots = StackSlots(stack, 0, layout)
+        stack, slots, q, k, v = problem()
         memo, runs = OutputMemo(), [0]
 
         def layer(q, k, v):
             if not keep:
-                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+                return attend(q * 1.0, k, v, slots)
             with memo.recording() if runs[0] == 0 else memo.replaying_scope():
                 runs[0] += 1
-                return stack_attention(q * 1.0, k, v, slots, backend="triton")
+                return attend(q * 1.0, k, v, slots)
 
         launches.clear()
         out = checkpoint(layer, q, k, v, use_reentrant=False)
-        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        loss_dtype = torch.promote_types(out.dtype, torch.float32)
+        weights = torch.linspace(-1, 1, out.numel(), dtype=loss_dtype, device=out.device).view_as(out)
+        (out.to(loss_dtype) * weights).sum().backward()
         grads[keep] = [x.grad.clone() for x in (q, k, v)] + [stack.grad_k.clone(), stack.grad_v.clone(), out.detach()]
         assert len(launches) == (1 if keep else 2), (keep, len(launches))
     for a, b in zip(grads[False], grads[True]):
         assert torch.equal(a, b)
+
+
+def _problem(lens, prefixes, used, hq, hkv, d, **kw):
+    """Fresh ``(stack, slots, q, k, v)`` of a layout (``test_stack_attention_triton``'s helpers)."""
+    from test_stack_attention_triton import layout_of, make_problem
+
+    from dtree.ops.stack_attention import StackSlots
+
+    layout, t = layout_of(lens, prefixes, used)
+    stack, q, k, v = make_problem(layout, t, used, hq, hkv, d, **kw)
+    return stack, StackSlots(stack, 0, layout), q, k, v
+
+
+# --------------------------------------------------------------------------- interpreter
+def _case_checkpointed_attention_is_bitwise_and_runs_forward_once():
+    from dtree.ops.stack_attention import stack_attention
+
+    mp_ = pytest.MonkeyPatch()
+    launches = _count_forwards(mp_)
+    _check_keeping_is_bitwise(
+        lambda q, k, v, slots: stack_attention(q, k, v, slots, backend="triton"),
+        lambda: _problem([37, 20, 29], [[(0, 40)], [(0, 40)], [(0, 25), (30, 61)]], 61, 4, 2, 16, seed=3), launches,
+    )
     mp_.undo()
 
 
@@ -115,35 +139,14 @@ def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch):
 def test_region_attention_keeping_outputs_is_bitwise_and_runs_forward_once(monkeypatch):
     """The flash-attn backend's region path (here with its pure-torch region kernel, in
     float64 on CPU) keeps and takes back its merged output and LSE the same way."""
-    from test_stack_attention_triton import layout_of, make_problem
-    from torch.utils.checkpoint import checkpoint
+    from dtree.ops.stack_attention import regions
 
-    from dtree.ops.stack_attention import StackSlots, regions
-
-    forwards: list = []
-    original = regions._forward
-    monkeypatch.setattr(regions, "_forward", lambda *a, **kw: forwards.append(1) or original(*a, **kw))
-    layout, t = layout_of([37, 20, 29], [[(0, 40)], [(0, 40)], [(0, 25), (30, 61)]], 61)
-    grads = {}
-    for keep in (False, True):
-        stack, q, k, v = make_problem(layout, t, 61, 4, 2, 16, dtype=torch.float64, seed=3)
-        slots = StackSlots(stack, 0, layout)
-        memo, runs = OutputMemo(), [0]
-
-        def layer(q, k, v):
-            if not keep:
-                return regions.stack_attention_regions(q * 1.0, k, v, slots)
-            with memo.recording() if runs[0] == 0 else memo.replaying_scope():
-                runs[0] += 1
-                return regions.stack_attention_regions(q * 1.0, k, v, slots)
-
-        forwards.clear()
-        out = checkpoint(layer, q, k, v, use_reentrant=False)
-        (out * torch.linspace(-1, 1, out.numel(), dtype=out.dtype).view_as(out)).sum().backward()
-        grads[keep] = [x.grad.clone() for x in (q, k, v)] + [stack.grad_k.clone(), stack.grad_v.clone(), out.detach()]
-        assert len(forwards) == (1 if keep else 2), (keep, len(forwards))
-    for a, b in zip(grads[False], grads[True]):
-        assert torch.equal(a, b)
+    _check_keeping_is_bitwise(
+        regions.stack_attention_regions,
+        lambda: _problem([37, 20, 29], [[(0, 40)], [(0, 40)], [(0, 25), (30, 61)]], 61, 4, 2, 16,
+                         dtype=torch.float64, seed=3),
+        _count_forwards(monkeypatch, regions),
+    )
 
 
 def test_a_replay_past_the_recorded_calls_is_refused():
@@ -187,42 +190,19 @@ def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, back
     """Compiled kernels: the kept output gives the gradients of the re-run, bit for bit.
     The deterministic backward, since the default one's float atomics add in a
     different order on every run, memo or not."""
-    from test_stack_attention_triton import layout_of, make_problem
-    from torch.utils.checkpoint import checkpoint
-
     from dtree.ops.backends import Target
-    from dtree.ops.stack_attention import AttentionOptions, StackSlots, regions, stack_attention
+    from dtree.ops.stack_attention import AttentionOptions, regions, stack_attention
     from dtree.ops.stack_attention.flash4 import flash4_unavailable
 
     if backend == "flash-attn" and (why := flash4_unavailable(Target(torch.device("cuda"), dtype, head_dim=128))):
         pytest.skip(why)
     ordered = AttentionOptions(deterministic=True)
-    if backend == "triton":
-        launches = _count_forwards(monkeypatch)
-    else:
-        launches, original = [], regions._forward
-        monkeypatch.setattr(regions, "_forward", lambda *a, **kw: launches.append(1) or original(*a, **kw))
-    layout, t = layout_of([700, 333, 1024], [[(0, 2048)], [(0, 2048)], [(0, 1000), (1500, 3000)]], 3000)
-    grads = {}
-    for keep in (False, True):
-        stack, q, k, v = make_problem(layout, t, 3000, 12, 2, 128, dtype=dtype, device="cuda", seed=5)
-        slots = StackSlots(stack, 0, layout)
-        memo, runs = OutputMemo(), [0]
-
-        def layer(q, k, v):
-            if not keep:
-                return stack_attention(q * 1.0, k, v, slots, ordered, backend=backend)
-            with memo.recording() if runs[0] == 0 else memo.replaying_scope():
-                runs[0] += 1
-                return stack_attention(q * 1.0, k, v, slots, ordered, backend=backend)
-
-        launches.clear()
-        out = checkpoint(layer, q, k, v, use_reentrant=False)
-        (out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum().backward()
-        grads[keep] = [x.grad.clone() for x in (q, k, v)] + [stack.grad_k.clone(), stack.grad_v.clone(), out.detach()]
-        assert len(launches) == (1 if keep else 2)
-    for a, b in zip(grads[False], grads[True]):
-        assert torch.equal(a, b)
+    _check_keeping_is_bitwise(
+        lambda q, k, v, slots: stack_attention(q, k, v, slots, ordered, backend=backend),
+        lambda: _problem([700, 333, 1024], [[(0, 2048)], [(0, 2048)], [(0, 1000), (1500, 3000)]], 3000, 12, 2, 128,
+                         dtype=dtype, device="cuda", seed=5),
+        _count_forwards(monkeypatch, None if backend == "triton" else regions),
+    )
 
 
 @pytest.mark.gpu

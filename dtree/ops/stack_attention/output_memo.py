@@ -14,20 +14,20 @@ Exact by construction: the re-run's attention sees the same q, k, v and stack sl
 the forward did (checkpointing replays the layer on its saved input, and the ancestors
 are still on the stack), so the recorded output is the one it would compute.
 
-Which backends record: :data:`KEEPING_BACKENDS` (their autograd functions call
-:func:`recorded` / :meth:`OutputMemo.record`). The memory policy keeps outputs only for
-plans that name it, and only on those backends.
+Which backends record: :data:`KEEPING_BACKENDS`, whose autograd functions compute their
+output through :func:`kept_or_computed`. The memory policy keeps outputs only for plans
+that name it, and only on those backends.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
-__all__ = ["KEEPING_BACKENDS", "OutputMemo", "active_memo", "kept_bytes_per_token"]
+__all__ = ["KEEPING_BACKENDS", "OutputMemo", "active_memo", "kept_bytes_per_token", "kept_or_computed"]
 
 KEEPING_BACKENDS = frozenset({"triton", "flash-attn"})
 
@@ -50,18 +50,16 @@ class OutputMemo:
     def replaying(self) -> bool:
         return self._cursor is not None
 
-    @contextlib.contextmanager
-    def recording(self) -> Iterator["OutputMemo"]:
-        token = _ACTIVE.set(self)
-        try:
-            yield self
-        finally:
-            _ACTIVE.reset(token)
+    def recording(self) -> contextlib.AbstractContextManager["OutputMemo"]:
+        return self._active(None)
+
+    def replaying_scope(self) -> contextlib.AbstractContextManager["OutputMemo"]:
+        return self._active(0)
 
     @contextlib.contextmanager
-    def replaying_scope(self) -> Iterator["OutputMemo"]:
+    def _active(self, cursor: int | None) -> Iterator["OutputMemo"]:
         token = _ACTIVE.set(self)
-        self._cursor = 0
+        self._cursor = cursor
         try:
             yield self
         finally:
@@ -95,6 +93,20 @@ def active_memo() -> OutputMemo | None:
     """The memo of the checkpointed layer call running now (None: not inside one, or
     the plan keeps no attention outputs)."""
     return _ACTIVE.get()
+
+
+def kept_or_computed(
+    compute: Callable[[], tuple[torch.Tensor, torch.Tensor]], out_shape: tuple, lse_shape: tuple, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(out, lse)`` of an attention call: taken back in a checkpointed layer's re-run
+    that kept them, else ``compute()``'d (and recorded when the layer keeps them)."""
+    memo = active_memo()
+    if memo is not None and memo.replaying:
+        return memo.take(out_shape, lse_shape, dtype)
+    out, lse = compute()
+    if memo is not None:
+        memo.record(out, lse)
+    return out, lse
 
 
 def kept_bytes_per_token(num_heads: int, value_head_dim: int, itemsize: int) -> float:

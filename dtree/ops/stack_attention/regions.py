@@ -35,7 +35,7 @@ import torch
 from ...device.transfer import upload
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots
-from .output_memo import active_memo
+from .output_memo import kept_or_computed
 from .region_plan import RegionLevel, RegionPlan, region_plan
 from .segment_layout import SegmentLayout
 
@@ -211,13 +211,9 @@ class _RegionAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, scale: float,
                 kernel: RegionKernel, deterministic: bool):
-        memo = active_memo()
-        if memo is not None and memo.replaying:  # a checkpointed layer's re-run: its forward kept them
-            out, lse = memo.take((q.shape[0], q.shape[1], v.shape[-1]), (q.shape[1], q.shape[0]), q.dtype)
-        else:
-            out, lse = _forward(q, k, v, stack, layer, layout, scale, kernel)
-            if memo is not None:
-                memo.record(out, lse)
+        t, hq = q.shape[:2]
+        out, lse = kept_or_computed(lambda: _forward(q, k, v, stack, layer, layout, scale, kernel),
+                                    (t, hq, v.shape[-1]), (hq, t), q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale = stack, layer, layout, scale
         ctx.kernel, ctx.deterministic = kernel, deterministic

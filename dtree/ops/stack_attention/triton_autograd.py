@@ -119,7 +119,7 @@ from ..backends import sm_count
 from ..fast_launch import cdiv, fast_launch, next_power_of_2
 from ..stack_ops.kv_stack import KVStack
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
-from .output_memo import active_memo
+from .output_memo import kept_or_computed
 from .segment_layout import SegmentLayout
 from .triton_backward import _delta_kernel
 from .triton_common import (
@@ -198,13 +198,8 @@ class _StackAttention(torch.autograd.Function):
         sk, sv = stack.k[layer], stack.v[layer]
         tiles = tuning.interpreter_tiles
         block_m, block_n = _tiles(k.shape[-1], v.shape[-1], q.dtype, tiles)
-        memo = active_memo()
-        if memo is not None and memo.replaying:  # a checkpointed layer's re-run: its forward kept them
-            out, lse = memo.take((t, hq, v.shape[-1]), (hq, t), q.dtype)
-        else:
-            out, lse = _forward(q, k, v, sk, sv, layout, scale, options, tuning, block_m)
-            if memo is not None:
-                memo.record(out, lse)
+        out, lse = kept_or_computed(lambda: _forward(q, k, v, sk, sv, layout, scale, options, tuning, block_m),
+                                    (t, hq, v.shape[-1]), (hq, t), q.dtype)
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.stack, ctx.layer, ctx.layout, ctx.scale, ctx.options = stack, layer, layout, scale, options
         ctx.tuning, ctx.blocks = tuning, (block_m, block_n)
