@@ -1,7 +1,8 @@
 """The H100 scripts that measure dtree's step defaults, call costs and host costs
 (``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/host_cost_gpu.sh``,
 ``benchmarks/gpu_idle_gpu.sh``, ``benchmarks/vs_mask_gpu.sh``,
-``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
+``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``,
+``benchmarks/flash_tree_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
 from __future__ import annotations
@@ -73,3 +74,13 @@ def test_flash_step_script_runs_on_cpu(tmp_path):
     for name in ("agentic64k", "case1"):
         report = next((tmp_path / name).glob("*.md")).read_text()
         assert "| `dtree` | ok |" in report and "`dtree:attention=flash-attn`" in report, report[:1500]
+
+
+def test_flash_tree_script_runs_on_cpu(tmp_path):
+    """Its kernel bench runs under the interpreter with the Triton row (the flash-attn rows
+    are absent on CPU) and writes one report per head configuration."""
+    r = _smoke("flash_tree_gpu.sh", tmp_path)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    for heads in ("12_2", "32_8"):
+        report = next(tmp_path.glob(f"stack_attention_*_tree_{heads}.md")).read_text()
+        assert "| triton fused |" in report, report[:1500]

@@ -286,14 +286,19 @@ def call_count(unique: int, group_tokens: int) -> float:
     return math.ceil(1.25 * unique / group_tokens) + 1.0
 
 
-def refine(plan: MemoryPlan, sched: Schedule, retain_tokens: float, held: tuple[int, int], state_slots: int) -> MemoryPlan:
+def refine(
+    plan: MemoryPlan, sched: Schedule, retain_tokens: float, held: tuple[int, int], state_slots: int,
+    stack_slots: int | None = None,
+) -> MemoryPlan:
     """``plan`` with its predicted peak from ``sched`` (:func:`simulate_peak`): the calls it
     makes, the path graphs the walk retains under ``retain_tokens``, and the stacks' growth:
-    the KV slots it writes and its ``state_slots`` state slots beyond the ``held`` (KV, state)
-    slots of the stacks kept from earlier steps. A plan without figures (CPU) is returned as is."""
+    the KV slots it writes (``stack_slots``, default ``sched.stack_tokens``) and its
+    ``state_slots`` state slots beyond the ``held`` (KV, state) slots of the stacks kept from
+    earlier steps. A plan without figures (CPU) is returned as is."""
     if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
         return plan
-    grow = max(0, sched.stack_tokens - held[0]) * stack_slot_bytes(plan.spec, plan.itemsize)
+    slots = sched.stack_tokens if stack_slots is None else stack_slots
+    grow = max(0, slots - held[0]) * stack_slot_bytes(plan.spec, plan.itemsize)
     grow += max(0, state_slots - held[1]) * state_slot_bytes(plan.spec, plan.itemsize)
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
     path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0

@@ -29,6 +29,7 @@ from ..models.checkpointing import decoder_layers
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
 from ..ops.registry import resolve_backend
+from ..ops.stack_attention.interface import OWN_KV_IN_STACK
 from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
@@ -334,7 +335,8 @@ class StepPlanner:
         states = plan_states(sched) if self.spec.recurrent_states else None
         held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
         retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
-        memory = refine(memory, sched, retain_tokens, held, states.capacity if states is not None else 0)
+        memory = refine(memory, sched, retain_tokens, held, states.capacity if states is not None else 0,
+                        sched.stack_slots(self.attention in OWN_KV_IN_STACK))
         self.memory_plan, self._last = memory, (memory, sched, states)
         return memory, sched, terms, states
 
@@ -358,7 +360,7 @@ class StepPlanner:
         )
         w = floats.pop(0) if training else None
         arrays = StepArrays(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
-        capacity = max(sched.stack_tokens, self.config.stack_capacity or 0, 1)
+        capacity = max(sched.stack_slots(self.attention in OWN_KV_IN_STACK), self.config.stack_capacity or 0, 1)
         state_slots = states.capacity if states is not None else 0
         if self.stack is None or not self.stack.fits(self.spec, capacity, state_slots, dtype, device, training):
             self.stack = None  # free the old buffers before allocating new ones

@@ -2,7 +2,10 @@
 (``flash_attn.cute``, CuTe DSL; Hopper and Blackwell) as the region kernel of
 :mod:`dtree.ops.stack_attention.regions`.
 
-Per call and layer: one non-causal varlen forward per prefix level (the stack's K/V
+Per call and layer, when the call is one masked attention over the stack
+(:mod:`dtree.ops.stack_attention.flash4_tree`, the default: every call of the walk):
+one flash-attn-4 forward and one backward with block sparsity and a mask function.
+Otherwise, the region path: one non-causal varlen forward per prefix level (the stack's K/V
 read in place: ``k = stack.k[layer, lo:hi]`` with ``cu_seqlens_k``/``seqused_k`` picking
 each pair's slots, ``cu_seqlens_q``/``seqused_q`` its rows), one causal varlen forward
 over the segments' own K/V, and one Triton kernel that merges them by log-sum-exp
@@ -26,6 +29,7 @@ inside one varlen sequence, which flash-attn's position-based masks cannot expre
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import replace
 
 import torch
@@ -33,11 +37,17 @@ import torch
 from ..backends import Target
 from .flash4_replay import bucket_len
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
+from .flash4_tree import stack_attention_tree
 from .regions import stack_attention_regions
+from .tree_mask import tree_mask
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
 
 DTYPES = (torch.float16, torch.bfloat16)
+# Calls whose tree the two tables of tree_mask express (every call of the walk's depth-first
+# schedule) and whose slots fit the stack run as one masked attention (flash4_tree);
+# DTREE_FLASH_REGIONS=1 keeps every call on the region path (benchmarks compare the two).
+TREE_PATH = os.environ.get("DTREE_FLASH_REGIONS", "0") != "1"
 _INSTALL = "pip install 'dtree[flash]' (flash-attn-4, CuTe DSL wheels)"
 
 
@@ -140,4 +150,8 @@ def stack_attention_flash4(
     stack = slots.stack
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
+    mask = None if deterministic or not TREE_PATH else tree_mask(slots.layout)
+    if mask is not None and stack.capacity >= mask.num_keys:
+        q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
+        return stack_attention_tree(q, k, v, stack, slots.layer, slots.layout, mask, options.softmax_scale(q.shape[-1]))
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)

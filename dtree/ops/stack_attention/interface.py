@@ -37,14 +37,15 @@ in :mod:`dtree.ops.stack_attention.options`):
   for a score transform). Any device.
 * ``triton``: one fused kernel for all segments, reading the stack in place
   (:mod:`dtree.ops.stack_attention.triton_autograd`, CUDA only).
-* ``flash-attn``: flash-attn-4's varlen kernels over the call's regions (every segment
-  against its own K/V, causal; rows that share a stack range against it, in place),
-  merged by log-sum-exp (:mod:`dtree.ops.stack_attention.regions`,
-  :mod:`dtree.ops.stack_attention.flash4`; CUDA sm90+, flash-attn-4 installed). Calls
-  with options run the ``triton`` kernel.
+* ``flash-attn``: flash-attn-4 (CUDA sm90+, installed). A call whose tree the two tables of
+  :mod:`dtree.ops.stack_attention.tree_mask` express runs as one masked attention over the
+  stack (:mod:`dtree.ops.stack_attention.flash4_tree`); other calls, and deterministic ones,
+  run varlen kernels over the call's regions merged by log-sum-exp
+  (:mod:`dtree.ops.stack_attention.regions`, :mod:`dtree.ops.stack_attention.flash4`).
+  Calls with options run the ``triton`` kernel.
 
 They are registered in :data:`BACKENDS` (name -> function), whose ``resolve`` picks one
-for a device (``auto``: ``triton`` on CUDA where it runs, else ``sdpa``).
+for a device (``auto``: ``flash-attn`` on CUDA where it runs, else ``triton``, else ``sdpa``).
 
 Every backend is tested against :func:`dtree.ops.stack_attention.reference.stack_attention_naive`.
 With a window, the reference and sdpa backends gather only the in-window part of
@@ -64,6 +65,7 @@ from .per_segment import stack_attention_reference, stack_attention_sdpa
 
 __all__ = [
     "BACKENDS",
+    "OWN_KV_IN_STACK",
     "PREFERS_FLASH_ATTN",
     "stack_attention",
     "stack_attention_flash4",
@@ -71,11 +73,17 @@ __all__ = [
     "triton_unavailable",
 ]
 
-# Whether "auto" stack attention on CUDA tries the flash-attn backend (flash-attn-4's
-# regions: Hopper or newer, flash-attn-4 installed, 16-bit) before Triton. The 64k
-# agentic step of H100 kernel session 4 decides (benchmarks/PERF_NOTES.md); the
-# prediction there keeps Triton.
-PREFERS_FLASH_ATTN = False
+# Whether "auto" stack attention on CUDA tries the flash-attn backend (Hopper or newer,
+# flash-attn-4 installed, 16-bit) before Triton. With each call as one masked flash-attn-4
+# attention (flash4_tree), the 64k agentic step ran 1.842 s against Triton's 2.194 s and GRPO
+# case 1 0.161 s against ~0.2 s on an H100 (benchmarks/results/h100/session_i); the region
+# path alone had not been >= 5% faster on every case (session H), so this was False before.
+PREFERS_FLASH_ATTN = True
+
+# Backends that read a call's own K/V from its stack slots (the flash-attn backend's one-call
+# path, dtree.ops.stack_attention.flash4_tree): every call pushes them, and the stack holds
+# every call's slots (Schedule.stack_slots).
+OWN_KV_IN_STACK = frozenset({"flash-attn"})
 
 
 def stack_attention_triton(

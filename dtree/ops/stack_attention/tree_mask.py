@@ -1,0 +1,225 @@
+"""One stack-attention call as a single masked attention over stack slots ``[0, base + T)``.
+
+When the call's own K/V sit in the stack right after the slots below it (row ``r`` of the
+call is slot ``base + r``), every row's keys are slots of one tensor, ``stack[:base + T]``,
+and the call is one attention with a mask: no prefix levels, no log-sum-exp merge. The
+mask is the call's tree, encoded as one row interval per slot::
+
+    visible(r, s) = slot_row_lo[s] <= r < slot_row_hi[s]
+
+* a slot of the call (``s >= base``) is seen by its own row and the rows after it in its
+  segment's subtree: ``[s - base, subtree end - base)`` (the call's segments are laid out
+  depth first, so a subtree is a contiguous run of rows);
+* a slot below the call is seen by the rows of the segments that have it in their prefix,
+  which are one contiguous run of rows for the same reason (``[0, 0)`` when none read it).
+
+:func:`tree_mask` builds the two tables from a :class:`.SegmentLayout` and checks that
+they give exactly the layout's prefix ranges; a layout they cannot express (not depth
+first, own slots elsewhere) gives None and the caller keeps its region path. The kernel's
+mask function reads two integers per key column.
+
+The block tables: for tiles of :data:`BLOCK` rows x :data:`BLOCK` slots, which tiles are
+fully visible (no mask needed), partially visible (masked) or skipped, per row tile (the
+forward's lists) and per slot tile (the backward's), as flash-attn-4's block sparsity
+takes them. Computed per (segment, row tile) piece from interval counts, not per element.
+
+Host-side numpy, built once per call layout (cached on it) and shared by its layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .segment_layout import SegmentLayout
+
+__all__ = ["BLOCK", "TreeMask", "dense_visibility", "tree_mask", "visible_from_tables"]
+
+BLOCK = 128  # rows and slots per tile of the block tables (flash-attn-4's sparse block on Hopper)
+
+
+@dataclass(frozen=True)
+class BlockLists:
+    """For each of ``n`` tiles along one side, the tiles of the other side it meets:
+    ``partial_cnt [n]``, ``partial_idx [n, max(1, most)]`` (ascending, padded with 0),
+    and likewise ``full_cnt``/``full_idx``. int32."""
+
+    partial_cnt: np.ndarray
+    partial_idx: np.ndarray
+    full_cnt: np.ndarray
+    full_idx: np.ndarray
+
+
+@dataclass(frozen=True)
+class TreeMask:
+    """A call as one masked attention (see the module docstring).
+
+    Attributes:
+        base: the call's first stack slot; T = ``num_rows``, ``num_keys`` = base + T.
+        slot_row_lo, slot_row_hi: [num_keys] int32.
+        by_row_tile: the forward's block lists (per row tile, the slot tiles).
+        by_slot_tile: the backward's (per slot tile, the row tiles).
+    """
+
+    base: int
+    num_rows: int
+    slot_row_lo: np.ndarray
+    slot_row_hi: np.ndarray
+    by_row_tile: BlockLists
+    by_slot_tile: BlockLists
+
+    @property
+    def num_keys(self) -> int:
+        return self.base + self.num_rows
+
+
+def tree_mask(layout: SegmentLayout) -> TreeMask | None:
+    """The call of ``layout`` as one masked attention, or None when the three tables
+    cannot express it (cached on the layout)."""
+    return layout.cached(("tree_mask",), lambda: _build(layout))
+
+
+def _coalesce(ranges) -> list[list[int]]:
+    out: list[list[int]] = []
+    for lo, hi in sorted((int(a), int(b)) for a, b in ranges if b > a):
+        if out and out[-1][1] >= lo:
+            out[-1][1] = max(out[-1][1], hi)
+        else:
+            out.append([lo, hi])
+    return out
+
+
+def _build(layout: SegmentLayout) -> TreeMask | None:
+    q_off = np.asarray(layout.q_offsets, dtype=np.int64)
+    own = np.asarray(layout.own_slot, dtype=np.int64)
+    rows = int(q_off[-1])
+    seg = np.flatnonzero(np.diff(q_off) > 0)  # non-empty segments, in row (and slot) order
+    if rows == 0 or not len(seg):
+        return None
+    base = int(own[seg[0]] - q_off[seg[0]])
+    q0, length = q_off[seg], np.diff(q_off)[seg]
+    start, q1 = own[seg], q0 + length
+    if base < 0 or np.any(start != base + q0):
+        return None  # own slots are not the rows shifted by one base
+    end = start + length
+    ancestors = np.zeros((len(seg), len(seg)), dtype=bool)  # [i, j]: j is an in-call ancestor of i
+    first_row = np.full(base, rows, dtype=np.int64)  # below the call: the rows that read each slot
+    last_row = np.zeros(base, dtype=np.int64)
+    readers = np.zeros(base + 1, dtype=np.int64)  # difference array of the rows reading each slot
+    owner, lo_all, hi_all = [], [], []
+    for a, i in enumerate(seg):
+        for lo, hi in _coalesce(layout.prefix_ranges[i]):
+            owner.append(a), lo_all.append(lo), hi_all.append(hi)
+            if lo < base:
+                top = min(hi, base)
+                np.minimum(first_row[lo:top], q0[a], out=first_row[lo:top])
+                np.maximum(last_row[lo:top], q1[a], out=last_row[lo:top])
+                readers[lo] += length[a]
+                readers[top] -= length[a]
+            if hi > base:
+                lo = max(lo, base)
+                first, last = np.searchsorted(start, lo), np.searchsorted(end, hi, side="right")
+                if first >= last or start[first] != lo or end[last - 1] != hi or last > a:
+                    return None  # not whole earlier segments of the call
+                ancestors[a, first:last] = True
+    read = np.cumsum(readers[:-1])
+    if np.any((read > 0) & (read != last_row - first_row)):
+        return None  # a slot below the call is read by rows that are not one run
+    # a segment's subtree: itself and every segment that has it as an in-call ancestor
+    subtree_end = np.where(ancestors | np.eye(len(seg), dtype=bool), q1[:, None], 0).max(axis=0)
+    encoded = (q0[None, :] < q0[:, None]) & (q0[:, None] < subtree_end[None, :])
+    if not np.array_equal(encoded, ancestors):
+        return None  # the call's segments are not laid out depth first
+    slot_row_lo = np.concatenate([np.where(read > 0, first_row, 0), np.arange(rows)]).astype(np.int32)
+    slot_row_hi = np.concatenate([np.where(read > 0, last_row, 0), np.repeat(subtree_end, length)]).astype(np.int32)
+    counts = _interval_tile_counts(np.asarray(lo_all, dtype=np.int64), np.asarray(hi_all, dtype=np.int64),
+                                   np.asarray(owner, dtype=np.int64), len(seg), -(-(base + rows) // BLOCK))
+    by_row, by_slot = _block_lists(q0, q1, start, counts, rows, base + rows, base)
+    return TreeMask(base, rows, slot_row_lo, slot_row_hi, by_row, by_slot)
+
+
+def _interval_tile_counts(lo: np.ndarray, hi: np.ndarray, owner: np.ndarray, owners: int, tiles: int) -> np.ndarray:
+    """[owners, tiles]: for intervals ``[lo, hi)`` of ``owner``, how many of each tile's
+    slots they cover (intervals of one owner are disjoint)."""
+    counts = np.zeros((owners, tiles + 1), dtype=np.int64)
+    keep = hi > lo
+    lo, hi, owner = lo[keep], hi[keep], owner[keep]
+    t0, t1 = lo // BLOCK, (hi - 1) // BLOCK
+    one = t0 == t1
+    np.add.at(counts, (owner[one], t0[one]), (hi - lo)[one])
+    many = ~one
+    o, a, b, l, h = owner[many], t0[many], t1[many], lo[many], hi[many]
+    np.add.at(counts, (o, a), (a + 1) * BLOCK - l)
+    np.add.at(counts, (o, b), h - b * BLOCK)
+    whole = np.zeros_like(counts)  # tiles a+1 .. b-1 whole: a difference array along the tiles
+    np.add.at(whole, (o, a + 1), BLOCK)
+    np.add.at(whole, (o, b), -BLOCK)
+    counts += np.cumsum(whole, axis=1)
+    return counts[:, :tiles]
+
+
+def _block_lists(q0, q1, start, seg_counts, rows, num_keys, base) -> tuple[BlockLists, BlockLists]:
+    """Full and partial tiles. A row's visible count in a slot tile is its segment's
+    count plus its own causal part; over the rows of one segment inside one row tile the
+    own part grows with the row, so the tile's least count is at a piece's first row and
+    its largest at a piece's last row."""
+    row_tiles, slot_tiles = -(-rows // BLOCK), -(-num_keys // BLOCK)
+    first_tile, last_tile = q0 // BLOCK, (q1 - 1) // BLOCK
+    per_seg = last_tile - first_tile + 1
+    piece_seg = np.repeat(np.arange(len(q0)), per_seg)
+    piece_tile = first_tile[piece_seg] + (np.arange(per_seg.sum()) - np.repeat(np.cumsum(per_seg) - per_seg, per_seg))
+    r_first = np.maximum(q0[piece_seg], piece_tile * BLOCK)
+    r_last = np.minimum(q1[piece_seg], (piece_tile + 1) * BLOCK) - 1
+    tile_lo = np.arange(slot_tiles) * BLOCK
+    own_lo = start[piece_seg][:, None]
+
+    def own_count(r):  # [pieces, slot tiles]: |[own start, base + r] ∩ tile|
+        hi = np.minimum((base + r + 1)[:, None], tile_lo[None, :] + BLOCK)
+        return np.clip(hi - np.maximum(own_lo, tile_lo[None, :]), 0, None)
+
+    least = seg_counts[piece_seg] + own_count(r_first)
+    most = seg_counts[piece_seg] + own_count(r_last)
+    order = np.argsort(piece_tile, kind="stable")
+    tiles_of_pieces = piece_tile[order]
+    cuts = np.flatnonzero(np.r_[True, tiles_of_pieces[1:] != tiles_of_pieces[:-1]])
+    least = np.minimum.reduceat(least[order], cuts, axis=0)
+    most = np.maximum.reduceat(most[order], cuts, axis=0)
+    size = np.minimum(BLOCK, num_keys - tile_lo)
+    full = least == size[None, :]
+    partial = (most > 0) & ~full
+    assert len(cuts) == row_tiles  # every row tile holds rows of some segment
+    return _lists(partial, full), _lists(partial.T, full.T)
+
+
+def _lists(partial: np.ndarray, full: np.ndarray) -> BlockLists:
+    def packed(mask):
+        cnt = mask.sum(axis=1).astype(np.int32)
+        idx = np.zeros((mask.shape[0], max(1, int(cnt.max(initial=0)))), dtype=np.int32)
+        r, c = np.nonzero(mask)  # row-major: ascending columns within a row
+        pos = np.arange(len(r)) - np.repeat(np.cumsum(cnt) - cnt, cnt)
+        idx[r, pos] = c
+        return cnt, idx
+
+    return BlockLists(*packed(partial), *packed(full))
+
+
+def visible_from_tables(mask: TreeMask) -> np.ndarray:
+    """[T, num_keys] bool: the mask the two tables give (what the kernel's mask function
+    computes per element)."""
+    r = np.arange(mask.num_rows)[:, None]
+    return (mask.slot_row_lo[None, :] <= r) & (r < mask.slot_row_hi[None, :])
+
+
+def dense_visibility(layout: SegmentLayout, num_keys: int) -> np.ndarray:
+    """[T, num_keys] bool straight from the layout: row ``r`` of segment ``i`` sees its
+    prefix ranges and its own slots up to its own (the reference the tables are tested on)."""
+    q_off = np.asarray(layout.q_offsets, dtype=np.int64)
+    out = np.zeros((int(q_off[-1]), num_keys), dtype=bool)
+    for i in range(layout.num_segments):
+        for r in range(int(q_off[i]), int(q_off[i + 1])):
+            for lo, hi in layout.prefix_ranges[i]:
+                out[r, lo:hi] = True
+            own = int(layout.own_slot[i])
+            out[r, own : own + r - int(q_off[i]) + 1] = True
+    return out
