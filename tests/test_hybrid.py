@@ -118,7 +118,7 @@ def test_runtime_plans_the_state_slots_once_and_counts_them(monkeypatch):
 
     seen, planned, walked = [], [], []
     refine = dtree.plan.step_plan.refine
-    monkeypatch.setattr(dtree.plan.step_plan, "refine", lambda *a: seen.append(a[-1]) or refine(*a))
+    monkeypatch.setattr(dtree.plan.step_plan, "refine", lambda *a, **k: seen.append(a[-1]) or refine(*a, **k))
     monkeypatch.setattr(dtree.plan.step_plan, "plan_states", lambda sched: planned.append(plan_states(sched)) or planned[-1])
     init = dtree.engine.walk.TreeWalk.__init__
     monkeypatch.setattr(

@@ -131,18 +131,6 @@ class Schedule:
     segment_parent: np.ndarray
 
     @property
-    def call_slots_end(self) -> int:
-        """One past the last stack slot of any call: the capacity a backend that reads every
-        call's own K/V from the stack needs (the leaf calls' too, which write nothing else
-        reads)."""
-        return max((g.stack_start + g.num_tokens for g in self.groups), default=0)
-
-    def stack_slots(self, own_in_stack: bool) -> int:
-        """The stack capacity of this schedule: :attr:`stack_tokens`, or with ``own_in_stack``
-        (the ``flash-attn`` backend's one-call path) :attr:`call_slots_end`."""
-        return self.call_slots_end if own_in_stack else self.stack_tokens
-
-    @property
     def num_groups(self) -> int:
         return len(self.groups)
 

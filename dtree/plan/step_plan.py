@@ -47,6 +47,13 @@ Placement = tuple[torch.device, torch.dtype]
 KEPT_PLANS = 256  # forest shapes whose plans deterministic mode keeps
 
 
+def stack_slots(sched: Schedule, own_in_stack: bool) -> int:
+    """The KV-stack capacity of ``sched``: the slots it writes, or with ``own_in_stack`` (a
+    backend that reads every call's own K/V from its slots, :data:`OWN_KV_IN_STACK`) every
+    call's slots, the leaf calls' too."""
+    return max((g.stack_start + g.num_tokens for g in sched.groups), default=0) if own_in_stack else sched.stack_tokens
+
+
 def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
     """The stack-attention backend for ``attention`` (a config value), from the registry
     (:func:`dtree.ops.registry.resolve_backend`). ``auto``: the fused Triton kernel where
@@ -336,7 +343,7 @@ class StepPlanner:
         held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
         retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
         memory = refine(memory, sched, retain_tokens, held, states.capacity if states is not None else 0,
-                        sched.stack_slots(self.attention in OWN_KV_IN_STACK))
+                        stack_slots=stack_slots(sched, self.attention in OWN_KV_IN_STACK))
         self.memory_plan, self._last = memory, (memory, sched, states)
         return memory, sched, terms, states
 
@@ -360,7 +367,7 @@ class StepPlanner:
         )
         w = floats.pop(0) if training else None
         arrays = StepArrays(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
-        capacity = max(sched.stack_slots(self.attention in OWN_KV_IN_STACK), self.config.stack_capacity or 0, 1)
+        capacity = max(stack_slots(sched, self.attention in OWN_KV_IN_STACK), self.config.stack_capacity or 0, 1)
         state_slots = states.capacity if states is not None else 0
         if self.stack is None or not self.stack.fits(self.spec, capacity, state_slots, dtype, device, training):
             self.stack = None  # free the old buffers before allocating new ones
