@@ -56,7 +56,8 @@ def stack_slots(sched: Schedule, own_in_stack: bool) -> int:
 
 def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
     """The stack-attention backend for ``attention`` (a config value), from the registry
-    (:func:`dtree.ops.registry.resolve_backend`). ``auto``: the fused Triton kernel where
+    (:func:`dtree.ops.registry.resolve_backend`). ``auto``: flash-attn-4 where it runs
+    (Hopper or newer, installed, 16-bit, head dims 64/128), else the fused Triton kernel where
     it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256; in
     deterministic mode only if its backward has a deterministic form), else SDPA. An
     explicit backend that cannot run here raises a ValueError saying why; one that cannot
