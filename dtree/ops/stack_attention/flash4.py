@@ -37,8 +37,9 @@ import torch
 from ..backends import Target
 from .flash4_replay import bucket_len
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
-from .flash4_tree import stack_attention_tree
+from .flash4_tree import FLASH4_TREE
 from .regions import stack_attention_regions
+from .tree_attention import stack_attention_tree
 from .tree_mask import tree_mask
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
@@ -157,5 +158,6 @@ def stack_attention_flash4(
     mask = tree_mask(slots.layout) if TREE_PATH and not deterministic else None
     if mask is not None and stack.capacity >= mask.num_keys:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        return stack_attention_tree(q, k, v, stack, slots.layer, slots.layout, mask, options.softmax_scale(q.shape[-1]))
+        return stack_attention_tree(q, k, v, stack, slots.layer, slots.layout, mask, options.softmax_scale(q.shape[-1]),
+                                    kernel=FLASH4_TREE)
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)
