@@ -111,7 +111,7 @@ def implementations(sat, smoke: bool, wanted: str) -> tuple[dict, dict]:
             from dtree.ops.stack_attention.flash4 import FLASH4_REGIONS
             from dtree.ops.stack_attention.regions import stack_attention_regions
 
-            fns["flash-attn"] = variant(stack_attention_flash4, False)  # one masked call (flash4_tree)
+            fns["flash-attn"] = variant(stack_attention_flash4, False)  # one masked call (flash4_masked_call)
             fns["flash-attn regions"] = variant(functools.partial(stack_attention_regions, kernel=FLASH4_REGIONS), False)
             fns["flash-attn det"] = variant(stack_attention_flash4, True)
         else:

@@ -2,7 +2,7 @@
 (``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/host_cost_gpu.sh``,
 ``benchmarks/gpu_idle_gpu.sh``, ``benchmarks/vs_mask_gpu.sh``,
 ``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``,
-``benchmarks/flash_tree_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
+``benchmarks/masked_call_gpu.sh``, sharing ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ def test_flash_step_script_runs_on_cpu(tmp_path):
         assert "| `dtree` | ok |" in report and "`dtree:attention=flash-attn`" in report, report[:1500]
 
 
-def test_flash_tree_script_runs_on_cpu(tmp_path):
+def test_masked_call_script_runs_on_cpu(tmp_path):
     """Its kernel bench runs under the interpreter with the Triton row (the flash-attn rows
     are absent on CPU) and writes one report per head configuration."""
-    r = _smoke("flash_tree_gpu.sh", tmp_path)
+    r = _smoke("masked_call_gpu.sh", tmp_path)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for heads in ("12_2", "32_8"):
-        report = next(tmp_path.glob(f"stack_attention_*_tree_{heads}.md")).read_text()
+        report = next(tmp_path.glob(f"stack_attention_*_masked_call_{heads}.md")).read_text()
         assert "| triton fused |" in report, report[:1500]

@@ -13,8 +13,8 @@ One signature for every backend, ``(q, k, v, slots, options)``, documented once 
 - the ``triton`` backend: :mod:`.triton_autograd` (entry points, autograd function, design
   notes) over :mod:`.triton_launch` (configs, work tables) and the kernels of
   :mod:`.triton_forward`, :mod:`.triton_backward` and :mod:`.triton_common`.
-- the ``flash-attn`` backend: :mod:`.flash4`; its one-call path :mod:`.tree_attention` over
-  :mod:`.tree_mask` with the kernel of :mod:`.flash4_tree`; its region path :mod:`.regions`,
+- the ``flash-attn`` backend: :mod:`.flash4`; its one-call path :mod:`.masked_call` over
+  :mod:`.call_mask` with the kernel of :mod:`.flash4_masked_call`; its region path :mod:`.regions`,
   :mod:`.region_plan`, :mod:`.lse_merge_triton` and :mod:`.flash4_replay`.
 """
 

@@ -3,7 +3,7 @@
 :mod:`dtree.ops.stack_attention.regions`.
 
 Per call and layer, when the call is one masked attention over the stack
-(:mod:`dtree.ops.stack_attention.flash4_tree`, the default: every call of the walk):
+(:mod:`dtree.ops.stack_attention.flash4_masked_call`, the default: every call of the walk):
 one flash-attn-4 forward and one backward with block sparsity and a mask function.
 Otherwise, the region path: one non-causal varlen forward per prefix level (the stack's K/V
 read in place: ``k = stack.k[layer, lo:hi]`` with ``cu_seqlens_k``/``seqused_k`` picking
@@ -37,22 +37,22 @@ import torch
 from ..backends import Target
 from .flash4_replay import bucket_len
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
-from .flash4_tree import FLASH4_TREE
+from .flash4_masked_call import FLASH4_MASKED_CALL
 from .regions import stack_attention_regions
-from .tree_attention import stack_attention_tree
-from .tree_mask import tree_mask
+from .masked_call import stack_attention_masked_call
+from .call_mask import call_mask
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
 
 DTYPES = (torch.float16, torch.bfloat16)
-# Calls whose tree the two tables of tree_mask express (every call of the walk's depth-first
-# schedule) and whose slots fit the stack run as one masked attention (flash4_tree);
+# Calls whose tree the two tables of call_mask express (every call of the walk's depth-first
+# schedule) and whose slots fit the stack run as one masked attention (masked_call, flash4_masked_call);
 # DTREE_FLASH_REGIONS=1 keeps every call on the region path (benchmarks compare the two).
-TREE_PATH = os.environ.get("DTREE_FLASH_REGIONS", "0") != "1"
+ONE_CALL_PATH = os.environ.get("DTREE_FLASH_REGIONS", "0") != "1"
 # Head dims the backend runs at: those its GPU tests pass at. At head dim 16 (the tests' small
 # GPT-J, Granite and hybrid configs) both paths gave gradients 27x off the bf16 error on an H100
 # (session I), so other dims run the Triton kernel (and "auto" picks it).
-TREE_HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)
 _INSTALL = "pip install 'dtree[flash]' (flash-attn-4, CuTe DSL wheels)"
 
 
@@ -116,8 +116,8 @@ def flash4_unavailable(target: Target) -> str | None:
                 "use attention='triton'")
     if target.dtype is not None and target.dtype not in DTYPES:
         return f"runs float16/bfloat16, this model is {target.dtype}; use attention='triton'"
-    if target.head_dim is not None and target.head_dim not in TREE_HEAD_DIMS:
-        return f"is verified at head dims {TREE_HEAD_DIMS}, this model has {target.head_dim}; use attention='triton'"
+    if target.head_dim is not None and target.head_dim not in HEAD_DIMS:
+        return f"is verified at head dims {HEAD_DIMS}, this model has {target.head_dim}; use attention='triton'"
     return None
 
 
@@ -155,9 +155,9 @@ def stack_attention_flash4(
     stack = slots.stack
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
-    mask = tree_mask(slots.layout) if TREE_PATH and not deterministic else None
+    mask = call_mask(slots.layout) if ONE_CALL_PATH and not deterministic else None
     if mask is not None and stack.capacity >= mask.num_keys:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        return stack_attention_tree(q, k, v, stack, slots.layer, slots.layout, mask, options.softmax_scale(q.shape[-1]),
-                                    kernel=FLASH4_TREE)
+        return stack_attention_masked_call(q, k, v, stack, slots.layer, slots.layout, mask, options.softmax_scale(q.shape[-1]),
+                                    kernel=FLASH4_MASKED_CALL)
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)

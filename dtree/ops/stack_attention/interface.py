@@ -38,8 +38,8 @@ in :mod:`dtree.ops.stack_attention.options`):
 * ``triton``: one fused kernel for all segments, reading the stack in place
   (:mod:`dtree.ops.stack_attention.triton_autograd`, CUDA only).
 * ``flash-attn``: flash-attn-4 (CUDA sm90+, installed). A call whose tree the two tables of
-  :mod:`dtree.ops.stack_attention.tree_mask` express runs as one masked attention over the
-  stack (:mod:`dtree.ops.stack_attention.flash4_tree`); other calls, and deterministic ones,
+  :mod:`dtree.ops.stack_attention.call_mask` express runs as one masked attention over the
+  stack (:mod:`dtree.ops.stack_attention.flash4_masked_call`); other calls, and deterministic ones,
   run varlen kernels over the call's regions merged by log-sum-exp
   (:mod:`dtree.ops.stack_attention.regions`, :mod:`dtree.ops.stack_attention.flash4`).
   Calls with options run the ``triton`` kernel.
@@ -75,13 +75,13 @@ __all__ = [
 
 # Whether "auto" stack attention on CUDA tries the flash-attn backend (Hopper or newer,
 # flash-attn-4 installed, 16-bit) before Triton. With each call as one masked flash-attn-4
-# attention (flash4_tree), the 64k agentic step ran 1.842 s against Triton's 2.194 s and GRPO
+# attention (masked_call), the 64k agentic step ran 1.842 s against Triton's 2.194 s and GRPO
 # case 1 0.161 s against ~0.2 s on an H100 (benchmarks/results/h100/session_i); the region
 # path alone had not been >= 5% faster on every case (session H), so this was False before.
 PREFERS_FLASH_ATTN = True
 
 # Backends that read a call's own K/V from its stack slots (the flash-attn backend's one-call
-# path, dtree.ops.stack_attention.flash4_tree): every call pushes them, and the stack holds
+# path, dtree.ops.stack_attention.flash4_masked_call): every call pushes them, and the stack holds
 # every call's slots (Schedule.stack_slots).
 OWN_KV_IN_STACK = frozenset({"flash-attn"})
 

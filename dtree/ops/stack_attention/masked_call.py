@@ -1,8 +1,8 @@
 """A stack-attention call as one masked attention over stack slots ``[0, base + T)``
-(:mod:`dtree.ops.stack_attention.tree_mask` gives the mask), with the attention kernel
-pluggable: :data:`TORCH_TREE` here, dense float32 (float64 for float64 inputs) math, the
+(:mod:`dtree.ops.stack_attention.call_mask` gives the mask), with the attention kernel
+pluggable: :data:`TORCH_MASKED_CALL` here, dense float32 (float64 for float64 inputs) math, the
 reference this path is tested with on CPU; flash-attn-4 with block sparsity and a mask
-function on Hopper (:mod:`dtree.ops.stack_attention.flash4_tree`).
+function on Hopper (:mod:`dtree.ops.stack_attention.flash4_masked_call`).
 
 The own K/V must sit in the stack's slots ``[base, base + T)``: the forward writes them
 there (the same values a push writes; the plan sizes the stack for every call's slots when
@@ -23,28 +23,28 @@ import torch
 from ..stack_ops.kv_stack import KVStack
 from .output_memo import kept_or_computed
 from .segment_layout import SegmentLayout
-from .tree_mask import TreeMask, visible_from_tables
+from .call_mask import CallMask, visible_from_tables
 
-__all__ = ["TORCH_TREE", "TreeKernel", "stack_attention_tree"]
+__all__ = ["TORCH_MASKED_CALL", "MaskedCallKernel", "stack_attention_masked_call"]
 
 
-class TreeKernel(Protocol):
+class MaskedCallKernel(Protocol):
     """Softmax attention of ``q [T, Hq, Dk]`` over ``k [N, Hkv, Dk]``, ``v [N, Hkv, Dv]``
     (N = ``mask.num_keys``, GQA by head groups) under ``mask``."""
 
-    def forward(self, q, k, v, mask: TreeMask, layout: SegmentLayout, scale: float):
+    def forward(self, q, k, v, mask: CallMask, layout: SegmentLayout, scale: float):
         """-> (out [T, Hq, Dv] in q's dtype, natural log-sum-exp [Hq, T] float32)."""
 
-    def backward(self, q, k, v, out, dout, lse, mask: TreeMask, layout: SegmentLayout, scale: float):
+    def backward(self, q, k, v, out, dout, lse, mask: CallMask, layout: SegmentLayout, scale: float):
         """-> (dq, dk [N, Hkv, Dk], dv [N, Hkv, Dv]) in the inputs' dtypes."""
 
 
-class _TorchTree:
-    """:class:`TreeKernel` in dense torch: the reference (every key any row reads, the mask
+class _TorchMaskedCall:
+    """:class:`MaskedCallKernel` in dense torch: the reference (every key any row reads, the mask
     from the tables as the kernel's mask function evaluates them)."""
 
     @staticmethod
-    def _dense(q, k, v, mask: TreeMask, scale: float):
+    def _dense(q, k, v, mask: CallMask, scale: float):
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         visible = visible_from_tables(mask)
         read = np.flatnonzero(visible.any(axis=0))  # unread slots may hold anything (NaN included)
@@ -78,13 +78,13 @@ class _TorchTree:
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-TORCH_TREE: TreeKernel = _TorchTree()
+TORCH_MASKED_CALL: MaskedCallKernel = _TorchMaskedCall()
 
 
-class _TreeAttention(torch.autograd.Function):
+class _MaskedCallAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: TreeMask, scale: float,
-                kernel: TreeKernel):
+    def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: CallMask, scale: float,
+                kernel: MaskedCallKernel):
         base, n = mask.base, mask.num_keys
         stack.k[layer, base:n].copy_(k)
         stack.v[layer, base:n].copy_(v)
@@ -111,11 +111,11 @@ class _TreeAttention(torch.autograd.Function):
         return dq, dk[base:], dv[base:], None, None, None, None, None, None
 
 
-def stack_attention_tree(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: TreeMask, scale: float,
-                         kernel: TreeKernel = TORCH_TREE) -> torch.Tensor:
+def stack_attention_masked_call(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: CallMask, scale: float,
+                         kernel: MaskedCallKernel = TORCH_MASKED_CALL) -> torch.Tensor:
     """Plain stack attention of one call as one masked attention (see the module
     docstring). q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] with unit last strides; the
     stack holds at least ``mask.num_keys`` slots."""
     if stack.capacity < mask.num_keys:
         raise ValueError(f"the call's slots end at {mask.num_keys}, past the stack capacity {stack.capacity}")
-    return _TreeAttention.apply(q, k, v, stack, layer, layout, mask, float(scale), kernel)
+    return _MaskedCallAttention.apply(q, k, v, stack, layer, layout, mask, float(scale), kernel)

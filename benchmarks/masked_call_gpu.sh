@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The flash-attn backend's one-call path (dtree/ops/stack_attention/flash4_tree.py: a call as
+# The flash-attn backend's one-call path (dtree/ops/stack_attention/flash4_masked_call.py: a call as
 # one flash-attn-4 attention over the stack under its tree mask) against the region path and
 # the Triton kernel, on the H100 (~6 minutes; after the two flash-attn-4 install calls of
 # ../shared/tools/fa4_wheels.sh):
@@ -10,12 +10,12 @@
 # * the 64k agentic tree (4 fresh forests) and GRPO case 1: dtree (Triton) against
 #   dtree:attention=flash-attn, in one process each.
 #
-#     bash benchmarks/flash_tree_gpu.sh      # reports in $OUT (default /tmp/dtree_flash_tree)
+#     bash benchmarks/masked_call_gpu.sh      # reports in $OUT (default /tmp/dtree_masked_call)
 #
 # SMOKE=1 runs the kernel bench on CPU (interpreter; the flash-attn rows are absent there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/dtree_flash_tree}
+OUT=${OUT:-/tmp/dtree_masked_call}
 source benchmarks/bench_cases.sh
 export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=${HOME:-/tmp}/fa4-jit-cache
 if [ "${SMOKE:-0}" != 1 ]; then
@@ -27,7 +27,7 @@ echo "== kernels"
 for heads in "12 2" "32 8"; do
   set -- $heads
   timeout 200 python benchmarks/bench_stack_attention.py $SMOKE_FLAG --layouts grpo,agentic --option-cases "" \
-    --heads $1 --kv-heads $2 --impls "triton fused,flash-attn,flash-attn regions" --out "$OUT" --tag "_tree_$1_$2" \
+    --heads $1 --kv-heads $2 --impls "triton fused,flash-attn,flash-attn regions" --out "$OUT" --tag "_masked_call_$1_$2" \
     2>&1 | grep -E "TFLOP|Error|error" | tail -8
 done
 [ "${SMOKE:-0}" = 1 ] && exit 0

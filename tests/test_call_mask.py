@@ -1,4 +1,4 @@
-"""One stack-attention call as a single masked attention (dtree/ops/stack_attention/tree_mask.py).
+"""One stack-attention call as a single masked attention (dtree/ops/stack_attention/call_mask.py).
 
 CPU only. For the calls of real schedules (small agentic and GRPO forests, several call
 sizes) and hand-built layouts (no prefix, siblings, in-call chains, empty segments, lengths
@@ -17,9 +17,9 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from test_stack_attention import nested_layout
 
-from dtree.ops.stack_attention import tree_mask as tree_mask_module
+from dtree.ops.stack_attention import call_mask as tree_mask_module
 from dtree.ops.stack_attention.segment_layout import SegmentLayout
-from dtree.ops.stack_attention.tree_mask import BLOCK, dense_visibility, tree_mask, visible_from_tables
+from dtree.ops.stack_attention.call_mask import BLOCK, dense_visibility, call_mask, visible_from_tables
 from dtree.plan.schedule import build_schedule
 from dtree.workloads import make_workload
 
@@ -77,9 +77,9 @@ def assert_lists(lists, partial, full):
 
 
 def check_mask(layout):
-    """tree_mask(layout) exists, its tables give exactly the layout's visibility and its
+    """call_mask(layout) exists, its tables give exactly the layout's visibility and its
     block lists (both directions) equal the dense tile classification. Returns it."""
-    mask = tree_mask(layout)
+    mask = call_mask(layout)
     assert mask is not None
     assert mask.num_rows == int(layout.q_offsets[-1]) and mask.slot_row_lo.dtype == mask.slot_row_hi.dtype == np.int32
     assert mask.slot_row_lo.shape == mask.slot_row_hi.shape == (mask.num_keys,)
@@ -110,7 +110,7 @@ def expressible(layout):
 @given(st.sampled_from(sorted(WORKLOADS)), st.integers(0, 10_000), st.sampled_from([256, 700, 4096]))
 @example("agentic", 6, 256)  # two calls whose open units are packed breadth first
 def test_real_schedule_calls_match_dense(name, seed, group_tokens):
-    """The calls of real schedules (built as the walk builds them): tree_mask is None
+    """The calls of real schedules (built as the walk builds them): call_mask is None
     exactly when the dense oracle says the tables cannot express the call (the packer's
     breadth-first open units and interleaved frontier units make a few such calls at
     small budgets), and otherwise tables and block lists match the dense reference. A
@@ -120,8 +120,8 @@ def test_real_schedule_calls_match_dense(name, seed, group_tokens):
         if expressible(layout):
             check_mask(layout)
         else:
-            assert tree_mask(layout) is None
-    assert len(layouts) > 1 or tree_mask(layouts[0]) is not None
+            assert call_mask(layout) is None
+    assert len(layouts) > 1 or call_mask(layouts[0]) is not None
 
 
 # --------------------------------------------------------------------------- hand-built layouts
@@ -228,7 +228,7 @@ def test_inexpressible_layouts_give_none(case):
     region path) rather than a wrong mask; the dense oracle confirms None is forced there
     (not_depth_first: segment 1's slots are seen by its rows and segment 3's, not 2's)."""
     layout = NONE[case]()
-    assert tree_mask(layout) is None
+    assert call_mask(layout) is None
     if case not in ("no_rows", "reads_part_of_a_segment"):
         assert not expressible(layout)  # None is forced, not merely conservative
 
@@ -241,8 +241,8 @@ def test_cached_on_the_layout(monkeypatch):
     build = tree_mask_module._build
     monkeypatch.setattr(tree_mask_module, "_build", lambda layout: builds.append(1) or build(layout))
     layout = layout_of([50, 60], [[(0, 100)]] * 2, 100)
-    first = tree_mask(layout)
-    assert first is not None and tree_mask(layout) is first
+    first = call_mask(layout)
+    assert first is not None and call_mask(layout) is first
     bad = _shifted_own()
-    assert tree_mask(bad) is None and tree_mask(bad) is None
+    assert call_mask(bad) is None and call_mask(bad) is None
     assert len(builds) == 2

@@ -1,6 +1,6 @@
-"""The one-call path's kernel on Hopper (:mod:`dtree.ops.stack_attention.tree_attention`):
+"""The one-call path's kernel on Hopper (:mod:`dtree.ops.stack_attention.masked_call`):
 flash-attn-4's forward and backward over stack slots ``[0, base + T)`` under the call's tree
-mask (:mod:`dtree.ops.stack_attention.tree_mask`): block sparsity skips the tiles no row sees
+mask (:mod:`dtree.ops.stack_attention.call_mask`): block sparsity skips the tiles no row sees
 and runs the fully visible ones unmasked; the rest evaluate a two-table mask function. One
 forward and one backward kernel per layer and call, where the region path
 (:mod:`dtree.ops.stack_attention.regions`) runs one pair per prefix level plus a log-sum-exp
@@ -21,9 +21,9 @@ import torch
 
 from ...device.transfer import upload
 from .segment_layout import SegmentLayout
-from .tree_mask import BLOCK, BlockLists, TreeMask
+from .call_mask import BLOCK, BlockLists, CallMask
 
-__all__ = ["FLASH4_TREE"]
+__all__ = ["FLASH4_MASKED_CALL"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -36,15 +36,15 @@ def _mask_function():
     from flash_attn.cute import utils
 
     @cute.jit
-    def stack_tree_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+    def stack_call_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
         row_lo = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
         row_hi = utils.scalar_to_ssa(aux_tensors[1][n_idx[0]], cutlass.Int32)
         return (row_lo <= m_idx) & (m_idx < row_hi)
 
-    return stack_tree_mask
+    return stack_call_mask
 
 
-def _device_tables(mask: TreeMask, layout: SegmentLayout, device: torch.device) -> dict:
+def _device_tables(mask: CallMask, layout: SegmentLayout, device: torch.device) -> dict:
     """The two mask tables and both block-sparsity structures on ``device`` (one upload,
     each part 16-byte aligned; cached on the layout)."""
 
@@ -72,7 +72,7 @@ def _device_tables(mask: TreeMask, layout: SegmentLayout, device: torch.device) 
 
         return {"aux": views[:2], "fwd": sparse(lists[0], 2), "bwd": sparse(lists[1], 6)}
 
-    return layout.cached(("flash4_tree", device), build)
+    return layout.cached(("flash4_masked_call", device), build)
 
 
 def _interface():
@@ -81,8 +81,8 @@ def _interface():
     return interface
 
 
-class _Flash4Tree:
-    """:class:`dtree.ops.stack_attention.tree_attention.TreeKernel` on flash-attn-4."""
+class _Flash4MaskedCall:
+    """:class:`dtree.ops.stack_attention.masked_call.MaskedCallKernel` on flash-attn-4."""
 
     def forward(self, q, k, v, mask, layout, scale):
         tables = _device_tables(mask, layout, q.device)
@@ -101,4 +101,4 @@ class _Flash4Tree:
         return dq[0], dk[0], dv[0]
 
 
-FLASH4_TREE = _Flash4Tree()
+FLASH4_MASKED_CALL = _Flash4MaskedCall()

@@ -13,7 +13,7 @@ mask is the call's tree, encoded as one row interval per slot::
 * a slot below the call is seen by the rows of the segments that have it in their prefix,
   which are one contiguous run of rows for the same reason (``[0, 0)`` when none read it).
 
-:func:`tree_mask` builds the two tables from a :class:`.SegmentLayout` and checks that
+:func:`call_mask` builds the two tables from a :class:`.SegmentLayout` and checks that
 they give exactly the layout's prefix ranges; a layout they cannot express (not depth
 first, own slots elsewhere) gives None and the caller keeps its region path. The kernel's
 mask function reads two integers per key column.
@@ -34,7 +34,7 @@ import numpy as np
 
 from .segment_layout import SegmentLayout
 
-__all__ = ["BLOCK", "TreeMask", "dense_visibility", "tree_mask", "visible_from_tables"]
+__all__ = ["BLOCK", "CallMask", "dense_visibility", "call_mask", "visible_from_tables"]
 
 BLOCK = 128  # rows and slots per tile of the block tables (flash-attn-4's sparse block on Hopper)
 
@@ -52,7 +52,7 @@ class BlockLists:
 
 
 @dataclass(frozen=True)
-class TreeMask:
+class CallMask:
     """A call as one masked attention (see the module docstring).
 
     Attributes:
@@ -74,10 +74,10 @@ class TreeMask:
         return self.base + self.num_rows
 
 
-def tree_mask(layout: SegmentLayout) -> TreeMask | None:
+def call_mask(layout: SegmentLayout) -> CallMask | None:
     """The call of ``layout`` as one masked attention, or None when the three tables
     cannot express it (cached on the layout)."""
-    return layout.cached(("tree_mask",), lambda: _build(layout))
+    return layout.cached(("call_mask",), lambda: _build(layout))
 
 
 def _coalesce(ranges) -> list[list[int]]:
@@ -90,7 +90,7 @@ def _coalesce(ranges) -> list[list[int]]:
     return out
 
 
-def _build(layout: SegmentLayout) -> TreeMask | None:
+def _build(layout: SegmentLayout) -> CallMask | None:
     q_off = np.asarray(layout.q_offsets, dtype=np.int64)
     own = np.asarray(layout.own_slot, dtype=np.int64)
     rows = int(q_off[-1])
@@ -136,7 +136,7 @@ def _build(layout: SegmentLayout) -> TreeMask | None:
     counts = _interval_tile_counts(np.asarray(lo_all, dtype=np.int64), np.asarray(hi_all, dtype=np.int64),
                                    np.asarray(owner, dtype=np.int64), len(seg), -(-(base + rows) // BLOCK))
     by_row, by_slot = _block_lists(q0, q1, start, counts, rows, base + rows, base)
-    return TreeMask(base, rows, slot_row_lo, slot_row_hi, by_row, by_slot)
+    return CallMask(base, rows, slot_row_lo, slot_row_hi, by_row, by_slot)
 
 
 def _interval_tile_counts(lo: np.ndarray, hi: np.ndarray, owner: np.ndarray, owners: int, tiles: int) -> np.ndarray:
@@ -204,7 +204,7 @@ def _lists(partial: np.ndarray, full: np.ndarray) -> BlockLists:
     return BlockLists(*packed(partial), *packed(full))
 
 
-def visible_from_tables(mask: TreeMask) -> np.ndarray:
+def visible_from_tables(mask: CallMask) -> np.ndarray:
     """[T, num_keys] bool: the mask the two tables give (what the kernel's mask function
     computes per element)."""
     r = np.arange(mask.num_rows)[:, None]

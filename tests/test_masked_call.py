@@ -1,4 +1,4 @@
-"""The one-call path of the flash-attn backend (dtree/ops/stack_attention/tree_attention.py)
+"""The one-call path of the flash-attn backend (dtree/ops/stack_attention/masked_call.py)
 with its pure-torch kernel, against the naive float64 reference on the output and every
 gradient: q, k, v and the stack's prefix gradient buffers. This is the autograd function
 the flash-attn-4 kernel runs in on the GPU: the own K/V written into the stack, the slots
@@ -13,19 +13,19 @@ import torch
 
 from dtree.ops.stack_attention import AttentionOptions, StackSlots
 from dtree.ops.stack_attention.output_memo import OutputMemo
-from dtree.ops.stack_attention.tree_attention import TORCH_TREE, stack_attention_tree
-from dtree.ops.stack_attention.tree_mask import tree_mask
+from dtree.ops.stack_attention.masked_call import TORCH_MASKED_CALL, stack_attention_masked_call
+from dtree.ops.stack_attention.call_mask import call_mask
 from dtree.ops.stack_ops.kv_stack import KVStack
 
 from test_stack_attention import check_against_naive, nested_layout, random_layout
 
 
-def tree_backend(q, k, v, slots: StackSlots, options: AttentionOptions):
+def one_call_backend(q, k, v, slots: StackSlots, options: AttentionOptions):
     """The backends' signature over the one-call path with the torch kernel."""
-    mask = tree_mask(slots.layout)
+    mask = call_mask(slots.layout)
     assert mask is not None, "the layout must be expressible"
-    return stack_attention_tree(q, k, v, slots.stack, slots.layer, slots.layout, mask,
-                                options.softmax_scale(q.shape[-1]), kernel=TORCH_TREE)
+    return stack_attention_masked_call(q, k, v, slots.stack, slots.layer, slots.layout, mask,
+                                options.softmax_scale(q.shape[-1]), kernel=TORCH_MASKED_CALL)
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -36,16 +36,16 @@ def test_random_layouts_match_the_naive_reference(seed, dtype):
     rng = np.random.default_rng(seed)
     used = int(rng.integers(1, 40))
     layout, t = random_layout(rng, int(rng.integers(1, 6)), 17, used)
-    if tree_mask(layout) is None:
+    if call_mask(layout) is None:
         pytest.skip("a prefix whose readers are not one run of rows (random_layout draws any subsets)")
-    check_against_naive(tree_backend, layout, t, used, 6, 2, 8, dtype=dtype, seed=seed, grad_init=True)
+    check_against_naive(one_call_backend, layout, t, used, 6, 2, 8, dtype=dtype, seed=seed, grad_init=True)
 
 
 def test_in_call_ancestors_match_the_naive_reference():
     """A chain inside the call (A -> B -> C, B's sibling D): their slots' gradients reach
     the call's own dk, dv, not the stack's slots."""
     layout, t = nested_layout(9)
-    check_against_naive(tree_backend, layout, t, 9, 4, 2, 8, dtype=torch.float64)
+    check_against_naive(one_call_backend, layout, t, 9, 4, 2, 8, dtype=torch.float64)
 
 
 def test_no_prefix_and_a_single_row():
@@ -53,16 +53,16 @@ def test_no_prefix_and_a_single_row():
     from dtree.ops.stack_attention import SegmentLayout
 
     layout = SegmentLayout(np.array([0, 5, 6]), np.array([0, 5]), [(), ((0, 5),)])
-    check_against_naive(tree_backend, layout, 6, 0, 2, 1, 4, dtype=torch.float64)
+    check_against_naive(one_call_backend, layout, 6, 0, 2, 1, 4, dtype=torch.float64)
     single = SegmentLayout(np.array([0, 1]), np.array([3]), [((0, 3),)])
-    check_against_naive(tree_backend, single, 1, 3, 2, 2, 4, dtype=torch.float64)
+    check_against_naive(one_call_backend, single, 1, 3, 2, 2, 4, dtype=torch.float64)
 
 
 def test_rerun_takes_the_kept_output_back():
     """In a checkpointed layer's re-run the kernel's forward does not run: the recorded
     output comes back bit for bit, and the backward is the same."""
     layout, t = nested_layout(5)
-    mask = tree_mask(layout)
+    mask = call_mask(layout)
     gen = torch.Generator().manual_seed(0)
     stack = KVStack(1, 5 + t, 2, 8, dtype=torch.float64, device="cpu")
     stack.k[0, :5], stack.v[0, :5] = torch.randn(5, 2, 8, generator=gen, dtype=torch.float64), torch.randn(
@@ -74,15 +74,15 @@ def test_rerun_takes_the_kept_output_back():
     class Counting:
         def forward(self, *a):
             calls.append(1)
-            return TORCH_TREE.forward(*a)
+            return TORCH_MASKED_CALL.forward(*a)
 
         def backward(self, *a):
-            return TORCH_TREE.backward(*a)
+            return TORCH_MASKED_CALL.backward(*a)
 
     with memo.recording():
-        first = stack_attention_tree(q, k, v, stack, 0, layout, mask, 8**-0.5, kernel=Counting())
+        first = stack_attention_masked_call(q, k, v, stack, 0, layout, mask, 8**-0.5, kernel=Counting())
     with memo.replaying_scope():
-        again = stack_attention_tree(q, k, v, stack, 0, layout, mask, 8**-0.5, kernel=Counting())
+        again = stack_attention_masked_call(q, k, v, stack, 0, layout, mask, 8**-0.5, kernel=Counting())
     assert len(calls) == 1 and torch.equal(first, again)
     go = torch.randn(first.shape, generator=gen, dtype=torch.float64)
     assert all(torch.equal(a, b) for a, b in zip(torch.autograd.grad(first, (q, k, v), go),
@@ -94,7 +94,7 @@ def test_capacity_short_of_the_call_raises():
     stack = KVStack(1, 5 + t - 1, 2, 8, dtype=torch.float32, device="cpu")
     q, k, v = torch.zeros(t, 2, 8), torch.zeros(t, 2, 8), torch.zeros(t, 2, 8)
     with pytest.raises(ValueError, match="past the stack capacity"):
-        stack_attention_tree(q, k, v, stack, 0, layout, tree_mask(layout), 1.0)
+        stack_attention_masked_call(q, k, v, stack, 0, layout, call_mask(layout), 1.0)
 
 
 @pytest.mark.parametrize("mode", ["retain", "recompute"])
@@ -113,10 +113,10 @@ def test_runtime_steps_through_the_one_call_path_exactly(monkeypatch, mode):
     reference, ran = BACKENDS.functions["reference"], []
 
     def one_call_or_reference(q, k, v, slots, options):
-        if tree_mask(slots.layout) is None or not options.plain:
+        if call_mask(slots.layout) is None or not options.plain:
             return reference(q, k, v, slots, options)
         ran.append(1)
-        return tree_backend(q, k, v, slots, options)
+        return one_call_backend(q, k, v, slots, options)
 
     monkeypatch.setitem(BACKENDS.functions, "reference", one_call_or_reference)
     monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
