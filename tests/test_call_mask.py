@@ -108,20 +108,15 @@ def expressible(layout):
 # --------------------------------------------------------------------------- real schedules
 @settings(max_examples=25, deadline=None)
 @given(st.sampled_from(sorted(WORKLOADS)), st.integers(0, 10_000), st.sampled_from([256, 700, 4096]))
-@example("agentic", 6, 256)  # two calls whose open units are packed breadth first
+@example("agentic", 6, 256)  # two calls that were not depth first while open units were laid out breadth first
 def test_real_schedule_calls_match_dense(name, seed, group_tokens):
-    """The calls of real schedules (built as the walk builds them): call_mask is None
-    exactly when the dense oracle says the tables cannot express the call (the packer's
-    breadth-first open units and interleaved frontier units make a few such calls at
-    small budgets), and otherwise tables and block lists match the dense reference. A
-    forest held by one call (preorder, depth first) is always expressible."""
-    layouts = list(call_layouts(name, seed, group_tokens))
-    for layout in layouts:
-        if expressible(layout):
-            check_mask(layout)
-        else:
-            assert call_mask(layout) is None
-    assert len(layouts) > 1 or call_mask(layouts[0]) is not None
+    """Every call of a real schedule (built as the walk builds them) is expressible: the
+    packer lays calls out depth first (open units sorted into preorder, closed units whole
+    subtrees), so the dense oracle agrees and call_mask's tables and block lists match the
+    dense reference."""
+    for layout in call_layouts(name, seed, group_tokens):
+        assert expressible(layout), "a call of the schedule is not laid out depth first"
+        check_mask(layout)
 
 
 # --------------------------------------------------------------------------- hand-built layouts

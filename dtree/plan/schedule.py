@@ -274,7 +274,8 @@ class _GroupPacker:
         of their own anyway (their subtrees do not fit one call), while they fit the
         budget: a long prompt's chunk chain and the first branch levels below it
         share a call. Descendants whose subtrees fit one call are left to closed
-        groups, which run once even in recompute mode."""
+        groups, which run once even in recompute mode. The unit is laid out depth
+        first, as closed units are (the flash-attn backend's one-call mask needs it)."""
         length, sub_tokens, budget = self.segs.length, self.segs.sub_tokens, self.budget
         unit, size = [s], int(length[s])
         queue = deque(self.segs.children[s] if budget else ())
@@ -284,7 +285,7 @@ class _GroupPacker:
                 unit.append(c)
                 size += int(length[c])
                 queue.extend(self.segs.children[c])
-        return unit
+        return sorted(unit)  # depth first (segment ids are preorder): every subtree a run of rows
 
     def pack(self, frontier: list[int], parent: int, stack_start: int) -> list[int]:
         """Greedy packing of ``frontier`` (in order), open units first; returns the new group ids."""
