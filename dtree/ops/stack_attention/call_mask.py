@@ -34,7 +34,7 @@ import numpy as np
 
 from .segment_layout import SegmentLayout
 
-__all__ = ["BLOCK", "CallMask", "dense_visibility", "call_mask", "visible_from_tables"]
+__all__ = ["BLOCK", "CallMask", "call_mask", "dense_visibility", "visible_from_tables"]
 
 BLOCK = 128  # rows and slots per tile of the block tables (flash-attn-4's sparse block on Hopper)
 
@@ -75,7 +75,7 @@ class CallMask:
 
 
 def call_mask(layout: SegmentLayout) -> CallMask | None:
-    """The call of ``layout`` as one masked attention, or None when the three tables
+    """The call of ``layout`` as one masked attention, or None when the two tables
     cannot express it (cached on the layout)."""
     return layout.cached(("call_mask",), lambda: _build(layout))
 
@@ -107,10 +107,10 @@ def _build(layout: SegmentLayout) -> CallMask | None:
     first_row = np.full(base, rows, dtype=np.int64)  # below the call: the rows that read each slot
     last_row = np.zeros(base, dtype=np.int64)
     readers = np.zeros(base + 1, dtype=np.int64)  # difference array of the rows reading each slot
-    owner, lo_all, hi_all = [], [], []
+    intervals: list[tuple[int, int, int]] = []  # (segment, lo, hi): every slot range a segment reads
     for a, i in enumerate(seg):
         for lo, hi in _coalesce(layout.prefix_ranges[i]):
-            owner.append(a), lo_all.append(lo), hi_all.append(hi)
+            intervals.append((a, lo, hi))
             if lo < base:
                 top = min(hi, base)
                 np.minimum(first_row[lo:top], q0[a], out=first_row[lo:top])
@@ -133,8 +133,8 @@ def _build(layout: SegmentLayout) -> CallMask | None:
         return None  # the call's segments are not laid out depth first
     slot_row_lo = np.concatenate([np.where(read > 0, first_row, 0), np.arange(rows)]).astype(np.int32)
     slot_row_hi = np.concatenate([np.where(read > 0, last_row, 0), np.repeat(subtree_end, length)]).astype(np.int32)
-    counts = _interval_tile_counts(np.asarray(lo_all, dtype=np.int64), np.asarray(hi_all, dtype=np.int64),
-                                   np.asarray(owner, dtype=np.int64), len(seg), -(-(base + rows) // BLOCK))
+    owner, lo, hi = np.asarray(intervals, dtype=np.int64).reshape(-1, 3).T
+    counts = _interval_tile_counts(lo, hi, owner, len(seg), -(-(base + rows) // BLOCK))
     by_row, by_slot = _block_lists(q0, q1, start, counts, rows, base + rows, base)
     return CallMask(base, rows, slot_row_lo, slot_row_hi, by_row, by_slot)
 

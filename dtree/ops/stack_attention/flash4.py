@@ -35,12 +35,12 @@ from dataclasses import replace
 import torch
 
 from ..backends import Target
-from .flash4_replay import bucket_len
-from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
-from .flash4_masked_call import FLASH4_MASKED_CALL
-from .regions import stack_attention_regions
-from .masked_call import stack_attention_masked_call
 from .call_mask import call_mask
+from .flash4_masked_call import FLASH4_MASKED_CALL
+from .flash4_replay import bucket_len
+from .masked_call import stack_attention_masked_call
+from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
+from .regions import stack_attention_regions
 
 __all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
 
@@ -158,6 +158,6 @@ def stack_attention_flash4(
     mask = call_mask(slots.layout) if ONE_CALL_PATH and not deterministic else None
     if mask is not None and stack.capacity >= mask.num_keys:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-        return stack_attention_masked_call(q, k, v, stack, slots.layer, slots.layout, mask, options.softmax_scale(q.shape[-1]),
-                                    kernel=FLASH4_MASKED_CALL)
+        scale = options.softmax_scale(q.shape[-1])
+        return stack_attention_masked_call(q, k, v, stack, slots.layer, slots.layout, mask, scale, kernel=FLASH4_MASKED_CALL)
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)

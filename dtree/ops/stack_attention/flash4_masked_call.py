@@ -20,8 +20,8 @@ import numpy as np
 import torch
 
 from ...device.transfer import upload
-from .segment_layout import SegmentLayout
 from .call_mask import BLOCK, BlockLists, CallMask
+from .segment_layout import SegmentLayout
 
 __all__ = ["FLASH4_MASKED_CALL"]
 

@@ -81,8 +81,8 @@ __all__ = [
 PREFERS_FLASH_ATTN = True
 
 # Backends that read a call's own K/V from its stack slots (the flash-attn backend's one-call
-# path, dtree.ops.stack_attention.flash4_masked_call): every call pushes them, and the stack holds
-# every call's slots (Schedule.stack_slots).
+# path, dtree.ops.stack_attention.masked_call, which writes them there): the plan sizes the
+# stack for every call's slots, leaf calls included (dtree.plan.step_plan.stack_slots).
 OWN_KV_IN_STACK = frozenset({"flash-attn"})
 
 

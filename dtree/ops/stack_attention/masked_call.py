@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from ..stack_ops.kv_stack import KVStack
+from .call_mask import CallMask, visible_from_tables
 from .output_memo import kept_or_computed
 from .segment_layout import SegmentLayout
-from .call_mask import CallMask, visible_from_tables
 
 __all__ = ["TORCH_MASKED_CALL", "MaskedCallKernel", "stack_attention_masked_call"]
 
