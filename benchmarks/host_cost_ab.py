@@ -4,6 +4,10 @@
   the compiled kernel kept per argument class instead of ``kernel[grid]``;
 * dtree's rotary kernel during the step (``dtree/ops/rotary``, swapped in by the lean
   scope) instead of HF's ``apply_rotary_pos_emb``;
+* the flash-attn backend's launch replay (``dtree/ops/stack_attention/flash4_launch_replay.py``:
+  a model call's later layers launch flash-attn-4's recorded kernels) instead of its
+  interface at every call (``no_flash4_replay``; the same as the default where flash-attn-4
+  is absent);
 
 and one candidate, not a default: Python's garbage collector paused for the step
 (``gc_paused``: does a collection inside a host-bound step explain its outliers?).
@@ -14,8 +18,9 @@ Parts:
   one row) both ways, 3,000 launches each, the GPU synced before and after;
 * per step: the default and each change turned off, timed INTERLEAVED: every round runs
   one step of each variant on the round's fresh forest, in an order that rotates; grpo
-  case 1, the 64k agentic tree with the default plan, and the 64k tree in 4,096-token
-  calls with nothing checkpointed (the host-bound plan of session F). Reported: median
+  case 1, the 64k agentic tree with the default plan, at the mask's memory
+  (``memory=14.5``) and ``memory="low"``, and the 64k tree in 4,096-token calls with
+  nothing checkpointed (the host-bound plan of session F). Reported: median
   wall, main-thread and process CPU, and the median of the paired ratios (variant wall /
   default wall, so > 1 means the change helps).
 
@@ -51,6 +56,8 @@ from dtree.workloads import make_workload  # noqa: E402
 CASES = {  # name: (workload, its parameters, runtime options)
     "case1": ("grpo", {"num_prompts": 1, "prompt_len": 2048, "group_size": 8, "answer_len": 512}, {}),
     "agentic64k": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {}),
+    "agentic64k_14.5GiB": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {"memory": 14.5}),
+    "agentic64k_low": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {"memory": "low"}),
     "agentic64k_4096_calls": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536},
                               {"group_tokens": 4096, "checkpoint_layers": 0}),
 }
@@ -59,16 +66,31 @@ SMOKE = {
     "agentic_small_calls": ("agentic", {"num_trees": 1, "system_prompt_len": 64, "trajectories": 2,
                                         "turn_len": (4, 40), "target_unique_tokens": 400}, {"group_tokens": 128}),
 }
-ROUNDS = {"case1": 20, "agentic64k": 4, "agentic64k_4096_calls": 4}
-VARIANTS = ("default", "no_fast_launch", "hf_rotary", "gc_paused")
+ROUNDS = {"case1": 20}  # 4 elsewhere
+VARIANTS = ("default", "no_flash4_replay", "no_fast_launch", "hf_rotary", "gc_paused")
+
+
+def _flash4_replay():
+    """The flash-attn backend's launch replay, or None where flash-attn-4 is not installed."""
+    try:
+        from dtree.ops.stack_attention.flash4_masked_call import _launcher
+
+        return _launcher()
+    except ImportError:
+        return None
 
 
 @contextlib.contextmanager
 def variant(name: str):
     """The default, one change turned off, or the candidate, for the block."""
     saved = fl._ENABLED, lean_layers._rotary_module
+    replay = _flash4_replay() if name == "no_flash4_replay" else None
+    replaying = replay is not None and replay.enabled
     if name == "gc_paused":
         gc.disable()
+    if replay is not None:
+        replay.enabled = False
+        replay.held.clear()
     if name == "no_fast_launch":
         fl._ENABLED = False
     elif name == "hf_rotary":
@@ -77,6 +99,8 @@ def variant(name: str):
         yield
     finally:
         fl._ENABLED, lean_layers._rotary_module = saved
+        if replay is not None:
+            replay.enabled = replaying
         gc.enable()
 
 
@@ -105,16 +129,16 @@ def launch_host_us(launches: int = 3000) -> dict:
     return out
 
 
-def interleaved(model, device, spec, case, rounds: int) -> dict:
+def interleaved(model, device, spec, case, rounds: int, variants: tuple[str, ...] = VARIANTS) -> dict:
     """``rounds`` rounds (after two warm-up rounds) of one step per variant on one fresh forest each."""
     kind, params, options = case
     rt = dtree.TreeRuntime(model, **options)
     loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
     forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(rounds + 2)]
-    samples: dict[str, list[dict]] = {v: [] for v in VARIANTS}
+    samples: dict[str, list[dict]] = {v: [] for v in variants}
     for i, forest in enumerate(forests):
-        for j in range(len(VARIANTS)):
-            name = VARIANTS[(i + j) % len(VARIANTS)]
+        for j in range(len(variants)):
+            name = variants[(i + j) % len(variants)]
             with variant(name):
                 step = host_timed_step(rt, forest, loss, model, device)
             if i >= 2:  # warm-up rounds: compiles, the memory probe
@@ -154,6 +178,7 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--cases", default=None, help="comma-separated subset of the cases")
     p.add_argument("--rounds", type=int, default=None, help="rounds per case (default: per case)")
+    p.add_argument("--variants", default=",".join(VARIANTS[1:]), help="comma-separated, each against the default")
     args = p.parse_args()
     model, device = script_model(args.smoke)
     spec = adapt(model).dtree_spec()
@@ -164,7 +189,9 @@ def main() -> int:
     os.makedirs(args.out, exist_ok=True)
     for name in chosen:
         t0 = time.perf_counter()
-        result["steps"][name] = interleaved(model, device, spec, cases[name], 2 if args.smoke else args.rounds or ROUNDS.get(name, 4))
+        rounds = 2 if args.smoke else args.rounds or ROUNDS.get(name, 4)
+        variants = ("default", *(v for v in args.variants.split(",") if v in VARIANTS[1:]))
+        result["steps"][name] = interleaved(model, device, spec, cases[name], rounds, variants)
         ratios = {v: round(m["paired_ratio_median"], 3) for v, m in result["steps"][name]["variants"].items()}
         print(f"{name}: {ratios} in {time.perf_counter() - t0:.0f} s", flush=True)
         with open(os.path.join(args.out, "host_cost_ab.json"), "w") as f:

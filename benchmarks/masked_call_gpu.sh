@@ -7,8 +7,8 @@
 # * the GPU tests of the flash-attn backend;
 # * bench_stack_attention on the grpo and agentic layouts at 12/2 and 32/8 heads: errors
 #   against float32, TFLOP/s, kernels;
-# * the 64k agentic tree (4 fresh forests) and GRPO case 1: dtree (Triton) against
-#   dtree:attention=flash-attn, in one process each.
+# * the 64k agentic tree (4 fresh forests) and GRPO case 1: dtree:attention=triton against
+#   dtree (auto: flash-attn where flash-attn-4 runs), in one process each.
 #
 #     bash benchmarks/masked_call_gpu.sh      # reports in $OUT (default /tmp/dtree_masked_call)
 #
@@ -21,7 +21,7 @@ export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_D
 if [ "${SMOKE:-0}" != 1 ]; then
   echo "== GPU tests"
   timeout 170 python -m pytest -q -p no:cacheprovider -p no:warnings -m gpu tests/test_stack_attention_regions.py \
-    tests/test_output_memo.py -k "flash" 2>&1 | tail -4
+    tests/test_output_memo.py tests/test_masked_call.py -k "flash" 2>&1 | tail -4
 fi
 echo "== kernels"
 for heads in "12 2" "32 8"; do
@@ -33,7 +33,7 @@ done
 [ "${SMOKE:-0}" = 1 ] && exit 0
 echo "== 64k agentic"
 timeout 240 $BENCH $AGENTIC64K --steps 4 --time-budget 220 --tag flash-tree-64k --out "$OUT/agentic64k" \
-  --configs "dtree,dtree:attention=flash-attn" 2>&1 | grep -v USDT | tail -6
+  --configs "dtree:attention=triton,dtree" 2>&1 | grep -v USDT | tail -6
 echo "== GRPO case 1"
 timeout 100 $BENCH $CASE1 --steps 8 --time-budget 80 --tag flash-tree-case1 --out "$OUT/case1" \
-  --configs "dtree,dtree:attention=flash-attn" 2>&1 | grep -v USDT | tail -5
+  --configs "dtree:attention=triton,dtree" 2>&1 | grep -v USDT | tail -5

@@ -126,3 +126,42 @@ def test_runtime_steps_through_the_one_call_path_exactly(monkeypatch, mode):
                                   rt_kw=dict(mode=mode, attention="reference", chunk_size=3, group_tokens=budget))
         assert_exact(out, ref, errs)
     assert ran, "the one-call path never ran"
+
+
+@pytest.mark.gpu
+def test_gpu_flash4_replayed_calls_match_the_interface():
+    """The flash-attn-4 kernel's later calls of one layout launch the recorded kernels
+    (dtree/ops/stack_attention/flash4_launch_replay.py) and give what the interface gives on
+    the same inputs: the forward bitwise, the backward within flash-attn-4's own run-to-run
+    spread (its dQ and GQA dK/dV add with atomics)."""
+    from test_stack_attention_regions import _flash4
+    from test_stack_attention_triton import layout_of
+
+    _flash4()  # skips without flash-attn-4 on a Hopper GPU
+    from dtree.ops.stack_attention import flash4_masked_call as fm
+
+    launcher = fm._launcher()
+    launcher.held.clear()
+    layout, t = layout_of([256] * 8, [[(0, 512), (512 + 128 * (i // 2), 640 + 128 * (i // 2))] for i in range(8)],
+                          1024)
+    mask = call_mask(layout)
+    tables = fm._device_tables(mask, layout, torch.device("cuda"))
+    gen, scale, n = torch.Generator().manual_seed(0), 128**-0.5, mask.num_keys
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)
+
+    replays = launcher.replays
+    for _ in range(3):  # the first call records, the next two replay
+        q, k, v, dout = rand(t, 12, 128), rand(n, 2, 128), rand(n, 2, 128), rand(t, 12, 128)
+        out, lse = fm.FLASH4_MASKED_CALL.forward(q, k, v, mask, layout, scale)
+        grads = fm.FLASH4_MASKED_CALL.backward(q, k, v, out, dout, lse, mask, layout, scale)
+        common = dict(softmax_scale=scale, causal=False, mask_mod=fm._mask_function(), aux_tensors=tables["aux"])
+        want_out, want_lse = launcher.fi._flash_attn_fwd(
+            q[None], k[None], v[None], block_sparse_tensors=tables["fwd"], return_lse=True, **common)[:2]
+        want = launcher.fi._flash_attn_bwd(q[None], k[None], v[None], out[None], dout[None], lse[None],
+                                           block_sparse_tensors=tables["bwd"], **common)[:3]
+        assert torch.equal(out, want_out[0]) and torch.equal(lse, want_lse[0])
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
+            torch.testing.assert_close(got, ref[0], rtol=2e-2, atol=2e-2, msg=lambda m, name=name: f"{name}: {m}")
+    assert launcher.replays - replays == 4

@@ -14,7 +14,8 @@ One signature for every backend, ``(q, k, v, slots, options)``, documented once 
   notes) over :mod:`.triton_launch` (configs, work tables) and the kernels of
   :mod:`.triton_forward`, :mod:`.triton_backward` and :mod:`.triton_common`.
 - the ``flash-attn`` backend: :mod:`.flash4`; its one-call path :mod:`.masked_call` over
-  :mod:`.call_mask` with the kernel of :mod:`.flash4_masked_call`; its region path :mod:`.regions`,
+  :mod:`.call_mask` with the kernel of :mod:`.flash4_masked_call` (launches replayed by
+  :mod:`.flash4_launch_replay`); its region path :mod:`.regions`,
   :mod:`.region_plan`, :mod:`.lse_merge_triton` and :mod:`.flash4_replay`.
 """
 

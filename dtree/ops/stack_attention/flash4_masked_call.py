@@ -8,7 +8,9 @@ merge, per-level dq adds and fills (5 to 13 levels on 64k agentic calls).
 
 flash-attn-4 (4.0.0b36) takes block sparsity and a mask function on Hopper, forward and
 backward, for fixed-length batches (no varlen); its kernels compile once per model (lengths
-are runtime values). Not deterministic (its dQ and GQA dK/dV accumulate with atomics):
+are runtime values). After the first call of a shape and mask, later calls (a model
+call's other layers) launch the recorded kernels directly (:mod:`.flash4_launch_replay`).
+Not deterministic (its dQ and GQA dK/dV accumulate with atomics):
 deterministic calls take the region path.
 """
 
@@ -21,6 +23,7 @@ import torch
 
 from ...device.transfer import upload
 from .call_mask import BLOCK, BlockLists, CallMask
+from .flash4_launch_replay import Flash4LaunchReplay, tensor_key
 from .segment_layout import SegmentLayout
 
 __all__ = ["FLASH4_MASKED_CALL"]
@@ -75,30 +78,57 @@ def _device_tables(mask: CallMask, layout: SegmentLayout, device: torch.device) 
     return layout.cached(("flash4_masked_call", device), build)
 
 
-def _interface():
+@functools.cache
+def _launcher() -> Flash4LaunchReplay:
+    from importlib.metadata import PackageNotFoundError, version
+
     from flash_attn.cute import interface
 
-    return interface
+    try:
+        installed = version("flash-attn-4")
+    except PackageNotFoundError:
+        installed = None
+    return Flash4LaunchReplay(interface, installed)
 
 
 class _Flash4MaskedCall:
-    """:class:`dtree.ops.stack_attention.masked_call.MaskedCallKernel` on flash-attn-4."""
+    """:class:`dtree.ops.stack_attention.masked_call.MaskedCallKernel` on flash-attn-4: the
+    interface's first call of each shape and mask, its launches replayed for the rest
+    (:mod:`.flash4_launch_replay`; a model call's layers share them)."""
 
     def forward(self, q, k, v, mask, layout, scale):
         tables = _device_tables(mask, layout, q.device)
-        out, lse = _interface()._flash_attn_fwd(
-            q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=_mask_function(),
-            aux_tensors=tables["aux"], block_sparse_tensors=tables["fwd"], return_lse=True,
-        )[:2]
+        t, hq = q.shape[:2]
+        out = torch.empty(1, t, hq, v.shape[-1], dtype=q.dtype, device=q.device)
+        lse = torch.empty(1, hq, t, dtype=torch.float32, device=q.device)
+        qb, kb, vb = q[None], k[None], v[None]
+        launcher = _launcher()
+
+        def call():
+            launcher.fi._flash_attn_fwd(
+                qb, kb, vb, softmax_scale=scale, causal=False, mask_mod=_mask_function(), aux_tensors=tables["aux"],
+                block_sparse_tensors=tables["fwd"], return_lse=True, out=out, lse=lse,
+            )
+
+        key = ("fwd", tensor_key(qb, kb, vb), float(scale), tables["aux"][0].data_ptr())
+        launcher.run("fwd", key, (qb, kb, vb, out, lse), tables["aux"][:1], call)
         return out[0], lse[0]
 
     def backward(self, q, k, v, out, dout, lse, mask, layout, scale):
         tables = _device_tables(mask, layout, q.device)
-        dq, dk, dv = _interface()._flash_attn_bwd(
-            q[None], k[None], v[None], out[None], dout[None], lse[None], softmax_scale=scale, causal=False,
-            mask_mod=_mask_function(), aux_tensors=tables["aux"], block_sparse_tensors=tables["bwd"],
-        )[:3]
-        return dq[0], dk[0], dv[0]
+        ins = (q[None], k[None], v[None], out[None], dout[None], lse[None])
+        grads = tuple(torch.empty_like(x) for x in ins[:3])
+        launcher = _launcher()
+
+        def call():
+            launcher.fi._flash_attn_bwd(
+                *ins, softmax_scale=scale, causal=False, mask_mod=_mask_function(), aux_tensors=tables["aux"],
+                block_sparse_tensors=tables["bwd"], dq=grads[0], dk=grads[1], dv=grads[2],
+            )
+
+        key = ("bwd", tensor_key(*ins), float(scale), tables["aux"][0].data_ptr())
+        launcher.run("bwd", key, ins + grads, tables["aux"][:1], call)
+        return grads[0][0], grads[1][0], grads[2][0]
 
 
 FLASH4_MASKED_CALL = _Flash4MaskedCall()

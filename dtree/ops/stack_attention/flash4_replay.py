@@ -12,7 +12,7 @@ deterministic; dtype, heads, head dims, softmax scale, device, broadcast (stride
 modes; more than 256 sequences or not) reaches the same compiled kernels on every call once the max lengths are
 bucketed (:func:`bucket_len`: flash-attn-4 keys single-block variants on them). So the
 first call of a class runs the interface while its compile caches record what it
-launches (:func:`_recording`), and later calls launch the recorded kernels directly,
+launches (:func:`recording`), and later calls launch the recorded kernels directly,
 with the argument lists rebuilt here (:func:`_forward_steps`, :func:`_backward_steps`:
 the interface's SM90 varlen path, scratch shapes and initial values included).
 
@@ -82,7 +82,7 @@ _RECORD_LOCK = threading.Lock()
 
 
 @contextlib.contextmanager
-def _recording(interface, log: list):
+def recording(interface, log: list):
     """Log every compiled launch of ``interface`` (flash_attn.cute.interface) inside."""
     with _RECORD_LOCK:
         swapped = []
@@ -158,7 +158,7 @@ class Flash4Calls:
         kernels = self.kernels.get(key, _MISSING) if self.hopper else None
         if kernels is _MISSING:
             log: list = []
-            with _recording(self.fi, log):
+            with recording(self.fi, log):
                 interface_call()
             self.kernels[key] = _matching_kernels(log, rebuild())
         elif kernels is None:

@@ -1,0 +1,155 @@
+"""flash-attn-4's launches for the one-call path (:mod:`.flash4_masked_call`), replayed
+for the next calls of the same shapes and mask tables without its per-call Python.
+
+``_flash_attn_fwd`` / ``_flash_attn_bwd`` spend ~0.3-0.5 ms of CPU per call before they
+launch anything (argument checks, tile heuristics, the compile key, block-sparsity
+normalization, scratch allocation). The one-call path makes one forward and one backward
+call per layer with the same shapes and tables in every layer of a model call (and in the
+re-run of a checkpointed or recomputed layer), so after the first call of a *key* (kind,
+the inputs' shapes, strides and dtypes, the scale, the mask tables' buffer) the later ones
+launch the recorded kernels directly:
+
+* the first call of a key runs the interface while its compile caches log what it
+  launches (:func:`.flash4_replay.recording`);
+* the log becomes a template (:func:`_template`): every tensor argument that *is* one of
+  the call's inputs (same address and dtype; out, lse, dq, dk, dv are passed in, never
+  allocated by the interface) becomes a slot for the next call's tensor of that role, viewed
+  with the recorded shape and strides; the mask tables stay (the key holds their buffer,
+  and the template keeps it alive, so no other buffer takes its address); every other
+  tensor is the interface's scratch (the backward's dQ accumulator, its preprocess's dP
+  sums and base-2 LSE, the GQA dK/dV accumulators), kept and zeroed before each replay as
+  the interface allocates it (``torch.zeros``, or written by the preprocess before read);
+* a key whose inputs the interface copies (``maybe_contiguous``: misaligned pointers or
+  strides), whose scratch overlaps an input (a view the interface made of it), or
+  a flash-attn-4 other than the one the ``flash`` extra pins (:data:`VERSION`), keeps
+  calling the interface.
+
+One template per kind (forward, backward) is held: a new key replaces the last one, so
+the scratch held is one backward's, which the interface allocates per call anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .flash4_replay import recording
+
+__all__ = ["VERSION", "Flash4LaunchReplay", "tensor_key"]
+
+VERSION = "4.0.0b36"  # the flash-attn-4 whose interface this replays (the ``flash`` extra's pin)
+
+
+@dataclass(frozen=True)
+class _Input:
+    """A template's slot: input ``index`` of the call, as a view of ``shape`` and ``stride``."""
+
+    index: int
+    shape: tuple
+    stride: tuple
+
+
+@dataclass
+class _Template:
+    launches: list[tuple[Callable, tuple]]  # compiled function, arguments with _Input slots
+    scratch: list[torch.Tensor]
+
+
+def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    def span(t):
+        last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()) if n > 0)
+        return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _template(log: list, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> _Template | None:
+    """The replayable form of a recorded call's ``log`` (``[(fn, args)]``), or None where it
+    cannot be replayed by substitution. ``inputs``: the call's tensors by role; ``kept``:
+    tensors whose buffers stay the same for the key (the mask tables)."""
+    by_address = {(t.data_ptr(), t.dtype): i for i, t in enumerate(inputs)}
+    kept_storages = {t.untyped_storage().data_ptr() for t in kept}
+    scratch: dict[int, torch.Tensor] = {}
+
+    def convert(x: Any):
+        if isinstance(x, torch.Tensor):
+            i = by_address.get((x.data_ptr(), x.dtype))
+            if i is not None:
+                return _Input(i, tuple(x.shape), tuple(x.stride()))
+            if x.untyped_storage().data_ptr() in kept_storages:
+                return x
+            if any(_ranges_overlap(x, t) for t in inputs):
+                raise LookupError("a view or copy of an input")
+            scratch[id(x)] = x
+            return x
+        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (AuxData)
+            return type(x)(*(convert(a) for a in x))
+        if isinstance(x, (tuple, list)):
+            return type(x)(convert(a) for a in x)
+        return x
+
+    try:
+        launches = [(fn, tuple(convert(a) for a in args)) for fn, args in log]
+    except LookupError:
+        return None
+    return _Template(launches, list(scratch.values()))
+
+
+def _bind(x: Any, inputs: Sequence[torch.Tensor]):
+    if isinstance(x, _Input):
+        t = inputs[x.index]
+        return t.as_strided(x.shape, x.stride, t.storage_offset())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_bind(a, inputs) for a in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_bind(a, inputs) for a in x)
+    return x
+
+
+def tensor_key(*tensors: torch.Tensor) -> tuple:
+    """The shapes, strides, dtypes, devices and 16-byte alignments of ``tensors`` (part of a
+    replay key: the interface copies misaligned inputs)."""
+    return tuple((tuple(t.shape), tuple(t.stride()), t.dtype, t.device, t.data_ptr() % 16) for t in tensors)
+
+
+class Flash4LaunchReplay:
+    """Runs flash-attn-4 interface calls, replaying the recorded launches of the last call
+    of the same key (see the module docstring). ``interface``: ``flash_attn.cute.interface``;
+    ``version``: the installed flash-attn-4's."""
+
+    def __init__(self, interface, version: str | None):
+        self.fi = interface
+        self.enabled = version == VERSION
+        self.held: dict[str, tuple[tuple, _Template | None]] = {}  # kind -> (key, template or None)
+        self.replays = 0  # calls served by a replay (for tests and reports)
+
+    def run(self, kind: str, key: tuple, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Tensor],
+            interface_call: Callable[[], Any]) -> None:
+        """One call of ``kind``: ``interface_call()`` writes its results into ``inputs``'
+        output tensors; a later call with an equal ``key`` launches the same kernels on its own
+        ``inputs`` (same roles, in the same order)."""
+        held = self.held.get(kind)
+        if held is not None and held[0] == key:
+            template = held[1]
+            if template is None:
+                interface_call()
+                return
+            for t in template.scratch:
+                t.zero_()
+            for fn, args in template.launches:
+                fn(*(_bind(a, inputs) for a in args))
+            self.replays += 1
+            return
+        if not self.enabled:
+            interface_call()
+            return
+        self.held.pop(kind, None)  # the last template's scratch goes before this call allocates its own
+        log: list = []
+        with recording(self.fi, log):
+            interface_call()
+        copied = any(self.fi.maybe_contiguous(x) is not x for x in inputs)  # its copies would pass for scratch
+        self.held[kind] = (key, None if copied else _template(log, inputs, kept))

@@ -1,0 +1,106 @@
+"""The one-call path's launch replay (dtree.ops.stack_attention.flash4_launch_replay) on CPU,
+against a stand-in interface built like flash-attn-4's: compile caches whose compiled
+functions are launched with the caller's tensors, scratch it allocates per call (zeroed,
+accumulated into), a tables buffer, a NamedTuple argument. A replayed call must give
+what the interface gives on the same inputs; keys the replay cannot serve keep calling
+the interface. The real kernels' replay is checked on the GPU (tests/test_masked_call.py, ``-m gpu``)."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from dtree.ops.stack_attention.flash4_launch_replay import VERSION, Flash4LaunchReplay, tensor_key
+
+
+class Aux(NamedTuple):
+    tensors: list
+    scalars: tuple | None
+
+
+def _kernel(q, k, out, scale, acc, aux):
+    """A 'compiled' launch: accumulates into its scratch (zeroed by the interface) and
+    reads the tables through a NamedTuple."""
+    acc += q.sum(0, keepdim=True) * scale + aux.tensors[0][: q.shape[1]]
+    out.copy_(q * acc + k[: q.shape[0]])
+
+
+class _FakeInterface:
+    """flash-attn-4's shape: ``_flash_attn_fwd`` with a ``compile_cache``, ``maybe_contiguous``."""
+
+    def __init__(self, copy_inputs: bool = False, offset_view: bool = False):
+        self.copy_inputs, self.offset_view, self.compiles, self.calls = copy_inputs, offset_view, 0, 0
+
+        def fwd(q, k, out, scale, tables):
+            self.calls += 1
+            q = q.clone() if self.copy_inputs else q
+            k = k[1:] if self.offset_view else k
+            key = (tuple(q.shape), float(scale))
+            if key not in fwd.compile_cache:
+                self.compiles += 1
+                fwd.compile_cache[key] = _kernel
+            acc = torch.zeros(1, q.shape[1])  # scratch, allocated zeroed per call
+            fwd.compile_cache[key](q.detach(), k, out, scale, acc, Aux([tables], None))
+
+        fwd.compile_cache = {}
+        self._flash_attn_fwd = fwd
+
+    def maybe_contiguous(self, x):
+        return x.clone() if self.copy_inputs else x
+
+
+def _call(replay: Flash4LaunchReplay, q, k, tables, scale=0.5):
+    out = torch.empty_like(q)
+    key = ("fwd", tensor_key(q, k), scale, tables.data_ptr())
+    replay.run("fwd", key, (q, k, out), (tables,), lambda: replay.fi._flash_attn_fwd(q, k, out, scale, tables))
+    return out
+
+
+def _expected(q, k, tables, scale=0.5):
+    out = torch.empty_like(q)
+    _kernel(q, k, out, scale, torch.zeros(1, q.shape[1]), Aux([tables], None))
+    return out
+
+
+def test_later_calls_of_a_key_replay_the_recorded_launches():
+    fi = _FakeInterface()
+    replay = Flash4LaunchReplay(fi, VERSION)
+    tables = torch.arange(8.0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(4):  # new inputs each call; the scratch must start from zeros every time
+        q, k = torch.randn(5, 4, generator=g), torch.randn(6, 4, generator=g)
+        torch.testing.assert_close(_call(replay, q, k, tables), _expected(q, k, tables), rtol=0, atol=0)
+    assert (fi.calls, replay.replays) == (1, 3)
+
+
+def test_a_new_key_records_again():
+    fi = _FakeInterface()
+    replay = Flash4LaunchReplay(fi, VERSION)
+    tables, other_tables = torch.arange(8.0), torch.arange(8.0) * 2
+    q, k = torch.randn(5, 4), torch.randn(6, 4)
+    for tab in (tables, tables, other_tables, other_tables):
+        torch.testing.assert_close(_call(replay, q, k, tab), _expected(q, k, tab), rtol=0, atol=0)
+    q2 = torch.randn(3, 4)
+    torch.testing.assert_close(_call(replay, q2, k, tables), _expected(q2, k, tables), rtol=0, atol=0)
+    torch.testing.assert_close(_call(replay, q2, k, tables), _expected(q2, k, tables), rtol=0, atol=0)
+    assert (fi.calls, replay.replays) == (3, 3)
+
+
+@pytest.mark.parametrize("kind", ["copy", "offset view", "other version"])
+def test_keys_it_cannot_replay_keep_calling_the_interface(kind):
+    fi = _FakeInterface(copy_inputs=kind == "copy", offset_view=kind == "offset view")
+    replay = Flash4LaunchReplay(fi, "4.0.0b1" if kind == "other version" else VERSION)
+    tables = torch.arange(8.0)
+    for _ in range(3):
+        q, k = torch.randn(5, 4), torch.randn(6, 4)
+        want = _expected(q, k[1:] if kind == "offset view" else k, tables)
+        torch.testing.assert_close(_call(replay, q, k, tables), want, rtol=0, atol=0)
+    assert (fi.calls, replay.replays) == (3, 0)
+
+
+def test_the_key_holds_alignment():
+    buf = torch.randn(40)
+    aligned, misaligned = buf[:16].view(4, 4), buf[1:17].view(4, 4)
+    assert tensor_key(aligned) != tensor_key(misaligned)
