@@ -194,7 +194,11 @@ def call_overhead_tokens(spec: ModelSpec, tokens: float) -> float:
     """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
     part, and the CPU time its GPU work does not hide (both proportional to the layers,
     against the per-token compute)."""
-    scale = cost_rates(spec)[2]
+    return call_overhead_at(cost_rates(spec)[2], tokens)
+
+
+def call_overhead_at(scale: float, tokens: float) -> float:
+    """:func:`call_overhead_tokens` for the call-cost ``scale`` of :func:`cost_rates`."""
     return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
 
 

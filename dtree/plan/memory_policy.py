@@ -84,7 +84,7 @@ from .memory_model import (
     _figures,
     attention_rerun_rate,
     call_count,
-    call_overhead_tokens,
+    call_overhead_at,
     cost_rates,
     head_bytes,
     layer_activation_bytes,
@@ -153,8 +153,8 @@ def _candidate(
     path = min(shape.longest_path, shape.shared_tokens, u)
     cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
     retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
-    kv = min(u, shape.longest_path + call) * stack_slot_bytes(spec, fig.itemsize)
-    stack = max(0.0, kv + shape.state_slots * state_slot_bytes(spec, fig.itemsize) - fixed["stack_held"])
+    kv = min(u, shape.longest_path + call) * fixed["slot_bytes"]
+    stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
     parts = {
         "gradients": fixed["missing_grads"],
@@ -163,7 +163,7 @@ def _candidate(
         "call_activations": call * cb.call(knobs.checkpoint),
         "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
     }
-    (s, head_share, _), L = cost_rates(spec), max(1, spec.num_layers)
+    (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
     # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
     attention = fixed["attention_rerun"]
     rerun = s + (0.0 if knobs.keep else attention)
@@ -172,11 +172,11 @@ def _candidate(
     if knobs.path == RECOMPUTE:
         reruns = math.ceil(shared / max(call, 1))
         cost += shared * (s + attention + rerun * knobs.checkpoint / L)
-        cost += reruns * call_overhead_tokens(spec, min(call, shared))
+        cost += reruns * call_overhead_at(scale, min(call, shared))
     else:
         cost += shared * rerun * knobs.path / L
     calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
-    cost += calls * call_overhead_tokens(spec, u / calls)
+    cost += calls * call_overhead_at(scale, u / calls)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
     return sum(parts.values()), cost, parts
 
@@ -239,7 +239,11 @@ def plan_step(
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
-    fixed = {"stack_held": stack_held, "missing_grads": missing_grads, "attention_rerun": attention_rerun_rate(spec, shape)}
+    fixed = {  # what every candidate shares (computed once: ~770 candidates per step)
+        "stack_held": stack_held, "missing_grads": missing_grads, "attention_rerun": attention_rerun_rate(spec, shape),
+        "rates": cost_rates(spec), "slot_bytes": stack_slot_bytes(spec, itemsize),
+        "state_bytes": state_slot_bytes(spec, itemsize),
+    }
     margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
     budget = available * (1.0 - margin)
     if not isinstance(setting, str):
