@@ -39,13 +39,28 @@ from dtree.engine import walk  # noqa: E402
 PHASES = {"_run_group": "forward+loss", "zero_grad": "zero stack grads", "hidden": "forward"}
 
 
+def _labelled_targets():
+    """(owner, attribute, label) of every function labelled: the walk's phases and, around
+    it, the step's host work before the first kernel and after the last."""
+    from dtree.engine import runtime, step
+    from dtree.plan import step_plan
+
+    walk_phases = [(walk.TreeWalk, name, label) for name, label in PHASES.items()]
+    return walk_phases + [
+        (walk, "_finish_group", "backward"),
+        (runtime, "validate_forest", "validate"),
+        (runtime, "checked_step_loss", "validate"),
+        (step_plan.StepPlanner, "make_plan", "plan"),
+        (step.TokenStep, "finish", "finish"),
+        (runtime, "after_step", "after step"),
+    ]
+
+
 @contextlib.contextmanager
 def labelled_walk():
-    """The walk's phases under ``record_function`` labels (patched for this script only)."""
+    """The walk's phases and the step's host work around it under ``record_function``
+    labels (patched for this script only)."""
     from torch.profiler import record_function
-
-    saved = {name: getattr(walk.TreeWalk, name) for name in PHASES}
-    finish = walk._finish_group
 
     def labelled(fn, label):
         def run(*args, **kwargs):
@@ -53,15 +68,14 @@ def labelled_walk():
                 return fn(*args, **kwargs)
         return run
 
-    for name, label in PHASES.items():
-        setattr(walk.TreeWalk, name, labelled(saved[name], label))
-    walk._finish_group = labelled(finish, "backward")
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in _labelled_targets()]
+    for (owner, name, fn), (_, _, label) in zip(saved, _labelled_targets()):
+        setattr(owner, name, labelled(fn, label))
     try:
         yield
     finally:
-        for name, fn in saved.items():
-            setattr(walk.TreeWalk, name, fn)
-        walk._finish_group = finish
+        for owner, name, fn in saved:
+            setattr(owner, name, fn)
 
 
 def idle_by_phase(events) -> tuple[dict, dict]:

@@ -54,6 +54,8 @@ def test_gpu_idle_script_runs_on_cpu(tmp_path):
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
     for name in ("gpu_idle_agentic64k_4096_calls.md", "gpu_idle_agentic64k_default.md", "gpu_idle_case1.md"):
         assert "| forward |" in (tmp_path / name).read_text(), name
+    for name in ("plan_profile_case1.md", "plan_profile_agentic64k.md"):
+        assert "| `build_schedule` |" in (tmp_path / name).read_text(), name
 
 
 def test_profile_script_runs_on_cpu(tmp_path):

@@ -161,15 +161,19 @@ def select_loss_terms(sched: Schedule, weights: np.ndarray) -> LossTerms:
     keep = weights[every.loss_lin] != 0
     lin, grp = every.loss_lin[keep], entry_group[keep]
     gpred = every.pred_offsets[grp] + every.loss_pred[keep]  # index into all of the schedule's predictions
-    used = np.unique(gpred)
-    used_group = np.searchsorted(every.pred_offsets, used, side="right") - 1
-    pred_offsets = np.searchsorted(used_group, np.arange(g + 1))
+    # the predictions some kept term reads, in order, and each one's rank among them: a
+    # mark and a running count (linear; a sort of the ~1M terms of a 64k agentic tree took 20 ms)
+    read = np.zeros(len(every.pred_unique), dtype=bool)
+    read[gpred] = True
+    used = np.flatnonzero(read)
+    before = np.concatenate([[0], np.cumsum(read, dtype=np.int64)])  # [i]: read predictions before i
+    pred_offsets = before[every.pred_offsets]
     return LossTerms(
         pred_hidden_row=every.pred_hidden_row[used],
         pred_unique=every.pred_unique[used],
         pred_offsets=pred_offsets,
         loss_lin=lin,
-        loss_pred=np.searchsorted(used, gpred) - pred_offsets[grp],
+        loss_pred=before[gpred] - pred_offsets[grp],
         loss_offsets=np.searchsorted(grp, np.arange(g + 1)),
     )
 
@@ -395,7 +399,7 @@ def _every_term(forest: Forest, row_unique: np.ndarray, row_offsets: np.ndarray)
 
     predicted = np.flatnonzero(forest.predecessor >= 0)
     p_group = unique_group[forest.predecessor[predicted]]
-    order = np.argsort(p_group, kind="stable")
+    order = _group_order(p_group, num_groups)
     pred_unique = predicted[order]
     pred_group = p_group[order]
     pred_offsets = np.searchsorted(pred_group, np.arange(num_groups + 1))
@@ -406,13 +410,20 @@ def _every_term(forest: Forest, row_unique: np.ndarray, row_offsets: np.ndarray)
 
     lin_idx = prediction_lin(forest)
     l_group = unique_pred_group[forest.lin_unique[lin_idx]]
-    order = np.argsort(l_group, kind="stable")
+    order = _group_order(l_group, num_groups)
     loss_lin = lin_idx[order]
     return LossTerms(
         pred_hidden_row=unique_local[forest.predecessor[pred_unique]], pred_unique=pred_unique,
         pred_offsets=pred_offsets, loss_lin=loss_lin, loss_pred=pred_index[forest.lin_unique[loss_lin]],
         loss_offsets=np.searchsorted(l_group[order], np.arange(num_groups + 1)),
     )
+
+
+def _group_order(group: np.ndarray, num_groups: int) -> np.ndarray:
+    """The stable order of items by ``group`` (ids in ``[0, num_groups)``): numpy sorts
+    16-bit keys by radix (2 ms for the ~1M loss terms of a 64k agentic tree, 22 ms as int64)."""
+    keys = group.astype(np.int16) if num_groups < 2**15 else group
+    return np.argsort(keys, kind="stable")
 
 
 def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0) -> Schedule:
