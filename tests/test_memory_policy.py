@@ -24,6 +24,7 @@ from dtree.plan import memory_model as mm
 from dtree.plan import memory_policy as mp
 from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.plan.schedule import build_schedule
+from dtree.plan.model_view import model_view
 from dtree.plan.step_plan import plan_memory
 
 GIB = 2.0**30
@@ -319,7 +320,7 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     def plan_on_cuda(config, call_bytes=cb):
         adapted = adapt(model)
         head = as_output_head(adapted.dtree_output_layer())
-        return plan_memory(model, adapted.dtree_spec(), head, config, cuda, None, forest, call_bytes)
+        return plan_memory(model_view(model), adapted.dtree_spec(), head, config, cuda, None, forest, call_bytes)
 
     monkeypatch.setattr(mp, "available_bytes", fake_available)
     plan_ = plan_on_cuda(RuntimeConfig(chunk_size=3))
@@ -371,7 +372,7 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     cb = CallBytes(5000.0, 800.0, spec.num_layers, 144.0)
     config = RuntimeConfig(chunk_size=3, group_tokens=3)
     head = as_output_head(adapted.dtree_output_layer())
-    plan_ = plan_memory(model, spec, head, config, cuda, None, forest, cb)
+    plan_ = plan_memory(model_view(model), spec, head, config, cuda, None, forest, cb)
     shape = step_shape(forest, 3, recurrent=True)
     kv = min(shape.unique_tokens, shape.longest_path + 3) * mm.stack_slot_bytes(spec, 4)
     assert plan_.parts["kv_stack"] == pytest.approx(kv + shape.state_slots * mm.state_slot_bytes(spec, 4))
@@ -421,7 +422,7 @@ def test_the_planner_keeps_a_shape_plan_in_deterministic_mode(monkeypatch):
     cb = CallBytes(5e7, 5e6, 2, 144.0)  # at 0.5 GiB the path is recomputed, at 8 GiB kept
 
     def step(kept):
-        return plan_memory(model, spec, head, RuntimeConfig(chunk_size=3), cuda, None, forest, cb, kept)
+        return plan_memory(model_view(model), spec, head, RuntimeConfig(chunk_size=3), cuda, None, forest, cb, kept)
 
     kept: dict = {}
     first = step(kept)

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from strategies import sequence_batches
 
 from dtree import Forest
-from dtree.plan.schedule import BACKWARD, FORWARD, all_predictions, build_schedule, prediction_lin, select_loss_terms
+from dtree.plan.loss_terms import all_predictions, prediction_lin, select_loss_terms
+from dtree.plan.schedule import BACKWARD, FORWARD, build_schedule
 
 
 @given(sequence_batches(max_sequences=8, max_len=16, alphabet=4), st.sampled_from([1, 2, 5, 100]), st.sampled_from([0, 3, 8, 1000]))
@@ -135,9 +136,9 @@ def test_loss_term_selection(seqs, chunk, budget, seed):
     check_terms(f, s, s.terms, lin)
     weights = np.random.default_rng(seed).choice([0.0, 0.0, 0.5, -1.0], size=f.num_linearized_tokens)
     weights[f.seq_offsets[:-1]] = 0.0  # as TokenLoss.weights: a sequence's first token has no term
-    chosen = select_loss_terms(s, weights)
+    chosen = select_loss_terms(s.terms, weights)
     check_terms(f, s, chosen, np.flatnonzero(weights != 0))
-    everything = all_predictions(s)
+    everything = all_predictions(s.terms)
     assert everything.loss_lin.size == 0 and not np.any(everything.loss_offsets)
     assert np.array_equal(everything.pred_unique, s.terms.pred_unique)
     assert np.array_equal(everything.pred_hidden_row, s.terms.pred_hidden_row)
@@ -149,6 +150,6 @@ def test_masked_tokens_never_reach_the_head():
     s = build_schedule(f, chunk_size=8, group_tokens=0)
     weights = np.zeros(f.num_linearized_tokens)
     weights[[3, 7]] = 1.0  # the answers 4 and 5 of the first two sequences, predicted from token 3
-    t = select_loss_terms(s, weights)
+    t = select_loss_terms(s.terms, weights)
     assert sorted(f.tokens[t.pred_unique].tolist()) == [4, 5]
     assert t.loss_lin.tolist() == [3, 7]

@@ -29,7 +29,7 @@ from ..device.transfer import upload
 from ..forest.forest import Forest
 from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums, metric_means
 from ..ops.logprobs import compute_dtype
-from ..plan.schedule import prediction_lin
+from ..plan.loss_terms import prediction_lin
 from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
 from .grad_guard import GradStash
 

@@ -47,7 +47,8 @@ from ..losses import TokenLoss, weighted_terms
 from ..models.checkpointing import checkpointed_layers
 from ..ops.logprobs import compute_dtype, token_logprobs
 from ..ops.stack_attention import SegmentLayout
-from ..plan.schedule import FORWARD, Schedule, prediction_lin
+from ..plan.loss_terms import prediction_lin
+from ..plan.schedule import FORWARD, Schedule
 from ..plan.step_plan import StepPlan
 from ..stacks.group_attention import GroupAttention
 from .step import StepOutput, TokenStep, WalkOutput, per_sequence

@@ -263,7 +263,7 @@ def weighted_terms(
     Args:
         hidden: [T, H] final hidden states of the call.
         pred_hidden_row, labels: [P] rows whose hidden states go through the LM head, and
-            the token each predicts (the names of :class:`dtree.plan.schedule.LossTerms`).
+            the token each predicts (the names of :class:`dtree.plan.loss_terms.LossTerms`).
         loss_pred: [E] which prediction each loss term reads (terms that share a unique
             token share its prediction).
         weights, fields: [E] the terms' weights (reduction and mask folded in) and fields.

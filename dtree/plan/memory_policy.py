@@ -239,11 +239,7 @@ def plan_step(
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
-    fixed = {  # what every candidate shares (computed once: ~770 candidates per step)
-        "stack_held": stack_held, "missing_grads": missing_grads, "attention_rerun": attention_rerun_rate(spec, shape),
-        "rates": cost_rates(spec), "slot_bytes": stack_slot_bytes(spec, itemsize),
-        "state_bytes": state_slot_bytes(spec, itemsize),
-    }
+    fixed = _shared_figures(spec, itemsize, shape, stack_held, missing_grads)
     margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
     budget = available * (1.0 - margin)
     if not isinstance(setting, str):
@@ -264,6 +260,15 @@ def plan_step(
         predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated, parts=parts, reason=reason,
         call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
     )
+
+
+def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held: float, missing_grads: float) -> dict:
+    """What every candidate plan shares, computed once per step (~770 candidates on GRPO case 1)."""
+    return {
+        "stack_held": stack_held, "missing_grads": missing_grads, "attention_rerun": attention_rerun_rate(spec, shape),
+        "rates": cost_rates(spec), "slot_bytes": stack_slot_bytes(spec, itemsize),
+        "state_bytes": state_slot_bytes(spec, itemsize),
+    }
 
 
 def _all_knobs(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, can_keep: bool):

@@ -25,7 +25,6 @@ from ..device.placement import model_placement
 from ..device.transfer import upload_arrays
 from ..forest.forest import Forest
 from ..models import ModelSpec, TreeModule, unwrap
-from ..models.checkpointing import decoder_layers
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
 from ..ops.registry import resolve_backend
@@ -35,7 +34,9 @@ from ..stacks.step_stacks import StepStacks
 from . import memory_policy
 from .memory_model import refine
 from .memory_probe import CallBytes, measure_call_bytes
-from .schedule import LossTerms, Schedule, all_predictions, build_schedule, check_stack_capacity, select_loss_terms
+from .model_view import ModelView, model_view
+from .loss_terms import LossTerms, all_predictions, select_loss_terms
+from .schedule import Schedule, build_schedule, check_stack_capacity
 from .state_plan import StatePlan, plan_states
 
 __all__ = [
@@ -91,15 +92,7 @@ def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec, dete
 def hf_checkpointing(module: torch.nn.Module) -> bool:
     """Whether HF gradient checkpointing is on for some module in training mode (it
     then checkpoints the layers itself and dtree adds no checkpoint)."""
-    return any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in module.modules())
-
-
-def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
-    try:
-        decoder_layers(unwrap(module))
-    except ValueError:
-        return False
-    return True
+    return model_view(module).hf_checkpointing
 
 
 def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
@@ -117,16 +110,17 @@ def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memo
     )
 
 
-def checkpoint_root(module: torch.nn.Module) -> torch.nn.Module | None:
+def checkpoint_root(module: torch.nn.Module, view: ModelView | None = None) -> torch.nn.Module | None:
     """The module whose decoder layers dtree checkpoints (None: it cannot: no layer list,
-    or HF gradient checkpointing does it already)."""
-    if hf_checkpointing(module) or not _can_checkpoint_layers(module):
+    or HF gradient checkpointing does it already). ``view``: ``module``'s this step."""
+    view = view or model_view(module)
+    if view.hf_checkpointing or not view.can_checkpoint:
         return None
     return unwrap(module)
 
 
 def plan_memory(
-    module: torch.nn.Module,
+    view: ModelView,
     spec: ModelSpec,
     head: OutputHead,
     config: RuntimeConfig,
@@ -138,7 +132,7 @@ def plan_memory(
     attention: str | None = None,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
-    ``stack``: the stacks the runtime holds now (their bytes are already allocated);
+    ``view``: the model this step (:func:`dtree.plan.model_view.model_view`); ``stack``: the stacks the runtime holds now (their bytes are already allocated);
     ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate);
     ``attention``: the stack-attention backend (one of ``KEEPING_BACKENDS`` lets the
     plan keep checkpointed layers' attention outputs).
@@ -156,7 +150,7 @@ def plan_memory(
             allocated=allocated,
             expandable_segments=memory_policy.expandable_segments(),
             stack_held=float(stack.nbytes()) if stack is not None and stack.device == device else 0.0,
-            missing_grads=memory_policy.missing_grad_bytes(module.parameters()),
+            missing_grads=memory_policy.missing_grad_bytes(view.parameters),
             fused_head=fused_head_kernel(head, dtype, device),
         )
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
@@ -168,8 +162,8 @@ def plan_memory(
     plan = memory_policy.plan_step(
         spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
         group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
-        logprob_chunk=config.logprob_chunk, hf_checkpointing=hf_checkpointing(module),
-        can_checkpoint=_can_checkpoint_layers(module), call_bytes=call_bytes, keep=keep,
+        logprob_chunk=config.logprob_chunk, hf_checkpointing=view.hf_checkpointing,
+        can_checkpoint=view.can_checkpoint, call_bytes=call_bytes, keep=keep,
         can_keep_attention=attention in KEEPING_BACKENDS, **kw,
     )
     if kept is not None:
@@ -181,8 +175,8 @@ def plan_memory(
 
 
 def measured_call_bytes(
-    module: torch.nn.Module, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str, cache: dict,
-    recurrence: str | None = None,
+    module: torch.nn.Module, view: ModelView, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str,
+    cache: dict, recurrence: str | None = None,
 ) -> CallBytes | None:
     """The model's per-token call figures (:func:`dtree.plan.memory_probe.measure_call_bytes`),
     measured once per model state (its modules and which of them have a patched
@@ -192,12 +186,12 @@ def measured_call_bytes(
     if placement[0].type != "cuda":
         return None
     key = (
-        placement, attention, recurrence, hf_checkpointing(module),
-        tuple((type(m).__name__, "forward" in vars(m)) for m in module.modules()),
-        tuple(p.requires_grad for p in module.parameters()),
+        placement, attention, recurrence, view.hf_checkpointing,
+        tuple((type(m).__name__, "forward" in vars(m)) for m in view.modules),
+        tuple(p.requires_grad for p in view.parameters),
     )
     if key not in cache and not torch.is_inference_mode_enabled():
-        cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module), recurrence)
+        cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module, view), recurrence)
     return cache.get(key)
 
 
@@ -292,11 +286,11 @@ class StepPlanner:
         # the last step's memory plan, schedule and state slots (the two-pass path reuses them)
         self._last: tuple[memory_policy.MemoryPlan, Schedule, StatePlan | None] | None = None
 
-    def sync(self) -> Placement:
-        """Read the model's device and dtype; when they (or torch's deterministic mode)
-        changed since the last call, pick the backends again (the stacks are reallocated
-        when they no longer fit)."""
-        placement = model_placement(self.module.parameters())
+    def sync(self, view: ModelView | None = None) -> Placement:
+        """Read the model's device and dtype (from ``view``, the model this step, when
+        given); when they (or torch's deterministic mode) changed since the last call, pick
+        the backends again (the stacks are reallocated when they no longer fit)."""
+        placement = model_placement(view.parameters if view is not None else self.module.parameters())
         deterministic = determinism.requested(self.config.deterministic)
         if placement != self.placement or deterministic != self.deterministic:
             self.placement, self.deterministic = placement, deterministic
@@ -317,29 +311,31 @@ class StepPlanner:
         return self._plan_schedule(forest, None, same_schedule=False)[1]
 
     def _plan_schedule(
-        self, forest: Forest, weights: np.ndarray | None, same_schedule: bool
+        self, forest: Forest, weights: np.ndarray | None, same_schedule: bool, view: ModelView | None = None
     ) -> tuple[memory_policy.MemoryPlan, Schedule, LossTerms, StatePlan | None]:
         """The memory plan, schedule, loss terms (``weights`` None: every prediction) and state
         slots of a step over ``forest``, in that order: the plan sizes the calls, the schedule
         packs them, the state slots follow the schedule, and the plan's peak is then predicted
         from the schedule (:func:`dtree.plan.memory_model.refine`). ``same_schedule``: the last
-        step's plan, schedule and state slots, with new loss terms (the two-pass path)."""
+        step's plan, schedule and state slots, with new loss terms (the two-pass path).
+        ``view``: the model this step (:func:`dtree.plan.model_view.model_view`)."""
         if same_schedule:
             memory, sched, states = self._last
-            return memory, sched, select_loss_terms(sched, weights), states
-        self.sync()
+            return memory, sched, select_loss_terms(sched.terms, weights), states
+        view = view or model_view(self.module)
+        self.sync(view)
         head = as_output_head(self.model.dtree_output_layer())
         call_bytes = measured_call_bytes(
-            self.module, self.model, self.spec, self.placement, self.attention, self._call_bytes, self.recurrence
+            self.module, view, self.model, self.spec, self.placement, self.attention, self._call_bytes, self.recurrence
         )
         kept = self._kept_plans if self.deterministic else None
         memory = plan_memory(
-            self.module, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept,
+            view, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept,
             self.attention,
         )
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
         check_stack_capacity(sched, forest, self.config.stack_capacity)
-        terms = select_loss_terms(sched, weights) if weights is not None else all_predictions(sched)
+        terms = select_loss_terms(sched.terms, weights) if weights is not None else all_predictions(sched.terms)
         states = plan_states(sched) if self.spec.recurrent_states else None
         held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
         retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
@@ -357,7 +353,8 @@ class StepPlanner:
         last plan's schedule when ``same_schedule`` (the two-pass path's second pass), else
         a new schedule. The step's arrays go to the device in one copy per kind; the stacks
         are the ones held when they fit, else new ones."""
-        memory, sched, terms, states = self._plan_schedule(forest, weights, same_schedule)
+        view = model_view(self.module)  # one walk of the modules and parameters for the whole plan
+        memory, sched, terms, states = self._plan_schedule(forest, weights, same_schedule, view)
         training, (device, dtype) = weights is not None, self.placement
         ints, floats = upload_arrays(
             [forest.tokens[sched.row_unique], forest.positions[sched.row_unique], terms.pred_hidden_row,
@@ -378,7 +375,7 @@ class StepPlanner:
                 self.stack = StepStacks(
                     self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training
                 )
-        root = checkpoint_root(self.module) if training else None
+        root = checkpoint_root(self.module, view) if training else None
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
         return StepPlan(
             forest=forest, memory=memory, sched=sched, terms=terms, arrays=arrays, stack=self.stack, states=states,
@@ -387,7 +384,7 @@ class StepPlanner:
             attention=self.attention, recurrence=self.recurrence, logprob_chunk=self.logprob_chunk, device=device,
             dtype=dtype,
             # model calls may draw random numbers (dropout) when any module is in training mode
-            randomness=any(m.training for m in self.module.modules()),
+            randomness=view.training,
             checkpoint_root=root,
             checkpoint_layers=memory.checkpoint_layers if root is not None else 0,
             path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
