@@ -7,6 +7,8 @@ the interface. The real kernels' replay is checked on the GPU (tests/test_masked
 
 from __future__ import annotations
 
+import gc
+import weakref
 from typing import NamedTuple
 
 import pytest
@@ -42,6 +44,7 @@ class _FakeInterface:
                 self.compiles += 1
                 fwd.compile_cache[key] = _kernel
             acc = torch.zeros(1, q.shape[1])  # scratch, allocated zeroed per call
+            self.scratch = weakref.ref(acc)
             fwd.compile_cache[key](q.detach(), k, out, scale, acc, Aux([tables], None))
 
         fwd.compile_cache = {}
@@ -104,3 +107,32 @@ def test_the_key_holds_alignment():
     buf = torch.randn(40)
     aligned, misaligned = buf[:16].view(4, 4), buf[1:17].view(4, 4)
     assert tensor_key(aligned) != tensor_key(misaligned)
+
+
+def test_no_scratch_outlives_its_call():
+    """Templates hold the scratch's layout, not the recorded call's tensor (on CUDA that
+    memory would stay allocated between steps)."""
+    fi = _FakeInterface()
+    replay = Flash4LaunchReplay(fi, VERSION)
+    tables = torch.arange(8.0)
+    _call(replay, torch.randn(5, 4), torch.randn(6, 4), tables)
+    gc.collect()
+    assert replay.held["fwd"][1] is not None and fi.scratch() is None
+
+
+def test_recording_leaves_no_reference_cycle():
+    """Recording a call keeps none of its tensors alive once the caller drops them, without
+    Python's garbage collector (the inputs are views of the KV stack: a cycle holding one
+    kept the whole stack into the next step)."""
+    fi = _FakeInterface()
+    replay = Flash4LaunchReplay(fi, VERSION)
+    tables = torch.arange(8.0)
+    q, k = torch.randn(5, 4), torch.randn(6, 4)
+    refs = [weakref.ref(q), weakref.ref(k)]
+    gc.disable()
+    try:
+        _call(replay, q, k, tables)
+        del q, k
+        assert all(r() is None for r in refs)
+    finally:
+        gc.enable()

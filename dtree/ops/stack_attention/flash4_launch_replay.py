@@ -24,8 +24,7 @@ launch the recorded kernels directly:
   a flash-attn-4 other than the one the ``flash`` extra pins (:data:`VERSION`), keeps
   calling the interface.
 
-One template per kind (forward, backward) is held: a new key replaces the last one, so
-the scratch held is one backward's, which the interface allocates per call anyway.
+One template per kind (forward, backward) is held: a new key replaces the last one.
 """
 
 from __future__ import annotations
@@ -52,10 +51,22 @@ class _Input:
     stride: tuple
 
 
+@dataclass(frozen=True)
+class _Scratch:
+    """A template's scratch tensor: allocated zeroed per replay with this layout; ``index``
+    says which of the call's scratch tensors (one launch's output is a later one's input)."""
+
+    index: int
+    shape: tuple
+    stride: tuple
+    dtype: torch.dtype
+    device: torch.device
+
+
 @dataclass
 class _Template:
-    launches: list[tuple[Callable, tuple]]  # compiled function, arguments with _Input slots
-    scratch: list[torch.Tensor]
+    launches: list[tuple[Callable, tuple]]  # compiled function, arguments with _Input and _Scratch slots
+    scratch: list[_Scratch]
 
 
 def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -67,46 +78,63 @@ def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+@dataclass
+class _Conversion:
+    """What :func:`_convert` needs while turning one recorded call into a template."""
+
+    by_address: dict
+    kept_storages: set
+    inputs: Sequence[torch.Tensor]
+    scratch: dict
+
+
+def _convert(x: Any, c: _Conversion):
+    # a module-level function, not a closure that recurses through its own cell: that cycle
+    # kept the recorded call's inputs (views of the KV stack) alive until Python's garbage
+    # collector ran, ~2 GiB into the next step on a 64k tree
+    if isinstance(x, torch.Tensor):
+        i = c.by_address.get((x.data_ptr(), x.dtype))
+        if i is not None:
+            return _Input(i, tuple(x.shape), tuple(x.stride()))
+        if x.untyped_storage().data_ptr() in c.kept_storages:
+            return x
+        if any(_ranges_overlap(x, t) for t in c.inputs):
+            raise LookupError("a view or copy of an input")
+        if x.storage_offset() != 0 or x.untyped_storage().nbytes() != x.numel() * x.element_size():
+            raise LookupError("a view of the interface's own buffer")
+        if id(x) not in c.scratch:
+            c.scratch[id(x)] = _Scratch(len(c.scratch), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+        return c.scratch[id(x)]
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (AuxData)
+        return type(x)(*(_convert(a, c) for a in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_convert(a, c) for a in x)
+    return x
+
+
 def _template(log: list, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> _Template | None:
     """The replayable form of a recorded call's ``log`` (``[(fn, args)]``), or None where it
     cannot be replayed by substitution. ``inputs``: the call's tensors by role; ``kept``:
     tensors whose buffers stay the same for the key (the mask tables)."""
-    by_address = {(t.data_ptr(), t.dtype): i for i, t in enumerate(inputs)}
-    kept_storages = {t.untyped_storage().data_ptr() for t in kept}
-    scratch: dict[int, torch.Tensor] = {}
-
-    def convert(x: Any):
-        if isinstance(x, torch.Tensor):
-            i = by_address.get((x.data_ptr(), x.dtype))
-            if i is not None:
-                return _Input(i, tuple(x.shape), tuple(x.stride()))
-            if x.untyped_storage().data_ptr() in kept_storages:
-                return x
-            if any(_ranges_overlap(x, t) for t in inputs):
-                raise LookupError("a view or copy of an input")
-            scratch[id(x)] = x
-            return x
-        if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (AuxData)
-            return type(x)(*(convert(a) for a in x))
-        if isinstance(x, (tuple, list)):
-            return type(x)(convert(a) for a in x)
-        return x
-
+    c = _Conversion({(t.data_ptr(), t.dtype): i for i, t in enumerate(inputs)},
+                    {t.untyped_storage().data_ptr() for t in kept}, inputs, {})
     try:
-        launches = [(fn, tuple(convert(a) for a in args)) for fn, args in log]
+        launches = [(fn, tuple(_convert(a, c) for a in args)) for fn, args in log]
     except LookupError:
         return None
-    return _Template(launches, list(scratch.values()))
+    return _Template(launches, list(c.scratch.values()))
 
 
-def _bind(x: Any, inputs: Sequence[torch.Tensor]):
+def _bind(x: Any, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]):
     if isinstance(x, _Input):
         t = inputs[x.index]
         return t.as_strided(x.shape, x.stride, t.storage_offset())
+    if isinstance(x, _Scratch):
+        return scratch[x.index]
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_bind(a, inputs) for a in x))
+        return type(x)(*(_bind(a, inputs, scratch) for a in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(_bind(a, inputs) for a in x)
+        return type(x)(_bind(a, inputs, scratch) for a in x)
     return x
 
 
@@ -138,10 +166,10 @@ class Flash4LaunchReplay:
             if template is None:
                 interface_call()
                 return
-            for t in template.scratch:
-                t.zero_()
+            scratch = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device).zero_()
+                       for s in template.scratch]
             for fn, args in template.launches:
-                fn(*(_bind(a, inputs) for a in args))
+                fn(*(_bind(a, inputs, scratch) for a in args))
             self.replays += 1
             return
         if not self.enabled:
