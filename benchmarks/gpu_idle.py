@@ -68,8 +68,9 @@ def labelled_walk():
                 return fn(*args, **kwargs)
         return run
 
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in _labelled_targets()]
-    for (owner, name, fn), (_, _, label) in zip(saved, _labelled_targets()):
+    targets = _labelled_targets()
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+    for (owner, name, fn), (_, _, label) in zip(saved, targets):
         setattr(owner, name, labelled(fn, label))
     try:
         yield

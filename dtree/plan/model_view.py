@@ -16,7 +16,7 @@ import torch
 from ..models import unwrap
 from ..models.checkpointing import decoder_layers
 
-__all__ = ["ModelView", "can_checkpoint_layers", "model_view"]
+__all__ = ["ModelView", "model_view"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class ModelView:
     training: bool
 
 
-def can_checkpoint_layers(module: torch.nn.Module) -> bool:
+def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
     """Whether dtree finds ``module``'s decoder layer list (to checkpoint its layers)."""
     try:
         decoder_layers(unwrap(module))
@@ -55,6 +55,6 @@ def model_view(module: torch.nn.Module) -> ModelView:
         modules=modules,
         parameters=tuple(module.parameters()),
         hf_checkpointing=any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in modules),
-        can_checkpoint=can_checkpoint_layers(module),
+        can_checkpoint=_can_checkpoint_layers(module),
         training=any(m.training for m in modules),
     )

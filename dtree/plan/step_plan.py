@@ -32,15 +32,15 @@ from ..ops.stack_attention.interface import OWN_KV_IN_STACK
 from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
+from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .memory_model import refine
 from .memory_probe import CallBytes, measure_call_bytes
 from .model_view import ModelView, model_view
-from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .schedule import Schedule, build_schedule, check_stack_capacity
 from .state_plan import StatePlan, plan_states
 
 __all__ = [
-    "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "hf_checkpointing", "measured_call_bytes",
+    "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes",
     "pick_backend", "pick_recurrence", "plan_memory", "step_shape",
 ]
 
@@ -87,12 +87,6 @@ def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec, dete
             "mode: call torch.use_deterministic_algorithms(True)",
         )
     return resolve_backend("linear_recurrence", recurrence, device, dtype, deterministic=deterministic)
-
-
-def hf_checkpointing(module: torch.nn.Module) -> bool:
-    """Whether HF gradient checkpointing is on for some module in training mode (it
-    then checkpoints the layers itself and dtree adds no checkpoint)."""
-    return model_view(module).hf_checkpointing
 
 
 def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:

@@ -88,28 +88,35 @@ class _Conversion:
     scratch: dict
 
 
-def _convert(x: Any, c: _Conversion):
-    # a module-level function, not a closure that recurses through its own cell: that cycle
-    # kept the recorded call's inputs (views of the KV stack) alive until Python's garbage
-    # collector ran, ~2 GiB into the next step on a 64k tree
-    if isinstance(x, torch.Tensor):
-        i = c.by_address.get((x.data_ptr(), x.dtype))
-        if i is not None:
-            return _Input(i, tuple(x.shape), tuple(x.stride()))
-        if x.untyped_storage().data_ptr() in c.kept_storages:
-            return x
-        if any(_ranges_overlap(x, t) for t in c.inputs):
-            raise LookupError("a view or copy of an input")
-        if x.storage_offset() != 0 or x.untyped_storage().nbytes() != x.numel() * x.element_size():
-            raise LookupError("a view of the interface's own buffer")
-        if id(x) not in c.scratch:
-            c.scratch[id(x)] = _Scratch(len(c.scratch), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
-        return c.scratch[id(x)]
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # a NamedTuple (AuxData)
-        return type(x)(*(_convert(a, c) for a in x))
+def _tree_map(x: Any, leaf: Callable[[Any], Any]) -> Any:
+    """``x`` (a launch's arguments: nested tuples, lists and NamedTuples such as AuxData)
+    with ``leaf`` applied to everything else in it."""
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_tree_map(a, leaf) for a in x))
     if isinstance(x, (tuple, list)):
-        return type(x)(_convert(a, c) for a in x)
-    return x
+        return type(x)(_tree_map(a, leaf) for a in x)
+    return leaf(x)
+
+
+def _convert(x: Any, c: _Conversion):
+    """One recorded argument as a template holds it (a module-level function, not a closure
+    that recurses through its own cell: that cycle kept the recorded call's inputs, views of
+    the KV stack, alive until Python's garbage collector ran, ~2 GiB into the next step on a
+    64k tree)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    i = c.by_address.get((x.data_ptr(), x.dtype))
+    if i is not None:
+        return _Input(i, tuple(x.shape), tuple(x.stride()))
+    if x.untyped_storage().data_ptr() in c.kept_storages:
+        return x
+    if any(_ranges_overlap(x, t) for t in c.inputs):
+        raise LookupError("a view or copy of an input")
+    if x.storage_offset() != 0 or x.untyped_storage().nbytes() != x.numel() * x.element_size():
+        raise LookupError("a view of the interface's own buffer")
+    if id(x) not in c.scratch:
+        c.scratch[id(x)] = _Scratch(len(c.scratch), tuple(x.shape), tuple(x.stride()), x.dtype, x.device)
+    return c.scratch[id(x)]
 
 
 def _template(log: list, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Tensor]) -> _Template | None:
@@ -119,22 +126,19 @@ def _template(log: list, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Te
     c = _Conversion({(t.data_ptr(), t.dtype): i for i, t in enumerate(inputs)},
                     {t.untyped_storage().data_ptr() for t in kept}, inputs, {})
     try:
-        launches = [(fn, tuple(_convert(a, c) for a in args)) for fn, args in log]
+        launches = [(fn, _tree_map(args, lambda x: _convert(x, c))) for fn, args in log]
     except LookupError:
         return None
     return _Template(launches, list(c.scratch.values()))
 
 
 def _bind(x: Any, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]):
+    """A template's argument for this call: its input or scratch tensor, else as held."""
     if isinstance(x, _Input):
         t = inputs[x.index]
         return t.as_strided(x.shape, x.stride, t.storage_offset())
     if isinstance(x, _Scratch):
         return scratch[x.index]
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_bind(a, inputs, scratch) for a in x))
-    if isinstance(x, (tuple, list)):
-        return type(x)(_bind(a, inputs, scratch) for a in x)
     return x
 
 
@@ -169,7 +173,7 @@ class Flash4LaunchReplay:
             scratch = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device).zero_()
                        for s in template.scratch]
             for fn, args in template.launches:
-                fn(*(_bind(a, inputs, scratch) for a in args))
+                fn(*_tree_map(args, lambda x: _bind(x, inputs, scratch)))
             self.replays += 1
             return
         if not self.enabled:
