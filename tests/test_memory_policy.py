@@ -155,7 +155,7 @@ def test_explicit_options_are_kept():
     assert plan(can_checkpoint=False, setting="low").checkpoint_layers == 0
     # one segment per call (group_tokens=0) is planned as calls of SMALL_CALL_TOKENS
     one = plan(group_tokens=0)
-    assert one.group_tokens == 0 and one.predicted_cost == plan(group_tokens=mp.SMALL_CALL_TOKENS).predicted_cost
+    assert one.group_tokens == 0 and one.predicted_cost == plan(group_tokens=mm.SMALL_CALL_TOKENS).predicted_cost
 
 
 def test_a_bigger_model_takes_smaller_calls_or_checkpoints():

@@ -61,14 +61,15 @@ on qwen2.5-1.5b (0.28 for all 28), plus its attention forward over the forest's 
 layers' attention outputs (:mod:`dtree.ops.stack_attention.output_memo`; only where the
 backend can, at 3 KB per layer and token on qwen2.5-1.5b); LM-head chunks of 1,024 rows re-read the float32
 weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
-within :data:`SLACK` of the fastest count as equally fast: the leanest of them runs.
+within :data:`~dtree.plan.plan_candidates.SLACK` of the fastest count as equally fast: the
+leanest of them runs. The candidates are scored together in
+:mod:`dtree.plan.plan_candidates` (beside the one-plan reference they equal).
 """
 
 from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Iterable
 
 import torch
@@ -77,14 +78,10 @@ from ..config import MEMORY_SETTINGS as SETTINGS
 from ..models.protocol import ModelSpec
 from .memory_model import (
     RECOMPUTE,
-    SMALL_CALL_TOKENS,
     MemoryPlan,
     StepShape,
-    _Figures,
     _figures,
     attention_rerun_rate,
-    call_count,
-    call_overhead_at,
     cost_rates,
     head_bytes,
     layer_activation_bytes,
@@ -93,17 +90,13 @@ from .memory_model import (
     state_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
+from .plan_candidates import SLACK, Knobs, candidate, candidate_scores, choose_index
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
     "layer_input_bytes", "missing_grad_bytes", "plan_step", "stack_slot_bytes", "state_slot_bytes",
 ]
 
-# Plans within this fraction of the fastest predicted one count as equally fast; the
-# one with the least memory among them is taken when it saves at least LEANER of the
-# fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
-SLACK = 0.05
-LEANER = 0.2
 # Fraction of the allocatable memory a plan leaves unused (fragmentation, kernels'
 # workspaces, what the model does not tell us); larger without expandable segments.
 MARGIN = 0.10
@@ -118,7 +111,6 @@ CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_LOGPROB_CHUNK = 1024
-HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
 
 
 def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
@@ -128,57 +120,10 @@ def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
     return tuple(sorted(set(range(0, layers, step)) | {layers}))
 
 
-@dataclass(frozen=True)
-class _Knobs:
-    group_tokens: int
-    checkpoint: int
-    path: int  # layers checkpointed in retained groups with children, or RECOMPUTE
-    chunk: int
-    keep: bool = False  # checkpointed layers keep their attention outputs
-
-
 def _keep_options(can_keep: bool, checkpoint: int, path: int) -> tuple[bool, ...]:
     """Whether the checkpointed layers keep their attention outputs: both, where some
     layer is checkpointed and the attention backend can keep them."""
     return (False, True) if can_keep and (checkpoint > 0 or path > 0) else (False,)
-
-
-def _candidate(
-    shape: StepShape, knobs: _Knobs, fig: _Figures, spec: ModelSpec, fixed: dict
-) -> tuple[float, float, dict]:
-    """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
-    the call as large as its budget, the path as long as the longest one."""
-    u = shape.unique_tokens
-    call = max(1, min(knobs.group_tokens if knobs.group_tokens > 0 else SMALL_CALL_TOKENS, u))
-    path = min(shape.longest_path, shape.shared_tokens, u)
-    cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
-    retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
-    kv = min(u, shape.longest_path + call) * fixed["slot_bytes"]
-    stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
-    head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
-    parts = {
-        "gradients": fixed["missing_grads"],
-        "kv_stack": stack,
-        "path_graphs": retained,
-        "call_activations": call * cb.call(knobs.checkpoint),
-        "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
-    }
-    (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
-    # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
-    attention = fixed["attention_rerun"]
-    rerun = s + (0.0 if knobs.keep else attention)
-    shared = min(shape.shared_tokens, u)
-    cost = u + (u - shared) * rerun * knobs.checkpoint / L
-    if knobs.path == RECOMPUTE:
-        reruns = math.ceil(shared / max(call, 1))
-        cost += shared * (s + attention + rerun * knobs.checkpoint / L)
-        cost += reruns * call_overhead_at(scale, min(call, shared))
-    else:
-        cost += shared * rerun * knobs.path / L
-    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
-    cost += calls * call_overhead_at(scale, u / calls)
-    cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, 0.15)
-    return sum(parts.values()), cost, parts
 
 
 def plan_step(
@@ -240,26 +185,34 @@ def plan_step(
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = _shared_figures(spec, itemsize, shape, stack_held, missing_grads)
-    margin = MARGIN if expandable_segments else MARGIN_FRAGMENTED
-    budget = available * (1.0 - margin)
-    if not isinstance(setting, str):
-        budget = min(budget, setting * 2.0**30 * (1 - CAP_MARGIN) - allocated)
+    budget = _budget(available, expandable_segments, setting, allocated)
     knobs = _all_knobs(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
-    if recipe is not None:  # the lean recipe's peak is the cap: scored last, beside the plans
+    if recipe is not None:  # the lean recipe's peak is the cap
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
-    scored = [(*_candidate(shape, kn, fig_of[kn.chunk], spec, fixed), kn) for kn in knobs + [recipe] * bool(recipe)]
-    plans, budget = scored[: len(knobs)], min(budget, scored[-1][0] * (1 + SLACK)) if recipe else budget
-    (peak, cost, parts, kn), reason = _choose(plans, budget, _Knobs(*keep) if keep is not None else None)
+        budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
+    peaks, costs = candidate_scores(shape, knobs, fig_of, spec, fixed)
+    chosen, reason = choose_index(peaks, costs, knobs, budget, Knobs(*keep) if keep is not None else None)
+    kn = knobs[chosen]
+    peak, cost, parts = candidate(shape, kn, fig_of[kn.chunk], spec, fixed)
     cb = fig_of[kn.chunk].call_bytes_keeping if kn.keep else cb
     per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
     retain = 0.0 if kn.path == RECOMPUTE else max(parts["path_graphs"], budget - peak + parts["path_graphs"])
     return MemoryPlan(
         group_tokens=kn.group_tokens, checkpoint_layers=kn.checkpoint, path_checkpoint_layers=kn.path,
-        keep_attention_outputs=kn.keep, logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token, predicted_peak_bytes=peak,
-        predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated, parts=parts, reason=reason,
+        keep_attention_outputs=kn.keep, logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token,
+        predicted_peak_bytes=peak, predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated,
+        parts=parts, reason=reason,
         call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
     )
+
+
+def _budget(available: float, expandable_segments: bool, setting: str | float, allocated: float) -> float:
+    """Bytes a plan's peak may add: the margin off what is available, and a cap's share."""
+    budget = available * (1.0 - (MARGIN if expandable_segments else MARGIN_FRAGMENTED))
+    if not isinstance(setting, str):
+        budget = min(budget, setting * 2.0**30 * (1 - CAP_MARGIN) - allocated)
+    return budget
 
 
 def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held: float, missing_grads: float) -> dict:
@@ -276,19 +229,19 @@ def _all_knobs(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckp
     head chunks, and whether checkpointed layers keep their attention outputs."""
     paths = _path_options(mode, fixed_ckpt, layers)
     return [
-        _Knobs(g, k, p, c, keep)
+        Knobs(g, k, p, c, keep)
         for g in _call_budgets(group_tokens, shape.unique_tokens) for k in _checkpoint_options(fixed_ckpt, layers)
         for p in paths for c in _options(logprob_chunk, LOGPROB_CHUNKS) for keep in _keep_options(can_keep, k, p)
     ]
 
 
-def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> _Knobs:
+def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> Knobs:
     """The lean recipe: every layer checkpointed, the groups with children retained
     (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks."""
     k = layers if fixed_ckpt is None else fixed_ckpt
     group = LOW_GROUP_TOKENS if group_tokens is None else group_tokens
     chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
-    return _Knobs(group, k, RECOMPUTE if mode == "recompute" else k, chunk)
+    return Knobs(group, k, RECOMPUTE if mode == "recompute" else k, chunk)
 
 
 def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) -> int | None:
@@ -352,26 +305,6 @@ def _call_budgets(fixed: int | None, unique_tokens: int) -> tuple[int, ...]:
             seen.add(call)
             out.append(g)
     return tuple(out)
-
-
-def _choose(plans: list[tuple], budget: float, keep: _Knobs | None = None) -> tuple[tuple, str]:
-    """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: ``keep``'s
-    when it fits; else the fastest that fits, or a leaner one within ``SLACK`` of its cost
-    that saves at least ``LEANER`` of its memory; the leanest when none fits."""
-    fitting = [p for p in plans if p[0] <= budget]
-    kept = next((p for p in fitting if p[3] == keep), None)
-    if kept is not None:
-        return kept, "deterministic mode: the plan of the last step over a forest of this shape, which still fits"
-    if not fitting:
-        return min(plans, key=lambda p: (p[0], p[1])), "no plan is predicted to fit: the leanest one"
-    fastest = min(fitting, key=lambda p: (p[1], p[0]))
-    leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
-    chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
-    reason = ("fastest predicted plan that fits" if chosen is fastest else
-              f"within {SLACK:.0%} of the fastest predicted plan, with {1 - chosen[0] / fastest[0]:.0%} less memory")
-    if len(plans) > 1:
-        reason += f" ({len(fitting)} of {len(plans)} plans fit)"
-    return chosen, reason
 
 
 def available_bytes(device: torch.device) -> tuple[float, float]:

@@ -1,0 +1,197 @@
+"""The memory policy's candidate plans, scored: one plan at a time (:func:`candidate`, the
+reference) and all of a step's at once (:func:`candidate_scores`, what the policy runs).
+
+A step scores ~770 candidates (GRPO case 1) to ~1,300 (a 64k agentic tree): call budgets x
+checkpointed layers x how the path is kept x LM-head chunks x whether checkpointed layers
+keep their attention outputs. One at a time that took 7-9 ms of the H100 host's time before
+the first kernel of every step. :func:`candidate_scores` computes the same figures in
+numpy: everything that depends on one knob only (bytes per token at a checkpoint count,
+the head's bytes at a chunk and call size, a call's overhead at its size) is taken from
+the scalar functions :func:`candidate` calls, once per distinct value, and the arithmetic
+that combines them runs in the same order on float64 arrays, so every peak and cost is
+bit for bit :func:`candidate`'s (``tests/test_plan_candidates.py``).
+
+:func:`choose` (the reference) and :func:`choose_index` pick the plan to run the same way.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..models.protocol import ModelSpec
+from .memory_model import RECOMPUTE, SMALL_CALL_TOKENS, StepShape, _Figures, call_count, call_overhead_at, head_bytes
+
+__all__ = ["HEAD_CHUNK_PENALTY", "Knobs", "LEANER", "SLACK", "candidate", "candidate_scores", "choose",
+           "choose_index", "fit_reason"]
+
+# Plans within this fraction of the fastest predicted one count as equally fast; the
+# one with the least memory among them is taken when it saves at least LEANER of the
+# fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
+SLACK = 0.05
+LEANER = 0.2
+HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
+_OTHER_CHUNK_PENALTY = 0.15
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """One candidate plan's decisions."""
+
+    group_tokens: int
+    checkpoint: int
+    path: int  # layers checkpointed in retained groups with children, or RECOMPUTE
+    chunk: int
+    keep: bool = False  # checkpointed layers keep their attention outputs
+
+
+def _call_tokens(group_tokens: int, unique: int) -> int:
+    return max(1, min(group_tokens if group_tokens > 0 else SMALL_CALL_TOKENS, unique))
+
+
+def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fixed: dict) -> tuple[float, float, dict]:
+    """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
+    the call as large as its budget, the path as long as the longest one. ``fixed``: the
+    figures every candidate of the step shares (``memory_policy._shared_figures``)."""
+    u = shape.unique_tokens
+    call = _call_tokens(knobs.group_tokens, u)
+    path = min(shape.longest_path, shape.shared_tokens, u)
+    cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
+    retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
+    kv = min(u, shape.longest_path + call) * fixed["slot_bytes"]
+    stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
+    head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
+    parts = {
+        "gradients": fixed["missing_grads"],
+        "kv_stack": stack,
+        "path_graphs": retained,
+        "call_activations": call * cb.call(knobs.checkpoint),
+        "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
+    }
+    (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
+    # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
+    attention = fixed["attention_rerun"]
+    rerun = s + (0.0 if knobs.keep else attention)
+    shared = min(shape.shared_tokens, u)
+    cost = u + (u - shared) * rerun * knobs.checkpoint / L
+    if knobs.path == RECOMPUTE:
+        reruns = math.ceil(shared / max(call, 1))
+        cost += shared * (s + attention + rerun * knobs.checkpoint / L)
+        cost += reruns * call_overhead_at(scale, min(call, shared))
+    else:
+        cost += shared * rerun * knobs.path / L
+    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
+    cost += calls * call_overhead_at(scale, u / calls)
+    cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, _OTHER_CHUNK_PENALTY)
+    return sum(parts.values()), cost, parts
+
+
+def _table(values: list, fn) -> tuple[np.ndarray, np.ndarray]:
+    """(``fn`` of each distinct value, each value's index into it)."""
+    distinct = list(dict.fromkeys(values))
+    where = {v: i for i, v in enumerate(distinct)}
+    return np.array([fn(*v) if isinstance(v, tuple) else fn(v) for v in distinct], dtype=np.float64), \
+        np.array([where[v] for v in values], dtype=np.int64)
+
+
+def _lookup(values: list, fn) -> np.ndarray:
+    table, index = _table(values, fn)
+    return table[index]
+
+
+def candidate_scores(
+    shape: StepShape, knobs: list[Knobs], fig_of: dict[int, _Figures], spec: ModelSpec, fixed: dict
+) -> tuple[np.ndarray, np.ndarray]:
+    """([n] predicted peak bytes, [n] predicted costs) of ``knobs`` (``fig_of``: the figures
+    per LM-head chunk), equal to :func:`candidate`'s one by one."""
+    u = shape.unique_tokens
+    call_of = {g: _call_tokens(g, u) for g in {k.group_tokens for k in knobs}}
+    calls = [call_of[k.group_tokens] for k in knobs]
+    call = np.array(calls, dtype=np.float64)
+    ckpt = np.array([k.checkpoint for k in knobs], dtype=np.float64)
+    path_k = np.array([k.path for k in knobs], dtype=np.int64)
+    keep = np.array([k.keep for k in knobs], dtype=bool)
+    recompute = path_k == RECOMPUTE
+
+    def cb(chunk: int, kept: bool):
+        fig = fig_of[chunk]
+        return fig.call_bytes if not kept else fig.call_bytes_keeping
+
+    path = min(shape.longest_path, shape.shared_tokens, u)
+    retained = np.where(recompute, 0.0, path * _lookup(
+        [(k.chunk, k.keep, k.path) for k in knobs], lambda c, kp, p: cb(c, kp).call(p) if p != RECOMPUTE else 0.0))
+    kv = np.minimum(u, shape.longest_path + call) * fixed["slot_bytes"]
+    stack = np.maximum(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
+    head = _lookup([(k.chunk, c) for k, c in zip(knobs, calls)],
+                   lambda c, rows: head_bytes(spec, fig_of[c].itemsize, c, rows, fig_of[c].fused_head))
+    per_token = _lookup([(k.chunk, k.keep, k.checkpoint) for k in knobs], lambda c, kp, n: cb(c, kp).call(n))
+    backward = _lookup([(k.chunk, k.keep, k.checkpoint) for k in knobs], lambda c, kp, n: cb(c, kp).backward(n))
+    peak = 0 + np.full(len(knobs), fixed["missing_grads"], dtype=np.float64)  # summed in candidate's parts order
+    peak = peak + stack + retained + call * per_token + np.maximum(head, call * backward)
+
+    (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
+    attention = fixed["attention_rerun"]
+    rerun = s + np.where(keep, 0.0, attention)
+    shared = min(shape.shared_tokens, u)
+    cost = u + (u - shared) * rerun * ckpt / L
+    reruns = np.ceil(shared / np.maximum(call, 1))
+    recomputed = cost + shared * (s + attention + rerun * ckpt / L)
+    recomputed = recomputed + reruns * _lookup(calls, lambda c: call_overhead_at(scale, min(c, shared)))
+    cost = np.where(recompute, recomputed, cost + shared * rerun * np.where(recompute, 0, path_k) / L)
+    num_calls = _lookup(calls, lambda c: call_count(u, c))
+    cost = cost + num_calls * _lookup(calls, lambda c: call_overhead_at(scale, u / call_count(u, c)))
+    cost = cost + u * head_share * np.array([HEAD_CHUNK_PENALTY.get(k.chunk, _OTHER_CHUNK_PENALTY) for k in knobs])
+    return peak, cost
+
+
+def choose(plans: list[tuple], budget: float, keep: Knobs | None = None) -> tuple[tuple, str]:
+    """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: ``keep``'s
+    when it fits; else the fastest that fits, or a leaner one within ``SLACK`` of its cost
+    that saves at least ``LEANER`` of its memory; the leanest when none fits (the
+    reference of :func:`choose_index`)."""
+    fitting = [p for p in plans if p[0] <= budget]
+    kept = next((p for p in fitting if p[3] == keep), None)
+    if kept is not None:
+        return kept, KEPT_REASON
+    if not fitting:
+        return min(plans, key=lambda p: (p[0], p[1])), NONE_FITS_REASON
+    fastest = min(fitting, key=lambda p: (p[1], p[0]))
+    leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
+    chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
+    return chosen, fit_reason(chosen is fastest, chosen[0], fastest[0], len(fitting), len(plans))
+
+
+KEPT_REASON = "deterministic mode: the plan of the last step over a forest of this shape, which still fits"
+NONE_FITS_REASON = "no plan is predicted to fit: the leanest one"
+
+
+def fit_reason(fastest: bool, peak: float, fastest_peak: float, fitting: int, plans: int) -> str:
+    reason = ("fastest predicted plan that fits" if fastest else
+              f"within {SLACK:.0%} of the fastest predicted plan, with {1 - peak / fastest_peak:.0%} less memory")
+    return reason + (f" ({fitting} of {plans} plans fit)" if plans > 1 else "")
+
+
+def _first_min(index: np.ndarray, *keys: np.ndarray) -> int:
+    """The first of ``index`` (ascending) with the least ``keys`` (compared in order), as
+    ``min`` over a list returns it."""
+    order = np.lexsort(tuple(k[index] for k in reversed(keys)) if len(keys) > 1 else (keys[0][index],))
+    return int(index[order[0]])  # lexsort is stable: ties keep the list's order
+
+
+def choose_index(peaks: np.ndarray, costs: np.ndarray, knobs: list[Knobs], budget: float,
+                 keep: Knobs | None = None) -> tuple[int, str]:
+    """:func:`choose` over arrays: (the chosen plan's index, why)."""
+    fitting = np.flatnonzero(peaks <= budget)
+    if keep is not None:
+        kept = next((int(i) for i in fitting if knobs[i] == keep), None)
+        if kept is not None:
+            return kept, KEPT_REASON
+    if len(fitting) == 0:
+        return _first_min(np.arange(len(peaks)), peaks, costs), NONE_FITS_REASON
+    fastest = _first_min(fitting, costs, peaks)
+    near = fitting[costs[fitting] <= costs[fastest] * (1 + SLACK)]
+    leanest = _first_min(near, peaks)
+    chosen = leanest if peaks[leanest] <= (1 - LEANER) * peaks[fastest] else fastest
+    return chosen, fit_reason(chosen == fastest, float(peaks[chosen]), float(peaks[fastest]), len(fitting), len(peaks))

@@ -1,0 +1,98 @@
+"""The memory policy's candidates scored all at once (numpy) against the one-plan reference:
+every peak and cost bit for bit, and the same plan chosen, over random model shapes, forests,
+measured byte figures and budgets; the policy's whole decision against a run of the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dtree.models import ModelSpec
+from dtree.plan import memory_model as mm
+from dtree.plan import memory_policy as mp
+from dtree.plan import plan_candidates as pc
+from dtree.plan.memory_probe import CallBytes
+
+GIB = 2.0**30
+
+
+@st.composite
+def cases(draw):
+    layers = draw(st.integers(1, 40))
+    heads = draw(st.sampled_from([1, 2, 4, 8, 12]))
+    spec = ModelSpec(num_layers=layers, num_heads=heads, num_kv_heads=draw(st.sampled_from([1, heads])),
+                     head_dim=draw(st.sampled_from([32, 64, 128])), hidden_size=draw(st.sampled_from([64, 1536, 4096])),
+                     vocab_size=draw(st.integers(100, 200_000)), intermediate_size=draw(st.integers(64, 20_000)))
+    unique = draw(st.integers(1, 400_000))
+    longest = draw(st.integers(1, unique))
+    shape = mm.StepShape(unique, longest, draw(st.integers(0, unique)))
+    full = draw(st.floats(1e4, 3e6))
+    measured = draw(st.booleans())
+    cb = CallBytes(full, full * draw(st.floats(0.01, 1.0)), layers, draw(st.integers(64, 40_000)),
+                   backward_full=full * 0.1 if measured else None,
+                   backward_checkpointed=full * 0.05 if measured else None)
+    return spec, shape, cb, draw(st.sampled_from([1, 2, 4, 8])), draw(st.booleans()), draw(st.booleans())
+
+
+def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB):
+    fig_of = {c: mm._figures(spec, itemsize, cb, fused, c) for c in mp.LOGPROB_CHUNKS}
+    fixed = mp._shared_figures(spec, itemsize, shape, stack_held, missing)
+    knobs = mp._all_knobs(shape, "auto", spec.num_layers, None, None, None, can_keep)
+    return knobs, fig_of, fixed
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.floats(0.0, 4 * GIB), st.floats(0.0, 8 * GIB))
+def test_scores_equal_the_reference_bit_for_bit(case, stack_held, missing):
+    spec, shape, cb, itemsize, fused, can_keep = case
+    knobs, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held, missing)
+    peaks, costs = pc.candidate_scores(shape, knobs, fig_of, spec, fixed)
+    reference = [pc.candidate(shape, k, fig_of[k.chunk], spec, fixed) for k in knobs]
+    assert peaks.tolist() == [p for p, _, _ in reference]
+    assert costs.tolist() == [c for _, c, _ in reference]
+
+
+@settings(max_examples=60, deadline=None)
+@given(cases(), st.floats(0.0, 2.0), st.booleans())
+def test_the_same_plan_is_chosen(case, budget_fraction, keep_one):
+    spec, shape, cb, itemsize, fused, can_keep = case
+    knobs, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep)
+    peaks, costs = pc.candidate_scores(shape, knobs, fig_of, spec, fixed)
+    plans = [(*pc.candidate(shape, k, fig_of[k.chunk], spec, fixed), k) for k in knobs]
+    budget = float(np.median(peaks)) * budget_fraction  # none, some or all fit
+    keep = knobs[len(knobs) // 2] if keep_one else None
+    (peak, cost, _, kn), reason = pc.choose(plans, budget, keep)
+    index, reason_fast = pc.choose_index(peaks, costs, knobs, budget, keep)
+    assert (knobs[index], reason_fast) == (kn, reason)
+    assert (peaks[index], costs[index]) == (peak, cost)
+
+
+def test_ties_go_to_the_first_plan_as_min_over_a_list_does():
+    knobs = [pc.Knobs(g, 0, 0, 4096) for g in (1, 2, 3, 4)]
+    peaks, costs = np.array([5.0, 3.0, 3.0, 9.0]), np.array([1.0, 2.0, 2.0, 1.0])
+    plans = [(p, c, {}, k) for p, c, k in zip(peaks, costs, knobs)]
+    for budget in (math.inf, 4.0, 1.0):
+        (_, _, _, kn), reason = pc.choose(plans, budget)
+        index, reason_fast = pc.choose_index(peaks, costs, knobs, budget)
+        assert (knobs[index], reason_fast) == (kn, reason)
+
+
+def test_the_policy_decides_as_the_reference_on_the_issue_cases():
+    spec = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
+                     vocab_size=151936, intermediate_size=8960)
+    lean = CallBytes(1.58e6, 0.12e6, 28, 3072)
+    for shape in (mm.StepShape(65606, 9836, 6300), mm.StepShape(6144, 2560, 2048), mm.StepShape(262144, 9836, 25200)):
+        for setting in ("auto", "low", 14.5, 30.0):
+            got = mp.plan_step(spec, 2, shape, on_cuda=True, available=76 * GIB, allocated=2.9 * GIB,
+                               expandable_segments=True, fused_head=True, missing_grads=2.9 * GIB, setting=setting,
+                               call_bytes=lean, can_keep_attention=True)
+            knobs, fig_of, fixed = _scored(spec, shape, lean, 2, True, True, missing=2.9 * GIB)
+            plans = [(*pc.candidate(shape, k, fig_of[k.chunk], spec, fixed), k) for k in knobs]
+            (peak, cost, parts, kn), _ = pc.choose(plans, got.budget_bytes)
+            assert (got.group_tokens, got.checkpoint_layers, got.path_checkpoint_layers, got.logprob_chunk,
+                    got.keep_attention_outputs) == dataclasses.astuple(kn)
+            assert (got.predicted_cost, got.parts) == (cost, parts)
