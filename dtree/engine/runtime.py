@@ -75,6 +75,7 @@ from ..models import TreeModule, adapt, unwrap
 from ..models.checkpointing import decoder_layers
 from ..models.lean_layers import lean_layers_during
 from ..plan.memory_policy import MemoryPlan
+from ..plan.model_view import ModelView, model_view
 from ..plan.schedule import Schedule
 from ..plan.step_plan import StepPlanner
 from ..stacks.step_stacks import StepStacks
@@ -188,14 +189,14 @@ class TreeRuntime:
         reallocates them when needed."""
         return self._planner.stack
 
-    def _check_call(self, training: bool) -> None:
+    def _check_call(self, training: bool, view: ModelView) -> None:
         """Host-side checks of the model's state at every call, before anything is
         allocated: for training, grad mode on (not under ``torch.no_grad()`` or
         ``torch.inference_mode()``) and a trainable parameter; placement; what the
         adapter refuses (attention dropout)."""
         if training:
-            check_training_call(self.module.parameters())
-        self._planner.sync()
+            check_training_call(view.parameters)
+        self._planner.sync(view)
         check = getattr(self.model, "dtree_check", None)
         if check is not None:
             check(training)
@@ -214,14 +215,26 @@ class TreeRuntime:
         self._planner.stack = None
 
     @contextlib.contextmanager
-    def _released(self) -> Iterator[dict]:
+    def _call(self, training: bool) -> Iterator[tuple[ModelView, dict]]:
+        """A call's body: the model viewed once (:func:`dtree.plan.model_view.model_view`:
+        its modules and parameters, which the checks, the plan, the lean layers and the
+        step's gradient stash all read) and checked (:meth:`_check_call`), inside
+        :meth:`_released`; yields (the view, the memory report's dict)."""
+        view = model_view(self.module)
+        with self._released(view.modules) as after:
+            self._check_call(training, view)
+            yield view, after
+
+    @contextlib.contextmanager
+    def _released(self, modules: Sequence[torch.nn.Module] | None = None) -> Iterator[dict]:
         """The call's body, with the model's norms and MLPs lean when ``lean_layers``
-        (:func:`dtree.models.lean_layers.lean_layers_during`); then, also when it fails,
-        on CUDA: the stacks dropped, the allocator's cache emptied when
-        ``free_after_step``, reported into the yielded dict (:mod:`dtree.engine.step_memory`)."""
+        (:func:`dtree.models.lean_layers.lean_layers_during`; ``modules``: the model's, when
+        already walked); then, also when it fails, on CUDA: the stacks dropped, the
+        allocator's cache emptied when ``free_after_step``, reported into the yielded dict
+        (:mod:`dtree.engine.step_memory`)."""
         after: dict = {}
         try:
-            with lean_layers_during(self.module, self.config.lean_layers):
+            with lean_layers_during(self.module, self.config.lean_layers, modules):
                 yield after
         finally:
             device = self._planner.placement[0] if self._planner.placement else None
@@ -272,20 +285,19 @@ class TreeRuntime:
         check_forest(forest)
         check_loss_argument(loss)
         check_normalization(normalization)
-        with self._released() as after:
-            self._check_call(training=True)
+        with self._call(training=True) as (view, after):
             validate_forest(forest, self.spec)
             loss = checked_step_loss(loss, forest, normalization)
             first, trained = None, loss
             if isinstance(loss, TokenLoss):
                 forest, weights = loss.prepare(forest, normalization)
             else:  # pass 1 of two (dtree.engine.two_pass): the log-probs, then the loss's gradient on the host
-                plan = self._planner.make_plan(forest)
+                plan = self._planner.make_plan(forest, view=view)
                 lps, ents = TreeWalk(plan).logprobs(loss_temperature(loss), needs_entropy(loss), rewind_rng=True)
                 first = host_step(loss, forest, lps, ents)
                 forest, trained, weights = surrogate(forest, first.grads)
-            plan = self._planner.make_plan(forest, weights, trained.field_names, same_schedule=first is not None)
-            out = train_step(plan, trained, self.module.parameters(), self._scope(), return_logprobs and first is None)
+            plan = self._planner.make_plan(forest, weights, trained.field_names, first is not None, view)
+            out = train_step(plan, trained, view.parameters, self._scope(), return_logprobs and first is None)
             if first is not None:
                 out = two_pass_output(out, loss, first, return_logprobs)
         return with_report(out, after, self.memory_plan)
@@ -310,15 +322,14 @@ class TreeRuntime:
             entropy_grads: likewise w.r.t. the entropies :meth:`entropy` returned, or None.
         """
         check_forest(forest)
-        with self._released() as after:
-            self._check_call(training=True)
+        with self._call(training=True) as (view, after):
             w = logprob_grad_weights(forest, grads)
             w_entropy = None if entropy_grads is None else logprob_grad_weights(forest, entropy_grads)
             validate_forest(forest, self.spec)
             grads = LogprobGrads(float(loss_value), check_temperature(temperature), w, w_entropy)
             forest, loss, weights = surrogate(forest, grads)
-            plan = self._planner.make_plan(forest, weights, loss.field_names)
-            out = train_step(plan, loss, self.module.parameters(), self._scope())
+            plan = self._planner.make_plan(forest, weights, loss.field_names, view=view)
+            out = train_step(plan, loss, view.parameters, self._scope())
             out.loss = grads.value
         return with_report(out, after, self.memory_plan)
 
@@ -356,8 +367,7 @@ class TreeRuntime:
     def _inference(self, forest: Forest, temperature: float, with_entropy: bool):
         """check -> plan -> the log-prob walk."""
         check_forest(forest)
-        with self._released():
-            self._check_call(training=False)
+        with self._call(training=False) as (view, _):
             validate_forest(forest, self.spec)
-            plan = self._planner.make_plan(forest)
+            plan = self._planner.make_plan(forest, view=view)
             return TreeWalk(plan).logprobs(check_temperature(temperature), with_entropy)

@@ -45,7 +45,7 @@ import functools
 import inspect
 import sys
 import types
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -260,19 +260,22 @@ def _compiled(m: torch.nn.Module) -> bool:
 
 
 @contextlib.contextmanager
-def lean_layers_during(model: torch.nn.Module, enabled: bool = True) -> Iterator[LeanLayers | None]:
+def lean_layers_during(
+    model: torch.nn.Module, enabled: bool = True, modules: Sequence[torch.nn.Module] | None = None
+) -> Iterator[LeanLayers | None]:
     """:func:`apply_lean_layers` for the length of the block, then the modules' own
     ``forward`` again (also when the block raises). A module whose ``forward`` is
     already patched on the instance (the user's own, or another library's) keeps it.
     Yields what it changed, or None where it changes nothing: ``enabled`` False, a family
     it does not reproduce, lean layers already applied (by the caller, who keeps them),
-    compiled modules, or nothing left unpatched."""
+    compiled modules, or nothing left unpatched. ``modules``: ``model.modules()``, when the
+    caller walked them already."""
     model_type = _model_type(model)
     if not enabled or model_type not in FAMILIES:
         yield None
         return
     norms, mlps, attention = [], [], None
-    for m in model.modules():  # once: this runs at every step
+    for m in model.modules() if modules is None else modules:  # once: this runs at every step
         if getattr(m, "_dtree_lean", False) or _compiled(m):
             yield None
             return

@@ -340,14 +340,16 @@ class StepPlanner:
 
     def make_plan(
         self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
-        same_schedule: bool = False,
+        same_schedule: bool = False, view: ModelView | None = None,
     ) -> StepPlan:
         """The plan of a step over ``forest``: a training plan with its [N] ``weights`` and the
         loss's fields, else a log-prob plan (every prediction, no gradient slots); over the
         last plan's schedule when ``same_schedule`` (the two-pass path's second pass), else
         a new schedule. The step's arrays go to the device in one copy per kind; the stacks
-        are the ones held when they fit, else new ones."""
-        view = model_view(self.module)  # one walk of the modules and parameters for the whole plan
+        are the ones held when they fit, else new ones. ``view``: the model this call (its
+        modules and parameters walked once, :func:`~dtree.plan.model_view.model_view`; walked
+        here when None)."""
+        view = view or model_view(self.module)
         memory, sched, terms, states = self._plan_schedule(forest, weights, same_schedule, view)
         training, (device, dtype) = weights is not None, self.placement
         ints, floats = upload_arrays(
