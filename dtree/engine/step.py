@@ -27,7 +27,7 @@ import torch
 
 from ..device.transfer import upload
 from ..forest.forest import Forest
-from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums, metric_means
+from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums
 from ..ops.logprobs import compute_dtype
 from ..plan.loss_terms import prediction_lin
 from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
@@ -35,7 +35,7 @@ from .grad_guard import GradStash
 
 __all__ = [
     "KeptLogprobs", "LossFields", "MissingFieldError", "StepOutput", "TokenStep", "WalkOutput", "checked_loss",
-    "loss_metrics", "per_sequence", "token_loss_weights",
+    "host_values", "loss_metric_sums", "per_sequence", "token_loss_weights",
 ]
 
 
@@ -217,13 +217,14 @@ class TokenStep:
         return self._stash.__exit__(*exc)
 
     def finish(self, walked: WalkOutput) -> StepOutput:
-        """The step's output: the loss value (the one device sync; non-finite: ValueError),
-        the walk's counters and metrics, the loss's metrics."""
+        """The step's output: the loss value (non-finite: ValueError), the walk's counters and
+        metrics, the loss's metrics; the loss and the metrics come to the host in the step's one
+        device sync."""
         forest, loss_lin = self.forest, self.loss_lin
-        loss_value = float(walked.total)
+        sums = loss_metric_sums(self.loss, forest, loss_lin, walked.term_log, self.recorded, self.device, self.dtype)
+        loss_value, loss_means = host_values(walked.total, sums)
         if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
             raise_non_finite(forest, loss_lin, walked.term_log)
-        loss_means = loss_metrics(self.loss, forest, loss_lin, walked.term_log, self.recorded, self.device, self.dtype)
         out = StepOutput(
             loss=loss_value, num_sequences=forest.num_sequences, num_unique_tokens=forest.num_unique_tokens,
             num_linearized_tokens=forest.num_linearized_tokens, num_loss_terms=len(loss_lin),
@@ -238,7 +239,7 @@ class TokenStep:
         return out
 
 
-def loss_metrics(
+def loss_metric_sums(
     loss: TokenLoss,
     forest: Forest,
     loss_lin: np.ndarray,
@@ -246,16 +247,30 @@ def loss_metrics(
     recorded: list[dict],
     device: torch.device,
     dtype: torch.dtype,
-) -> dict[str, float]:
-    """The loss's metrics: mask-weighted means over the step's loss terms. Each call's
-    recorded values pair with its entry of ``term_log`` (both in call order)."""
+) -> dict[str, torch.Tensor]:
+    """The loss's metrics as mask-weighted sums over the step's loss terms, on the device
+    (:func:`dtree.losses.masked_metric_sums`; no sync). Each call's recorded values pair with
+    its entry of ``term_log`` (both in call order)."""
     if not recorded:
         return {}
     mask = upload(loss.metric_mask(forest)[loss_lin], device, compute_dtype(dtype))
     sums: dict = {}
     for (e0, weighted), values in zip(term_log, recorded):
         sums = add_metric_sums(sums, masked_metric_sums(values, mask[e0 : e0 + weighted.shape[0]]))
-    return metric_means(sums)
+    return sums
+
+
+def host_values(total: torch.Tensor, sums: dict[str, torch.Tensor]) -> tuple[float, dict[str, float]]:
+    """(the loss's value, :func:`dtree.losses.metric_means` of ``sums``) in one device-to-host
+    copy: the step's one sync (two used to leave the GPU idle between them while the host
+    built the metrics' mask)."""
+    names = [k for k in sums if k != "_weight"]
+    parts = [total.detach().double().reshape(())] + [sums[k].double() for k in names]
+    host = torch.stack(parts + ([sums["_weight"].double()] if sums else [])).cpu().tolist()
+    if not sums:
+        return host[0], {}
+    weight = host[-1]
+    return host[0], {k: (v / weight if weight != 0 else float("nan")) for k, v in zip(names, host[1:-1])}
 
 
 def per_sequence(forest: Forest, values: torch.Tensor, index: np.ndarray, device: torch.device) -> list[torch.Tensor]:
