@@ -127,7 +127,8 @@ class TreeRuntime:
             ``stack_capacity``, ``progress``, ``retain_budget_tokens``, ``free_after_step``,
             ``deterministic`` (bitwise-identical gradients in every run; :mod:`dtree.ops.determinism`),
             ``lean_layers`` (the model's norms and MLPs run dtree's lean kernels during
-            its steps; :mod:`dtree.models.lean_layers`).
+            its steps; :mod:`dtree.models.lean_layers`), ``pause_gc`` (Python's automatic
+            garbage collection off during a training step; :mod:`dtree.engine.collector`).
 
     To ``torch.compile`` the decoder layers, call :func:`dtree.compile_layers` on the
     model first (the runtime never recompiles the user's model itself).
@@ -297,7 +298,8 @@ class TreeRuntime:
                 first = host_step(loss, forest, lps, ents)
                 forest, trained, weights = surrogate(forest, first.grads)
             plan = self._planner.make_plan(forest, weights, trained.field_names, first is not None, view)
-            out = train_step(plan, trained, view.parameters, self._scope(), return_logprobs and first is None)
+            out = train_step(plan, trained, view.parameters, self._scope(), return_logprobs and first is None,
+                             self.config.pause_gc)
             if first is not None:
                 out = two_pass_output(out, loss, first, return_logprobs)
         return with_report(out, after, self.memory_plan)
@@ -329,7 +331,7 @@ class TreeRuntime:
             grads = LogprobGrads(float(loss_value), check_temperature(temperature), w, w_entropy)
             forest, loss, weights = surrogate(forest, grads)
             plan = self._planner.make_plan(forest, weights, loss.field_names, view=view)
-            out = train_step(plan, loss, view.parameters, self._scope())
+            out = train_step(plan, loss, view.parameters, self._scope(), pause_gc=self.config.pause_gc)
             out.loss = grads.value
         return with_report(out, after, self.memory_plan)
 

@@ -31,6 +31,7 @@ from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, mask
 from ..ops.logprobs import compute_dtype
 from ..plan.loss_terms import prediction_lin
 from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
+from .collector import CollectorPause
 from .grad_guard import GradStash
 
 __all__ = [
@@ -190,9 +191,10 @@ class TokenStep:
             out = step.finish(walked)
 
     On entering, ``param.grad`` is moved aside (a failed step loses nothing: it is
-    restored when the block raises). ``per_token`` is the loss's function whose fields
-    are :class:`LossFields` and whose results are checked (:func:`checked_loss`); it
-    records the loss's metrics, and keeps the log-probs the loss saw when
+    restored when the block raises), and Python's automatic garbage collection is paused
+    until the step ends (``pause_gc``: :mod:`dtree.engine.collector`). ``per_token`` is the
+    loss's function whose fields are :class:`LossFields` and whose results are checked
+    (:func:`checked_loss`); it records the loss's metrics, and keeps the log-probs the loss saw when
     ``return_logprobs``. ``loss_lin``: [E] linearized index of each of the step's terms,
     in ``term_log`` order. :meth:`finish` makes the step's one device sync; a non-finite
     loss raises a ValueError naming the first bad term."""
@@ -200,6 +202,7 @@ class TokenStep:
     def __init__(
         self, parameters: Iterable[torch.nn.Parameter], forest: Forest, loss: TokenLoss, loss_lin: np.ndarray,
         device: torch.device, dtype: torch.dtype, return_logprobs: bool = False, started: float | None = None,
+        pause_gc: bool = True,
     ) -> None:
         self.started = time.perf_counter() if started is None else started
         self.forest, self.loss, self.loss_lin, self.device, self.dtype = forest, loss, loss_lin, device, dtype
@@ -208,12 +211,15 @@ class TokenStep:
         per_token = checked_loss(loss, forest).recording(self.recorded)
         self.per_token: PerTokenFn = per_token if self.kept is None else self.kept.wrap(per_token)
         self._stash = GradStash(parameters)
+        self._collector = CollectorPause(pause_gc)
 
     def __enter__(self) -> "TokenStep":
         self._stash.__enter__()
+        self._collector.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool | None:
+        self._collector.__exit__(*exc)
         return self._stash.__exit__(*exc)
 
     def finish(self, walked: WalkOutput) -> StepOutput:

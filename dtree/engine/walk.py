@@ -303,11 +303,13 @@ def _finish_group(state: _GroupState, total: torch.Tensor) -> torch.Tensor:
 
 def train_step(
     plan: StepPlan, loss: TokenLoss, parameters: Iterable[torch.nn.Parameter], scope: Callable | None = None,
-    return_logprobs: bool = False,
+    return_logprobs: bool = False, pause_gc: bool = True,
 ) -> StepOutput:
     """The training walk of ``plan`` for ``loss`` between the two ends of a step
-    (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds, one
-    device sync at the end). ``scope``: the model adapter's attention scope (:meth:`TreeWalk.train`)."""
-    with TokenStep(parameters, plan.forest, loss, plan.terms.loss_lin, plan.device, plan.dtype, return_logprobs) as step:
+    (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds, the
+    garbage collector paused when ``pause_gc``, one device sync at the end). ``scope``: the
+    model adapter's attention scope (:meth:`TreeWalk.train`)."""
+    with TokenStep(parameters, plan.forest, loss, plan.terms.loss_lin, plan.device, plan.dtype, return_logprobs,
+                   pause_gc=pause_gc) as step:
         per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
         return step.finish(TreeWalk(plan).train(per_token, scope))
