@@ -156,9 +156,19 @@ def _rotary_module(attention: torch.nn.Module | None) -> types.ModuleType | None
     if fn is None or getattr(fn, "_dtree_lean", False) or not callable(fn):
         return None
     try:
-        return module if tuple(inspect.signature(fn).parameters) == _ROTARY_PARAMETERS else None
+        rotary = _takes_rotary_arguments(fn)  # read once per function: the scope asks at every step
+    except TypeError:  # an unhashable callable
+        rotary = _takes_rotary_arguments.__wrapped__(fn)
+    return module if rotary else None
+
+
+@functools.lru_cache(maxsize=32)
+def _takes_rotary_arguments(fn) -> bool:
+    """``fn``'s parameters are HF's ``apply_rotary_pos_emb``'s (``inspect.signature`` costs ~0.1 ms)."""
+    try:
+        return tuple(inspect.signature(fn).parameters) == _ROTARY_PARAMETERS
     except (TypeError, ValueError):
-        return None
+        return False
 
 
 def _model_type(model: torch.nn.Module) -> str | None:
