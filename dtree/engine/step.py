@@ -27,7 +27,7 @@ import torch
 
 from ..device.transfer import upload
 from ..forest.forest import Forest
-from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums
+from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums, means_of_sums
 from ..ops.logprobs import compute_dtype
 from ..plan.loss_terms import prediction_lin
 from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
@@ -270,13 +270,9 @@ def host_values(total: torch.Tensor, sums: dict[str, torch.Tensor]) -> tuple[flo
     """(the loss's value, :func:`dtree.losses.metric_means` of ``sums``) in one device-to-host
     copy: the step's one sync (two used to leave the GPU idle between them while the host
     built the metrics' mask)."""
-    names = [k for k in sums if k != "_weight"]
-    parts = [total.detach().double().reshape(())] + [sums[k].double() for k in names]
-    host = torch.stack(parts + ([sums["_weight"].double()] if sums else [])).cpu().tolist()
-    if not sums:
-        return host[0], {}
-    weight = host[-1]
-    return host[0], {k: (v / weight if weight != 0 else float("nan")) for k, v in zip(names, host[1:-1])}
+    names = list(sums)
+    host = torch.stack([total.detach().double().reshape(())] + [sums[k].double() for k in names]).cpu().tolist()
+    return host[0], (means_of_sums(dict(zip(names, host[1:]))) if sums else {})
 
 
 def per_sequence(forest: Forest, values: torch.Tensor, index: np.ndarray, device: torch.device) -> list[torch.Tensor]:

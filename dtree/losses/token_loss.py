@@ -41,6 +41,7 @@ __all__ = [
     "check_loss_settings",
     "local_normalization",
     "masked_metric_sums",
+    "means_of_sums",
     "metric_means",
     "nll",
     "prediction_mask",
@@ -229,10 +230,14 @@ def metric_means(sums: Mapping[str, torch.Tensor]) -> dict[str, float]:
     every metric when no token had weight."""
     if not sums:
         return {}
-    names = [k for k in sums if k != "_weight"]
-    host = torch.stack([sums[k].double() for k in names] + [sums["_weight"].double()]).cpu().tolist()
-    weight = host[-1]
-    return {k: (v / weight if weight != 0 else float("nan")) for k, v in zip(names, host[:-1])}
+    names = list(sums)
+    return means_of_sums(dict(zip(names, torch.stack([sums[k].double() for k in names]).cpu().tolist())))
+
+
+def means_of_sums(sums: Mapping[str, float]) -> dict[str, float]:
+    """:func:`metric_means` of sums already on the host (``"_weight"`` among them)."""
+    weight = sums["_weight"]
+    return {k: (v / weight if weight != 0 else float("nan")) for k, v in sums.items() if k != "_weight"}
 
 
 def nll(reduction: str = "token_mean", scale: float = 1.0, *, temperature: float = 1.0) -> TokenLoss:
