@@ -41,17 +41,36 @@ def cases(draw):
 def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB):
     fig_of = {c: mm._figures(spec, itemsize, cb, fused, c) for c in mp.LOGPROB_CHUNKS}
     fixed = mp._shared_figures(spec, itemsize, shape, stack_held, missing)
-    knobs = mp._all_knobs(shape, "auto", spec.num_layers, None, None, None, can_keep)
-    return knobs, fig_of, fixed
+    grid = mp._knob_grid(shape, "auto", spec.num_layers, None, None, None, can_keep)
+    return grid, fig_of, fixed
+
+
+def nested_loops(budgets, checkpoints, paths, chunks, can_keep) -> list[pc.Knobs]:
+    """The candidates in the order the policy's nested loops made them (the grid's reference)."""
+    return [pc.Knobs(g, k, p, c, keep) for g in budgets for k in checkpoints for p in paths for c in chunks
+            for keep in ((False, True) if can_keep and (k > 0 or p > 0) else (False,))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 40_000), min_size=1, max_size=5, unique=True),
+       st.lists(st.integers(0, 40), min_size=1, max_size=9, unique=True),
+       st.lists(st.integers(-1, 40), min_size=1, max_size=4, unique=True),
+       st.lists(st.sampled_from([1024, 2048, 4096, 3000]), min_size=1, max_size=3, unique=True), st.booleans())
+def test_the_grid_is_the_nested_loops_in_order(budgets, checkpoints, paths, chunks, can_keep):
+    grid = pc.knob_grid(budgets, checkpoints, paths, chunks, can_keep)
+    reference = nested_loops(budgets, checkpoints, paths, chunks, can_keep)
+    assert grid.knobs() == reference
+    for i in (0, len(reference) // 2, len(reference) - 1):
+        assert np.flatnonzero(grid.rows_of(reference[i]))[0] == reference.index(reference[i])
 
 
 @settings(max_examples=60, deadline=None)
 @given(cases(), st.floats(0.0, 4 * GIB), st.floats(0.0, 8 * GIB))
 def test_scores_equal_the_reference_bit_for_bit(case, stack_held, missing):
     spec, shape, cb, itemsize, fused, can_keep = case
-    knobs, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held, missing)
-    peaks, costs = pc.candidate_scores(shape, knobs, fig_of, spec, fixed)
-    reference = [pc.candidate(shape, k, fig_of[k.chunk], spec, fixed) for k in knobs]
+    grid, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held, missing)
+    peaks, costs = pc.candidate_scores(shape, grid, fig_of, spec, fixed)
+    reference = [pc.candidate(shape, k, fig_of[k.chunk], spec, fixed) for k in grid.knobs()]
     assert peaks.tolist() == [p for p, _, _ in reference]
     assert costs.tolist() == [c for _, c, _ in reference]
 
@@ -60,24 +79,26 @@ def test_scores_equal_the_reference_bit_for_bit(case, stack_held, missing):
 @given(cases(), st.floats(0.0, 2.0), st.booleans())
 def test_the_same_plan_is_chosen(case, budget_fraction, keep_one):
     spec, shape, cb, itemsize, fused, can_keep = case
-    knobs, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep)
-    peaks, costs = pc.candidate_scores(shape, knobs, fig_of, spec, fixed)
+    grid, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep)
+    knobs = grid.knobs()
+    peaks, costs = pc.candidate_scores(shape, grid, fig_of, spec, fixed)
     plans = [(*pc.candidate(shape, k, fig_of[k.chunk], spec, fixed), k) for k in knobs]
     budget = float(np.median(peaks)) * budget_fraction  # none, some or all fit
     keep = knobs[len(knobs) // 2] if keep_one else None
     (peak, cost, _, kn), reason = pc.choose(plans, budget, keep)
-    index, reason_fast = pc.choose_index(peaks, costs, knobs, budget, keep)
+    index, reason_fast = pc.choose_index(peaks, costs, grid, budget, keep)
     assert (knobs[index], reason_fast) == (kn, reason)
     assert (peaks[index], costs[index]) == (peak, cost)
 
 
 def test_ties_go_to_the_first_plan_as_min_over_a_list_does():
-    knobs = [pc.Knobs(g, 0, 0, 4096) for g in (1, 2, 3, 4)]
+    grid = pc.knob_grid([1, 2, 3, 4], [0], [0], [4096], can_keep=False)
+    knobs = grid.knobs()
     peaks, costs = np.array([5.0, 3.0, 3.0, 9.0]), np.array([1.0, 2.0, 2.0, 1.0])
     plans = [(p, c, {}, k) for p, c, k in zip(peaks, costs, knobs)]
     for budget in (math.inf, 4.0, 1.0):
         (_, _, _, kn), reason = pc.choose(plans, budget)
-        index, reason_fast = pc.choose_index(peaks, costs, knobs, budget)
+        index, reason_fast = pc.choose_index(peaks, costs, grid, budget)
         assert (knobs[index], reason_fast) == (kn, reason)
 
 
@@ -90,8 +111,8 @@ def test_the_policy_decides_as_the_reference_on_the_issue_cases():
             got = mp.plan_step(spec, 2, shape, on_cuda=True, available=76 * GIB, allocated=2.9 * GIB,
                                expandable_segments=True, fused_head=True, missing_grads=2.9 * GIB, setting=setting,
                                call_bytes=lean, can_keep_attention=True)
-            knobs, fig_of, fixed = _scored(spec, shape, lean, 2, True, True, missing=2.9 * GIB)
-            plans = [(*pc.candidate(shape, k, fig_of[k.chunk], spec, fixed), k) for k in knobs]
+            grid, fig_of, fixed = _scored(spec, shape, lean, 2, True, True, missing=2.9 * GIB)
+            plans = [(*pc.candidate(shape, k, fig_of[k.chunk], spec, fixed), k) for k in grid.knobs()]
             (peak, cost, parts, kn), _ = pc.choose(plans, got.budget_bytes)
             assert (got.group_tokens, got.checkpoint_layers, got.path_checkpoint_layers, got.logprob_chunk,
                     got.keep_attention_outputs) == dataclasses.astuple(kn)

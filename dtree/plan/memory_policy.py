@@ -90,7 +90,7 @@ from .memory_model import (
     state_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
-from .plan_candidates import SLACK, Knobs, candidate, candidate_scores, choose_index
+from .plan_candidates import SLACK, KnobGrid, Knobs, candidate, candidate_scores, choose_index, knob_grid
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
@@ -118,12 +118,6 @@ def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
         return (fixed,)
     step = max(1, layers // CHECKPOINT_STEPS)
     return tuple(sorted(set(range(0, layers, step)) | {layers}))
-
-
-def _keep_options(can_keep: bool, checkpoint: int, path: int) -> tuple[bool, ...]:
-    """Whether the checkpointed layers keep their attention outputs: both, where some
-    layer is checkpointed and the attention backend can keep them."""
-    return (False, True) if can_keep and (checkpoint > 0 or path > 0) else (False,)
 
 
 def plan_step(
@@ -186,14 +180,14 @@ def plan_step(
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = _shared_figures(spec, itemsize, shape, stack_held, missing_grads)
     budget = _budget(available, expandable_segments, setting, allocated)
-    knobs = _all_knobs(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
+    grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
     if recipe is not None:  # the lean recipe's peak is the cap
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
         budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
-    peaks, costs = candidate_scores(shape, knobs, fig_of, spec, fixed)
-    chosen, reason = choose_index(peaks, costs, knobs, budget, Knobs(*keep) if keep is not None else None)
-    kn = knobs[chosen]
+    peaks, costs = candidate_scores(shape, grid, fig_of, spec, fixed)
+    chosen, reason = choose_index(peaks, costs, grid, budget, Knobs(*keep) if keep is not None else None)
+    kn = grid.knob(chosen)
     peak, cost, parts = candidate(shape, kn, fig_of[kn.chunk], spec, fixed)
     cb = fig_of[kn.chunk].call_bytes_keeping if kn.keep else cb
     per_token = cb.call(kn.path) if kn.path != RECOMPUTE else 0.0
@@ -224,15 +218,12 @@ def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held
     }
 
 
-def _all_knobs(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, can_keep: bool):
+def _knob_grid(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk,
+               can_keep: bool) -> KnobGrid:
     """Every plan the policy scores: call sizes, checkpointed layers (calls and path),
     head chunks, and whether checkpointed layers keep their attention outputs."""
-    paths = _path_options(mode, fixed_ckpt, layers)
-    return [
-        Knobs(g, k, p, c, keep)
-        for g in _call_budgets(group_tokens, shape.unique_tokens) for k in _checkpoint_options(fixed_ckpt, layers)
-        for p in paths for c in _options(logprob_chunk, LOGPROB_CHUNKS) for keep in _keep_options(can_keep, k, p)
-    ]
+    return knob_grid(_call_budgets(group_tokens, shape.unique_tokens), _checkpoint_options(fixed_ckpt, layers),
+                     _path_options(mode, fixed_ckpt, layers), _options(logprob_chunk, LOGPROB_CHUNKS), can_keep)
 
 
 def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> Knobs:
