@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import script_setup  # noqa: E402
+from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
 from dtree.bench.measure import emit_report, host_timed_step  # noqa: E402
 
 
@@ -72,10 +72,8 @@ def _row(label: str, walls: list[float], pauses: Pauses, steps: int) -> list[str
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("case1", "agentic64k"), default="case1")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    add_setup_arguments(p)
     p.add_argument("--steps", type=int, default=30, help="steady steps per variant (fresh forests)")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     args = p.parse_args()
     model, device, rt, loss, forests, kind, options = script_setup(args, 3 + 3 * args.steps)
     n = args.steps

@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import script_setup  # noqa: E402
+from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
 from dtree.bench.measure import emit_report, sync_device  # noqa: E402
 
 BINS_US = (5, 20, 100, 1000, float("inf"))
@@ -82,12 +82,10 @@ def step_gaps(kernels: list[tuple]) -> dict:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("case1", "agentic64k"), default="case1")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    add_setup_arguments(p)
     p.add_argument("--steps", type=int, default=6)
     p.add_argument("--top", type=int, default=12, help="largest gaps listed")
     p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model (no kernels: plumbing only)")
     args = p.parse_args()
     model, device, rt, loss, forests, kind, options = script_setup(args, args.steps + 3)
     if device.type != "cuda":

@@ -32,7 +32,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import WORKLOADS, script_setup  # noqa: E402
+from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
 from dtree.bench.measure import emit_report, host_timed_step, sync_device  # noqa: E402
 from dtree.engine import walk  # noqa: E402
 
@@ -132,10 +132,8 @@ def sync_points(run_step) -> collections.Counter:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic64k")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    add_setup_arguments(p, "agentic64k")
     p.add_argument("--tag", default="")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     args = p.parse_args()
     from torch.profiler import ProfilerActivity, profile, record_function
 

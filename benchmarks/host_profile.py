@@ -72,6 +72,13 @@ def script_setup(args, num_forests: int):
     return model, device, rt, loss, forests, kind, options
 
 
+def add_setup_arguments(p: argparse.ArgumentParser, default_workload: str = "case1") -> None:
+    """The options :func:`script_setup` reads: ``--workload``, ``--opt`` (repeatable) and ``--smoke``."""
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default=default_workload)
+    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
+
+
 def kernel_busy(rt, model, forest, loss, device) -> dict:
     """One profiled step: kernel time, launches, and the step's time with no kernel running."""
     from torch.profiler import ProfilerActivity, profile, record_function
@@ -125,14 +132,11 @@ def callers(profiler: cProfile.Profile, name: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="case1")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
     p.add_argument("--steps", type=int, default=8, help="timed steps (fresh forests), then as many profiled")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--callers", action="append", default=None, metavar="NAME",
                    help="list who calls these functions (pstats regex; default: module and parameter walks, "
                         "the allocator's statistics)")
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     p.add_argument("--tag", default="", help="appended to the report's file name")
     p.add_argument("--backward-here", action="store_true",
                    help="run the profiled steps' backward on the calling thread (autograd multithreading off), "

@@ -29,6 +29,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
+
 STEADY = "steady_steps"  # the function whose samples count
 # a frame that starts a phase of the step (the innermost one on a stack wins)
 PHASES = tuple((name, re.compile(rf"(^|\.)({fns}) \(")) for name, fns in (
@@ -52,23 +54,9 @@ def steady_steps(runtime, forests, loss, model, device, host_timed_step) -> list
 def run(args) -> int:
     import torch
 
-    import dtree
-    from dtree.bench.configs import parse_assignments
-    from dtree.bench.measure import host_timed_step, script_model
-    from dtree.losses import ppo_clip
-    from dtree.models import adapt
-    from dtree.workloads import make_workload
+    from dtree.bench.measure import host_timed_step
 
-    from benchmarks.host_profile import SMOKE, WORKLOADS
-
-    model, device = script_model(args.smoke)
-    spec = adapt(model).dtree_spec()
-    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
-    rt = dtree.TreeRuntime(model, **parse_assignments(args.opt, "--opt"))
-    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
-    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(args.steps + 3)]
-    for forest in forests[:3]:
-        host_timed_step(rt, forest, loss, model, device)
+    model, device, rt, loss, forests, _, _ = script_setup(args, args.steps + 3)  # three warm-up steps run
     t0 = time.perf_counter()
     walls = steady_steps(rt, forests[3:], loss, model, device, host_timed_step)
     print(f"{len(walls)} steady steps in {time.perf_counter() - t0:.2f} s, median "
@@ -141,10 +129,8 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="part", required=True)
     r = sub.add_parser("run", help="the steps (run it under py-spy record -f raw)")
-    r.add_argument("--workload", choices=("case1", "agentic64k"), default="case1")
-    r.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    add_setup_arguments(r)
     r.add_argument("--steps", type=int, default=40)
-    r.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     s = sub.add_parser("report", help="py-spy's collapsed stacks as Markdown")
     s.add_argument("stacks")
     s.add_argument("--steps", type=int, required=True, help="the steady steps the run made")

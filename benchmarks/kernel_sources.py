@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import script_setup  # noqa: E402
+from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
 from dtree.bench.measure import emit_report, sync_device  # noqa: E402
 
 OPS = r"^aten::(zero_|zeros|zeros_like|fill_|copy_|add_?|sum|to|_to_copy|mul|cat|index|new_zeros|clone)$"
@@ -57,12 +57,10 @@ def _where(e, depth: int) -> str:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=("case1", "agentic64k"), default="case1")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    add_setup_arguments(p)
     p.add_argument("--ops", default=OPS, help="regex of the torch op names to attribute")
     p.add_argument("--depth", type=int, default=2, help="frames shown per source")
     p.add_argument("--top", type=int, default=40)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     args = p.parse_args()
     from torch.profiler import ProfilerActivity, profile
 

@@ -28,7 +28,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import WORKLOADS, script_setup  # noqa: E402
+from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
 from dtree.bench.measure import emit_report, host_timed_step  # noqa: E402
 from dtree.plan import memory_policy, step_plan  # noqa: E402
 
@@ -61,11 +61,9 @@ def _timed_parts(times: dict) -> list:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="case1")
-    p.add_argument("--opt", action="append", default=[], metavar="KEY=VALUE", help="a RuntimeConfig option")
+    add_setup_arguments(p)
     p.add_argument("--steps", type=int, default=4, help="timed steps, then as many profiled")
     p.add_argument("--top", type=int, default=30)
-    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     args = p.parse_args()
     model, device, rt, loss, forests, _, options = script_setup(args, 3 + 2 * args.steps)
     original = step_plan.StepPlanner.make_plan
