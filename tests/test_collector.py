@@ -5,6 +5,7 @@ fails; ``pause_gc=False`` and a collector the user switched off are left alone."
 from __future__ import annotations
 
 import gc
+import weakref
 
 import pytest
 import torch
@@ -76,7 +77,7 @@ def test_explicit_collections_still_run_while_paused():
     with CollectorPause():
         a = Cycle()
         a.self = a
-        ref = __import__("weakref").ref(a)
+        ref = weakref.ref(a)
         del a
         assert ref() is not None
         gc.collect()
