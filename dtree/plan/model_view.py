@@ -4,7 +4,8 @@ The plan asks several questions of the model every step (where it lives, whether
 gradient checkpointing is on, which gradients are missing, whether a module is in training
 mode, the per-token figures' cache key): each used to walk the modules or parameters again,
 ~10 ms of host time per step on an H100 host for qwen2.5-1.5b, all of it before the step's
-first kernel (``benchmarks/plan_profile.py``). :func:`model_view` walks once per step.
+first kernel (``benchmarks/plan_profile.py``). :func:`model_view` walks once per call; the
+runtime hands the view to its checks, the lean-layer swap and the step's gradient stash too.
 """
 
 from __future__ import annotations
