@@ -198,7 +198,7 @@ def test_simulated_peak_is_the_hand_count():
     cb = CallBytes(1000.0, 100.0, 4, 10.0, backward_full=50.0, backward_checkpointed=300.0)
     spec = ModelSpec(num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11)
     fig = mm._Figures(spec, 2, cb, True, 4096)
-    rows = np.diff(sched.terms.pred_offsets).tolist()
+    rows = np.diff(sched.predictions.pred_offsets).tolist()
     head = mm.head_bytes(spec, 2, 4096, rows[1], True)
     peak, where = mm.simulate_peak(sched, rows, math.inf, checkpoint=0, path_checkpoint=4, fig=fig)
     assert peak == pytest.approx(32 * cb.call(4) + 32 * 1000 + max(head, 32 * 50.0))

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from strategies import sequence_batches
 
 from dtree import Forest
-from dtree.plan.loss_terms import all_predictions, prediction_lin, select_loss_terms
+from dtree.plan.loss_terms import LossTerms, all_predictions, every_term, prediction_lin, select_loss_terms
 from dtree.plan.schedule import BACKWARD, FORWARD, build_schedule
 
 
@@ -57,7 +57,7 @@ def test_schedule_invariants(seqs, chunk, budget):
             assert kind == BACKWARD and open_groups.pop() == gid
     assert not open_groups and len(seen) == s.num_groups
     # predictions: each predicted unique token once, from its predecessor's row
-    t = s.terms
+    t = every_term(s.predictions, f)
     assert sorted(t.pred_unique.tolist()) == np.flatnonzero(f.predecessor >= 0).tolist()
     for gid in range(s.num_groups):
         p0, p1 = t.pred_offsets[gid], t.pred_offsets[gid + 1]
@@ -121,6 +121,21 @@ def check_terms(f: Forest, s, t, kept_lin: np.ndarray) -> None:
     assert read == set(range(len(t.pred_unique)))  # no prediction that no term reads
 
 
+def _every_term_filtered(every, weights: np.ndarray) -> LossTerms:
+    """The selection by its definition: every term, those with a non-zero weight kept in
+    order, and only the predictions they read (renumbered)."""
+    g = len(every.loss_offsets) - 1
+    group = np.repeat(np.arange(g), np.diff(every.loss_offsets))
+    keep = weights[every.loss_lin] != 0
+    lin, grp = every.loss_lin[keep], group[keep]
+    read = sorted(set((every.pred_offsets[grp] + every.loss_pred[keep]).tolist()))
+    rank = {p: i for i, p in enumerate(read)}
+    pred_offsets = np.searchsorted(np.array(read, dtype=np.int64), every.pred_offsets)
+    loss_pred = [rank[int(every.pred_offsets[q] + p)] - pred_offsets[q] for q, p in zip(grp, every.loss_pred[keep])]
+    return LossTerms(every.pred_hidden_row[read], every.pred_unique[read], pred_offsets, lin,
+                     np.array(loss_pred, dtype=np.int64), np.searchsorted(grp, np.arange(g + 1)))
+
+
 @given(
     sequence_batches(max_sequences=8, max_len=12, alphabet=3),
     st.sampled_from([1, 3, 100]),
@@ -133,16 +148,20 @@ def test_loss_term_selection(seqs, chunk, budget, seed):
     lin = prediction_lin(f)
     want = [i for k in range(f.num_sequences) for i in range(f.seq_offsets[k] + 1, f.seq_offsets[k + 1])]
     assert lin.tolist() == want
-    check_terms(f, s, s.terms, lin)
+    every = every_term(s.predictions, f)
+    check_terms(f, s, every, lin)
     weights = np.random.default_rng(seed).choice([0.0, 0.0, 0.5, -1.0], size=f.num_linearized_tokens)
     weights[f.seq_offsets[:-1]] = 0.0  # as TokenLoss.weights: a sequence's first token has no term
-    chosen = select_loss_terms(s.terms, weights)
+    chosen = select_loss_terms(s.predictions, f, weights)
     check_terms(f, s, chosen, np.flatnonzero(weights != 0))
-    everything = all_predictions(s.terms)
+    want = _every_term_filtered(every, weights)
+    for name in ("pred_hidden_row", "pred_unique", "pred_offsets", "loss_lin", "loss_pred", "loss_offsets"):
+        assert np.array_equal(getattr(chosen, name), getattr(want, name)), name
+    everything = all_predictions(s.predictions)
     assert everything.loss_lin.size == 0 and not np.any(everything.loss_offsets)
-    assert np.array_equal(everything.pred_unique, s.terms.pred_unique)
-    assert np.array_equal(everything.pred_hidden_row, s.terms.pred_hidden_row)
-    assert np.array_equal(everything.pred_offsets, s.terms.pred_offsets)
+    assert np.array_equal(everything.pred_unique, every.pred_unique)
+    assert np.array_equal(everything.pred_hidden_row, every.pred_hidden_row)
+    assert np.array_equal(everything.pred_offsets, every.pred_offsets)
 
 
 def test_masked_tokens_never_reach_the_head():
@@ -150,6 +169,6 @@ def test_masked_tokens_never_reach_the_head():
     s = build_schedule(f, chunk_size=8, group_tokens=0)
     weights = np.zeros(f.num_linearized_tokens)
     weights[[3, 7]] = 1.0  # the answers 4 and 5 of the first two sequences, predicted from token 3
-    t = select_loss_terms(s.terms, weights)
+    t = select_loss_terms(s.predictions, f, weights)
     assert sorted(f.tokens[t.pred_unique].tolist()) == [4, 5]
     assert t.loss_lin.tolist() == [3, 7]

@@ -306,7 +306,7 @@ def refine(
     grow += max(0, state_slots - held[1]) * state_slot_bytes(plan.spec, plan.itemsize)
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
     path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
-    rows = [int(n) for n in sched.terms.pred_offsets[1:] - sched.terms.pred_offsets[:-1]]
+    rows = [int(n) for n in sched.predictions.pred_offsets[1:] - sched.predictions.pred_offsets[:-1]]
     activations, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig)
     parts = {"gradients": plan.parts.get("gradients", 0.0), "kv_stack": float(grow), "activations": activations}
     return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,

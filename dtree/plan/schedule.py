@@ -16,10 +16,9 @@ Terms (the glossary of docs/design.md section 3):
 * **events**: the depth-first walk over the group tree: ``forward(g)``, then all
   child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
   Python's recursion limit.
-* **predictions** and **loss terms**: each non-root unique token is predicted once, from
-  its predecessor's row; each linearized token but a sequence's first is a loss term
-  reading its unique token's prediction. A pass keeps what it needs
-  (:class:`dtree.plan.loss_terms.LossTerms`).
+* **predictions**: each non-root unique token is predicted once, from its predecessor's
+  row (:class:`dtree.plan.loss_terms.Predictions`); a pass makes the loss terms it needs
+  from them (:func:`dtree.plan.loss_terms.select_loss_terms`).
 * **stack slots**: a group's K/V lives in the KV stack at ``[stack_start, stack_start +
   num_tokens)``, above its parent group; the capacity is the high-water mark of the groups
   that write there (:attr:`GroupPlan.writes_stack`; GRPO 2048 + 16 x 1024: 2,048 slots).
@@ -37,7 +36,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..forest.forest import Forest
-from .loss_terms import LossTerms, every_term
+from .loss_terms import Predictions, every_prediction
 
 __all__ = ["BACKWARD", "FORWARD", "GroupPlan", "Schedule", "build_schedule", "check_stack_capacity"]
 
@@ -91,7 +90,7 @@ class Schedule:
     Concatenated per-group arrays (``G`` groups, ``U`` unique tokens, ``S`` segments):
         row_unique:  [U] unique-token index of every row, group after group
         row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
-        terms:       every prediction and every loss term (:class:`LossTerms`)
+        predictions: every prediction, per group (:class:`Predictions`)
         segment_parent: [S] parent segment of every segment, -1 at a root
     ``stack_tokens``: the KV-stack slots the step writes (its stack capacity).
     """
@@ -103,7 +102,7 @@ class Schedule:
     group_tokens: int
     row_unique: np.ndarray
     row_offsets: np.ndarray
-    terms: LossTerms
+    predictions: Predictions
     num_segments: int
     segment_parent: np.ndarray
 
@@ -321,7 +320,7 @@ def _rows(segs: _Segments, groups: list[GroupPlan]) -> tuple[np.ndarray, np.ndar
 
 
 def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0) -> Schedule:
-    """Plan the DFS over ``forest``: segments, groups and events, stack slots, rows, terms.
+    """Plan the DFS over ``forest``: segments, groups and events, stack slots, rows, predictions.
 
     Args:
         chunk_size: longest segment; longer nodes are split into chains.
@@ -338,7 +337,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         groups=groups, events=events,
         stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
         chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
-        terms=every_term(forest, row_unique, row_offsets), num_segments=segs.num_segments,
+        predictions=every_prediction(forest, row_unique, row_offsets), num_segments=segs.num_segments,
         segment_parent=segs.parent,
     )
 

@@ -315,7 +315,7 @@ class StepPlanner:
         ``view``: the model this step (:func:`dtree.plan.model_view.model_view`)."""
         if same_schedule:
             memory, sched, states = self._last
-            return memory, sched, select_loss_terms(sched.terms, weights), states
+            return memory, sched, select_loss_terms(sched.predictions, forest, weights), states
         view = view or model_view(self.module)
         self.sync(view)
         head = as_output_head(self.model.dtree_output_layer())
@@ -329,7 +329,8 @@ class StepPlanner:
         )
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
         check_stack_capacity(sched, forest, self.config.stack_capacity)
-        terms = select_loss_terms(sched.terms, weights) if weights is not None else all_predictions(sched.terms)
+        terms = (select_loss_terms(sched.predictions, forest, weights) if weights is not None
+                 else all_predictions(sched.predictions))
         states = plan_states(sched) if self.spec.recurrent_states else None
         held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
         retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
