@@ -136,3 +136,98 @@ def test_recording_leaves_no_reference_cycle():
         assert all(r() is None for r in refs)
     finally:
         gc.enable()
+
+
+def _two_scratch_kernel(q, out, acc, count, aux):
+    """A launch with two scratch tensors of other dtypes, both accumulated into."""
+    acc += q.sum(0, keepdim=True)
+    count += (q > 0).sum(0, keepdim=True).to(count.dtype)
+    out.copy_(q * acc + count.to(q.dtype) + aux.tensors[0][: q.shape[1]])
+
+
+class _TwoScratchInterface:
+    def __init__(self):
+        self.calls = 0
+
+        def fwd(q, out, tables):
+            self.calls += 1
+            key = tuple(q.shape)
+            if key not in fwd.compile_cache:
+                fwd.compile_cache[key] = _two_scratch_kernel
+            acc = torch.zeros(1, q.shape[1], dtype=torch.float64)  # scratch of other dtypes
+            count = torch.zeros(1, q.shape[1], dtype=torch.int16)
+            fwd.compile_cache[key](q, out, acc, count, Aux([tables], None))
+
+        fwd.compile_cache = {}
+        self._flash_attn_fwd = fwd
+
+    def maybe_contiguous(self, x):
+        return x
+
+
+def test_scratch_of_several_dtypes_is_zeroed_in_one_buffer_per_replay():
+    fi = _TwoScratchInterface()
+    replay = Flash4LaunchReplay(fi, VERSION)
+    tables = torch.arange(8.0)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        q = torch.randn(5, 4, generator=g)
+        out = torch.empty_like(q)
+        replay.run("fwd", ("fwd", tensor_key(q), tables.data_ptr()), (q, out), (tables,),
+                   lambda: fi._flash_attn_fwd(q, out, tables))
+        want = torch.empty_like(q)
+        _two_scratch_kernel(q, want, torch.zeros(1, 4, dtype=torch.float64), torch.zeros(1, 4, dtype=torch.int16),
+                            Aux([tables], None))
+        torch.testing.assert_close(out, want, rtol=0, atol=0)
+    assert (fi.calls, replay.replays) == (1, 3)
+    layout = replay.held["fwd"][1]._layout
+    assert [p[2] for p in layout.parts] == [torch.float64, torch.int16]
+    assert all(at % 256 == 0 for at, *_ in layout.parts)
+
+
+def _slot_trees():
+    from hypothesis import strategies as st
+
+    from dtree.ops.stack_attention.flash4_launch_replay import _Input, _Scratch
+
+    leaves = st.one_of(
+        st.integers(-3, 3), st.none(), st.floats(allow_nan=False, width=32),
+        st.builds(lambda i: _Input(i, (2, 3), (3, 1)), st.integers(0, 1)),
+        st.builds(lambda i: _Input(i, (3, 2), (1, 3)), st.integers(0, 1)),
+        st.builds(lambda i: _Scratch(i, (2,), (1,), torch.float32, torch.device("cpu")), st.integers(0, 1)),
+    )
+    return st.recursive(
+        leaves,
+        lambda kids: st.one_of(st.lists(kids, max_size=4), st.lists(kids, max_size=4).map(tuple),
+                               st.builds(lambda a, b: Aux([a], b), kids, st.one_of(st.none(), st.tuples(kids)))),
+        max_leaves=12,
+    )
+
+
+def test_binders_bind_what_the_tree_walk_binds():
+    """Each launch's binder, built once per template, gives the same arguments as mapping
+    _bind over the whole argument tree (the reference): same values, containers and types."""
+    from hypothesis import given, settings
+
+    from dtree.ops.stack_attention.flash4_launch_replay import _bind, _binder, _tree_map
+
+    inputs = [torch.arange(6.0).view(2, 3), torch.arange(6.0, 12.0).view(2, 3)]
+    scratch = [torch.zeros(2), torch.ones(2)]
+
+    def same(a, b):
+        if isinstance(a, torch.Tensor):
+            return isinstance(b, torch.Tensor) and a.shape == b.shape and a.stride() == b.stride() and \
+                a.data_ptr() == b.data_ptr() and torch.equal(a, b)
+        if isinstance(a, (tuple, list)):
+            return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return a == b or (a is None and b is None)
+
+    @settings(max_examples=200, deadline=None)
+    @given(_slot_trees())
+    def check(args):
+        want = _tree_map(args, lambda x: _bind(x, inputs, scratch))
+        binder = _binder(args)
+        got = args if binder is None else binder(inputs, scratch)
+        assert same(want, got)
+
+    check()

@@ -17,8 +17,11 @@ launch the recorded kernels directly:
   with the recorded shape and strides; the mask tables stay (the key holds their buffer,
   and the template keeps it alive, so no other buffer takes its address); every other
   tensor is the interface's scratch (the backward's dQ accumulator, its preprocess's dP
-  sums and base-2 LSE, the GQA dK/dV accumulators), kept and zeroed before each replay as
-  the interface allocates it (``torch.zeros``, or written by the preprocess before read);
+  sums and base-2 LSE, the GQA dK/dV accumulators), allocated zeroed for each replay as
+  the interface allocates it (``torch.zeros``, or written by the preprocess before read),
+  all of them views of one buffer (one allocation and one memset, not one per tensor);
+* a replay binds each launch's arguments with a binder built with the template
+  (:func:`_binder`): only the containers that hold an input or scratch slot are rebuilt;
 * a key whose inputs the interface copies (``maybe_contiguous``: misaligned pointers or
   strides), whose scratch overlaps an input (a view the interface made of it), or
   a flash-attn-4 other than the one the ``flash`` extra pins (:data:`VERSION`), keeps
@@ -63,10 +66,34 @@ class _Scratch:
     device: torch.device
 
 
-@dataclass
-class _Template:
-    launches: list[tuple[Callable, tuple]]  # compiled function, arguments with _Input and _Scratch slots
-    scratch: list[_Scratch]
+_ALIGN = 256  # bytes between the scratch tensors in their one buffer (the caching allocator's alignment is 512)
+
+
+@dataclass(frozen=True)
+class _ScratchLayout:
+    """Every scratch tensor of a template as a view into one zeroed buffer: one allocation and
+    one memset per replay instead of one each."""
+
+    nbytes: int
+    parts: tuple  # (byte offset, bytes, dtype, shape, stride) per scratch tensor, by index
+    device: torch.device | None
+
+    @staticmethod
+    def of(scratch: Sequence[_Scratch]) -> "_ScratchLayout":
+        parts, at = [], 0
+        for s in scratch:
+            numel = 1 + sum((n - 1) * st for n, st in zip(s.shape, s.stride) if n > 0) if all(s.shape) else 0
+            size = torch.empty((), dtype=s.dtype).element_size()
+            parts.append((at, numel * size, s.dtype, s.shape, s.stride))
+            at += -(-numel * size // _ALIGN) * _ALIGN
+        return _ScratchLayout(at, tuple(parts), scratch[0].device if scratch else None)
+
+    def allocate(self) -> list[torch.Tensor]:
+        """Zeroed tensors of the template's scratch layouts, views of one buffer."""
+        if not self.parts:
+            return []
+        buf = torch.zeros(self.nbytes, dtype=torch.uint8, device=self.device)
+        return [buf[at : at + n].view(dtype).as_strided(shape, stride) for at, n, dtype, shape, stride in self.parts]
 
 
 def _ranges_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -133,13 +160,64 @@ def _template(log: list, inputs: Sequence[torch.Tensor], kept: Sequence[torch.Te
 
 
 def _bind(x: Any, inputs: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]):
-    """A template's argument for this call: its input or scratch tensor, else as held."""
+    """A template's argument for this call: its input or scratch tensor, else as held (the
+    reference :func:`_binder`'s binders are tested against)."""
     if isinstance(x, _Input):
         t = inputs[x.index]
         return t.as_strided(x.shape, x.stride, t.storage_offset())
     if isinstance(x, _Scratch):
         return scratch[x.index]
     return x
+
+
+def _binder(x: Any) -> Callable | None:
+    """What :func:`_bind` mapped over ``x`` gives, as a function of (inputs, scratch) that
+    rebuilds only the containers holding a slot; None where ``x`` holds none (it is passed
+    as held). A replay binds each launch's arguments with it (walking the whole argument tree
+    per call cost ~60 us of host time per replay on an H100 host)."""
+    if isinstance(x, _Input):
+        index, shape, stride = x.index, x.shape, x.stride
+
+        def bind_input(inputs, scratch):
+            t = inputs[index]
+            return t if (t.shape, t.stride()) == (shape, stride) else t.as_strided(shape, stride, t.storage_offset())
+
+        return bind_input
+    if isinstance(x, _Scratch):
+        index = x.index
+        return lambda inputs, scratch: scratch[index]
+    if not isinstance(x, (tuple, list)):
+        return None
+    parts = [(i, b) for i, b in enumerate(map(_binder, x)) if b is not None]
+    if not parts:
+        return None
+    held, kind, named = list(x), type(x), isinstance(x, tuple) and hasattr(x, "_fields")
+
+    def bind_container(inputs, scratch):
+        items = held.copy()
+        for i, b in parts:
+            items[i] = b(inputs, scratch)
+        return kind(*items) if named else kind(items)
+
+    return bind_container
+
+
+class _Template:
+    """A recorded call, replayable by substitution: ``launches`` (per launch its compiled
+    function and arguments with :class:`_Input` and :class:`_Scratch` slots) and the
+    ``scratch`` layouts; each launch's binder (:func:`_binder`) built once."""
+
+    def __init__(self, launches: list[tuple[Callable, tuple]], scratch: list[_Scratch]):
+        self.launches, self.scratch = launches, scratch
+        self._bound = [(fn, _binder(args), args) for fn, args in launches]
+        self._layout = _ScratchLayout.of(scratch)
+
+    def replay(self, inputs: Sequence[torch.Tensor]) -> None:
+        """Launch the recorded kernels on ``inputs`` (the call's tensors by role), with fresh
+        zeroed scratch."""
+        scratch = self._layout.allocate()
+        for fn, bind, args in self._bound:
+            fn(*(args if bind is None else bind(inputs, scratch)))
 
 
 def tensor_key(*tensors: torch.Tensor) -> tuple:
@@ -170,10 +248,7 @@ class Flash4LaunchReplay:
             if template is None:
                 interface_call()
                 return
-            scratch = [torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device=s.device).zero_()
-                       for s in template.scratch]
-            for fn, args in template.launches:
-                fn(*_tree_map(args, lambda x: _bind(x, inputs, scratch)))
+            template.replay(inputs)
             self.replays += 1
             return
         if not self.enabled:
