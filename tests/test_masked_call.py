@@ -20,25 +20,52 @@ from dtree.ops.stack_ops.kv_stack import KVStack
 from test_stack_attention import check_against_naive, nested_layout, random_layout
 
 
-def one_call_backend(q, k, v, slots: StackSlots, options: AttentionOptions):
-    """The backends' signature over the one-call path with the torch kernel."""
+def one_call_backend(q, k, v, slots: StackSlots, options: AttentionOptions, own_in_stack: bool = False):
+    """The backends' signature over the one-call path with the torch kernel. ``own_in_stack``:
+    as the walk's groups that push (check_against_naive pushes the own K/V first, as they do)."""
     mask = call_mask(slots.layout)
     assert mask is not None, "the layout must be expressible"
     return stack_attention_masked_call(q, k, v, slots.stack, slots.layer, slots.layout, mask,
-                                options.softmax_scale(q.shape[-1]), kernel=TORCH_MASKED_CALL)
+                                       options.softmax_scale(q.shape[-1]), kernel=TORCH_MASKED_CALL,
+                                       own_in_stack=own_in_stack)
+
+
+def pushed_backend(q, k, v, slots, options):
+    return one_call_backend(q, k, v, slots, options, own_in_stack=True)
 
 
 @pytest.mark.parametrize("seed", range(20))
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_random_layouts_match_the_naive_reference(seed, dtype):
+@pytest.mark.parametrize("backend", [one_call_backend, pushed_backend], ids=["writes own", "own pushed"])
+def test_random_layouts_match_the_naive_reference(seed, dtype, backend):
     """Random packed calls (odd lengths, GQA 3, shared and multi-range prefixes), with the
-    stack's gradients already holding other calls' terms: every output and gradient."""
+    stack's gradients already holding other calls' terms: every output and gradient; the
+    own K/V written by the call, or pushed by the caller before it."""
     rng = np.random.default_rng(seed)
     used = int(rng.integers(1, 40))
     layout, t = random_layout(rng, int(rng.integers(1, 6)), 17, used)
     if call_mask(layout) is None:
         pytest.skip("a prefix whose readers are not one run of rows (random_layout draws any subsets)")
-    check_against_naive(one_call_backend, layout, t, used, 6, 2, 8, dtype=dtype, seed=seed, grad_init=True)
+    check_against_naive(backend, layout, t, used, 6, 2, 8, dtype=dtype, seed=seed, grad_init=True)
+
+
+@pytest.mark.parametrize("own_in_stack", [False, True])
+def test_the_call_writes_its_own_slots_unless_the_caller_did(own_in_stack):
+    """own_in_stack=True: the slots are the caller's, the call leaves them as they are (one
+    write per layer, the push); False: the call writes its K/V there itself."""
+    from dtree.ops.stack_attention import SegmentLayout
+
+    layout = SegmentLayout(np.array([0, 3, 5]), np.array([4, 7]), [((0, 4),), ((0, 4),)])
+    stack = KVStack(1, 12, 1, 4, dtype=torch.float64, device="cpu", grad_dtype=torch.float64)
+    stack.k[0, :4], stack.v[0, :4] = torch.randn(4, 1, 4, dtype=torch.float64), torch.randn(4, 1, 4, dtype=torch.float64)
+    q, k, v = (torch.randn(5, 2, 4, dtype=torch.float64) for _ in range(3))
+    k, v = k[:, :1].contiguous(), v[:, :1].contiguous()
+    stack.k[0, 4:9] = stack.v[0, 4:9] = 7.0
+    stack_attention_masked_call(q, k, v, stack, 0, layout, call_mask(layout), 0.5, own_in_stack=own_in_stack)
+    if own_in_stack:
+        assert torch.all(stack.k[0, 4:9] == 7.0) and torch.all(stack.v[0, 4:9] == 7.0)
+    else:
+        assert torch.equal(stack.k[0, 4:9], k) and torch.equal(stack.v[0, 4:9], v)
 
 
 def test_in_call_ancestors_match_the_naive_reference():

@@ -68,7 +68,8 @@ class GroupAttention:
             if self.grad_seed:
                 k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi, device_lo=self.device_lo)
         options = AttentionOptions(scale=scale, deterministic=self.deterministic, **options)
-        return stack_attention(q, k, v, StackSlots(stack, local, self.layout), options, self.backend)
+        slots = StackSlots(stack, local, self.layout, own_in_stack=self.push)
+        return stack_attention(q, k, v, slots, options, self.backend)
 
     def states(self, layer: int) -> LayerStates:
         """The recurrent states of ``layer`` for this call (:mod:`dtree.ops.segment_states`)."""

@@ -159,5 +159,6 @@ def stack_attention_flash4(
     if mask is not None and stack.capacity >= mask.num_keys:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         scale = options.softmax_scale(q.shape[-1])
-        return stack_attention_masked_call(q, k, v, stack, slots.layer, slots.layout, mask, scale, kernel=FLASH4_MASKED_CALL)
+        return stack_attention_masked_call(q, k, v, stack, slots.layer, slots.layout, mask, scale,
+                                           kernel=FLASH4_MASKED_CALL, own_in_stack=slots.own_in_stack)
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)

@@ -6,7 +6,8 @@ function on Hopper (:mod:`dtree.ops.stack_attention.flash4_masked_call`).
 
 The own K/V must sit in the stack's slots ``[base, base + T)``: the forward writes them
 there (the same values a push writes; the plan sizes the stack for every call's slots when
-the backend reads own K/V from the stack, :data:`.interface.OWN_KV_IN_STACK`). The backward
+the backend reads own K/V from the stack, :data:`.interface.OWN_KV_IN_STACK`), unless the
+caller pushed them already (``own_in_stack``: the walk's groups that write the stack). The backward
 adds the slots below the call into the stack's gradient buffers and returns the call's own
 slots as the gradients of ``k, v``: they hold every contribution of this call (its own
 rows' and its in-call descendants'), so nothing of the call goes through the stack's
@@ -84,10 +85,11 @@ TORCH_MASKED_CALL: MaskedCallKernel = _TorchMaskedCall()
 class _MaskedCallAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: CallMask, scale: float,
-                kernel: MaskedCallKernel):
+                kernel: MaskedCallKernel, own_in_stack: bool):
         base, n = mask.base, mask.num_keys
-        stack.k[layer, base:n].copy_(k)
-        stack.v[layer, base:n].copy_(v)
+        if not own_in_stack:
+            stack.k[layer, base:n].copy_(k)
+            stack.v[layer, base:n].copy_(v)
         t, hq = q.shape[:2]
         out, lse = kept_or_computed(
             lambda: kernel.forward(q, stack.k[layer, :n], stack.v[layer, :n], mask, layout, scale),
@@ -108,14 +110,17 @@ class _MaskedCallAttention(torch.autograd.Function):
         if stack.has_grad and base > 0:
             stack.grad_k[layer, :base].add_(dk[:base])
             stack.grad_v[layer, :base].add_(dv[:base])
-        return dq, dk[base:], dv[base:], None, None, None, None, None, None
+        return dq, dk[base:], dv[base:], None, None, None, None, None, None, None
 
 
-def stack_attention_masked_call(q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: CallMask, scale: float,
-                         kernel: MaskedCallKernel = TORCH_MASKED_CALL) -> torch.Tensor:
+def stack_attention_masked_call(
+    q, k, v, stack: KVStack, layer: int, layout: SegmentLayout, mask: CallMask, scale: float,
+    kernel: MaskedCallKernel = TORCH_MASKED_CALL, own_in_stack: bool = False,
+) -> torch.Tensor:
     """Plain stack attention of one call as one masked attention (see the module
     docstring). q [T, Hq, Dk], k [T, Hkv, Dk], v [T, Hkv, Dv] with unit last strides; the
-    stack holds at least ``mask.num_keys`` slots."""
+    stack holds at least ``mask.num_keys`` slots. ``own_in_stack``: ``k, v`` sit in slots
+    ``[mask.base, mask.num_keys)`` already (the caller pushed them: one write, not two)."""
     if stack.capacity < mask.num_keys:
         raise ValueError(f"the call's slots end at {mask.num_keys}, past the stack capacity {stack.capacity}")
-    return _MaskedCallAttention.apply(q, k, v, stack, layer, layout, mask, float(scale), kernel)
+    return _MaskedCallAttention.apply(q, k, v, stack, layer, layout, mask, float(scale), kernel, own_in_stack)

@@ -43,11 +43,15 @@ class StackSlots:
         layer: the layer index into the stack.
         layout: the segments' query offsets and prefix ranges (its device tables are
             built once and reused by every layer).
+        own_in_stack: the caller wrote the call's own K/V (the ``k, v`` it passes) into
+            their slots (``layout.own_slot``) already, so a backend that reads them from
+            the stack (the flash-attn backend's one-call path) does not copy them again.
     """
 
     stack: KVStack
     layer: int
     layout: SegmentLayout
+    own_in_stack: bool = False
 
 
 @dataclass(frozen=True, eq=False)
