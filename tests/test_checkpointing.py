@@ -115,8 +115,8 @@ def _saved_peak(trainer, forest) -> int:
 
 @pytest.mark.parametrize("cls", [TreeMaskTrainer, LinearizedTrainer])
 def test_checkpointed_step_holds_less_activation_memory(cls):
-    """Saved-tensor hooks see what autograd keeps outside the checkpoints; the
-    checkpoints themselves keep each layer's input, counted here on top."""
+    """Saved-tensor hooks see what autograd keeps between forward and backward: outside
+    the checkpointed layers, and each layer's input."""
     torch.manual_seed(0)
     model = make_model("llama")
     prompt = torch.randint(0, 97, (160,)).tolist()
@@ -128,7 +128,7 @@ def test_checkpointed_step_holds_less_activation_memory(cls):
     tokens = max(b.num_tokens for b in calls)
     config = model.config
     layer_inputs = config.num_hidden_layers * tokens * config.hidden_size * 4  # float32 [T, hidden] per layer
-    assert ckpt + layer_inputs < 0.5 * plain, (ckpt, layer_inputs, plain)
+    assert layer_inputs <= ckpt < 0.5 * plain, (ckpt, layer_inputs, plain)
 
 
 @pytest.mark.gpu

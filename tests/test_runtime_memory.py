@@ -14,6 +14,7 @@ from setups import SEQS
 from test_families import build
 
 import dtree
+from dtree.ops.rerun import in_rerun
 
 # a plain model, and a hybrid whose recurrent states go through the state stack (its
 # stack reads and final-state seeds must not keep a segment's graph alive)
@@ -21,7 +22,9 @@ MODELS = {"llama": lambda: make_model("llama"), "qwen3_5_text": lambda: build("q
 
 
 class SavedBytes:
-    """Peak bytes of distinct storages autograd keeps for backward."""
+    """Peak bytes of distinct storages autograd keeps for backward. Not what a checkpointed
+    layer's re-run saves inside backward (:func:`dtree.ops.rerun.in_rerun`): one layer's
+    activations, freed when its backward ends, never kept across the step."""
 
     def __init__(self, exclude: list[torch.Tensor]):
         self.exclude = {t.untyped_storage().data_ptr() for t in exclude}
@@ -38,7 +41,7 @@ class SavedBytes:
     def pack(self, t):
         st = t.untyped_storage()
         key = st.data_ptr()
-        if key in self.exclude or st.nbytes() == 0:
+        if key in self.exclude or st.nbytes() == 0 or in_rerun():
             return t
         holder = _Holder(t)
         if key not in self.refs:

@@ -50,7 +50,7 @@ from ..ops.stack_attention import SegmentLayout
 from ..plan.loss_terms import prediction_lin
 from ..plan.schedule import FORWARD, Schedule
 from ..plan.step_plan import StepPlan
-from ..stacks.group_attention import GroupAttention
+from ..stacks.group_attention import GradPattern, GroupAttention
 from .step import StepOutput, TokenStep, WalkOutput, per_sequence
 
 __all__ = ["PerToken", "TreeWalk", "train_step"]
@@ -66,27 +66,6 @@ class PerToken:
     with_entropy: bool = False
 
 
-def check_grad_pattern(pattern: tuple, expected: list) -> None:
-    """Every group of a step must have the same layers whose K/V need grad.
-
-    A group's K/V at layer l need grad when a trainable parameter feeds them. For a
-    dense model that holds for all groups alike. If it held for an ancestor but not
-    for a descendant (trainable parts that only some tokens reach, e.g. some MoE
-    experts), the descendant's attention would have no backward and send the ancestor
-    no gradient: refuse rather than be silently wrong. ``pattern``: per layer,
-    (k.requires_grad, v.requires_grad) as the group's call saw them with grad on (None
-    where it did not); ``expected`` is empty before the step's first group, then holds
-    its pattern."""
-    if not expected:
-        expected.append(pattern)
-    elif pattern != expected[0]:
-        raise ValueError(
-            "the layers whose K/V need gradients differ between model calls of one step: trainable parameters "
-            "that only some tokens reach (e.g. some MoE experts) cannot be trained through dtree's KV stack; "
-            "make the trainable path the same for every token (e.g. train all experts or none)"
-        )
-
-
 @dataclass
 class _GroupState:
     """A group's graph between its forward and its backward: the backward's root is
@@ -95,7 +74,6 @@ class _GroupState:
 
     loss: torch.Tensor | None
     hidden: torch.Tensor | None
-    pattern: tuple
 
 
 def _group_layout(sched: Schedule, g: int) -> SegmentLayout:
@@ -117,6 +95,7 @@ class TreeWalk:
     def __init__(self, plan: StepPlan) -> None:
         self.plan = plan
         self.sched = plan.sched
+        self.grad_pattern = GradPattern(plan.stack.spec.num_layers)  # the same in every call of the step
 
     def events(self):
         if not self.plan.progress:
@@ -136,7 +115,7 @@ class TreeWalk:
         attend = GroupAttention(
             plan.stack, lo, hi, _group_layout(self.sched, g), plan.attention, push, grad_seed, self._device_lo(g),
             plan.deterministic, None if plan.states is None else plan.states.layouts[g], plan.recurrence,
-            plan.state_grads,
+            plan.state_grads, self.grad_pattern,
         )
         checkpointed = plan.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
         keep = plan.keep_attention_outputs
@@ -180,11 +159,11 @@ class TreeWalk:
         self, g: int, push: bool, rng_seed: int | None, per_token: PerToken, term_log: list, checkpoint: int
     ) -> _GroupState:
         with torch.enable_grad(), rng.seeded(rng_seed, self.plan.device):
-            hidden, attend = self.hidden(g, push=push, checkpoint=checkpoint)
+            hidden, _ = self.hidden(g, push=push, checkpoint=checkpoint)
             loss = self._group_loss(g, hidden, per_token, term_log)
         # without loss terms, a group's backward only carries its descendants' seeds
         keep_hidden = loss is None and not self.sched.groups[g].is_leaf and hidden.requires_grad
-        return _GroupState(loss=loss, hidden=hidden if keep_hidden else None, pattern=tuple(attend.pattern))
+        return _GroupState(loss=loss, hidden=hidden if keep_hidden else None)
 
     def train(self, per_token: PerToken, scope: Callable | None = None) -> WalkOutput:
         """Forward and backward of every group, depth first; gradients land in the
@@ -193,16 +172,13 @@ class TreeWalk:
         whole walk (the model adapter's attention scope: HF gradient checkpointing
         re-runs layers inside backward, after the model call has returned)."""
         rng_seeds: dict[int, int | None] = {}  # the RNG seed of each group to recompute
-        pattern: list = []  # which layers' K/V need grad, as seen in the step's first group
         live: dict[int, _GroupState] = {}
         term_log: list[tuple[int, torch.Tensor]] = []
         total = torch.zeros((), dtype=compute_dtype(self.plan.dtype), device=self.plan.device)
         calls = live_tokens = peak = recomputed = 0
 
         def run(g: int, push: bool, rng_seed: int | None, checkpoint: int) -> _GroupState:
-            state = self._run_group(g, push, rng_seed, per_token, term_log, checkpoint)
-            check_grad_pattern(state.pattern, pattern)
-            return state
+            return self._run_group(g, push, rng_seed, per_token, term_log, checkpoint)
 
         with scope() if scope is not None else contextlib.nullcontext():
             for kind, g in self.events():

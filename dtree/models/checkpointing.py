@@ -3,18 +3,22 @@ dtree's runtime (``TreeRuntime(checkpoint_layers=True)``, or chosen by its memor
 policy) and the baselines (``checkpoint=True``, as mask-based trainers like AReaL run).
 
 :func:`checkpointed_layers` runs every decoder layer of the model, while the block is
-active, under ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: autograd
-keeps only the layer's inputs (one ``[T, hidden]`` tensor per layer: 86 KB per token for
-qwen2.5-1.5b in bf16, against ~2.8 MB of eager activations) and backward re-runs the
-layer. The re-run re-enters the attention implementation the forward used: the models'
+active, through :func:`dtree.models.layer_recompute.recompute_in_backward`: the forward
+runs with grad off and keeps only the layer's inputs (one ``[T, hidden]`` tensor per
+layer: 86 KB per token for qwen2.5-1.5b in bf16, against ~2.8 MB of eager activations) and
+backward re-runs the layer with grad on and back-propagates through the re-run
+(``torch.utils.checkpoint``'s non-reentrant form cost ~0.75 ms more host time per layer
+and step: it builds the forward's graph anyway and passes every saved tensor through
+Python hooks). The re-run re-enters the attention implementation the forward used: the models'
 configs are switched to dtree's attention function only during the model call, so a
 plain recompute in backward would silently run the model's default attention instead.
 
 In dtree's runtime the re-run layer calls the group's ``attend`` again: it re-pushes the
 layer's K/V into the stack slots the group holds (the same values; its ancestors are
 still on the stack) and takes them through ``seed_from_stack``, whose backward adds the
-slots' gradients to the re-run K/V. ``preserve_rng_state`` (on by default) replays the
-forward's draws, so dropout under :mod:`dtree.device.rng`'s per-group seeds is the same.
+slots' gradients to the re-run K/V. The re-run restores the forward's random-number
+states (and autocast settings), so dropout under :mod:`dtree.device.rng`'s per-group
+seeds draws the same masks.
 
 The re-run also runs in a copy of the forward's ``contextvars`` context, where the HF
 adapter's active model call lives (the attention callback and its per-layer guard,
@@ -25,8 +29,9 @@ and log-sum-exp, and the re-run takes them back instead of running the attention
 again (:mod:`dtree.ops.stack_attention.output_memo`): 3 KB more per token and layer on
 qwen2.5-1.5b, one attention forward less per layer. The memory policy decides.
 
-The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output no backward of
-the layer reads may skip their work there (the lean MLP's down projection).
+The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output value no backward
+of the layer reads may skip their work there (the lean MLP's down projection: its output
+only enters the residual add, whose backward reads no values).
 
 The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
 for the duration of the block (the wrapper calls the layer itself, so a
@@ -45,6 +50,7 @@ from torch.utils.checkpoint import checkpoint
 from ..ops.rerun import rerun_scope
 from ..ops.stack_attention.output_memo import OutputMemo
 from .layer_list import LAYER_LIST_PATHS, find_decoder_layers
+from .layer_recompute import recompute_in_backward
 
 __all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
 
@@ -62,15 +68,20 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return layers
 
 
-def _attention_configs(model: torch.nn.Module) -> list[Any]:
-    """Every distinct transformers config reachable from ``model``'s modules: the
-    objects whose ``_attn_implementation`` picks each layer's attention function."""
+def _attention_configs(model: torch.nn.Module) -> tuple[list[Any], bool]:
+    """Every distinct transformers config reachable from ``model``'s modules (the objects
+    whose ``_attn_implementation`` picks each layer's attention function), and whether HF
+    gradient checkpointing is on in any of them (a training module with
+    ``gradient_checkpointing=True``)."""
     found: dict[int, Any] = {}
+    hf_checkpointing = False
     for module in model.modules():
         config = getattr(module, "config", None)
         if config is not None and hasattr(config, "_attn_implementation"):
             found.setdefault(id(config), config)
-    return list(found.values())
+        hf_checkpointing = hf_checkpointing or (getattr(module, "gradient_checkpointing", False) is True
+                                                and module.training)
+    return list(found.values()), hf_checkpointing
 
 
 @contextlib.contextmanager
@@ -89,19 +100,24 @@ def _attention_implementations(saved: list[tuple[Any, Any]]) -> Iterator[None]:
 
 
 class CheckpointedLayer(torch.nn.Module):
-    """``layer`` run under non-reentrant ``torch.utils.checkpoint``.
+    """``layer`` run without keeping its activations, re-run in backward
+    (:func:`~dtree.models.layer_recompute.recompute_in_backward`).
 
     ``configs``: the transformers configs whose attention implementation must be the
     same in the backward recompute as in the forward (captured at every call).
     ``keep_attention_outputs``: the re-run takes the forward's attention outputs back
-    (see the module docstring).
+    (see the module docstring). ``torch_checkpoint``: run under non-reentrant
+    ``torch.utils.checkpoint`` instead (HF gradient checkpointing is on inside the model:
+    its own checkpoints re-run inside ours, which that form nests).
     """
 
-    def __init__(self, layer: torch.nn.Module, configs: list[Any], keep_attention_outputs: bool = False) -> None:
+    def __init__(self, layer: torch.nn.Module, configs: list[Any], keep_attention_outputs: bool = False,
+                 torch_checkpoint: bool = False) -> None:
         super().__init__()
         self.layer = layer
         self._configs = configs
         self._keep_attention_outputs = keep_attention_outputs
+        self._torch_checkpoint = torch_checkpoint
 
     def forward(self, *args, **kwargs):
         saved = [(config, config._attn_implementation) for config in self._configs]
@@ -124,7 +140,9 @@ class CheckpointedLayer(torch.nn.Module):
 
         if not torch.is_grad_enabled():
             return layer(*args, **kwargs)
-        return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        if self._torch_checkpoint:
+            return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        return recompute_in_backward(run, *args, **kwargs)
 
     def __getattr__(self, name: str):
         # attributes a model's forward may read off its layers (e.g. attention_type)
@@ -153,10 +171,10 @@ def checkpointed_layers(
         return
     count = len(layers) if count is None else max(0, min(int(count), len(layers)))
     originals = list(layers)
-    configs = _attention_configs(model) if count else []
+    configs, hf_checkpointing = _attention_configs(model) if count else ([], False)
     try:
         for i in range(count):
-            layers[i] = CheckpointedLayer(originals[i], configs, keep_attention_outputs)
+            layers[i] = CheckpointedLayer(originals[i], configs, keep_attention_outputs, hf_checkpointing)
         yield
     finally:
         for i in range(count):

@@ -1,11 +1,12 @@
 """Whether the code running now is a checkpointed layer's re-run in backward.
 
-Non-reentrant ``torch.utils.checkpoint`` re-runs a layer only for the tensors its
-backward saves, and drops what the re-run returns (it also stops the re-run once the
-last of them is saved). An op whose output nothing in the layer saves may skip its work
-then: the lean SwiGLU MLP's down projection (:func:`dtree.ops.swiglu.swiglu_down`), whose
-output only enters the residual add, saves its inputs and returns a zero view instead of
-a matmul and the SiLU product (29% of a qwen2.5-1.5b layer's matmul FLOPs).
+A checkpointed layer's re-run (:func:`dtree.models.layer_recompute.recompute_in_backward`)
+is back-propagated through, but no backward reads the value of what the layer returns:
+an op whose output value no backward in the layer reads may skip its work then. The lean
+SwiGLU MLP's down projection (:func:`dtree.ops.swiglu.swiglu_down`), whose output only
+enters the residual add (whose backward reads no values), saves its inputs and returns a
+zero view instead of a matmul and the SiLU product (29% of a qwen2.5-1.5b layer's matmul
+FLOPs); its backward is the same.
 :class:`dtree.models.checkpointing.CheckpointedLayer` marks its re-runs with
 :func:`rerun_scope`.
 """

@@ -28,6 +28,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..models import ModelSpec, TreeModule
 from ..models.checkpointing import checkpointed_layers
+from ..models.layer_recompute import graph_nodes, rerun_graph_hooks
 from ..ops.segment_states import StateLayout
 from ..ops.stack_attention.segment_layout import SegmentLayout
 from ..stacks.group_attention import GroupAttention
@@ -203,18 +204,6 @@ def _probe_call(
             handle.remove()
 
 
-def _graph_nodes(root) -> list:
-    seen, todo, nodes = set(), [root], []
-    while todo:
-        node = todo.pop()
-        if node is None or id(node) in seen:
-            continue
-        seen.add(id(node))
-        nodes.append(node)
-        todo.extend(n for n, _ in node.next_functions)
-    return nodes
-
-
 def _backward_peak(hidden: torch.Tensor, leaf: torch.Tensor, now) -> int | None:
     """The most bytes ``now()`` reads above its value before a backward from ``hidden`` to
     ``leaf``, sampled before and after every autograd node of the graph; None where the
@@ -228,11 +217,13 @@ def _backward_peak(hidden: torch.Tensor, leaf: torch.Tensor, now) -> int | None:
         nonlocal peak
         peak = max(peak, now())
 
-    for node in _graph_nodes(hidden.grad_fn):
+    for node in graph_nodes(hidden.grad_fn):
         handles.append(node.register_prehook(sample))
         handles.append(node.register_hook(sample))
     try:
-        with torch.enable_grad():  # plan() may run under no_grad (log-prob passes)
+        # plan() may run under no_grad (log-prob passes); a checkpointed layer's re-run makes
+        # its graph inside the layer's backward, sampled there
+        with torch.enable_grad(), rerun_graph_hooks(sample):
             torch.autograd.backward(hidden, grad, inputs=[leaf])
     except RuntimeError as error:
         if "use_reentrant" not in str(error):

@@ -15,7 +15,33 @@ from ..ops.segment_states import LayerStates, StateLayout
 from ..ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots, seed_from_stack, stack_attention
 from .step_stacks import StepStacks
 
-__all__ = ["GroupAttention"]
+__all__ = ["GradPattern", "GroupAttention"]
+
+
+class GradPattern:
+    """Which layers' K/V need grad, the same in every model call of a step.
+
+    A call's K/V at layer l need grad when a trainable parameter feeds them. For a dense
+    model that holds for all calls alike. If it held for an ancestor but not for a
+    descendant (trainable parts that only some tokens reach, e.g. some MoE experts), the
+    descendant's attention would have no backward and send the ancestor no gradient:
+    refuse rather than be silently wrong. Checked as each layer attends with grad on: in
+    its forward, or, for a checkpointed layer (whose forward runs with grad off), in its
+    re-run in backward."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.seen: list[tuple[bool, bool] | None] = [None] * num_layers
+
+    def check(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        pattern, seen = (k.requires_grad, v.requires_grad), self.seen[layer]
+        if seen is None:
+            self.seen[layer] = pattern
+        elif seen != pattern:
+            raise ValueError(
+                "the layers whose K/V need gradients differ between model calls of one step: trainable parameters "
+                "that only some tokens reach (e.g. some MoE experts) cannot be trained through dtree's KV stack; "
+                "make the trainable path the same for every token (e.g. train all experts or none)"
+            )
 
 
 class GroupAttention:
@@ -29,7 +55,8 @@ class GroupAttention:
     in-call ancestors). ``device_lo``: ``lo`` on the device, for the stack's CUDA ops.
     ``deterministic``: the attention's backward sums in a fixed order
     (:mod:`dtree.ops.determinism`). Recurrent layers get their :class:`LayerStates` from
-    :meth:`states` (``state_layout``: the call's segments' state slots)."""
+    :meth:`states` (``state_layout``: the call's segments' state slots). ``grad_pattern``:
+    the step's :class:`GradPattern`, checked at every layer that attends with grad on."""
 
     def __init__(
         self,
@@ -45,14 +72,15 @@ class GroupAttention:
         state_layout: StateLayout | None = None,
         recurrence: str | None = None,
         state_grads: tuple[bool, ...] | None = None,
+        grad_pattern: GradPattern | None = None,
     ):
         self.stacks, self.lo, self.hi, self.layout, self.backend = stacks, lo, hi, layout, backend
         self.push, self.grad_seed, self.device_lo, self.deterministic = push, grad_seed, device_lo, deterministic
         self.state_layout, self.recurrence, self.state_grads = state_layout, recurrence, state_grads
+        self.grad_pattern = grad_pattern
         num_layers = stacks.spec.num_layers
         self.called = [False] * num_layers
         self.recurred = [False] * num_layers
-        self.pattern: list[tuple[bool, bool] | None] = [None] * num_layers
 
     def __call__(
         self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, **options
@@ -64,7 +92,8 @@ class GroupAttention:
         if self.push:
             stack.push(local, self.lo, k.detach(), v.detach(), device_lo=self.device_lo)
         if torch.is_grad_enabled():
-            self.pattern[layer] = (k.requires_grad, v.requires_grad)
+            if self.grad_pattern is not None:
+                self.grad_pattern.check(layer, k, v)
             if self.grad_seed:
                 k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi, device_lo=self.device_lo)
         options = AttentionOptions(scale=scale, deterministic=self.deterministic, **options)
