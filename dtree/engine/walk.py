@@ -44,7 +44,7 @@ import torch
 
 from ..device import rng
 from ..losses import TokenLoss, weighted_terms
-from ..models.checkpointing import checkpointed_layers
+from ..models.checkpointing import LayerCheckpointing
 from ..ops.logprobs import compute_dtype, token_logprobs
 from ..ops.stack_attention import SegmentLayout
 from ..plan.loss_terms import prediction_lin
@@ -96,6 +96,13 @@ class TreeWalk:
         self.plan = plan
         self.sched = plan.sched
         self.grad_pattern = GradPattern(plan.stack.spec.num_layers)  # the same in every call of the step
+        self._layer_checkpointing: LayerCheckpointing | None = None
+
+    def _checkpointing(self) -> LayerCheckpointing:
+        """The step's checkpointed layer wrappers (built at the first call that checkpoints)."""
+        if self._layer_checkpointing is None:
+            self._layer_checkpointing = LayerCheckpointing(self.plan.checkpoint_root, self.plan.keep_attention_outputs)
+        return self._layer_checkpointing
 
     def events(self):
         if not self.plan.progress:
@@ -118,8 +125,7 @@ class TreeWalk:
             plan.state_grads, self.grad_pattern,
         )
         checkpointed = plan.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
-        keep = plan.keep_attention_outputs
-        with checkpointed_layers(plan.checkpoint_root, checkpoint, keep) if checkpointed else contextlib.nullcontext():
+        with self._checkpointing().applied(checkpoint) if checkpointed else contextlib.nullcontext():
             hidden = plan.model.dtree_hidden_states(plan.arrays.input_ids[r0:r1], plan.arrays.positions[r0:r1], attend)
         if push:
             attend.check_layers()

@@ -52,7 +52,7 @@ from ..ops.stack_attention.output_memo import OutputMemo
 from .layer_list import LAYER_LIST_PATHS, find_decoder_layers
 from .layer_recompute import recompute_in_backward
 
-__all__ = ["CheckpointedLayer", "checkpointed_layers", "decoder_layers"]
+__all__ = ["CheckpointedLayer", "LayerCheckpointing", "checkpointed_layers", "decoder_layers"]
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -76,11 +76,12 @@ def _attention_configs(model: torch.nn.Module) -> tuple[list[Any], bool]:
     found: dict[int, Any] = {}
     hf_checkpointing = False
     for module in model.modules():
-        config = getattr(module, "config", None)
+        # instance attributes (a missing one would go through nn.Module.__getattr__'s raise)
+        config = module.__dict__.get("config")
         if config is not None and hasattr(config, "_attn_implementation"):
             found.setdefault(id(config), config)
-        hf_checkpointing = hf_checkpointing or (getattr(module, "gradient_checkpointing", False) is True
-                                                and module.training)
+        flag = module.__dict__.get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False))
+        hf_checkpointing = hf_checkpointing or (flag is True and module.training)
     return list(found.values()), hf_checkpointing
 
 
@@ -152,6 +153,43 @@ class CheckpointedLayer(torch.nn.Module):
             return getattr(super().__getattr__("layer"), name)
 
 
+class LayerCheckpointing:
+    """The checkpointed wrappers of ``model``'s decoder layers (see :func:`decoder_layers`),
+    built once and swapped in per model call by :meth:`applied`: the walk makes one per
+    step, where building them per call (the configs' walk over every module, a wrapper
+    module per layer) cost ~2.5 ms of host time per call on an H100 host."""
+
+    def __init__(self, model: torch.nn.Module, keep_attention_outputs: bool = False) -> None:
+        self.layers = decoder_layers(model)
+        self._model, self._keep = model, keep_attention_outputs
+        self._wrappers: list[CheckpointedLayer] | None = None
+
+    def _built(self) -> list[CheckpointedLayer]:
+        if self._wrappers is None:
+            configs, hf_checkpointing = _attention_configs(self._model)
+            self._wrappers = [CheckpointedLayer(layer, configs, self._keep, hf_checkpointing) for layer in self.layers]
+        return self._wrappers
+
+    @contextlib.contextmanager
+    def applied(self, count: int | None = None) -> Iterator[None]:
+        """While the block runs, the first ``count`` layers (None: all) are checkpointed;
+        nested use is a no-op (the layers are wrapped once)."""
+        layers = self.layers
+        if any(isinstance(layer, CheckpointedLayer) for layer in layers):
+            yield
+            return
+        count = len(layers) if count is None else max(0, min(int(count), len(layers)))
+        originals = list(layers)
+        wrappers = self._built() if count else []
+        try:
+            for i in range(count):
+                layers[i] = wrappers[i]
+            yield
+        finally:
+            for i in range(count):
+                layers[i] = originals[i]
+
+
 @contextlib.contextmanager
 def checkpointed_layers(
     model: torch.nn.Module, count: int | None = None, keep_attention_outputs: bool = False
@@ -162,20 +200,9 @@ def checkpointed_layers(
     output), and backward recomputes them. The memory policy checkpoints part
     of the layers when all of a call's activations do not fit but some do: the peak is
     the sum over layers, so which ones does not matter, and the first ``count`` are as
-    good as any.
+    good as any. One :class:`LayerCheckpointing` for this block (a caller that swaps the
+    layers per call keeps one instead).
 
     Nested use is a no-op (the layers are wrapped once)."""
-    layers = decoder_layers(model)
-    if any(isinstance(layer, CheckpointedLayer) for layer in layers):
+    with LayerCheckpointing(model, keep_attention_outputs).applied(count):
         yield
-        return
-    count = len(layers) if count is None else max(0, min(int(count), len(layers)))
-    originals = list(layers)
-    configs, hf_checkpointing = _attention_configs(model) if count else ([], False)
-    try:
-        for i in range(count):
-            layers[i] = CheckpointedLayer(originals[i], configs, keep_attention_outputs, hf_checkpointing)
-        yield
-    finally:
-        for i in range(count):
-            layers[i] = originals[i]
