@@ -181,8 +181,9 @@ def test_scratch_of_several_dtypes_is_zeroed_in_one_buffer_per_replay():
         torch.testing.assert_close(out, want, rtol=0, atol=0)
     assert (fi.calls, replay.replays) == (1, 3)
     layout = replay.held["fwd"][1]._layout
-    assert [p[2] for p in layout.parts] == [torch.float64, torch.int16]
-    assert all(at % 256 == 0 for at, *_ in layout.parts)
+    assert [layout.dtypes[p[0]] for p in layout.parts] == [torch.float64, torch.int16]
+    offsets = [offset * torch.empty((), dtype=layout.dtypes[d]).element_size() for d, offset, *_ in layout.parts]
+    assert offsets[0] == 0 and all(b % 256 == 0 for b in offsets)
 
 
 def _slot_trees():
