@@ -38,7 +38,7 @@ run_bench() {  # $1: label, $2: source tree; case 1 then the 64k tree
 case "$PART" in
   tests)
     timeout 400 python -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_gpu.py tests/test_masked_call.py \
-      tests/test_checkpointing.py tests/test_output_memo.py tests/test_memory_policy.py tests/test_layer_recompute.py \
+      tests/test_checkpointing.py tests/test_output_memo.py tests/test_memory_policy.py tests/test_layer_recompute.py tests/test_transfer.py \
       2>&1 | tee "$OUT/gpu_tests.txt" | tail -4
     ;;
   ab)
