@@ -40,8 +40,8 @@ class LinearizedTrainer(MicroBatchTrainer):
         logprob_chunk: rows per chunk of the LM head (memory O(chunk x vocab)); the same
             chunked log-probs as :class:`dtree.TreeRuntime`, so no method materializes
             ``[tokens, vocab]`` logits.
-        checkpoint: checkpoint every decoder layer (non-reentrant ``torch.utils.checkpoint``;
-            see :mod:`dtree.models.checkpointing`): activation memory falls to one
+        checkpoint: checkpoint every decoder layer (dtree's per-layer checkpointing, see
+            :mod:`dtree.models.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
     """

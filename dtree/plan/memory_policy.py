@@ -5,8 +5,8 @@ Per step, :func:`plan_step` decides
 * ``group_tokens``: the token budget of one model call (the schedule packs calls up
   to it);
 * ``checkpoint_layers``: how many decoder layers of a call without child groups (and of
-  a recomputed group's re-run) run under non-reentrant ``torch.utils.checkpoint``
-  (:mod:`dtree.models.checkpointing`), keeping only their inputs: 0 (none) to all; the peak
+  a recomputed group's re-run) are checkpointed (:mod:`dtree.models.checkpointing`),
+  keeping only their inputs: 0 (none) to all; the peak
   is the sum over layers, so checkpointing part of them trades memory for time
   smoothly;
 * the path: whether the groups with children (the current root-to-leaf path's
