@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 __all__ = ["graph_nodes", "recompute_in_backward", "rerun_graph_hooks"]
 
-_ANCHOR = torch.empty(0, requires_grad=True)  # stands in for the inputs when none requires grad
+_ANCHORS: dict = {}  # device -> a zero-size leaf that requires grad: stands in when no input does
 _RERUN_HOOKS: list[Callable] = []  # rerun_graph_hooks' hooks (module-wide: backward runs on other threads)
 
 
@@ -148,7 +148,7 @@ def recompute_in_backward(run: Callable, *args, **kwargs) -> Any:
     frame = _Frame(run, flat, spec, grad_at)
     grad_inputs = [flat[i] for i in grad_at]
     if not grad_inputs:
-        frame.grad_at, grad_inputs = [], [_ANCHOR]
+        frame.grad_at, grad_inputs = [], [_anchor(frame.cuda_devices[0] if frame.cuda_devices else None)]
         frame.call = _without_anchor(frame.call)
     tensors = _LayerRecompute.apply(frame, *grad_inputs)
     flat_out = list(frame.out_rest)
@@ -156,6 +156,15 @@ def recompute_in_backward(run: Callable, *args, **kwargs) -> Any:
         flat_out[i] = t
     frame.out_rest = None
     return tree_unflatten(flat_out, frame.out_spec)
+
+
+def _anchor(device: torch.device | None) -> torch.Tensor:
+    """The anchor on the layer's device (CPU when it has no CUDA tensor), so the autograd
+    node's inputs and outputs share a device."""
+    key = device or torch.device("cpu")
+    if key not in _ANCHORS:
+        _ANCHORS[key] = torch.empty(0, device=key, requires_grad=True)
+    return _ANCHORS[key]
 
 
 def _without_anchor(call: Callable) -> Callable:
