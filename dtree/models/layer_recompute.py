@@ -71,7 +71,8 @@ class _Frame:
 
     def __init__(self, run: Callable, flat: list, spec, grad_at: list[int]):
         self.run, self.spec, self.grad_at = run, spec, grad_at
-        self.flat = [None if i in grad_at else x for i, x in enumerate(flat)]  # those go through save_for_backward
+        taken = set(grad_at)  # those go through save_for_backward
+        self.flat = [None if i in taken else x for i, x in enumerate(flat)]
         devices = {x.device for x in flat if isinstance(x, torch.Tensor) and x.device.type == "cuda"}
         self.cuda_devices = sorted(devices, key=lambda d: d.index or 0)
         self.cpu_rng = torch.get_rng_state()
@@ -80,7 +81,8 @@ class _Frame:
         self.autocast = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k)) for k in kinds]
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.out_spec = None
-        self.out_tensor_at: list[int] = []
+        self.out_tensor_at: list[int] = []  # where the outputs' tensors sit in the flattened output
+        self.out_rest: list | None = None  # the flattened output, until recompute_in_backward rebuilds it
 
     def call(self, grad_inputs) -> Any:
         flat = list(self.flat)
