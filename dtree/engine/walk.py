@@ -111,9 +111,9 @@ class TreeWalk:
 
         return tqdm(self.sched.events, desc="dtree step", unit="event", leave=False)
 
-    def hidden(self, g: int, push: bool, checkpoint: int = 0) -> tuple[torch.Tensor, GroupAttention]:
+    def hidden(self, g: int, push: bool, checkpoint: int = 0) -> torch.Tensor:
         """Run group ``g`` through the model, ``checkpoint`` of its decoder layers
-        checkpointed when grad is on: ([T, hidden] final hidden states, its attend)."""
+        checkpointed when grad is on: its [T, hidden] final hidden states."""
         r0, r1 = int(self.sched.row_offsets[g]), int(self.sched.row_offsets[g + 1])
         group = self.sched.groups[g]
         lo, hi = group.stack_start, group.stack_start + group.num_tokens
@@ -129,7 +129,7 @@ class TreeWalk:
             hidden = plan.model.dtree_hidden_states(plan.arrays.input_ids[r0:r1], plan.arrays.positions[r0:r1], attend)
         if push:
             attend.check_layers()
-        return hidden, attend
+        return hidden
 
     def _device_lo(self, g: int) -> torch.Tensor | None:
         starts = self.plan.arrays.stack_starts
@@ -165,7 +165,7 @@ class TreeWalk:
         self, g: int, push: bool, rng_seed: int | None, per_token: PerToken, term_log: list, checkpoint: int
     ) -> _GroupState:
         with torch.enable_grad(), rng.seeded(rng_seed, self.plan.device):
-            hidden, _ = self.hidden(g, push=push, checkpoint=checkpoint)
+            hidden = self.hidden(g, push=push, checkpoint=checkpoint)
             loss = self._group_loss(g, hidden, per_token, term_log)
         # without loss terms, a group's backward only carries its descendants' seeds
         keep_hidden = loss is None and not self.sched.groups[g].is_leaf and hidden.requires_grad
@@ -255,7 +255,7 @@ class TreeWalk:
                 continue
             with rng.seeded(rng.next_seed() if self.plan.randomness else None, self.plan.device):
                 # a leaf group's K/V are read by nothing after it: no stack slots
-                hidden, _ = self.hidden(g, push=self.sched.groups[g].writes_stack)
+                hidden = self.hidden(g, push=self.sched.groups[g].writes_stack)
                 p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
                 if p1 > p0:
                     lp, ent = token_logprobs(
