@@ -86,7 +86,7 @@ class _ScratchLayout:
         parts, at = [], 0
         for s in scratch:
             numel = 1 + sum((n - 1) * st for n, st in zip(s.shape, s.stride) if n > 0) if all(s.shape) else 0
-            size = torch.empty((), dtype=s.dtype).element_size()
+            size = s.dtype.itemsize
             if s.dtype not in dtypes:
                 dtypes.append(s.dtype)
             parts.append((dtypes.index(s.dtype), at // size, s.shape, s.stride))
@@ -211,10 +211,10 @@ def _binder(x: Any) -> Callable | None:
 class _Template:
     """A recorded call, replayable by substitution: ``launches`` (per launch its compiled
     function and arguments with :class:`_Input` and :class:`_Scratch` slots) and the
-    ``scratch`` layouts; each launch's binder (:func:`_binder`) built once."""
+    ``scratch`` layouts, held as each launch's binder (:func:`_binder`, built once) and one
+    :class:`_ScratchLayout`."""
 
     def __init__(self, launches: list[tuple[Callable, tuple]], scratch: list[_Scratch]):
-        self.launches, self.scratch = launches, scratch
         self._bound = [(fn, _binder(args), args) for fn, args in launches]
         self._layout = _ScratchLayout.of(scratch)
 
