@@ -15,12 +15,30 @@ GPU ran behind (a new page-locked allocation each time: 45 ms per step of
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 import torch
 
 __all__ = ["PinnedStaging", "upload", "upload_arrays"]
+
+
+@dataclass
+class _Staged:
+    """One pinned buffer of the pool: the event of the last copy that read it (None: never
+    used) and that use's number (the least recent goes first when the pool is full)."""
+
+    data: torch.Tensor
+    event: torch.cuda.Event | None = None
+    last_use: int = 0
+
+    def ready(self) -> bool:
+        return self.event is None or self.event.query()
+
+    def wait(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
 
 
 class PinnedStaging:
@@ -34,12 +52,12 @@ class PinnedStaging:
 
     def __init__(self, limit_bytes: int = 1 << 30) -> None:
         self.limit_bytes = limit_bytes
-        self._buffers: list[list] = []  # [pinned uint8 tensor, event or None, last use]
+        self._buffers: list[_Staged] = []
         self._lock = threading.Lock()
         self._uses = 0
 
     def held_bytes(self) -> int:
-        return sum(b[0].numel() for b in self._buffers)
+        return sum(b.data.numel() for b in self._buffers)
 
     def copy_to(self, host: np.ndarray, device: torch.device) -> torch.Tensor:
         """``host`` (C-contiguous) as a new tensor on CUDA ``device``, copied through a
@@ -50,31 +68,29 @@ class PinnedStaging:
             return out
         with self._lock:
             entry = self._free(nbytes)
-            staged = entry[0][:nbytes]
+            staged = entry.data[:nbytes]
             staged.numpy()[:] = host.reshape(-1).view(np.uint8)
             out.view(-1).view(torch.uint8).copy_(staged, non_blocking=True)
-            event = entry[1] or torch.cuda.Event()
-            event.record(torch.cuda.current_stream(device))
+            entry.event = entry.event or torch.cuda.Event()
+            entry.event.record(torch.cuda.current_stream(device))
             self._uses += 1
-            entry[1], entry[2] = event, self._uses
+            entry.last_use = self._uses
         return out
 
-    def _free(self, nbytes: int) -> list:
+    def _free(self, nbytes: int) -> _Staged:
         """A buffer of at least ``nbytes`` whose last copy has run: the smallest such one, a
         new one, or (the pool at its limit) the least recently used one once its copy ran."""
-        ready = [b for b in self._buffers if b[0].numel() >= nbytes and (b[1] is None or b[1].query())]
+        ready = [b for b in self._buffers if b.data.numel() >= nbytes and b.ready()]
         if ready:
-            return min(ready, key=lambda b: b[0].numel())
+            return min(ready, key=lambda b: b.data.numel())
         size = max(self.MIN_BYTES, 1 << (nbytes - 1).bit_length())
         while self._buffers and self.held_bytes() + size > self.limit_bytes:
-            oldest = min(self._buffers, key=lambda b: b[2])
-            if oldest[0].numel() >= nbytes:
-                oldest[1].synchronize()
+            oldest = min(self._buffers, key=lambda b: b.last_use)
+            oldest.wait()
+            if oldest.data.numel() >= nbytes:
                 return oldest
-            if oldest[1] is not None:
-                oldest[1].synchronize()
             self._buffers.remove(oldest)
-        entry = [torch.empty(size, dtype=torch.uint8, pin_memory=True), None, 0]
+        entry = _Staged(torch.empty(size, dtype=torch.uint8, pin_memory=True))
         self._buffers.append(entry)
         return entry
 
