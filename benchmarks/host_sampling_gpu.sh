@@ -2,8 +2,11 @@
 # Issue 17, host time sampled on the GPU machine (benchmarks/host_sampling.py under py-spy):
 # GRPO case 1, the 64k tree with memory="low" and by default. py-spy comes from a wheel
 # carried in .whl/ (pip download py-spy -d .whl); flash-attn-4 installed as in its header.
+# CASES picks among case1, agentic64k_low, agentic64k_cap (memory=14.5) and agentic64k (all
+# but the cap by default).
 #
 #     bash benchmarks/host_sampling_gpu.sh    # reports in $OUT (default /tmp/dtree_host_sampling)
+#     CASES="agentic64k_low agentic64k_cap" bash benchmarks/host_sampling_gpu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_host_sampling}
@@ -27,6 +30,12 @@ sample() {  # name, steps, run arguments...
     --out "$OUT/host_sampling_$name.md" | sed -n 3,14p
   gzip -f "$OUT/stacks_$name.txt"
 }
-sample case1 40 --workload case1
-sample agentic64k_low 4 --workload agentic64k --opt memory=low
-sample agentic64k 4 --workload agentic64k
+for case in ${CASES:-case1 agentic64k_low agentic64k}; do
+  case "$case" in
+    case1) sample case1 40 --workload case1 ;;
+    agentic64k_low) sample agentic64k_low 4 --workload agentic64k --opt memory=low ;;
+    agentic64k_cap) sample agentic64k_cap 4 --workload agentic64k --opt memory=14.5 ;;
+    agentic64k) sample agentic64k 4 --workload agentic64k ;;
+    *) echo "unknown case $case" ;;
+  esac
+done

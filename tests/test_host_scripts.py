@@ -1,9 +1,11 @@
 """The host-time scripts' analysis on synthetic input: ``benchmarks/host_sampling.py report``
 (py-spy's collapsed stacks: only the steady steps counted, phases by the innermost frame) and
-``benchmarks/gpu_gaps.py`` (a step's kernels: the gap before the first, busy time, gaps)."""
+``benchmarks/gpu_gaps.py`` (a step's kernels: the gap before the first, busy time, gaps); and
+``benchmarks/op_host_cost.py`` and ``benchmarks/queue_depth.py`` run on CPU (plumbing)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -48,3 +50,26 @@ def test_gpu_gaps_of_one_step():
     assert r["busy_us"] == 9.0 + 9.5 + 1.0
     assert [g for g, _, _ in r["gaps"]] == [0.5, 100.0]
     assert r["gaps"][1][1:] == ("b", "c")
+
+
+def test_op_host_cost_lists_every_op_on_cpu(tmp_path):
+    """``benchmarks/op_host_cost.py``: every case runs and gets a row (CPU: no GPU column)."""
+    r = subprocess.run([sys.executable, "benchmarks/op_host_cost.py", "--rows", "8", "--iters", "2"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = (tmp_path / "op_host_cost.md").read_text()
+    for op in ("F.linear(x, W, b)", "q, k, v: one F.linear with bias, split", "autograd: q, k, v three F.linear"):
+        assert f"| {op}" in report, report
+
+
+def test_queue_depth_marks_each_group_on_cpu(tmp_path):
+    """``benchmarks/queue_depth.py --smoke``: a mark at each group's forward and backward, in
+    step order, and the synchronization section (CPU: none to find)."""
+    r = subprocess.run([sys.executable, "benchmarks/queue_depth.py", "--smoke", "--steps", "1"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = (tmp_path / "queue_depth_agentic64k.md").read_text()
+    marks = [line.split("|")[1].strip() for line in report.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert marks[0] == "step start" and marks[-1] == "step end (host)", marks
+    assert any(m.startswith("forward g") for m in marks) and "backward" in marks, marks
+    assert "## synchronizations in one step" in report
