@@ -57,9 +57,12 @@ def test_byte_figures_match_the_h100_measurements():
     assert mp.layer_input_bytes(QWEN_1_5B, 2) == 30 * 1536 * 2
     # 1.16 GiB of KV stack (bf16 values, float32 gradients) for a 14,419-slot plan
     assert mp.stack_slot_bytes(QWEN_1_5B, 2) * 14419 == pytest.approx(1.16 * GIB, rel=0.02)
-    # the fused LM head at 4,096-row chunks: 2.05 GiB (logits, accumulator) + 0.43 GiB for
-    # the bf16 weight gradient it returns; the chunked torch head 5.49 GiB + 0.43
-    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=True) == pytest.approx((2.05 + 0.43) * GIB, rel=0.05)
+    # the fused LM head at 4,096-row chunks over 16k rows: the 1.16 GiB logits buffer, the
+    # 0.43 GiB bf16 weight gradient it returns, 0.09 GiB of float32 hidden-state gradient
+    # summed over vocabulary slices and 0.09 GiB for the rows' hidden states and their
+    # gradient (measured on the GPU: tests/test_logprobs_triton.py::test_gpu_backward_peak);
+    # the chunked torch head 5.49 GiB + 0.43
+    assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=True) == pytest.approx((1.16 + 0.43 + 0.19) * GIB, rel=0.02)
     assert mp.head_bytes(QWEN_1_5B, 2, 4096, 16384, fused=False) == pytest.approx((5.49 + 0.43) * GIB, rel=0.15)
     assert mp.head_bytes(QWEN_1_5B, 2, 4096, 0, fused=True) == 0
 
@@ -91,7 +94,7 @@ def test_a_cap_is_honored_with_the_fastest_plan_under_it():
         assert total(p) <= cap * GIB * (1 - mp.CAP_MARGIN) + 1
         assert p.predicted_cost >= fastest / (1 + mp.SLACK)  # less memory is never predicted much faster
     # between all and nothing: part of the layers checkpointed where the calls do not fit whole
-    caps = (12, 13, 14, 15, 16, 17, 18)
+    caps = tuple(range(12, 46, 2))
     eager = {c: plan(setting=c) for c in caps}
     lean = {c: plan(setting=c, call_bytes=LEAN) for c in caps}  # lean layers keep fewer bytes per token
     assert any(0 < p.checkpoint_layers < QWEN_1_5B.num_layers for p in eager.values())
@@ -102,7 +105,8 @@ def test_a_cap_is_honored_with_the_fastest_plan_under_it():
 
 
 def test_the_path_is_retained_checkpointed_and_recomputed_only_when_that_does_not_fit():
-    p = plan(setting=16)
+    p = plan(setting=12)  # the fastest plan that fits (no leaner one within SLACK saves LEANER of its memory)
+    assert "fastest" in p.reason and "within" not in p.reason
     assert p.path_checkpoint_layers == QWEN_1_5B.num_layers  # its layer inputs: cheap
     assert p.retain_budget("auto") >= AGENTIC_64K.shared_tokens
     assert p.parts["path_graphs"] <= AGENTIC_64K.shared_tokens * estimated_call_bytes(QWEN_1_5B, 2).call(28) + 1
@@ -181,7 +185,7 @@ def test_bad_settings_name_the_choices(bad):
 
 
 def test_retain_budget_by_mode():
-    p = plan(setting=16)
+    p = plan(setting=12)  # retains its path (checkpointed)
     assert math.isinf(p.retain_budget("retain"))
     assert p.retain_budget("recompute") == 0
     assert p.retain_budget("auto") == pytest.approx(p.retain_tokens())

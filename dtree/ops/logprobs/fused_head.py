@@ -1,5 +1,5 @@
 """The fused LM-head log-prob op (:func:`token_logprobs_triton`): cuBLAS matmuls per chunk
-and the two Triton passes of :mod:`dtree.ops.logprobs.triton_kernels` (design notes
+of rows (forward) or slice of the vocabulary (backward, :func:`vocab_slice`) and the two Triton passes of :mod:`dtree.ops.logprobs.triton_kernels` (design notes
 there), each beside its pure-torch twin, and :func:`token_logprobs_dense`, the plain
 full-logits version the op is tested against.
 """
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from .transform import LogitTransform, compute_dtype
 from .triton_kernels import _KERNEL_DTYPES, _can_launch, _dlogits_triton, _row_stats_triton
 
-__all__ = ["token_logprobs_dense", "token_logprobs_triton"]
+__all__ = ["token_logprobs_dense", "token_logprobs_triton", "vocab_slice"]
 
 
 # --------------------------------------------------------------------------- torch twins
@@ -43,9 +43,10 @@ def _row_stats_torch(logits, labels, tf: LogitTransform, with_entropy: bool):
     return _label_logp(z, norm, labels), norm, entropy
 
 
-def _dlogits_torch(logits, labels, norm, entropy, g, ge, tf: LogitTransform) -> torch.Tensor:
-    """Overwrite ``logits`` [rows, V] with dL/dlogits (see the module docstring) for
-    gradients ``g`` on log p(label) and ``ge`` on the entropy ([rows] or None each)."""
+def _dlogits_torch(logits, labels, norm, entropy, g, ge, tf: LogitTransform, first_id: int = 0) -> torch.Tensor:
+    """Overwrite ``logits`` [rows, v] (the vocabulary columns from id ``first_id`` on) with
+    dL/dlogits (see :mod:`.triton_kernels`) for gradients ``g`` on log p(label) and ``ge``
+    on the entropy ([rows] or None each), from the rows' normalizer ``norm`` [rows, 2]."""
     with torch.enable_grad():  # the transform's derivative, by autograd on the chunk
         x = logits.detach().to(compute_dtype(logits.dtype)).requires_grad_(True)
         z = tf.apply(x.to(compute_dtype(x.dtype)))
@@ -54,8 +55,9 @@ def _dlogits_torch(logits, labels, norm, entropy, g, ge, tf: LogitTransform) -> 
     dz = torch.zeros_like(p)
     if g is not None:
         dz -= g[:, None] * p
-        valid = (labels >= 0) & (labels < dz.shape[1])  # as the kernel: no one-hot term for ids outside
-        dz.scatter_add_(1, labels.clamp(0, dz.shape[1] - 1)[:, None].long(), (g * valid)[:, None].to(dz.dtype))
+        col = labels.long() - first_id
+        valid = (col >= 0) & (col < dz.shape[1])  # as the kernel: no one-hot term for ids outside the columns
+        dz.scatter_add_(1, col.clamp(0, dz.shape[1] - 1)[:, None], (g * valid)[:, None].to(dz.dtype))
     if ge is not None:
         dz -= ge[:, None] * p * (logq + entropy[:, None])
     (dx,) = torch.autograd.grad(z, x, dz)
@@ -142,42 +144,53 @@ class _FusedLogprobs(torch.autograd.Function):
         if grad_logp is None and grad_entropy is None:
             return None, None, None, None, None, None, None, None
         dlogits = _dlogits_triton if ctx.fused else _dlogits_torch
-        n, v, chunk = hidden.shape[0], weight.shape[0], ctx.chunk
+        n, v = hidden.shape[0], weight.shape[0]
         cdt = norm.dtype
-        grad_h = torch.empty_like(hidden) if need_h else None
-        several = n > chunk
-        # several chunks: dW and db accumulate in the compute dtype (float32 for 16-bit models)
-        grad_w = None
-        if need_w:
-            grad_w = (torch.zeros if several else torch.empty)(
-                v, hidden.shape[1], dtype=cdt if several else weight.dtype, device=weight.device
-            )
-        grad_b = torch.zeros(v, dtype=cdt, device=weight.device) if (need_b and bias is not None) else None
+        width = vocab_slice(n, v, ctx.chunk)
+        several = width < v
+        grad_w = torch.empty(v, hidden.shape[1], dtype=weight.dtype, device=weight.device) if need_w else None
+        grad_b = torch.empty(v, dtype=cdt, device=weight.device) if (need_b and bias is not None) else None
+        # dh sums over the vocabulary slices in the compute dtype, rounded once at the end
+        grad_h = None
+        if need_h:
+            grad_h = (torch.zeros if several else torch.empty)(n, hidden.shape[1], dtype=cdt if several else hidden.dtype,
+                                                              device=hidden.device)
         g = grad_logp.to(cdt).contiguous() if grad_logp is not None else None
         ge = grad_entropy.to(cdt).contiguous() if grad_entropy is not None else None
-        buf = torch.empty(min(chunk, n), v, dtype=hidden.dtype, device=hidden.device)
-        for a in range(0, n, chunk):
-            b = min(n, a + chunk)
-            h = hidden[a:b]
-            d = _logits_into(buf[: b - a], h, weight, bias)
-            dlogits(
-                d, labels[a:b], norm[a:b], entropy[a:b] if entropy is not None else None,
-                g[a:b] if g is not None else None, ge[a:b] if ge is not None else None, ctx.tf,
-            )
-            if need_h:
-                torch.mm(d, weight, out=grad_h[a:b])
+        # every slice in one [n, width] buffer, the last one in its first columns: one row stride for
+        # all (the kernel specializes on it)
+        buf = torch.empty(n, width, dtype=hidden.dtype, device=hidden.device)
+        for a in range(0, v, width):
+            b = min(v, a + width)
+            w = weight[a:b]
+            d = _logits_into(buf[:, : b - a], hidden, w, bias[a:b] if bias is not None else None)
+            dlogits(d, labels, norm, entropy, g, ge, ctx.tf, a)
             if need_w:
-                if several:
-                    _accumulate_mm(grad_w, d.t(), h)
-                else:
-                    torch.mm(d.t(), h, out=grad_w)
+                torch.mm(d.t(), hidden, out=grad_w[a:b])
             if grad_b is not None:
-                grad_b += d.sum(0, dtype=cdt)
-        if grad_w is not None:
-            grad_w = grad_w.to(weight.dtype)
+                grad_b[a:b] = d.sum(0, dtype=cdt)
+            if need_h:
+                if several:
+                    _accumulate_mm(grad_h, d, w)
+                else:
+                    torch.mm(d, w, out=grad_h)
+        del buf
+        if grad_h is not None:
+            grad_h = grad_h.to(hidden.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
         return grad_h, grad_w, grad_b, None, None, None, None, None
+
+
+def vocab_slice(rows: int, vocab: int, chunk: int) -> int:
+    """Vocabulary columns per slice of :class:`_FusedLogprobs`' backward over ``rows``: the
+    ``[rows, slice]`` logits buffer holds no more than the forward's ``[chunk, vocab]`` one
+    (the whole vocabulary when ``rows <= chunk``); a multiple of 128 when it is split, so
+    that every slice but the last starts 256-byte aligned in 16 bits."""
+    if rows <= chunk:
+        return vocab
+    width = max(1, chunk * vocab // rows)
+    return max(128, width - width % 128) if width >= 128 else width
 
 
 def _check(hidden, weight, labels, bias, tf: LogitTransform, chunk_size: int) -> None:
@@ -232,8 +245,11 @@ def token_logprobs_triton(
         temperature: the logits are divided by it last (the rollouts' sampling
             temperature).
         with_entropy: also return the entropy of each row's distribution.
-        chunk_size: rows per chunk; peak extra memory is one ``[chunk_size, V]`` buffer
-            in the model dtype.
+        chunk_size: rows per chunk of the forward; the backward runs slices of the
+            vocabulary over all rows, each no larger (:func:`vocab_slice`): peak extra
+            memory is one ``[chunk_size, V]`` buffer in the model dtype, plus, in backward,
+            the weight's gradient and, when the vocabulary is split, a float32 ``[N, H]``
+            sum of the hidden states' gradient.
         impl: ``"triton"`` (the fused kernels; CUDA, or CPU under TRITON_INTERPRET=1;
             float16/bfloat16/float32), ``"torch"`` (the same chunks and matmuls with the
             elementwise stages in torch), or ``"auto"``: triton where it runs, else torch

@@ -19,11 +19,13 @@ How (per chunk of ``chunk_size`` rows; ``[N, V]`` is never written):
   ``[N]``, float32. The normalizer stays split in two: ``lse`` in one float32 rounds
   by ``6e-8 |lse|``, which ``p = exp(z - lse)`` turns into a relative error of ``p``,
   and ``1 - p`` of a peaked row loses it all (measured: 7e-6 at |z| ~ 100).
-* backward: the chunk's logits are recomputed (cuBLAS) and :func:`_dlogits_kernel`
-  turns them, in place, into ``dL/dx`` in the model dtype, for gradients arriving on
-  ``logp`` and on ``entropy``; then ``dh = dx @ weight`` and ``dW += dx.T @ hidden_c``
-  (cuBLAS, accumulated in a float32 buffer when there are several chunks) and
-  ``db += dx.sum(0)`` (float32).
+* backward, per slice of ``[v0, v1)`` vocabulary columns for all rows (a ``[N, v1 - v0]``
+  buffer no larger than the forward's ``[chunk, V]``): the slice's logits are recomputed
+  (cuBLAS) and :func:`_dlogits_kernel` turns them, in place, into ``dL/dx`` in the model
+  dtype, for gradients arriving on ``logp`` and on ``entropy``; then
+  ``dW[v0:v1] = dx.T @ hidden`` (one product over all rows: written once, no ``[V, H]``
+  accumulator), ``db[v0:v1] = dx.sum(0)`` and ``dh += dx @ weight[v0:v1]`` (cuBLAS,
+  summed over the slices in a float32 ``[N, H]`` buffer).
 
 Gradient of one row, with ``p = softmax(z)``, ``g`` / ``ge`` the incoming gradients on
 ``logp`` / ``entropy`` and ``H`` the entropy:
@@ -99,7 +101,8 @@ def _transformed(x, scale, softcap, temperature, HAS_SOFTCAP: tl.constexpr):
 
 # Arguments that change between calls are not specialized on (an int equal to 1 or
 # divisible by 16, a pointer aligned to 16 bytes would each compile a new variant):
-# the runtime passes label slices at any offset, and N is the chunk's row count.
+# the runtime passes label slices at any offset, N is the chunk's row count, and the
+# backward's vocabulary slices differ in width (V) and first id (V0), not in row stride.
 @triton.jit(do_not_specialize=["LABELS"])
 def _row_stats_kernel(
     LOGITS, LABELS, LOGP, NORM, ENTROPY,
@@ -151,15 +154,16 @@ def _row_stats_kernel(
     tl.store(LOGP + row, tl.where(valid, (zl - m) - log_sum, float("nan")))
 
 
-@triton.jit(do_not_specialize=["LABELS", "NORM", "ENTROPY", "G", "GE", "N"])
+@triton.jit(do_not_specialize=["LABELS", "NORM", "ENTROPY", "G", "GE", "N", "V", "V0"])
 def _dlogits_kernel(
     LOGITS, LABELS, NORM, ENTROPY, G, GE,
-    stride_row, N, V,
+    stride_row, N, V, V0,
     scale, softcap, temperature,
     HAS_SOFTCAP: tl.constexpr, HAS_G: tl.constexpr, HAS_GE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Overwrite a [BLOCK_M, BLOCK_V] tile of recomputed logits with dL/dlogits."""
+    """Overwrite a [BLOCK_M, BLOCK_V] tile of recomputed logits with dL/dlogits; the
+    ``V`` columns are vocabulary ids ``V0 .. V0 + V - 1``."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     row_ok = rows < N
@@ -175,7 +179,7 @@ def _dlogits_kernel(
     if HAS_G:
         g = tl.load(G + rows, mask=row_ok, other=0.0)
         y = tl.load(LABELS + rows, mask=row_ok, other=-1)
-        dz = tl.where(cols[None, :] == y[:, None], g[:, None], 0.0) - g[:, None] * p
+        dz = tl.where(cols[None, :] + V0 == y[:, None], g[:, None], 0.0) - g[:, None] * p
     if HAS_GE:
         ge = tl.load(GE + rows, mask=row_ok, other=0.0)
         h = tl.load(ENTROPY + rows, mask=row_ok, other=0.0)
@@ -206,8 +210,9 @@ def _row_stats_triton(logits, labels, tf: LogitTransform, with_entropy: bool):
     return logp, norm, entropy
 
 
-def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: LogitTransform) -> torch.Tensor:
-    """Fused twin of :func:`dtree.ops.logprobs.fused_head._dlogits_torch`."""
+def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: LogitTransform, first_id: int = 0) -> torch.Tensor:
+    """Fused twin of :func:`dtree.ops.logprobs.fused_head._dlogits_torch` (``logits``: the
+    vocabulary columns from id ``first_id`` on)."""
     n, v = logits.shape
     launch = dict(_INTERPRETER_BWD if _INTERPRET else _BWD)
     grid = (cdiv(n, launch["BLOCK_M"]), cdiv(v, launch["BLOCK_V"]))
@@ -215,7 +220,7 @@ def _dlogits_triton(logits, labels, norm, entropy, g, ge, tf: LogitTransform) ->
         _dlogits_kernel, grid,
         logits, labels, norm, entropy if entropy is not None else norm,
         g if g is not None else norm, ge if ge is not None else norm,
-        logits.stride(0), n, v,
+        logits.stride(0), n, v, first_id,
         tf.scale, tf.softcap or 1.0, tf.temperature,
         HAS_SOFTCAP=tf.softcap is not None, HAS_G=g is not None, HAS_GE=ge is not None, **launch,
     )
