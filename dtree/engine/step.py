@@ -259,7 +259,7 @@ def loss_metric_sums(
     its entry of ``term_log`` (both in call order)."""
     if not recorded:
         return {}
-    mask = upload(loss.metric_mask(forest)[loss_lin], device, compute_dtype(dtype))
+    mask = upload(loss.metric_mask(forest, loss_lin), device, compute_dtype(dtype))
     sums: dict = {}
     for (e0, weighted), values in zip(term_log, recorded):
         sums = add_metric_sums(sums, masked_metric_sums(values, mask[e0 : e0 + weighted.shape[0]]))

@@ -97,8 +97,15 @@ class Normalization:
         return Normalization(self.loss_tokens + other.loss_tokens, self.loss_sequences + other.loss_sequences, seqs)
 
 
-def prediction_mask(forest: Forest, use_loss_mask: bool = True) -> np.ndarray:
-    """[N] float64 loss-mask of every linearized token, 0 at each sequence's first token."""
+def prediction_mask(forest: Forest, use_loss_mask: bool = True, at: np.ndarray | None = None) -> np.ndarray:
+    """[N] float64 loss-mask of every linearized token, 0 at each sequence's first token;
+    with ``at`` ([E] linearized indices), only those entries (no [N] array is made)."""
+    if at is not None:
+        at = np.asarray(at, dtype=np.int64)
+        mask = forest.fields["loss_mask"][at] if use_loss_mask and "loss_mask" in forest.fields else np.ones(len(at))
+        starts = forest.seq_offsets[:-1]
+        mask[starts[np.searchsorted(starts, at, side="right") - 1] == at] = 0.0  # each sequence's first token
+        return mask
     if use_loss_mask and "loss_mask" in forest.fields:
         mask = forest.fields["loss_mask"].copy()
     else:
@@ -109,8 +116,14 @@ def prediction_mask(forest: Forest, use_loss_mask: bool = True) -> np.ndarray:
 
 def local_normalization(forest: Forest, use_loss_mask: bool = True) -> Normalization:
     """This forest's counts (what a single-process step divides by)."""
-    mask = prediction_mask(forest, use_loss_mask)
-    per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
+    return _counts(forest, prediction_mask(forest, use_loss_mask))
+
+
+def _counts(forest: Forest, mask: np.ndarray, per_seq: np.ndarray | None = None) -> Normalization:
+    """:func:`local_normalization` of the forest's :func:`prediction_mask` ``mask`` (and its
+    per-sequence sums, when the caller has them)."""
+    if per_seq is None:
+        per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
     return Normalization(
         loss_tokens=float(mask.sum()),
         loss_sequences=float(np.count_nonzero(per_seq)),
@@ -128,32 +141,41 @@ def reduction_weights(
     norm: Normalization | None = None,
 ) -> np.ndarray:
     """[N] float64 weight of each linearized token's loss term (0 where not predicted):
-    ``loss = sum_k weights[k] * l[k]`` is the reduction (see :mod:`dtree.losses`)."""
-    mask = prediction_mask(forest, use_loss_mask)
-    norm = norm or local_normalization(forest, use_loss_mask)
-    if reduction == "sum":
-        w = mask
-    elif reduction == "token_mean":
-        _check_divisor("loss_tokens", norm.loss_tokens, mask)
-        w = mask / norm.loss_tokens if norm.loss_tokens > 0 else np.zeros_like(mask)
-    else:  # the mean over sequences of a per-sequence token mean or token sum
+    ``loss = sum_k weights[k] * l[k]`` is the reduction (see :mod:`dtree.losses`).
+
+    One [N] array is made (the mask, then divided in place): on a 64k agentic tree N is
+    ~1.1M linearized tokens, and each fresh [N] temporary cost ~3-5 ms of host time
+    before the step's first kernel (page faults on the H200 machine's host, sampled)."""
+    w = prediction_mask(forest, use_loss_mask)
+    per_seq = np.add.reduceat(w, forest.seq_offsets[:-1]) if reduction == "sequence_mean" else None
+    norm = norm or _counts(forest, w, per_seq)
+    if reduction == "token_mean":
+        _check_divisor("loss_tokens", norm.loss_tokens, w)
+        if norm.loss_tokens > 0:
+            np.divide(w, norm.loss_tokens, out=w)
+        else:
+            w.fill(0.0)
+    elif reduction != "sum":  # the mean over sequences of a per-sequence token mean or token sum
         if count_empty_sequences and norm.num_sequences is None:
             raise ValueError(
                 "count_empty_sequences=True needs Normalization.num_sequences (the number of all sequences); "
                 "build the Normalization with Normalization.from_forests"
             )
         num_seqs = norm.num_sequences if count_empty_sequences else norm.loss_sequences
-        _check_divisor("num_sequences" if count_empty_sequences else "loss_sequences", num_seqs, mask)
-        w = np.zeros_like(mask)
-        if num_seqs > 0:
-            if reduction == "sequence_mean":
-                per_seq = np.add.reduceat(mask, forest.seq_offsets[:-1])
-                per_tok = np.repeat(per_seq, forest.sequence_lengths())
-                ok = per_tok > 0
-                w[ok] = mask[ok] / (per_tok[ok] * num_seqs)
-            else:  # seq_mean_token_sum
-                w = mask / num_seqs
-    return w * scale
+        _check_divisor("num_sequences" if count_empty_sequences else "loss_sequences", num_seqs, w)
+        if num_seqs <= 0:
+            w.fill(0.0)
+        elif reduction == "sequence_mean":
+            # each token's divisor is its sequence's mask sum times the number of sequences;
+            # sequences whose mask sums to 0 get weight 0
+            divisor = np.repeat(per_seq * num_seqs, forest.sequence_lengths())
+            np.divide(w, divisor, out=w, where=divisor != 0)
+            w[np.repeat(per_seq <= 0, forest.sequence_lengths())] = 0.0
+        else:  # seq_mean_token_sum
+            np.divide(w, num_seqs, out=w)
+    if scale != 1.0:
+        w *= scale
+    return w
 
 
 def _check_divisor(name: str, count: float, mask: np.ndarray) -> None:

@@ -179,10 +179,11 @@ class TokenLoss:
             out = out + part.per_token(logp, fields) * fields[PART_WEIGHT + name]
         return out
 
-    def metric_mask(self, forest: Forest) -> np.ndarray:
+    def metric_mask(self, forest: Forest, at: np.ndarray | None = None) -> np.ndarray:
         """[N] float64 weight of each linearized token in the metric averages: its loss
-        mask (0 at each sequence's first token), as TRL and verl average metrics."""
-        return prediction_mask(forest, self.use_loss_mask)
+        mask (0 at each sequence's first token), as TRL and verl average metrics; with
+        ``at`` ([E] linearized indices), only those entries."""
+        return prediction_mask(forest, self.use_loss_mask, at)
 
     def recording(self, sink: list) -> PerTokenFn:
         """:meth:`evaluate`, which also appends ``metrics(logp, fields)`` (detached) to
