@@ -46,7 +46,7 @@ from ..device import rng
 from ..losses import TokenLoss, weighted_terms
 from ..models.checkpointing import LayerCheckpointing
 from ..ops.logprobs import compute_dtype, token_logprobs
-from ..ops.stack_attention import SegmentLayout
+from ..ops.stack_attention import SegmentLayout, prepare_stack_attention
 from ..plan.loss_terms import prediction_lin
 from ..plan.schedule import FORWARD, Schedule
 from ..plan.step_plan import StepPlan
@@ -97,6 +97,36 @@ class TreeWalk:
         self.sched = plan.sched
         self.grad_pattern = GradPattern(plan.stack.spec.num_layers)  # the same in every call of the step
         self._layer_checkpointing: LayerCheckpointing | None = None
+        # each group's layout from its first forward (or its preparation) to its backward: its
+        # backend tables are built once, also for a group that runs twice (recomputed)
+        self._layouts: dict[int, SegmentLayout] = {}
+        self._next_forward: dict[int, int] | None = None  # group -> the group whose forward comes next
+
+    def layout(self, g: int) -> SegmentLayout:
+        """Group ``g``'s :class:`SegmentLayout`, the same object until :meth:`release`."""
+        layout = self._layouts.get(g)
+        if layout is None:
+            layout = self._layouts[g] = _group_layout(self.sched, g)
+        return layout
+
+    def release(self, g: int) -> None:
+        """Drop group ``g``'s layout and the tables cached on it (its backward has run)."""
+        self._layouts.pop(g, None)
+
+    def prepare(self, g: int) -> None:
+        """Group ``g``'s attention tables built and uploaded now (:func:`prepare_stack_attention`),
+        while the GPU runs the call before it, not at its first layer."""
+        plan = self.plan
+        prepare_stack_attention(self.layout(g), plan.attention, plan.device, plan.deterministic)
+
+    def _prepare_after(self, g: int) -> None:
+        """:meth:`prepare` the group whose forward comes after ``g``'s (none after the last)."""
+        if self._next_forward is None:
+            forwards = [h for kind, h in self.sched.events if kind == FORWARD]
+            self._next_forward = dict(zip(forwards, forwards[1:]))
+        nxt = self._next_forward.get(g)
+        if nxt is not None:
+            self.prepare(nxt)
 
     def _checkpointing(self) -> LayerCheckpointing:
         """The step's checkpointed layer wrappers (built at the first call that checkpoints)."""
@@ -120,7 +150,7 @@ class TreeWalk:
         grad_seed = self.plan.stack.has_grad and group.writes_stack
         plan = self.plan
         attend = GroupAttention(
-            plan.stack, lo, hi, _group_layout(self.sched, g), plan.attention, push, grad_seed, self._device_lo(g),
+            plan.stack, lo, hi, self.layout(g), plan.attention, push, grad_seed, self._device_lo(g),
             plan.deterministic, None if plan.states is None else plan.states.layouts[g], plan.recurrence,
             plan.state_grads, self.grad_pattern,
         )
@@ -184,7 +214,9 @@ class TreeWalk:
         calls = live_tokens = peak = recomputed = 0
 
         def run(g: int, push: bool, rng_seed: int | None, checkpoint: int) -> _GroupState:
-            return self._run_group(g, push, rng_seed, per_token, term_log, checkpoint)
+            state = self._run_group(g, push, rng_seed, per_token, term_log, checkpoint)
+            self._prepare_after(g)  # its kernels are queued: the next call's tables now, not at its first layer
+            return state
 
         with scope() if scope is not None else contextlib.nullcontext():
             for kind, g in self.events():
@@ -200,6 +232,7 @@ class TreeWalk:
                         )
                         peak = max(peak, live_tokens + group.num_tokens)
                         total = _finish_group(state, total)
+                        self.release(g)
                     elif live_tokens + group.num_tokens <= self.plan.retain_budget:
                         self.zero_grad(g)
                         live[g] = run(g, push=True, rng_seed=rng_seed, checkpoint=self.plan.path_checkpoint_layers)
@@ -210,6 +243,7 @@ class TreeWalk:
                         rng_seeds[g] = rng_seed
                         with torch.no_grad(), rng.seeded(rng_seed, self.plan.device):
                             self.hidden(g, push=True)
+                        self._prepare_after(g)
                     continue
                 if group.is_leaf:
                     continue
@@ -222,9 +256,10 @@ class TreeWalk:
                     # K/V are on the stack already and its slots hold the descendants'
                     # gradients: no push, no zeroing. The RNG seed replays the forward's dropout
                     # masks, so the graph is of those K/V.
-                    state = run(g, push=False, rng_seed=rng_seeds.pop(g), checkpoint=self.plan.checkpoint_layers)
+                    state = self._run_group(g, False, rng_seeds.pop(g), per_token, term_log, self.plan.checkpoint_layers)
                     peak = max(peak, live_tokens + group.num_tokens)
                 total = _finish_group(state, total)
+                self.release(g)
         plan = self.plan
         metrics = {
             "mode": plan.mode, "attention": plan.attention, "recurrence": plan.recurrence,
@@ -256,6 +291,8 @@ class TreeWalk:
             with rng.seeded(rng.next_seed() if self.plan.randomness else None, self.plan.device):
                 # a leaf group's K/V are read by nothing after it: no stack slots
                 hidden = self.hidden(g, push=self.sched.groups[g].writes_stack)
+                self.release(g)
+                self._prepare_after(g)
                 p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
                 if p1 > p0:
                     lp, ent = token_logprobs(

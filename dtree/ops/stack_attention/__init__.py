@@ -5,7 +5,8 @@ One signature for every backend, ``(q, k, v, slots, options)``, documented once 
 
 - :mod:`.reference`: the dense reference every backend is tested against.
 - :mod:`.interface`: the dispatcher :func:`stack_attention` and :data:`BACKENDS` (name ->
-  function, the availability checks, what ``auto`` picks).
+  function, the availability checks, what ``auto`` picks); :func:`prepare_stack_attention`
+  does a call's table work ahead of its first layer.
 - :mod:`.per_segment`: the ``reference`` (float32 math) and ``sdpa`` backends;
   :mod:`.attention_math`: one segment's attention; :mod:`.seed`: :func:`seed_from_stack`.
 - :mod:`.options`: the call's arguments and host-side checks; :mod:`.segment_layout`:
@@ -20,7 +21,7 @@ One signature for every backend, ``(q, k, v, slots, options)``, documented once 
 """
 
 from .attention_math import attend_math, attend_sdpa
-from .interface import BACKENDS, stack_attention
+from .interface import BACKENDS, prepare_stack_attention, stack_attention
 from .options import PLAIN, AttentionOptions, StackSlots, check_packed_qkv, check_stack_attention
 from .per_segment import stack_attention_reference, stack_attention_sdpa
 from .reference import stack_attention_naive
@@ -37,6 +38,7 @@ __all__ = [
     "attend_sdpa",
     "check_packed_qkv",
     "check_stack_attention",
+    "prepare_stack_attention",
     "seed_from_stack",
     "stack_attention",
     "stack_attention_naive",

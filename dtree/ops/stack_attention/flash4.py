@@ -36,13 +36,14 @@ import torch
 
 from ..backends import Target
 from .call_mask import call_mask
-from .flash4_masked_call import FLASH4_MASKED_CALL
+from .flash4_masked_call import FLASH4_MASKED_CALL, device_tables
 from .flash4_replay import bucket_len
 from .masked_call import stack_attention_masked_call
 from .options import PLAIN, AttentionOptions, StackSlots, check_stack_attention
 from .regions import stack_attention_regions
+from .segment_layout import SegmentLayout
 
-__all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "stack_attention_flash4"]
+__all__ = ["FLASH4_REGIONS", "DTYPES", "flash4_unavailable", "prepare_flash4_call", "stack_attention_flash4"]
 
 DTYPES = (torch.float16, torch.bfloat16)
 # Calls whose tree the two tables of call_mask express (every call of the walk's depth-first
@@ -162,3 +163,14 @@ def stack_attention_flash4(
         return stack_attention_masked_call(q, k, v, stack, slots.layer, slots.layout, mask, scale,
                                            kernel=FLASH4_MASKED_CALL, own_in_stack=slots.own_in_stack)
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)
+
+
+def prepare_flash4_call(layout: SegmentLayout, device: torch.device, deterministic: bool) -> None:
+    """The host work of a call's one-call path done ahead of its first layer: the call's mask
+    tables built and uploaded (cached on ``layout``, where :func:`stack_attention_flash4` finds
+    them). Nothing for a call that will take the region path."""
+    if not ONE_CALL_PATH or deterministic:
+        return
+    mask = call_mask(layout)
+    if mask is not None:
+        device_tables(mask, layout, device)

@@ -26,7 +26,7 @@ from .call_mask import BLOCK, BlockLists, CallMask
 from .flash4_launch_replay import Flash4LaunchReplay, tensor_key
 from .segment_layout import SegmentLayout
 
-__all__ = ["FLASH4_MASKED_CALL"]
+__all__ = ["FLASH4_MASKED_CALL", "device_tables"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -47,7 +47,7 @@ def _mask_function():
     return stack_call_mask
 
 
-def _device_tables(mask: CallMask, layout: SegmentLayout, device: torch.device) -> dict:
+def device_tables(mask: CallMask, layout: SegmentLayout, device: torch.device) -> dict:
     """The two mask tables and both block-sparsity structures on ``device`` (one upload,
     each part 16-byte aligned; cached on the layout)."""
 
@@ -97,7 +97,7 @@ class _Flash4MaskedCall:
     (:mod:`.flash4_launch_replay`; a model call's layers share them)."""
 
     def forward(self, q, k, v, mask, layout, scale):
-        tables = _device_tables(mask, layout, q.device)
+        tables = device_tables(mask, layout, q.device)
         t, hq = q.shape[:2]
         out = torch.empty(1, t, hq, v.shape[-1], dtype=q.dtype, device=q.device)
         lse = torch.empty(1, hq, t, dtype=torch.float32, device=q.device)
@@ -115,7 +115,7 @@ class _Flash4MaskedCall:
         return out[0], lse[0]
 
     def backward(self, q, k, v, out, dout, lse, mask, layout, scale):
-        tables = _device_tables(mask, layout, q.device)
+        tables = device_tables(mask, layout, q.device)
         ins = (q[None], k[None], v[None], out[None], dout[None], lse[None])
         grads = tuple(torch.empty_like(x) for x in ins[:3])
         launcher = _launcher()

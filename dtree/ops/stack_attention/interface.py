@@ -61,12 +61,14 @@ import torch
 from .. import determinism
 from ..backends import Backends, Target
 from .options import PLAIN, AttentionOptions, StackSlots
+from .segment_layout import SegmentLayout
 from .per_segment import stack_attention_reference, stack_attention_sdpa
 
 __all__ = [
     "BACKENDS",
     "OWN_KV_IN_STACK",
     "PREFERS_FLASH_ATTN",
+    "prepare_stack_attention",
     "stack_attention",
     "stack_attention_flash4",
     "stack_attention_triton",
@@ -172,3 +174,15 @@ def stack_attention(
     if options.deterministic is not deterministic:
         options = replace(options, deterministic=deterministic)
     return attend(q, k, v, slots, options)
+
+
+def prepare_stack_attention(layout: SegmentLayout, backend: str, device: torch.device, deterministic: bool = False) -> None:
+    """Do a call's host-side table work now (``backend``'s tables for ``layout``, cached on it),
+    so that its first layer launches at once: the walk calls it for the next call while the
+    GPU still runs the current one's kernels (when the queue has drained, a call's first layer
+    otherwise left the GPU idle for the tables' build and upload: 1-8 ms per call on the 64k
+    agentic tree). A backend without such work does nothing."""
+    if backend == "flash-attn":
+        from .flash4 import prepare_flash4_call
+
+        prepare_flash4_call(layout, device, determinism.requested(deterministic))
