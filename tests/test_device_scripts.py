@@ -2,7 +2,8 @@
 (``benchmarks/step_defaults_gpu.sh``, ``benchmarks/call_size_gpu.sh``, ``benchmarks/host_cost_gpu.sh``,
 ``benchmarks/gpu_idle_gpu.sh``, ``benchmarks/vs_mask_gpu.sh``,
 ``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``,
-``benchmarks/masked_call_gpu.sh``, ``benchmarks/session_k_gpu.sh``, ``benchmarks/session_l_gpu.sh``, sharing
+``benchmarks/masked_call_gpu.sh``, ``benchmarks/session_k_gpu.sh``, ``benchmarks/session_l_gpu.sh``,
+``benchmarks/session_m_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -33,6 +34,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("scale_gpu.sh", {}, ("release", "agentic256k", "qwen7b")),
     ("session_k_gpu.sh", {}, ("case1", "agentic64k", ".")),
     ("session_l_gpu.sh", {"PART": "final"}, ("final/case1", "final/agentic64k")),
+    ("session_m_gpu.sh", {"PART": "new"}, ("new", "case1")),
 ])
 def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
     r = _smoke(script, tmp_path, **parts)
