@@ -124,11 +124,15 @@ def test_stack_attention_kernels_compile_once(monkeypatch, options, deterministi
         assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
 
 
-def test_logprob_kernels_compile_once(monkeypatch):
+@pytest.mark.parametrize("vocab", [1024, 1000])
+def test_logprob_kernels_compile_once(monkeypatch, vocab):
+    """Once per kernel over calls of several row counts (so the backward's vocabulary slices
+    differ in width and first id); a vocabulary whose size is not a multiple of 16 compiles
+    the dL/dlogits kernel a second time, for the last slice's row stride."""
     calls: list = []
     monkeypatch.setattr(lt, "_row_stats_kernel", _Recorder(lt._row_stats_kernel, calls))
     monkeypatch.setattr(lt, "_dlogits_kernel", _Recorder(lt._dlogits_kernel, calls))
-    weight = torch.zeros(1000, 64, dtype=torch.bfloat16, requires_grad=True)
+    weight = torch.zeros(vocab, 64, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.zeros(200, dtype=torch.int64)
     tf = lt.LogitTransform()
     for start, rows in [(0, 64), (1, 37), (3, 48), (17, 100)]:  # label slices at any offset, as the runtime's
@@ -139,7 +143,8 @@ def test_logprob_kernels_compile_once(monkeypatch):
     assert set(keys) == {"_row_stats_kernel", "_dlogits_kernel"}
     for name, specs in keys.items():
         distinct = {repr(s) for s in specs}
-        assert len(distinct) == 1, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
+        most = 2 if name == "_dlogits_kernel" and vocab % 16 else 1
+        assert len(distinct) <= most, f"{name} compiles {len(distinct)} variants over these calls: {distinct}"
 
 
 @pytest.mark.parametrize("deterministic", [False, True])

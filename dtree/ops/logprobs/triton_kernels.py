@@ -102,7 +102,8 @@ def _transformed(x, scale, softcap, temperature, HAS_SOFTCAP: tl.constexpr):
 # Arguments that change between calls are not specialized on (an int equal to 1 or
 # divisible by 16, a pointer aligned to 16 bytes would each compile a new variant):
 # the runtime passes label slices at any offset, N is the chunk's row count, and the
-# backward's vocabulary slices differ in width (V) and first id (V0), not in row stride.
+# backward's vocabulary slices differ in width (V) and first id (V0); their row stride is
+# their width, a multiple of 16 for every slice where the vocabulary's size is one.
 @triton.jit(do_not_specialize=["LABELS"])
 def _row_stats_kernel(
     LOGITS, LABELS, LOGP, NORM, ENTROPY,
