@@ -13,8 +13,8 @@
 #   PART=new    this checkout on the same fresh forests, the same three configurations, then
 #               tree-mask:whole+ckpt (last, so that dtree's runs follow the same order as OLD's:
 #               the old/new pair is the same-host A/B), then GRPO case 1 against the mask;
-#   PART=tests, ab, final  as session L's script: the GPU test files, OLD and this checkout
-#               alternately, this checkout against the mask.
+# (the fuller GPU test set, an alternating A/B and a final run alone are session L's script's
+# parts: PART=tests|ab|final bash benchmarks/session_l_gpu.sh)
 #
 #     PART=diag bash benchmarks/session_m_gpu.sh          # reports in $OUT (default /tmp/dtree_session_m)
 #     SMOKE=1 PART=new bash benchmarks/session_m_gpu.sh   # CPU, tiny model: plumbing only
@@ -23,20 +23,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_m}
 OLD=${OLD:-.oldm}
 PART=${PART:-diag}
-HERE=$PWD
 source benchmarks/bench_cases.sh
 CONFIGS64="dtree,dtree:memory=14.5,dtree:low"
-
-run_bench() {  # $1: label, $2: source tree; case 1 then the 64k tree
-  local out="$OUT/ab/$1"
-  mkdir -p "$out/case1" "$out/agentic64k"
-  (cd "$2" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 100 $BENCH $CASE1 --steps 10 --configs dtree \
-    --out "$out/case1" >"$out/case1.log" 2>&1)
-  (cd "$2" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 200 $BENCH $AGENTIC64K --steps $STEPS \
-    --configs "$CONFIGS64" --out "$out/agentic64k" >"$out/agentic64k.log" 2>&1)
-  echo "-- $1 ($2)"
-  grep -hE "^\| \`dtree[^|]*\` \| ok \|" "$out"/case1/*.md "$out"/agentic64k/*.md 2>/dev/null | cut -d'|' -f2,6,8
-}
 
 case "$PART" in
   diag)
@@ -68,25 +56,5 @@ case "$PART" in
     timeout 90 $BENCH $CASE1 --steps 10 --configs "dtree,tree-mask:whole+ckpt" --out "$OUT/case1" >"$OUT/case1.log" 2>&1
     grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT"/case1/*.md | cut -d'|' -f2,6,8,12
     ;;
-  tests)
-    timeout 400 python -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_gpu.py tests/test_masked_call.py \
-      tests/test_checkpointing.py tests/test_output_memo.py tests/test_memory_policy.py tests/test_layer_recompute.py \
-      tests/test_transfer.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -4
-    ;;
-  ab)
-    [ -d "$OLD/dtree" ] || { echo "no older checkout at $OLD (git archive <rev> dtree benchmarks | tar -x -C $OLD)"; exit 2; }
-    run_bench old_1 "$OLD"
-    run_bench new_1 "$HERE"
-    run_bench new_2 "$HERE"
-    run_bench old_2 "$OLD"
-    ;;
-  final)
-    mkdir -p "$OUT/final/case1" "$OUT/final/agentic64k"
-    timeout 110 $BENCH $CASE1 --steps 10 --configs "dtree,tree-mask:whole+ckpt" --out "$OUT/final/case1" >/dev/null 2>&1
-    grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT"/final/case1/*.md | cut -d'|' -f2,6,8,12
-    timeout 330 $BENCH $AGENTIC64K --steps $STEPS --configs "dtree,tree-mask:whole+ckpt,dtree:memory=14.5,dtree:low" \
-      --out "$OUT/final/agentic64k" >/dev/null 2>&1
-    grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT"/final/agentic64k/*.md | cut -d'|' -f2,6,8,12
-    ;;
-  *) echo "PART must be diag, tests_old, new, tests, ab or final"; exit 2 ;;
+  *) echo "PART must be diag, tests_old or new"; exit 2 ;;
 esac

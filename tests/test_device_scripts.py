@@ -32,8 +32,8 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("call_size_gpu.sh", {"PARTS": "eager"}, ("eager",)),
     ("vs_mask_gpu.sh", {}, ("case1", "agentic64k")),
     ("scale_gpu.sh", {}, ("release", "agentic256k", "qwen7b")),
-    # earlier sessions' scripts: their parts are this session's too (kept for their reports), so
-    # they run in the slow sweep only (the suite's time on CI's two cores)
+    # earlier sessions' scripts: their runs are the same `dtree bench` invocations as session M's
+    # `new` part (bench_cases.sh), so they run in the slow sweep only (the suite's time on CI's two cores)
     pytest.param("session_k_gpu.sh", {}, ("case1", "agentic64k", "."), marks=pytest.mark.slow),
     pytest.param("session_l_gpu.sh", {"PART": "final"}, ("final/case1", "final/agentic64k"), marks=pytest.mark.slow),
     ("session_m_gpu.sh", {"PART": "new"}, ("new", "case1")),

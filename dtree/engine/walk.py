@@ -100,7 +100,8 @@ class TreeWalk:
         # each group's layout from its first forward (or its preparation) to its backward: its
         # backend tables are built once, also for a group that runs twice (recomputed)
         self._layouts: dict[int, SegmentLayout] = {}
-        self._next_forward: dict[int, int] | None = None  # group -> the group whose forward comes next
+        forwards = [g for kind, g in self.sched.events if kind == FORWARD]
+        self._next_forward = dict(zip(forwards, forwards[1:]))  # group -> the group whose forward comes next
 
     def layout(self, g: int) -> SegmentLayout:
         """Group ``g``'s :class:`SegmentLayout`, the same object until :meth:`release`."""
@@ -121,9 +122,6 @@ class TreeWalk:
 
     def _prepare_after(self, g: int) -> None:
         """:meth:`prepare` the group whose forward comes after ``g``'s (none after the last)."""
-        if self._next_forward is None:
-            forwards = [h for kind, h in self.sched.events if kind == FORWARD]
-            self._next_forward = dict(zip(forwards, forwards[1:]))
         nxt = self._next_forward.get(g)
         if nxt is not None:
             self.prepare(nxt)
@@ -256,7 +254,8 @@ class TreeWalk:
                     # K/V are on the stack already and its slots hold the descendants'
                     # gradients: no push, no zeroing. The RNG seed replays the forward's dropout
                     # masks, so the graph is of those K/V.
-                    state = self._run_group(g, False, rng_seeds.pop(g), per_token, term_log, self.plan.checkpoint_layers)
+                    seed = rng_seeds.pop(g)
+                    state = self._run_group(g, False, seed, per_token, term_log, self.plan.checkpoint_layers)
                     peak = max(peak, live_tokens + group.num_tokens)
                 total = _finish_group(state, total)
                 self.release(g)

@@ -1,7 +1,8 @@
 """The fused LM-head log-prob op (:func:`token_logprobs_triton`): cuBLAS matmuls per chunk
-of rows (forward) or slice of the vocabulary (backward, :func:`vocab_slice`) and the two Triton passes of :mod:`dtree.ops.logprobs.triton_kernels` (design notes
-there), each beside its pure-torch twin, and :func:`token_logprobs_dense`, the plain
-full-logits version the op is tested against.
+of rows (forward) or slice of the vocabulary (backward, :func:`vocab_slice`) and the two
+Triton passes of :mod:`dtree.ops.logprobs.triton_kernels` (design notes there), each
+beside its pure-torch twin, and :func:`token_logprobs_dense`, the plain full-logits version
+the op is tested against.
 """
 
 from __future__ import annotations
@@ -155,8 +156,8 @@ class _FusedLogprobs(torch.autograd.Function):
         # dh sums over the vocabulary slices in the compute dtype, rounded once at the end
         grad_h = None
         if need_h:
-            grad_h = (torch.zeros if several else torch.empty)(n, hidden.shape[1], dtype=cdt if several else hidden.dtype,
-                                                              device=hidden.device)
+            make = torch.zeros if several else torch.empty
+            grad_h = make(n, hidden.shape[1], dtype=cdt if several else hidden.dtype, device=hidden.device)
         g = grad_logp.to(cdt).contiguous() if grad_logp is not None else None
         ge = grad_entropy.to(cdt).contiguous() if grad_entropy is not None else None
         # every slice a contiguous [n, b - a] view of one buffer (a narrower last slice as a strided
@@ -188,11 +189,12 @@ def vocab_slice(rows: int, vocab: int, chunk: int) -> int:
     """Vocabulary columns per slice of :class:`_FusedLogprobs`' backward over ``rows``: the
     ``[rows, slice]`` logits buffer holds no more than the forward's ``[chunk, vocab]`` one
     (the whole vocabulary when ``rows <= chunk``); a multiple of 128 when it is split, so
-    that every slice but the last starts 256-byte aligned in 16 bits."""
+    that every slice's row stride but the last one's is a multiple of 16 elements (one
+    compiled dL/dlogits kernel) and each slice of the weight starts 256-byte aligned."""
     if rows <= chunk:
         return vocab
     width = max(1, chunk * vocab // rows)
-    return max(128, width - width % 128) if width >= 128 else width
+    return width - width % 128 if width >= 128 else width
 
 
 def _check(hidden, weight, labels, bias, tf: LogitTransform, chunk_size: int) -> None:

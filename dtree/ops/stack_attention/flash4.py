@@ -35,7 +35,7 @@ from dataclasses import replace
 import torch
 
 from ..backends import Target
-from .call_mask import call_mask
+from .call_mask import CallMask, call_mask
 from .flash4_masked_call import FLASH4_MASKED_CALL, device_tables
 from .flash4_replay import bucket_len
 from .masked_call import stack_attention_masked_call
@@ -156,7 +156,7 @@ def stack_attention_flash4(
     stack = slots.stack
     if not (q.dtype == k.dtype == v.dtype == stack.dtype):
         raise TypeError(f"q, k, v and the stack must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}, {stack.dtype}")
-    mask = call_mask(slots.layout) if ONE_CALL_PATH and not deterministic else None
+    mask = _one_call_mask(slots.layout, deterministic)
     if mask is not None and stack.capacity >= mask.num_keys:
         q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
         scale = options.softmax_scale(q.shape[-1])
@@ -165,12 +165,16 @@ def stack_attention_flash4(
     return stack_attention_regions(q, k, v, slots, replace(options, deterministic=deterministic), kernel=FLASH4_REGIONS)
 
 
+def _one_call_mask(layout: SegmentLayout, deterministic: bool) -> CallMask | None:
+    """The call's mask when it may run as one masked attention (the stack's capacity aside),
+    else None: the region path."""
+    return call_mask(layout) if ONE_CALL_PATH and not deterministic else None
+
+
 def prepare_flash4_call(layout: SegmentLayout, device: torch.device, deterministic: bool) -> None:
     """The host work of a call's one-call path done ahead of its first layer: the call's mask
     tables built and uploaded (cached on ``layout``, where :func:`stack_attention_flash4` finds
     them). Nothing for a call that will take the region path."""
-    if not ONE_CALL_PATH or deterministic:
-        return
-    mask = call_mask(layout)
+    mask = _one_call_mask(layout, deterministic)
     if mask is not None:
         device_tables(mask, layout, device)

@@ -61,8 +61,8 @@ import torch
 from .. import determinism
 from ..backends import Backends, Target
 from .options import PLAIN, AttentionOptions, StackSlots
-from .segment_layout import SegmentLayout
 from .per_segment import stack_attention_reference, stack_attention_sdpa
+from .segment_layout import SegmentLayout
 
 __all__ = [
     "BACKENDS",
@@ -176,7 +176,9 @@ def stack_attention(
     return attend(q, k, v, slots, options)
 
 
-def prepare_stack_attention(layout: SegmentLayout, backend: str, device: torch.device, deterministic: bool = False) -> None:
+def prepare_stack_attention(
+    layout: SegmentLayout, backend: str, device: torch.device, deterministic: bool = False
+) -> None:
     """Do a call's host-side table work now (``backend``'s tables for ``layout``, cached on it),
     so that its first layer launches at once: the walk calls it for the next call while the
     GPU still runs the current one's kernels (when the queue has drained, a call's first layer
