@@ -94,3 +94,77 @@ def test_torch_compile_matches_eager():
         torch.testing.assert_close(compiled(stacks[0], k, v, lo), _session(stacks[1], k, v, lo))
     for name in ("k", "v", "grad_k", "grad_v"):
         assert torch.equal(getattr(stacks[0], name), getattr(stacks[1], name)), name
+
+
+def _short_and_full(grad_slots: int, gen: torch.Generator, dtype=torch.float32):
+    """A stack with ``grad_slots`` gradient slots and one with all 20, the same K/V, and the
+    full one's gradient slots past ``grad_slots`` zero (what the short one reads there)."""
+    full = filled(KVStack(2, 20, 2, 6, v_head_dim=4, dtype=dtype, device="cpu"), gen)
+    short = KVStack(2, 20, 2, 6, v_head_dim=4, dtype=dtype, device="cpu", grad_slots=grad_slots)
+    assert short.grad_slots == grad_slots and short.grad_k.shape == (2, grad_slots, 2, 6)
+    assert short.grad_v.shape == (2, grad_slots, 2, 4)
+    full.grad_k[:, grad_slots:] = 0
+    full.grad_v[:, grad_slots:] = 0
+    for name in ("k", "v"):
+        getattr(short, name).copy_(getattr(full, name))
+    short.grad_k.copy_(full.grad_k[:, :grad_slots])
+    short.grad_v.copy_(full.grad_v[:, :grad_slots])
+    return short, full
+
+
+def _same(short: KVStack, full: KVStack) -> None:
+    n = short.grad_slots
+    assert torch.equal(short.grad_k, full.grad_k[:, :n]) and torch.equal(short.grad_v, full.grad_v[:, :n])
+    assert not full.grad_k[:, n:].any() and not full.grad_v[:, n:].any()
+
+
+@pytest.mark.parametrize("lo,hi", [(2, 6), (6, 11), (8, 14), (12, 17)], ids=["below", "straddling", "at", "past"])
+def test_short_gradient_slots_read_as_zero_past_their_end(lo, hi):
+    """A stack with fewer gradient slots than K/V slots (the leaf calls' slots above the
+    path's): zero_grad and seed_grad over any range give what a stack with every gradient
+    slot gives when those past the end are zero, in the K/V dtypes asked for."""
+    gen = torch.Generator().manual_seed(1)
+    short, full = _short_and_full(8, gen)
+    rows = hi - lo
+    gk, gv = torch.randn(rows, 2, 6, generator=gen), torch.randn(rows, 2, 4, generator=gen)
+    for a, b in ((gk, gv), (None, gv), (gk, None), (None, None)):
+        got = short.seed_grad(1, lo, hi, a, b, (torch.bfloat16, torch.float32))
+        want = full.seed_grad(1, lo, hi, a, b, (torch.bfloat16, torch.float32))
+        for g, w in zip(got, want):
+            assert g.dtype == w.dtype and g.shape == w.shape
+            torch.testing.assert_close(g, w, atol=0, rtol=0)
+    short.zero_grad(lo, hi)
+    full.zero_grad(lo, hi)
+    _same(short, full)
+
+
+def test_adding_past_the_gradient_slots_grows_them_exactly():
+    """An add into slots past the end (a call on a path the plan did not count on) first
+    grows the gradient buffers: the old slots kept, the new ones zero, then added into; a
+    slice grows them to its end, slots on the device to the capacity."""
+    gen = torch.Generator().manual_seed(2)
+    short, full = _short_and_full(5, gen)
+    dk, dv = torch.randn(4, 2, 6, generator=gen), torch.randn(4, 2, 4, generator=gen)
+    for stack in (short, full):
+        stack.accumulate(0, slice(3, 7), dk, dv)
+        stack.accumulate(1, slice(1, 5), dk, dv)  # inside: no growth
+    assert short.grad_slots == 7
+    _same(short, full)
+    short.grad_slots_through(3)  # never shrinks
+    assert short.grad_slots == 7
+    index = torch.tensor([2, 11, 2, 0])
+    for stack in (short, full):
+        stack.accumulate(1, index, dk, dv)
+    assert short.grad_slots == 20
+    _same(short, full)
+    assert short.fits(2, 20, 2, 6, torch.float32, "cpu", True, v_head_dim=4)
+
+
+def test_fits_counts_gradient_slots():
+    stack = KVStack(1, 16, 1, 4, dtype=torch.float32, device="cpu", grad_slots=6)
+    assert stack.fits(1, 16, 1, 4, torch.float32, "cpu", True, grad_slots=6)
+    assert not stack.fits(1, 16, 1, 4, torch.float32, "cpu", True, grad_slots=7)
+    assert not stack.fits(1, 12, 1, 4, torch.float32, "cpu", True)  # None: every slot takes gradients
+    assert stack.fits(1, 12, 1, 4, torch.float32, "cpu", False)  # a log-prob pass needs none
+    with pytest.raises(ValueError, match="grad_slots must be in"):
+        KVStack(1, 4, 1, 4, dtype=torch.float32, device="cpu", grad_slots=5)

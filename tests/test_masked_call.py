@@ -147,12 +147,82 @@ def test_runtime_steps_through_the_one_call_path_exactly(monkeypatch, mode):
 
     monkeypatch.setitem(BACKENDS.functions, "reference", one_call_or_reference)
     monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
+    sizes, _ = _stack_sizes(monkeypatch)
     seqs = [s for case in EDGE_CASES.values() for s in case]
     for budget in (6, 11, 1000):
         out, ref, errs = run_both(make_model("qwen3", tied=True), seqs,
                                   rt_kw=dict(mode=mode, attention="reference", chunk_size=3, group_tokens=budget))
         assert_exact(out, ref, errs)
     assert ran, "the one-call path never ran"
+    assert all(grads == tokens for tokens, grads in sizes)  # the leaves' slots take gradients
+
+
+def _stack_sizes(monkeypatch) -> tuple[list[tuple[int, int]], list]:
+    """(KV slots, gradient slots) of every StepStacks the runtime makes from now on, as
+    made, and the stacks."""
+    from dtree.stacks.step_stacks import StepStacks
+
+    made, stacks, init = [], [], StepStacks.__init__
+
+    def recording(self, spec, tokens, state_slots, **kw):
+        init(self, spec, tokens, state_slots, **kw)
+        if kw.get("with_grad"):
+            made.append((tokens, self.grad_tokens))
+            stacks.append(self)
+
+    monkeypatch.setattr(StepStacks, "__init__", recording)
+    return made, stacks
+
+
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-call path", "every call elsewhere"])
+def test_runtime_with_gradient_slots_for_the_path_only(monkeypatch, one_call):
+    """The plan gives the stack gradient slots for the groups with children only when the
+    backend's calls return their own K/V gradients whole (OWN_GRADS_IN_CALL, the flash-attn
+    backend's one-call path): against HF per path in float32 over the DESIGN edge cases,
+    with the one-call path standing in for the ``reference`` backend, and with every call
+    taking the per-segment path instead (which adds in-call ancestors' dK/dV into the
+    leaf's slots: the stack grows its gradient slots there, and stays exact)."""
+    import dtree.ops.stack_attention.interface as interface
+    import dtree.plan.step_plan as step_plan
+    from dtree.ops.stack_attention.interface import BACKENDS
+
+    from test_runtime_exact import EDGE_CASES, assert_exact, run_both
+    from hf_models import make_model
+
+    reference = BACKENDS.functions["reference"]
+
+    def one_call_or_reference(q, k, v, slots, options):
+        if call_mask(slots.layout) is None or not options.plain:
+            return reference(q, k, v, slots, options)
+        return one_call_backend(q, k, v, slots, options)
+
+    if one_call:
+        monkeypatch.setitem(BACKENDS.functions, "reference", one_call_or_reference)
+    monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
+    monkeypatch.setattr(interface, "OWN_GRADS_IN_CALL", frozenset({"flash-attn", "reference"}))
+    sizes, stacks = _stack_sizes(monkeypatch)
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    for mode in ("retain", "recompute"):
+        for budget in (6, 11, 1000):
+            out, ref, errs = run_both(make_model("qwen3", tied=True), seqs,
+                                      rt_kw=dict(mode=mode, attention="reference", chunk_size=3, group_tokens=budget))
+            assert_exact(out, ref, errs)
+    assert sizes and all(grads <= tokens for tokens, grads in sizes)
+    assert any(grads < tokens for tokens, grads in sizes), f"no stack had fewer gradient slots: {sizes}"
+    # on the one-call path they stay short; elsewhere the leaves' adds grew them
+    short_after = [s.grad_tokens < s.capacity for s in stacks]
+    assert any(short_after) if one_call else not any(short_after), short_after
+
+
+def test_leaf_slots_take_grads_but_on_the_one_call_path(monkeypatch):
+    from dtree.ops.stack_attention import flash4
+    from dtree.ops.stack_attention.interface import leaf_slots_take_grads
+
+    assert not leaf_slots_take_grads("flash-attn")
+    assert leaf_slots_take_grads("flash-attn", deterministic=True)  # the region path
+    assert leaf_slots_take_grads("triton") and leaf_slots_take_grads("sdpa")
+    monkeypatch.setattr(flash4, "ONE_CALL_PATH", False)  # DTREE_FLASH_REGIONS=1
+    assert leaf_slots_take_grads("flash-attn")
 
 
 @pytest.mark.gpu

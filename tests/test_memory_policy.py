@@ -25,7 +25,7 @@ from dtree.plan import memory_policy as mp
 from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.plan.schedule import build_schedule
 from dtree.plan.model_view import model_view
-from dtree.plan.step_plan import plan_memory
+from dtree.plan.step_plan import grad_slots, plan_memory, stack_slots
 
 GIB = 2.0**30
 QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
@@ -142,7 +142,7 @@ def test_low_setting_takes_the_lean_recipes_peak_as_its_cap():
         p = plan(shape, setting="low")
         recipe = plan(shape, group_tokens=mp.LOW_GROUP_TOKENS, checkpoint_layers=True,
                       logprob_chunk=mp.LOW_LOGPROB_CHUNK)
-        assert p.predicted_peak_bytes <= recipe.predicted_peak_bytes * (1 + mp.SLACK) + 1
+        assert p.predicted_peak_bytes <= recipe.predicted_peak_bytes * (1 + mp.LOW_CAP_ROUNDING) + 1
         assert p.predicted_cost <= recipe.predicted_cost * (1 + mp.SLACK)
         # weights (2.9) + the rest: the issue's <= 12 GB on the 21k tree
         assert total(p) < 11.5 * GIB
@@ -392,6 +392,23 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     assert mm.refine(plan_, sched, retain, (held.capacity, held.state_slots), slots).parts["kv_stack"] == pytest.approx(
         mm.state_slot_bytes(spec, 4)  # only the one state slot the stacks held lack
     )
+    # the one-call path: K/V slots for every call, gradient slots for the groups with children
+    kv_slots, path = stack_slots(sched, own_in_stack=True), grad_slots(sched, leaf_grads=False)
+    assert path <= sched.stack_tokens == grad_slots(sched, leaf_grads=True) and path < kv_slots
+    grad = mm.stack_grad_slot_bytes(spec, 4)
+    full = mm.refine(plan_, sched, retain, (0, 0), slots, stack_slots=kv_slots)
+    lean = mm.refine(plan_, sched, retain, (0, 0), slots, stack_slots=kv_slots, grad_slots=path)
+    assert lean.parts["kv_stack"] == pytest.approx(full.parts["kv_stack"] - (kv_slots - path) * grad)
+    assert lean.predicted_peak_bytes == pytest.approx(full.predicted_peak_bytes - (kv_slots - path) * grad)
+    short = StepStacks(spec, kv_slots, slots, dtype=torch.float32, device="cpu", with_grad=True, grad_tokens=path)
+    assert short.grad_tokens == path and short.nbytes() == pytest.approx(lean.parts["kv_stack"])
+    held_lean = (short.capacity, short.state_slots)
+    assert mm.refine(plan_, sched, retain, held_lean, slots, stack_slots=kv_slots, grad_slots=path,
+                     held_grads=path).parts["kv_stack"] == 0
+    assert mm.refine(plan_, sched, retain, held_lean, slots, stack_slots=kv_slots,
+                     held_grads=path).parts["kv_stack"] == pytest.approx((kv_slots - path) * grad)
+    assert not short.fits(spec, kv_slots, slots, torch.float32, "cpu", True)  # None: every slot
+    assert short.fits(spec, kv_slots, slots, torch.float32, "cpu", True, grad_tokens=path)
 
 
 def _knobs(p) -> tuple[int, int, int, int]:

@@ -47,8 +47,8 @@ SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segmen
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
-    "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_slot_bytes",
-    "state_slot_bytes",
+    "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_grad_slot_bytes",
+    "stack_slot_bytes", "state_slot_bytes",
 ]
 
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
@@ -80,8 +80,13 @@ def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
     """One KV-stack slot: K/V values in the model dtype and their gradients in the
     compute dtype (float32; float64 for a float64 model), over the attending layers,
     each with its own K/V shape."""
-    grad_itemsize = 8 if itemsize == 8 else 4
-    return spec.kv_elements_per_token() * (itemsize + grad_itemsize)
+    return spec.kv_elements_per_token() * itemsize + stack_grad_slot_bytes(spec, itemsize)
+
+
+def stack_grad_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
+    """The gradient part of :func:`stack_slot_bytes` (a stack holds fewer gradient slots
+    than K/V slots when leaf calls' slots take no gradients: :attr:`KVStack.grad_slots`)."""
+    return spec.kv_elements_per_token() * (8 if itemsize == 8 else 4)
 
 
 def state_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
@@ -300,17 +305,21 @@ def call_count(unique: int, group_tokens: int) -> float:
 
 def refine(
     plan: MemoryPlan, sched: Schedule, retain_tokens: float, held: tuple[int, int], state_slots: int,
-    stack_slots: int | None = None,
+    stack_slots: int | None = None, grad_slots: int | None = None, held_grads: int | None = None,
 ) -> MemoryPlan:
     """``plan`` with its predicted peak from ``sched`` (:func:`simulate_peak`): the calls it
     makes, the path graphs the walk retains under ``retain_tokens``, and the stacks' growth:
-    the KV slots it writes (``stack_slots``, default ``sched.stack_tokens``) and its
-    ``state_slots`` state slots beyond the ``held`` (KV, state) slots of the stacks kept from
-    earlier steps. A plan without figures (CPU) is returned as is."""
+    the KV slots it writes (``stack_slots``, default ``sched.stack_tokens``), their gradient
+    slots (``grad_slots``, default as many) and its ``state_slots`` state slots beyond the
+    ``held`` (KV, state) slots and ``held_grads`` gradient slots (default ``held[0]``) of the
+    stacks kept from earlier steps. A plan without figures (CPU) is returned as is."""
     if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
         return plan
     slots = sched.stack_tokens if stack_slots is None else stack_slots
-    grow = max(0, slots - held[0]) * stack_slot_bytes(plan.spec, plan.itemsize)
+    grads = slots if grad_slots is None else grad_slots
+    grad_bytes = stack_grad_slot_bytes(plan.spec, plan.itemsize)
+    grow = max(0, slots - held[0]) * (stack_slot_bytes(plan.spec, plan.itemsize) - grad_bytes)
+    grow += max(0, grads - (held[0] if held_grads is None else held_grads)) * grad_bytes
     grow += max(0, state_slots - held[1]) * state_slot_bytes(plan.spec, plan.itemsize)
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
     path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0

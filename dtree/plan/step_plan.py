@@ -28,7 +28,7 @@ from ..models import ModelSpec, TreeModule, unwrap
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
 from ..ops.registry import resolve_backend
-from ..ops.stack_attention.interface import OWN_KV_IN_STACK
+from ..ops.stack_attention.interface import OWN_KV_IN_STACK, leaf_slots_take_grads
 from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
@@ -41,7 +41,7 @@ from .state_plan import StatePlan, plan_states
 
 __all__ = [
     "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes",
-    "pick_backend", "pick_recurrence", "plan_memory", "step_shape",
+    "grad_slots", "pick_backend", "pick_recurrence", "plan_memory", "stack_slots", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -53,6 +53,16 @@ def stack_slots(sched: Schedule, own_in_stack: bool) -> int:
     backend that reads every call's own K/V from its slots, :data:`OWN_KV_IN_STACK`) every
     call's slots, the leaf calls' too."""
     return max((g.stack_start + g.num_tokens for g in sched.groups), default=0) if own_in_stack else sched.stack_tokens
+
+
+def grad_slots(sched: Schedule, leaf_grads: bool) -> int:
+    """The KV-stack gradient slots of ``sched``: those of every group whose slots collect
+    gradients, the groups with children, and with ``leaf_grads``
+    (:func:`~dtree.ops.stack_attention.interface.leaf_slots_take_grads`) the leaf calls whose
+    segments read each other too (then :attr:`Schedule.stack_tokens`)."""
+    if leaf_grads:
+        return sched.stack_tokens
+    return max((g.stack_start + g.num_tokens for g in sched.groups if not g.is_leaf), default=0)
 
 
 def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
@@ -334,10 +344,17 @@ class StepPlanner:
         states = plan_states(sched) if self.spec.recurrent_states else None
         held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
         retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
+        slots, grads = self._stack_sizes(sched)
         memory = refine(memory, sched, retain_tokens, held, states.capacity if states is not None else 0,
-                        stack_slots=stack_slots(sched, self.attention in OWN_KV_IN_STACK))
+                        stack_slots=slots, grad_slots=grads,
+                        held_grads=self.stack.grad_tokens if self.stack is not None else 0)
         self.memory_plan, self._last = memory, (memory, sched, states)
         return memory, sched, terms, states
+
+    def _stack_sizes(self, sched: Schedule) -> tuple[int, int]:
+        """(KV slots, KV gradient slots) of a step over ``sched`` with this backend."""
+        return (stack_slots(sched, self.attention in OWN_KV_IN_STACK),
+                grad_slots(sched, leaf_slots_take_grads(self.attention, self.deterministic)))
 
     def make_plan(
         self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
@@ -362,15 +379,20 @@ class StepPlanner:
         )
         w = floats.pop(0) if training else None
         arrays = StepArrays(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
-        capacity = max(stack_slots(sched, self.attention in OWN_KV_IN_STACK), self.config.stack_capacity or 0, 1)
+        slots, grads = self._stack_sizes(sched)
+        capacity = max(slots, self.config.stack_capacity or 0, 1)
+        grads = capacity if self.config.stack_capacity else grads
         state_slots = states.capacity if states is not None else 0
-        if self.stack is None or not self.stack.fits(self.spec, capacity, state_slots, dtype, device, training):
+        if self.stack is None or not self.stack.fits(
+            self.spec, capacity, state_slots, dtype, device, training, grad_tokens=grads
+        ):
             self.stack = None  # free the old buffers before allocating new ones
             # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept for
             # reuse, would make every later training step fail. Gradient slots in the compute dtype.
             with torch.inference_mode(False):
                 self.stack = StepStacks(
-                    self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training
+                    self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training,
+                    grad_tokens=grads,
                 )
         root = checkpoint_root(self.module, view) if training else None
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None

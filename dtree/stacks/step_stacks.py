@@ -57,10 +57,12 @@ class StepStacks:
             :func:`~dtree.ops.linear_recurrence.state_dtype` (the same rule).
         device: where the buffers live.
         with_grad: allocate gradient buffers.
+        grad_tokens: KV gradient slots (None: ``tokens``; :attr:`KVStack.grad_slots`).
     """
 
     def __init__(
-        self, spec: StackShapes, tokens: int, state_slots: int, *, dtype: torch.dtype, device, with_grad: bool
+        self, spec: StackShapes, tokens: int, state_slots: int, *, dtype: torch.dtype, device, with_grad: bool,
+        grad_tokens: int | None = None,
     ) -> None:
         self.spec, self.tokens, self.state_slots, self.dtype = spec, tokens, state_slots, dtype
         self.kv: list[KVStack] = []
@@ -71,7 +73,7 @@ class StepStacks:
             self.kv.append(
                 KVStack(
                     len(layers), tokens, heads, dim, v_head_dim=v_dim, dtype=dtype, device=device,
-                    grad_dtype=compute_dtype(dtype), with_grad=with_grad,
+                    grad_dtype=compute_dtype(dtype), with_grad=with_grad, grad_slots=grad_tokens,
                 )
             )
         self.states = (
@@ -118,12 +120,20 @@ class StepStacks:
         self.tokens = self.state_slots = 0
         self.released = True
 
+    @property
+    def grad_tokens(self) -> int:
+        """KV gradient slots each KV stack holds now (:attr:`KVStack.grad_slots`; 0 without)."""
+        return min((s.grad_slots for s in self.kv), default=0)
+
     def fits(
-        self, spec: StackShapes, tokens: int, state_slots: int, dtype: torch.dtype, device, with_grad: bool
+        self, spec: StackShapes, tokens: int, state_slots: int, dtype: torch.dtype, device, with_grad: bool,
+        grad_tokens: int | None = None,
     ) -> bool:
-        """Whether these stacks serve a step needing ``tokens`` KV slots and ``state_slots``."""
+        """Whether these stacks serve a step needing ``tokens`` KV slots, ``grad_tokens``
+        of them with gradient slots (None: all) and ``state_slots``."""
         return (
             not self.released
+            and (not with_grad or not self.kv or self.grad_tokens >= (tokens if grad_tokens is None else grad_tokens))
             and self.spec.attention_layers == spec.attention_layers
             and all(self.spec.kv_shape(i) == spec.kv_shape(i) for i in spec.attention_layers)
             and self.spec.recurrent_states == spec.recurrent_states

@@ -66,12 +66,14 @@ from .segment_layout import SegmentLayout
 
 __all__ = [
     "BACKENDS",
+    "OWN_GRADS_IN_CALL",
     "OWN_KV_IN_STACK",
     "PREFERS_FLASH_ATTN",
     "prepare_stack_attention",
     "stack_attention",
     "stack_attention_flash4",
     "stack_attention_triton",
+    "leaf_slots_take_grads",
     "triton_unavailable",
 ]
 
@@ -86,6 +88,25 @@ PREFERS_FLASH_ATTN = True
 # path, dtree.ops.stack_attention.masked_call, which writes them there): the plan sizes the
 # stack for every call's slots, leaf calls included (dtree.plan.step_plan.stack_slots).
 OWN_KV_IN_STACK = frozenset({"flash-attn"})
+
+# Backends whose call returns the gradients of its own K/V whole, its in-call descendants'
+# terms included (the flash-attn backend's one-call path, masked_call): no leaf call's slots
+# ever collect gradients, so the stack's gradient slots stop at the groups with children
+# (dtree.plan.step_plan.grad_slots). A call that takes another path inside the backend grows
+# them (KVStack.grad_slots_through) and stays exact.
+OWN_GRADS_IN_CALL = frozenset({"flash-attn"})
+
+
+def leaf_slots_take_grads(backend: str, deterministic: bool | None = False) -> bool:
+    """Whether a leaf call's stack slots may collect gradients under ``backend`` (its
+    in-call descendants' dK/dV of its in-call ancestors): True but for a backend of
+    :data:`OWN_GRADS_IN_CALL` on its one-call path (not deterministic, whose backward runs the
+    region path; not ``DTREE_FLASH_REGIONS=1``)."""
+    if backend not in OWN_GRADS_IN_CALL or determinism.requested(deterministic):
+        return True
+    from .flash4 import ONE_CALL_PATH
+
+    return not ONE_CALL_PATH
 
 
 def stack_attention_triton(

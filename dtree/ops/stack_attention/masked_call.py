@@ -108,6 +108,7 @@ class _MaskedCallAttention(torch.autograd.Function):
         dq, dk, dv = ctx.kernel.backward(q, stack.k[layer, :n], stack.v[layer, :n], out, dout, lse, mask, ctx.layout,
                                          ctx.scale)
         if stack.has_grad and base > 0:
+            stack.grad_slots_through(base)
             stack.grad_k[layer, :base].add_(dk[:base])
             stack.grad_v[layer, :base].add_(dv[:base])
         return dq, dk[base:], dv[base:], None, None, None, None, None, None, None

@@ -240,6 +240,7 @@ class _RegionAttention(torch.autograd.Function):
                             ctx.deterministic, dq_c, dk_c, dv_c)
             dq.add_(dq_c)
             if stack.has_grad:
+                stack.grad_slots_through(hi)
                 stack.grad_k[layer, lo:hi].add_(dk_c)
                 stack.grad_v[layer, lo:hi].add_(dv_c)
         return dq, dk, dv, None, None, None, None, None, None

@@ -301,6 +301,7 @@ def _backward_dkdv(
     fused, stack_grad = dq_acc is not None, stack.has_grad
     with_prefix = stack_grad or fused  # prefix items: for the stack's dK/dV, or for dq
     if stack_grad:
+        stack.grad_slots_through(_runs(layout)["slots_end"])  # the kernel adds into slots up to there
         gk, gv = stack.grad_k[layer], stack.grad_v[layer]
     else:  # nothing is added into the stack; any fp32 tensors stand in for the pointers
         gk = torch.empty((1, hkv, k.shape[-1]), dtype=torch.float32, device=device)

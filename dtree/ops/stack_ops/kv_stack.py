@@ -3,7 +3,7 @@
 Layout (one tensor each, all layers):
     k:              [layers, capacity, kv_heads, head_dim]    model dtype
     v:              [layers, capacity, kv_heads, v_head_dim]  model dtype
-    grad_k, grad_v: same shapes as k, v                        float32 (float64 for a float64 model)
+    grad_k, grad_v: [layers, grad_slots, ...] as k, v          float32 (float64 for a float64 model)
 
 ``v_head_dim`` differs from ``head_dim`` for multi-head latent attention (DeepSeek-V2/V3:
 queries and keys 192 wide, values 128); it defaults to ``head_dim``.
@@ -14,6 +14,15 @@ float32 because a shared prefix receives one contribution per descendant segment
 (a GRPO prompt gets G of them); summing those in bf16 would lose the exactness the
 runtime promises. A float64 model gets float64 gradient slots (the runtime passes
 ``grad_dtype``), or its gradients would stop at float32 accuracy.
+
+Gradient slots can be fewer than K/V slots (``grad_slots``): with a backend whose call
+returns its own K/V gradients whole (the flash-attn backend's one-call path), only the
+slots of groups with children ever collect gradients, and those lie below every leaf
+call's; the K/V of the leaf calls above them need no float32 twin (on the 64k agentic tree
+at 16k-token calls, ~22k K/V slots and ~7k gradient slots: 0.8 GiB less on qwen2.5-1.5b).
+The slots past ``grad_slots`` read as zero; an op that adds into them grows the gradient
+buffers first (:meth:`KVStack.grad_slots_through`), so a call that takes another path
+(a fallback inside the backend) stays exact.
 
 Life of a slot range ``[lo, hi)`` (one group of the schedule):
     push      the walk clears the range's gradient slots (``zero_grad``, a separate
@@ -56,6 +65,7 @@ class KVStack:
         device: where the buffers live.
         grad_dtype: of ``grad_k`` and ``grad_v``.
         with_grad: allocate the gradient buffers (not needed for log-prob passes).
+        grad_slots: gradient slots (None: ``capacity``; at most ``capacity``).
     """
 
     def __init__(
@@ -70,7 +80,11 @@ class KVStack:
         device: torch.device | str,
         grad_dtype: torch.dtype = torch.float32,
         with_grad: bool = True,
+        grad_slots: int | None = None,
     ) -> None:
+        grad_slots = capacity if grad_slots is None else grad_slots
+        if not 0 <= grad_slots <= capacity:
+            raise ValueError(f"grad_slots must be in [0, capacity={capacity}], got {grad_slots}")
         self.num_layers, self.capacity, self.num_kv_heads, self.head_dim = num_layers, capacity, num_kv_heads, head_dim
         self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.dtype = dtype
@@ -79,12 +93,33 @@ class KVStack:
         self.k = torch.empty(k_shape, dtype=dtype, device=device)
         self.device = self.k.device  # with its index: "cuda" becomes "cuda:0"
         self.v = torch.empty(v_shape, dtype=dtype, device=device)
-        self.grad_k = torch.empty(k_shape, dtype=grad_dtype, device=device) if with_grad else None
-        self.grad_v = torch.empty(v_shape, dtype=grad_dtype, device=device) if with_grad else None
+        g_shape = (num_layers, grad_slots)
+        self.grad_k = torch.empty(g_shape + k_shape[2:], dtype=grad_dtype, device=device) if with_grad else None
+        self.grad_v = torch.empty(g_shape + v_shape[2:], dtype=grad_dtype, device=device) if with_grad else None
 
     @property
     def has_grad(self) -> bool:
         return self.grad_k is not None
+
+    @property
+    def grad_slots(self) -> int:
+        """Slots ``[0, grad_slots)`` have gradient buffers (0 without them)."""
+        return self.grad_k.shape[1] if self.grad_k is not None else 0
+
+    def grad_slots_through(self, end: int) -> None:
+        """Make the gradient buffers hold slots ``[0, end)`` (``end`` clipped to the
+        capacity): a larger buffer, the old slots copied and the new ones zero, when they
+        are short. Called by every op that adds into gradient slots, before it takes a view
+        of them: the slots past the old end read as zero (:meth:`seed_grad`), which the new
+        ones are."""
+        end = min(end, self.capacity)
+        if not self.has_grad or end <= self.grad_slots:
+            return
+        for name in ("grad_k", "grad_v"):
+            old = getattr(self, name)
+            new = old.new_zeros((old.shape[0], end, *old.shape[2:]))
+            new[:, : old.shape[1]].copy_(old)
+            setattr(self, name, new)
 
     def fits(
         self,
@@ -96,9 +131,10 @@ class KVStack:
         device,
         with_grad: bool,
         v_head_dim: int | None = None,
+        grad_slots: int | None = None,
     ) -> bool:
         """Whether this stack can serve a step that needs these shapes (a larger
-        capacity serves a smaller one)."""
+        capacity serves a smaller one; ``grad_slots`` None: ``capacity``)."""
         return (
             self.num_layers == num_layers
             and self.capacity >= capacity
@@ -108,6 +144,7 @@ class KVStack:
             and self.dtype == dtype
             and self.device == torch.empty(0, device=device).device
             and (self.has_grad or not with_grad)
+            and (not with_grad or self.grad_slots >= (capacity if grad_slots is None else grad_slots))
         )
 
     def nbytes(self) -> int:
@@ -136,8 +173,10 @@ class KVStack:
         stack_ops.push_kv(self.k[layer], self.v[layer], lo, k, v, cos=cos, sin=sin, device_lo=device_lo)
 
     def zero_grad(self, lo: int, hi: int, *, device_lo: torch.Tensor | None = None) -> None:
-        """Clear the gradient slots ``[lo, hi)`` of every layer."""
-        if self.has_grad:
+        """Clear the gradient slots ``[lo, hi)`` of every layer (those past
+        :attr:`grad_slots` are zero already)."""
+        hi = min(hi, self.grad_slots)
+        if self.has_grad and hi > lo:
             stack_ops.zero_slots(self.grad_k, self.grad_v, lo, hi - lo, device_lo=device_lo)
 
     def seed_grad(
@@ -153,10 +192,26 @@ class KVStack:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``(grad_k[layer, lo:hi] + gk, grad_v[layer, lo:hi] + gv)`` rounded to ``dtypes``
         (a missing ``gk``/``gv`` adds nothing): a call's K/V gradients completed with the
-        slots' (:func:`dtree.ops.stack_ops.seed_grad`)."""
-        return stack_ops.seed_grad(
-            self.grad_k[layer], self.grad_v[layer], lo, gk, gv, hi - lo, *dtypes, device_lo=device_lo
+        slots' (:func:`dtree.ops.stack_ops.seed_grad`); slots past :attr:`grad_slots` add
+        nothing (no op wrote them)."""
+        cut = min(hi, self.grad_slots)
+        if cut >= hi:
+            return stack_ops.seed_grad(
+                self.grad_k[layer], self.grad_v[layer], lo, gk, gv, hi - lo, *dtypes, device_lo=device_lo
+            )
+        head = (
+            stack_ops.seed_grad(self.grad_k[layer], self.grad_v[layer], lo,
+                                None if gk is None else gk[: cut - lo], None if gv is None else gv[: cut - lo],
+                                cut - lo, *dtypes, device_lo=device_lo)
+            if cut > lo else None
         )
+        out = []
+        for i, (g, slots, dtype) in enumerate(((gk, self.grad_k, dtypes[0]), (gv, self.grad_v, dtypes[1]))):
+            start = max(cut - lo, 0)
+            tail = (g[start:].to(dtype) if g is not None
+                    else torch.zeros((hi - lo - start, *slots.shape[2:]), dtype=dtype, device=slots.device))
+            out.append(tail if head is None else torch.cat([head[i], tail]))
+        return out[0], out[1]
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(k[layer, index], v[layer, index])`` for an int64 ``index`` [n] of slots."""
@@ -171,6 +226,7 @@ class KVStack:
         slots are summed in row order by a fixed-order segmented reduction
         (:func:`dtree.ops.stack_ops.segment_add`): the same bits in every run."""
         if isinstance(index, slice):
+            self.grad_slots_through(self.capacity if index.stop is None else index.stop)
             # explicit arithmetic instead of slice.indices(), which torch.compile cannot trace
             start = 0 if index.start is None else index.start
             stop = self.capacity if index.stop is None else index.stop
@@ -182,6 +238,7 @@ class KVStack:
                 self.grad_v[layer, start:stop].add_(dv.to(self.grad_v.dtype))
                 return
             index = torch.arange(start, stop, step, device=self.device)
+        self.grad_slots_through(self.capacity)  # the rows' largest slot is on the device
         if isinstance(index, torch.Tensor):
             if not stack_ops.uses_extension(self.grad_k):  # the torch op of the fallback, traceable
                 stack_ops_torch.segment_add(self.grad_k[layer], self.grad_v[layer], index, dk, dv)

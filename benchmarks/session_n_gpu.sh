@@ -1,0 +1,53 @@
+#!/usr/bin/env bash
+# Session N on one Hopper GPU (flash-attn-4 installed as in ../shared/tools/fa4_wheels.sh), in
+# parts that each fit one device call:
+#
+#   PART=new    the GPU tests of what this session changed (the KV stack's gradient slots
+#               sized to the groups with children, on the flash-attn one-call path and its
+#               fallbacks; the runtime's bf16 steps against HF per path), the LM head's cost per
+#               row chunk (benchmarks/head_chunk_cost.py: HEAD_CHUNK_PENALTY's fit), then the
+#               64k agentic tree: dtree default, memory=14.5, memory="low" and
+#               tree-mask:whole+ckpt in one process, and GRPO case 1 against the mask;
+#   PART=scale  the 256k agentic tree (dtree default, memory="low", tree-mask:whole+ckpt), then
+#               OLD (default .oldm: `git archive <rev> dtree | tar -x -C .oldm`) on the 64k tree
+#               with memory="low": the same-host memory A/B of the gradient slots.
+#
+#     PART=new bash benchmarks/session_n_gpu.sh            # reports in $OUT (default /tmp/dtree_session_n)
+#     SMOKE=1 PART=new bash benchmarks/session_n_gpu.sh    # CPU, tiny model: plumbing only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/dtree_session_n}
+OLD=${OLD:-.oldm}
+PART=${PART:-new}
+source benchmarks/bench_cases.sh
+AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
+[ "${SMOKE:-0}" = 1 ] && AGENTIC256K="$AGENTIC64K"
+
+bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows printed
+  local dir=$1 limit=$2
+  shift 2
+  mkdir -p "$OUT/$dir"
+  timeout "$limit" $BENCH "$@" --out "$OUT/$dir" >"$OUT/$dir.log" 2>&1
+  grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT/$dir"/*.md | cut -d'|' -f2,6,8,12
+}
+
+case "$PART" in
+  new)
+    if [ -z "$SMOKE_FLAG" ]; then
+      timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_kv_stack.py tests/test_masked_call.py \
+        tests/test_runtime_gpu.py 2>&1 | tee "$OUT/gpu_tests.txt" | tail -3
+    fi
+    timeout 90 python benchmarks/head_chunk_cost.py --out "$OUT" $SMOKE_FLAG 2>/dev/null | tail -2
+    bench new 260 $AGENTIC64K --steps $STEPS --configs "dtree,dtree:memory=14.5,dtree:low,tree-mask:whole+ckpt"
+    bench case1 90 $CASE1 --steps 10 --configs "dtree,tree-mask:whole+ckpt"
+    ;;
+  scale)
+    bench agentic256k 330 $AGENTIC256K --steps $STEPS --configs "dtree,dtree:low,tree-mask:whole+ckpt"
+    [ -d "$OLD/dtree" ] || { echo "no older checkout at $OLD (git archive <rev> dtree | tar -x -C $OLD)"; exit 2; }
+    mkdir -p "$OUT/old"
+    (cd "$OLD" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 120 $BENCH $AGENTIC64K --steps $STEPS \
+      --configs "dtree:low" --out "$OUT/old" >"$OUT/old.log" 2>&1)
+    grep -hE "^\| \`dtree[^|]*\` \| ok \|" "$OUT"/old/*.md | cut -d'|' -f2,6,8,12
+    ;;
+  *) echo "PART must be new or scale"; exit 2 ;;
+esac
