@@ -8,9 +8,10 @@
 #               row chunk (benchmarks/head_chunk_cost.py: HEAD_CHUNK_PENALTY's fit), then the
 #               64k agentic tree: dtree default, memory=14.5, memory="low" and
 #               tree-mask:whole+ckpt in one process, and GRPO case 1 against the mask;
-#   PART=scale  the 256k agentic tree (dtree default, memory="low", tree-mask:whole+ckpt), then
-#               OLD (default .oldm: `git archive <rev> dtree | tar -x -C .oldm`) on the 64k tree
-#               with memory="low": the same-host memory A/B of the gradient slots.
+#   PART=scale  the 256k agentic tree (dtree default, memory="low", tree-mask:whole+ckpt),
+#               qwen2.5-7b on one ~32k agentic tree (dtree default, MFU), then OLD (default .oldm:
+#               `git archive <rev> dtree | tar -x -C .oldm`) on the 64k tree with memory="low":
+#               the same-host memory A/B of this session's changes.
 #
 #     PART=new bash benchmarks/session_n_gpu.sh            # reports in $OUT (default /tmp/dtree_session_n)
 #     SMOKE=1 PART=new bash benchmarks/session_n_gpu.sh    # CPU, tiny model: plumbing only
@@ -21,7 +22,8 @@ OLD=${OLD:-.oldm}
 PART=${PART:-new}
 source benchmarks/bench_cases.sh
 AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
-[ "${SMOKE:-0}" = 1 ] && AGENTIC256K="$AGENTIC64K"
+AGENTIC32K="--workload agentic --set num_trees=1 --set target_unique_tokens=32768" MODEL7B=qwen2.5-7b
+[ "${SMOKE:-0}" = 1 ] && AGENTIC256K="$AGENTIC64K" AGENTIC32K="$AGENTIC64K" MODEL7B=tiny
 
 bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows printed
   local dir=$1 limit=$2
@@ -43,6 +45,7 @@ case "$PART" in
     ;;
   scale)
     bench agentic256k 330 $AGENTIC256K --steps $STEPS --configs "dtree,dtree:low,tree-mask:whole+ckpt"
+    BENCH=${BENCH/qwen2.5-1.5b/$MODEL7B} bench qwen7b 130 $AGENTIC32K --steps $STEPS --configs dtree
     [ -d "$OLD/dtree" ] || { echo "no older checkout at $OLD (git archive <rev> dtree | tar -x -C $OLD)"; exit 2; }
     mkdir -p "$OUT/old"
     (cd "$OLD" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 120 $BENCH $AGENTIC64K --steps $STEPS \
