@@ -8,6 +8,9 @@
 #               row chunk (benchmarks/head_chunk_cost.py: HEAD_CHUNK_PENALTY's fit), then the
 #               64k agentic tree: dtree default, memory=14.5, memory="low" and
 #               tree-mask:whole+ckpt in one process, and GRPO case 1 against the mask;
+#   PART=ab     the GPU tests mended after the first run, then benchmarks/grad_slots_ab.py: each
+#               of the session's two memory changes undone alone, in one process, on the 64k
+#               tree (the first run's steps were 3-15% slower than session M's on another host);
 #   PART=scale  the 256k agentic tree (dtree default, memory="low", tree-mask:whole+ckpt),
 #               qwen2.5-7b on one ~32k agentic tree (dtree default, MFU), then OLD (default .oldm:
 #               `git archive <rev> dtree | tar -x -C .oldm`) on the 64k tree with memory="low":
@@ -43,6 +46,13 @@ case "$PART" in
     bench new 260 $AGENTIC64K --steps $STEPS --configs "dtree,dtree:memory=14.5,dtree:low,tree-mask:whole+ckpt"
     bench case1 90 $CASE1 --steps 10 --configs "dtree,tree-mask:whole+ckpt"
     ;;
+  ab)
+    if [ -z "$SMOKE_FLAG" ]; then
+      timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_masked_call.py \
+        tests/test_runtime_gpu.py -k "flash4_replayed or gradient_slots_for_the_path" 2>&1 | tee "$OUT/gpu_tests_ab.txt" | tail -3
+    fi
+    OUT=$OUT timeout 330 python benchmarks/grad_slots_ab.py --workload agentic64k $SMOKE_FLAG 2>"$OUT/ab_err.txt" | tail -8
+    ;;
   scale)
     bench agentic256k 330 $AGENTIC256K --steps $STEPS --configs "dtree,dtree:low,tree-mask:whole+ckpt"
     BENCH=${BENCH/qwen2.5-1.5b/$MODEL7B} bench qwen7b 130 $AGENTIC32K --steps $STEPS --configs dtree
@@ -52,5 +62,5 @@ case "$PART" in
       --configs "dtree:low" --out "$OUT/old" >"$OUT/old.log" 2>&1)
     grep -hE "^\| \`dtree[^|]*\` \| ok \|" "$OUT"/old/*.md | cut -d'|' -f2,6,8,12
     ;;
-  *) echo "PART must be new or scale"; exit 2 ;;
+  *) echo "PART must be new, ab or scale"; exit 2 ;;
 esac

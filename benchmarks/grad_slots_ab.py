@@ -1,0 +1,137 @@
+"""Session N's two memory changes, each undone alone, in one process on the same forests:
+the KV stack's gradient slots for the path only, and ``memory="low"``'s cap without slack
+(which takes 1,024-row LM-head chunks on the 64k agentic tree, 2,048 before).
+
+    python benchmarks/grad_slots_ab.py --workload agentic64k          # H100/H200, ~3 minutes
+    python benchmarks/grad_slots_ab.py --smoke                        # CPU: plumbing only
+
+Variants, per memory setting (``--memory``, default ``auto,low``): ``as is``; ``all gradient
+slots`` (every K/V slot with a gradient slot, as before: the plan's ``leaf_slots_take_grads``
+answers True); for ``low``, ``2,048-row head chunks``. Each variant keeps its own runtime;
+after two warm-up steps each, the variants take turns, step by step, over ``--rounds`` fresh
+forests (so drift in the machine falls on all alike). Per variant: the mean step time, the
+peak allocated memory, and how often a step grew the gradient slots past the plan's
+(``KVStack.grad_slots_through``: a call on a fallback path inside the backend).
+
+Prints Markdown, also written to ``$OUT/grad_slots_ab_<workload>.md`` when OUT is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import dtree  # noqa: E402
+from benchmarks.host_profile import SMOKE, WORKLOADS  # noqa: E402
+from dtree.bench.measure import emit_report, script_model, sync_device  # noqa: E402
+from dtree.losses import ppo_clip  # noqa: E402
+from dtree.models import adapt  # noqa: E402
+from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
+from dtree.plan import step_plan  # noqa: E402
+from dtree.workloads import make_workload  # noqa: E402
+
+
+@contextlib.contextmanager
+def all_gradient_slots(on: bool):
+    """The plan gives every K/V slot a gradient slot (the behaviour before session N)."""
+    if not on:
+        yield
+        return
+    original = step_plan.leaf_slots_take_grads
+    step_plan.leaf_slots_take_grads = lambda *a, **k: True
+    try:
+        yield
+    finally:
+        step_plan.leaf_slots_take_grads = original
+
+
+def count_growths() -> list[int]:
+    """Patch KVStack.grad_slots_through to count the calls that grow the buffers."""
+    grown, through = [0], KVStack.grad_slots_through
+
+    def counting(self, end):
+        if self.has_grad and min(end, self.capacity) > self.grad_slots:
+            grown[0] += 1
+        through(self, end)
+
+    KVStack.grad_slots_through = counting
+    return grown
+
+
+def variants(memory: str) -> list[tuple[str, dict, bool]]:
+    """(label, runtime options, all gradient slots) of one memory setting."""
+    out = [(f"{memory}: as is", {"memory": memory}, False), (f"{memory}: all gradient slots", {"memory": memory}, True)]
+    if memory == "low":
+        out.append((f"{memory}: 2,048-row head chunks", {"memory": memory, "logprob_chunk": 2048}, False))
+    return out
+
+
+def step(rt, forest, loss, model, device, full: bool) -> tuple[float, float]:
+    model.zero_grad(set_to_none=True)
+    sync_device(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    with all_gradient_slots(full):
+        rt.forward_backward(forest, loss)
+    sync_device(device)
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else float("nan")
+    return time.perf_counter() - t0, peak
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic64k")
+    p.add_argument("--memory", default="auto,low", help="comma-separated memory settings")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
+    args = p.parse_args(argv)
+    model, device = script_model(args.smoke)
+    spec = adapt(model).dtree_spec()
+    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
+    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(args.rounds + 2)]
+    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
+    grown = count_growths()
+    rows = []
+    for memory in [m for m in args.memory.split(",") if m]:
+        runs = [(label, dtree.TreeRuntime(model, **opts), full) for label, opts, full in variants(memory)]
+        for label, rt, full in runs:  # warm-up: compiles, the memory probe
+            for forest in forests[:2]:
+                step(rt, forest, loss, model, device, full)
+        times = {label: [] for label, _, _ in runs}
+        peaks = {label: [] for label, _, _ in runs}
+        growths = {label: 0 for label, _, _ in runs}
+        for forest in forests[2:]:
+            for label, rt, full in runs:
+                before = grown[0]
+                t, peak = step(rt, forest, loss, model, device, full)
+                times[label].append(t)
+                peaks[label].append(peak)
+                growths[label] += grown[0] - before
+                print(f"{label}: {t:.3f} s, {peak:.2f} GiB", file=sys.stderr)
+        base = statistics.mean(times[runs[0][0]])
+        for label, rt, _ in runs:
+            plan = rt.memory_plan
+            knobs = "-" if plan is None else (f"{plan.group_tokens} tokens, {plan.checkpoint_layers} ckpt, "
+                                              f"{plan.logprob_chunk}-row head")
+            rows.append((label, statistics.mean(times[label]), statistics.mean(times[label]) / base,
+                         max(peaks[label]), growths[label], knobs))
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    lines = [f"# Gradient slots and low's cap, each undone alone: {args.workload} on {name}", "",
+             f"torch {torch.__version__}; {args.rounds} rounds of fresh forests, variants in turn",
+             "", "| variant | mean step (s) | vs as is | peak alloc (GiB) | growths | plan |", "|---|---|---|---|---|---|"]
+    lines += [f"| {a} | {t:.3f} | {r:.3f} | {pk:.2f} | {g} | {k} |" for a, t, r, pk, g, k in rows]
+    emit_report("\n".join(lines) + "\n", f"grad_slots_ab_{args.workload}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
