@@ -1,15 +1,16 @@
-"""Session N's two memory changes, each undone alone, in one process on the same forests:
-the KV stack's gradient slots for the path only, and ``memory="low"``'s cap without slack
-(which takes 1,024-row LM-head chunks on the 64k agentic tree, 2,048 before).
+"""Session N's memory change undone, in one process on the same forests: the KV stack's
+gradient slots for the path only (``--low-chunk``: also ``memory="low"`` with 1,024-row LM-head
+chunks, what its cap without slack took, tried and dropped in session N).
 
-    python benchmarks/grad_slots_ab.py --workload agentic64k          # H100/H200, ~3 minutes
+    python benchmarks/grad_slots_ab.py --workload agentic64k          # H100/H200, ~2 minutes
     python benchmarks/grad_slots_ab.py --smoke                        # CPU: plumbing only
 
 Variants, per memory setting (``--memory``, default ``auto,low``): ``as is``; ``all gradient
 slots`` (every K/V slot with a gradient slot, as before: the plan's ``leaf_slots_take_grads``
-answers True); for ``low``, ``2,048-row head chunks``. Each variant keeps its own runtime;
-after two warm-up steps each, the variants take turns, step by step, over ``--rounds`` fresh
-forests (so drift in the machine falls on all alike). Per variant: the mean step time, the
+answers True); with ``--low-chunk``, for ``low``, ``1,024-row head chunks``. Each variant keeps
+its own runtime; after two warm-up steps each, the variants take turns, step by step, over
+``--rounds`` fresh forests, each round starting at the next variant (so drift in the machine
+and the step after another runtime's fall on all alike). Per variant: the mean step time, the
 peak allocated memory, and how often a step grew the gradient slots past the plan's
 (``KVStack.grad_slots_through``: a call on a fallback path inside the backend).
 
@@ -66,11 +67,11 @@ def count_growths() -> list[int]:
     return grown
 
 
-def variants(memory: str) -> list[tuple[str, dict, bool]]:
+def variants(memory: str, low_chunk: bool) -> list[tuple[str, dict, bool]]:
     """(label, runtime options, all gradient slots) of one memory setting."""
     out = [(f"{memory}: as is", {"memory": memory}, False), (f"{memory}: all gradient slots", {"memory": memory}, True)]
-    if memory == "low":
-        out.append((f"{memory}: 2,048-row head chunks", {"memory": memory, "logprob_chunk": 2048}, False))
+    if memory == "low" and low_chunk:
+        out.append((f"{memory}: 1,024-row head chunks", {"memory": memory, "logprob_chunk": 1024}, False))
     return out
 
 
@@ -92,6 +93,7 @@ def main(argv=None) -> int:
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic64k")
     p.add_argument("--memory", default="auto,low", help="comma-separated memory settings")
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--low-chunk", action="store_true", help="also low with 1,024-row head chunks")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     args = p.parse_args(argv)
     model, device = script_model(args.smoke)
@@ -102,15 +104,15 @@ def main(argv=None) -> int:
     grown = count_growths()
     rows = []
     for memory in [m for m in args.memory.split(",") if m]:
-        runs = [(label, dtree.TreeRuntime(model, **opts), full) for label, opts, full in variants(memory)]
+        runs = [(label, dtree.TreeRuntime(model, **opts), full) for label, opts, full in variants(memory, args.low_chunk)]
         for label, rt, full in runs:  # warm-up: compiles, the memory probe
             for forest in forests[:2]:
                 step(rt, forest, loss, model, device, full)
         times = {label: [] for label, _, _ in runs}
         peaks = {label: [] for label, _, _ in runs}
         growths = {label: 0 for label, _, _ in runs}
-        for forest in forests[2:]:
-            for label, rt, full in runs:
+        for r, forest in enumerate(forests[2:]):
+            for label, rt, full in runs[r % len(runs):] + runs[: r % len(runs)]:
                 before = grown[0]
                 t, peak = step(rt, forest, loss, model, device, full)
                 times[label].append(t)
@@ -126,7 +128,8 @@ def main(argv=None) -> int:
                          max(peaks[label]), growths[label], knobs))
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     lines = [f"# Gradient slots and low's cap, each undone alone: {args.workload} on {name}", "",
-             f"torch {torch.__version__}; {args.rounds} rounds of fresh forests, variants in turn",
+             f"torch {torch.__version__}; {args.rounds} rounds of fresh forests, variants in turn, each round "
+             "starting at the next one",
              "", "| variant | mean step (s) | vs as is | peak alloc (GiB) | growths | plan |", "|---|---|---|---|---|---|"]
     lines += [f"| {a} | {t:.3f} | {r:.3f} | {pk:.2f} | {g} | {k} |" for a, t, r, pk, g, k in rows]
     emit_report("\n".join(lines) + "\n", f"grad_slots_ab_{args.workload}.md")

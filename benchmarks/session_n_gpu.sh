@@ -11,17 +11,17 @@
 #   PART=ab     the GPU tests mended after the first run, then benchmarks/grad_slots_ab.py: each
 #               of the session's two memory changes undone alone, in one process, on the 64k
 #               tree (the first run's steps were 3-15% slower than session M's on another host);
-#   PART=scale  the 256k agentic tree (dtree default, memory="low", tree-mask:whole+ckpt),
-#               qwen2.5-7b on one ~32k agentic tree (dtree default, MFU), then OLD (default .oldm:
-#               `git archive <rev> dtree | tar -x -C .oldm`) on the 64k tree with memory="low":
-#               the same-host memory A/B of this session's changes.
+#   PART=final  after the first two (memory="low"'s cap without slack undone: it took 1,024-row
+#               head chunks for no measured memory): the 64k tree, memory="low" against
+#               tree-mask:whole+ckpt in one process; grad_slots_ab.py again (each round starting
+#               at the next variant); the 256k agentic tree (dtree default, memory="low",
+#               tree-mask:whole+ckpt); qwen2.5-7b on one ~32k agentic tree (dtree default, MFU).
 #
 #     PART=new bash benchmarks/session_n_gpu.sh            # reports in $OUT (default /tmp/dtree_session_n)
 #     SMOKE=1 PART=new bash benchmarks/session_n_gpu.sh    # CPU, tiny model: plumbing only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_n}
-OLD=${OLD:-.oldm}
 PART=${PART:-new}
 source benchmarks/bench_cases.sh
 AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
@@ -53,14 +53,13 @@ case "$PART" in
     fi
     OUT=$OUT timeout 330 python benchmarks/grad_slots_ab.py --workload agentic64k $SMOKE_FLAG 2>"$OUT/ab_err.txt" | tail -8
     ;;
-  scale)
-    bench agentic256k 330 $AGENTIC256K --steps $STEPS --configs "dtree,dtree:low,tree-mask:whole+ckpt"
-    BENCH=${BENCH/qwen2.5-1.5b/$MODEL7B} bench qwen7b 130 $AGENTIC32K --steps $STEPS --configs dtree
-    [ -d "$OLD/dtree" ] || { echo "no older checkout at $OLD (git archive <rev> dtree | tar -x -C $OLD)"; exit 2; }
-    mkdir -p "$OUT/old"
-    (cd "$OLD" && PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" timeout 120 $BENCH $AGENTIC64K --steps $STEPS \
-      --configs "dtree:low" --out "$OUT/old" >"$OUT/old.log" 2>&1)
-    grep -hE "^\| \`dtree[^|]*\` \| ok \|" "$OUT"/old/*.md | cut -d'|' -f2,6,8,12
+  final)
+    bench final64k 100 $AGENTIC64K --steps $STEPS --configs "dtree:low,tree-mask:whole+ckpt"
+    OUT=$OUT timeout 170 python benchmarks/grad_slots_ab.py --workload agentic64k --rounds 3 $SMOKE_FLAG \
+      2>"$OUT/ab2_err.txt" | tail -6
+    [ -f "$OUT/grad_slots_ab_agentic64k.md" ] && mv "$OUT/grad_slots_ab_agentic64k.md" "$OUT/grad_slots_ab2_agentic64k.md"
+    bench agentic256k 200 $AGENTIC256K --steps $STEPS --configs "dtree,dtree:low,tree-mask:whole+ckpt"
+    BENCH=${BENCH/qwen2.5-1.5b/$MODEL7B} bench qwen7b 100 $AGENTIC32K --steps $STEPS --configs dtree
     ;;
-  *) echo "PART must be new, ab or scale"; exit 2 ;;
+  *) echo "PART must be new, ab or final"; exit 2 ;;
 esac

@@ -59,8 +59,11 @@ its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token 
 on qwen2.5-1.5b (0.28 for all 28), plus its attention forward over the forest's keys
 (:func:`~dtree.plan.memory_model.attention_rerun_rate`) unless the plan keeps checkpointed
 layers' attention outputs (:mod:`dtree.ops.stack_attention.output_memo`; only where the
-backend can, at 3 KB per layer and token on qwen2.5-1.5b); LM-head chunks of 1,024 rows re-read the float32
-weight-gradient accumulator 4x as often as 4,096 (~15% of the head's time). Plans
+backend can, at 3 KB per layer and token on qwen2.5-1.5b); LM-head chunks of 1,024 and 2,048
+rows are priced 15% and 5% of the head's time over 4,096 (:data:`~dtree.plan.plan_candidates.HEAD_CHUNK_PENALTY`,
+from when the backward re-read a float32 ``[V, H]`` sum per chunk; an H200 now measures 1-2%,
+benchmarks/head_chunk_cost.py, but priced so, GRPO case 1's default would checkpoint 9 layers
+for 2,048-row chunks within SLACK: kept until a GPU run weighs that). Plans
 within :data:`~dtree.plan.plan_candidates.SLACK` of the fastest count as equally fast: the
 leanest of them runs. The candidates are scored together in
 :mod:`dtree.plan.plan_candidates` (beside the one-plan reference they equal).
@@ -111,7 +114,6 @@ CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_LOGPROB_CHUNK = 1024
-LOW_CAP_ROUNDING = 1e-9  # of the lean recipe's peak: the recipe itself always fits its cap
 
 
 def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
@@ -184,10 +186,10 @@ def plan_step(
     grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
     if recipe is not None:  # the lean recipe's peak is the cap
-        # no slack on it: within 5% it let 2,048-row head chunks in (0.3 GiB over the recipe's
-        # on the 64k agentic tree, the LM head's backward being the peak) for ~1% of time
+        # with SLACK: without it (1,024-row head chunks instead of 2,048 on the 64k agentic tree)
+        # the H200 measured the same peak, 9.08 GiB, and steps no faster (session N)
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
-        budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + LOW_CAP_ROUNDING))
+        budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
     peaks, costs = candidate_scores(shape, grid, fig_of, spec, fixed)
     chosen, reason = choose_index(peaks, costs, grid, budget, Knobs(*keep) if keep is not None else None)
     kn = grid.knob(chosen)
