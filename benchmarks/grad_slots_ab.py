@@ -14,6 +14,9 @@ and the step after another runtime's fall on all alike). Per variant: the mean s
 peak allocated memory, and how often a step grew the gradient slots past the plan's
 (``KVStack.grad_slots_through``: a call on a fallback path inside the backend).
 
+``--profile``: then one more step per variant under the torch profiler: its CUDA kernel time
+by kernel name, and the names whose time differs most from the first variant's.
+
 Prints Markdown, also written to ``$OUT/grad_slots_ab_<workload>.md`` when OUT is set.
 """
 
@@ -88,12 +91,47 @@ def step(rt, forest, loss, model, device, full: bool) -> tuple[float, float]:
     return time.perf_counter() - t0, peak
 
 
+def profiled_step(rt, forest, loss, model, device, full: bool) -> tuple[float, dict[str, float]]:
+    """(wall seconds, CUDA microseconds per kernel name) of one step under the profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model.zero_grad(set_to_none=True)
+    sync_device(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        with all_gradient_slots(full):
+            rt.forward_backward(forest, loss)
+        sync_device(device)
+        wall = time.perf_counter() - t0
+    kernels: dict[str, float] = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            kernels[e.name[:90]] = kernels.get(e.name[:90], 0.0) + e.time_range.elapsed_us()
+    return wall, kernels
+
+
+def profile_lines(runs, forest, loss, model, device) -> list[str]:
+    got = [(label, *profiled_step(rt, forest, loss, model, device, full)) for label, rt, full in runs]
+    base_label, _, base = got[0]
+    lines = ["", "| variant | profiled step (s) | CUDA kernel time (ms) | kernels |", "|---|---|---|---|"]
+    lines += [f"| {a} | {w:.3f} | {sum(k.values()) / 1e3:.1f} | {len(k)} names |" for a, w, k in got]
+    for label, _, kernels in got[1:]:
+        names = set(kernels) | set(base)
+        diff = sorted(names, key=lambda n: -abs(kernels.get(n, 0.0) - base.get(n, 0.0)))[:12]
+        lines += ["", f"{label} against {base_label}: the kernels whose time differs most (ms)", "",
+                  "| kernel | " + base_label + " | " + label + " |", "|---|---|---|"]
+        lines += [f"| `{n}` | {base.get(n, 0.0) / 1e3:.2f} | {kernels.get(n, 0.0) / 1e3:.2f} |" for n in diff]
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="agentic64k")
     p.add_argument("--memory", default="auto,low", help="comma-separated memory settings")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--low-chunk", action="store_true", help="also low with 1,024-row head chunks")
+    p.add_argument("--profile", action="store_true", help="then one profiled step per variant")
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
     args = p.parse_args(argv)
     model, device = script_model(args.smoke)
@@ -102,7 +140,7 @@ def main(argv=None) -> int:
     forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(args.rounds + 2)]
     loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
     grown = count_growths()
-    rows = []
+    rows, profiles = [], []
     for memory in [m for m in args.memory.split(",") if m]:
         runs = [(label, dtree.TreeRuntime(model, **opts), full) for label, opts, full in variants(memory, args.low_chunk)]
         for label, rt, full in runs:  # warm-up: compiles, the memory probe
@@ -126,12 +164,15 @@ def main(argv=None) -> int:
                                               f"{plan.logprob_chunk}-row head")
             rows.append((label, statistics.mean(times[label]), statistics.mean(times[label]) / base,
                          max(peaks[label]), growths[label], knobs))
+        if args.profile:
+            profiles += profile_lines(runs, forests[-1], loss, model, device)
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    lines = [f"# Gradient slots and low's cap, each undone alone: {args.workload} on {name}", "",
+    lines = [f"# Gradient slots for the path only, undone: {args.workload} on {name}", "",
              f"torch {torch.__version__}; {args.rounds} rounds of fresh forests, variants in turn, each round "
              "starting at the next one",
              "", "| variant | mean step (s) | vs as is | peak alloc (GiB) | growths | plan |", "|---|---|---|---|---|---|"]
     lines += [f"| {a} | {t:.3f} | {r:.3f} | {pk:.2f} | {g} | {k} |" for a, t, r, pk, g, k in rows]
+    lines += profiles
     emit_report("\n".join(lines) + "\n", f"grad_slots_ab_{args.workload}.md")
     return 0
 
