@@ -1,7 +1,8 @@
 """The host-time scripts' analysis on synthetic input: ``benchmarks/host_sampling.py report``
 (py-spy's collapsed stacks: only the steady steps counted, phases by the innermost frame) and
 ``benchmarks/gpu_gaps.py`` (a step's kernels: the gap before the first, busy time, gaps); and
-``benchmarks/op_host_cost.py`` and ``benchmarks/queue_depth.py`` run on CPU (plumbing)."""
+``benchmarks/op_host_cost.py``, ``benchmarks/queue_depth.py``, ``benchmarks/head_chunk_cost.py`` and
+``benchmarks/grad_slots_ab.py`` run on CPU (plumbing)."""
 
 from __future__ import annotations
 
@@ -73,3 +74,27 @@ def test_queue_depth_marks_each_group_on_cpu(tmp_path):
     assert marks[0] == "step start" and marks[-1] == "step end (host)", marks
     assert any(m.startswith("forward g") for m in marks) and "backward" in marks, marks
     assert "## synchronizations in one step" in report
+
+
+def test_head_chunk_cost_times_every_policy_chunk_on_cpu(tmp_path):
+    """``benchmarks/head_chunk_cost.py --smoke``: a row per (rows, chunk) of the policy's chunks
+    and the fitted penalties beside the policy's."""
+    r = subprocess.run([sys.executable, "benchmarks/head_chunk_cost.py", "--smoke", "--out", str(tmp_path)], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = (tmp_path / "head_chunk_cost_cpu.md").read_text()
+    assert all(f"| 256 | {c} |" in report for c in (1024, 2048, 4096)), report
+    assert "Fitted penalty" in report and "in the policy now" in report
+
+
+def test_grad_slots_ab_runs_each_variant_on_cpu(tmp_path):
+    """``benchmarks/grad_slots_ab.py --smoke``: each variant of each memory setting gets a row,
+    and the profiled comparison its table."""
+    r = subprocess.run([sys.executable, "benchmarks/grad_slots_ab.py", "--smoke", "--rounds", "2", "--memory", "low",
+                        "--low-chunk", "--profile"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = (tmp_path / "grad_slots_ab_agentic64k.md").read_text()
+    for variant in ("low: as is", "low: all gradient slots", "low: 1,024-row head chunks"):
+        assert f"| {variant} |" in report, report
+    assert "the kernels whose time differs most" in report
