@@ -186,8 +186,7 @@ def plan_step(
     grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
     if recipe is not None:  # the lean recipe's peak is the cap
-        # with SLACK: without it (1,024-row head chunks instead of 2,048 on the 64k agentic tree)
-        # the H200 measured the same peak, 9.08 GiB, and steps no faster (session N)
+        # with SLACK: without it (1,024-row head chunks on the 64k tree) the same peak was measured
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
         budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
     peaks, costs = candidate_scores(shape, grid, fig_of, spec, fixed)
