@@ -132,10 +132,26 @@ def test_runtime_steps_through_the_one_call_path_exactly(monkeypatch, mode):
     float32, over the DESIGN edge cases with subtrees inside calls, small and whole-forest
     calls, retained and recomputed paths."""
     import dtree.plan.step_plan as step_plan
-    from dtree.ops.stack_attention.interface import BACKENDS
 
     from test_runtime_exact import EDGE_CASES, assert_exact, run_both
     from hf_models import make_model
+
+    ran = _one_call_for_reference(monkeypatch)
+    monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
+    sizes, _ = _stack_sizes(monkeypatch)
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    for budget in (6, 11, 1000):
+        out, ref, errs = run_both(make_model("qwen3", tied=True), seqs,
+                                  rt_kw=dict(mode=mode, attention="reference", chunk_size=3, group_tokens=budget))
+        assert_exact(out, ref, errs)
+    assert ran, "the one-call path never ran"
+    assert all(grads == tokens for tokens, grads in sizes)  # the leaves' slots take gradients
+
+
+def _one_call_for_reference(monkeypatch) -> list[int]:
+    """The ``reference`` backend runs the one-call path (torch kernel) for every call whose
+    layout it expresses, with plain options; returns a list that grows by one per such call."""
+    from dtree.ops.stack_attention.interface import BACKENDS
 
     reference, ran = BACKENDS.functions["reference"], []
 
@@ -146,15 +162,7 @@ def test_runtime_steps_through_the_one_call_path_exactly(monkeypatch, mode):
         return one_call_backend(q, k, v, slots, options)
 
     monkeypatch.setitem(BACKENDS.functions, "reference", one_call_or_reference)
-    monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
-    sizes, _ = _stack_sizes(monkeypatch)
-    seqs = [s for case in EDGE_CASES.values() for s in case]
-    for budget in (6, 11, 1000):
-        out, ref, errs = run_both(make_model("qwen3", tied=True), seqs,
-                                  rt_kw=dict(mode=mode, attention="reference", chunk_size=3, group_tokens=budget))
-        assert_exact(out, ref, errs)
-    assert ran, "the one-call path never ran"
-    assert all(grads == tokens for tokens, grads in sizes)  # the leaves' slots take gradients
+    return ran
 
 
 def _stack_sizes(monkeypatch) -> tuple[list[tuple[int, int]], list[int]]:
@@ -190,20 +198,12 @@ def test_runtime_with_gradient_slots_for_the_path_only(monkeypatch, one_call):
     leaf's slots: the stack grows its gradient slots there, and stays exact)."""
     import dtree.ops.stack_attention.interface as interface
     import dtree.plan.step_plan as step_plan
-    from dtree.ops.stack_attention.interface import BACKENDS
 
     from test_runtime_exact import EDGE_CASES, assert_exact, run_both
     from hf_models import make_model
 
-    reference = BACKENDS.functions["reference"]
-
-    def one_call_or_reference(q, k, v, slots, options):
-        if call_mask(slots.layout) is None or not options.plain:
-            return reference(q, k, v, slots, options)
-        return one_call_backend(q, k, v, slots, options)
-
     if one_call:
-        monkeypatch.setitem(BACKENDS.functions, "reference", one_call_or_reference)
+        _one_call_for_reference(monkeypatch)
     monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
     monkeypatch.setattr(interface, "OWN_GRADS_IN_CALL", frozenset({"flash-attn", "reference"}))
     sizes, grown = _stack_sizes(monkeypatch)

@@ -379,12 +379,12 @@ class StepPlanner:
         )
         w = floats.pop(0) if training else None
         arrays = StepArrays(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
-        slots, grads = self._stack_sizes(sched)
+        slots, grad_tokens = self._stack_sizes(sched)
         capacity = max(slots, self.config.stack_capacity or 0, 1)
-        grads = capacity if self.config.stack_capacity else grads
+        grad_tokens = capacity if self.config.stack_capacity else grad_tokens
         state_slots = states.capacity if states is not None else 0
         if self.stack is None or not self.stack.fits(
-            self.spec, capacity, state_slots, dtype, device, training, grad_tokens=grads
+            self.spec, capacity, state_slots, dtype, device, training, grad_tokens=grad_tokens
         ):
             self.stack = None  # free the old buffers before allocating new ones
             # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept for
@@ -392,7 +392,7 @@ class StepPlanner:
             with torch.inference_mode(False):
                 self.stack = StepStacks(
                     self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training,
-                    grad_tokens=grads,
+                    grad_tokens=grad_tokens,
                 )
         root = checkpoint_root(self.module, view) if training else None
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None

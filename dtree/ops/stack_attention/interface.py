@@ -69,11 +69,11 @@ __all__ = [
     "OWN_GRADS_IN_CALL",
     "OWN_KV_IN_STACK",
     "PREFERS_FLASH_ATTN",
+    "leaf_slots_take_grads",
     "prepare_stack_attention",
     "stack_attention",
     "stack_attention_flash4",
     "stack_attention_triton",
-    "leaf_slots_take_grads",
     "triton_unavailable",
 ]
 

@@ -194,23 +194,20 @@ class KVStack:
         (a missing ``gk``/``gv`` adds nothing): a call's K/V gradients completed with the
         slots' (:func:`dtree.ops.stack_ops.seed_grad`); slots past :attr:`grad_slots` add
         nothing (no op wrote them)."""
-        cut = min(hi, self.grad_slots)
-        if cut >= hi:
+        kept = max(0, min(hi, self.grad_slots) - lo)  # the rows whose slots have buffers
+        if kept == hi - lo:
             return stack_ops.seed_grad(
                 self.grad_k[layer], self.grad_v[layer], lo, gk, gv, hi - lo, *dtypes, device_lo=device_lo
             )
-        head = (
-            stack_ops.seed_grad(self.grad_k[layer], self.grad_v[layer], lo,
-                                None if gk is None else gk[: cut - lo], None if gv is None else gv[: cut - lo],
-                                cut - lo, *dtypes, device_lo=device_lo)
-            if cut > lo else None
-        )
+        seeded = (None, None)
+        if kept:
+            seeded = stack_ops.seed_grad(self.grad_k[layer], self.grad_v[layer], lo, None if gk is None else gk[:kept],
+                                         None if gv is None else gv[:kept], kept, *dtypes, device_lo=device_lo)
         out = []
-        for i, (g, slots, dtype) in enumerate(((gk, self.grad_k, dtypes[0]), (gv, self.grad_v, dtypes[1]))):
-            start = max(cut - lo, 0)
-            tail = (g[start:].to(dtype) if g is not None
-                    else torch.zeros((hi - lo - start, *slots.shape[2:]), dtype=dtype, device=slots.device))
-            out.append(tail if head is None else torch.cat([head[i], tail]))
+        for head, g, slots, dtype in zip(seeded, (gk, gv), (self.grad_k, self.grad_v), dtypes):
+            rest = hi - lo - kept  # slots no op wrote: the call's own gradient alone
+            tail = g[kept:].to(dtype) if g is not None else slots.new_zeros((rest, *slots.shape[2:]), dtype=dtype)
+            out.append(tail if head is None else torch.cat([head, tail]))
         return out[0], out[1]
 
     def gather(self, layer: int, index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
