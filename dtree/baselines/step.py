@@ -8,7 +8,8 @@ the same for both::
     for each micro-batch:
         hidden = model.dtree_hidden_states(ids, positions, attend)                    [T, H]
         logp, H = token_logprobs(hidden[pred_hidden_row], head, labels, temperature=T)  [P]
-        (loss.per_token(logp[loss_pred], fields (+ entropy H)) * w).sum().backward()
+        (loss.per_token(logp[loss_pred], fields (+ entropy H)) * w).sum() backward,
+            the head's part first (dtree.engine.head_first.HeadSplit, as the runtime's)
     around it, :class:`dtree.engine.step.TokenStep`: one device sync for the loss value;
     if it is not finite, param.grad is restored and a ValueError names the first bad
     (sequence, position); the loss's metrics (mask-weighted means over the loss
@@ -45,6 +46,7 @@ from ..engine.checks import (
     refuse_paths_beyond_window,
     validate_forest,
 )
+from ..engine.head_first import HeadSplit
 from ..engine.step import StepOutput, TokenStep, WalkOutput, token_loss_weights
 from ..forest.forest import Forest
 from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
@@ -263,13 +265,15 @@ class MicroBatchTrainer:
                 attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
                 with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
+                split = HeadSplit(hidden, dev["pred_hidden_row"])
+                del hidden  # [T, H]: the head reads the gathered rows; not held through backward
                 terms = weighted_terms(
-                    per_token, hidden, dev["pred_hidden_row"], dev["labels"], dev["loss_pred"], dev["weights"],
+                    per_token, split.head_in, None, dev["labels"], dev["loss_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,
                     temperature=loss.temperature, with_entropy=loss.needs_entropy,
                 )
                 call_loss = terms.sum()
-                call_loss.backward()
+                split.backward(call_loss)
             term_log.append((e0, terms.detach()))
             e0 += len(call.term_lin)
             total = total + call_loss.detach()

@@ -10,8 +10,9 @@ The walk (docs/design.md section 4), over the groups of a :class:`~dtree.plan.sc
                  compute g's loss terms (retain mode)
     ...          all child groups, depth first; their attention backward adds their
                  prefix gradients into g's slots
-    backward(g): autograd.backward(loss_g)  (or g's final hidden states with a zero
-                 gradient when g has no loss terms): at every layer the seed's
+    backward(g): autograd.backward(loss_g), the LM head's part first
+                 (:mod:`dtree.engine.head_first`), or g's final hidden states with a zero
+                 gradient when g has no loss terms: at every layer the seed's
                  backward adds g's slots (the descendants' gradients, and the ones g's
                  own segments sent their in-call ancestors) to dK_g, dV_g where the
                  attention consumed them, and g's attention backward adds its prefix
@@ -51,6 +52,7 @@ from ..plan.loss_terms import prediction_lin
 from ..plan.schedule import FORWARD, Schedule
 from ..plan.step_plan import StepPlan
 from ..stacks.group_attention import GradPattern, GroupAttention
+from .head_first import HeadSplit
 from .step import StepOutput, TokenStep, WalkOutput, per_sequence
 
 __all__ = ["PerToken", "TreeWalk", "train_step"]
@@ -68,12 +70,14 @@ class PerToken:
 
 @dataclass
 class _GroupState:
-    """A group's graph between its forward and its backward: the backward's root is
-    ``loss``, or ``hidden`` (with a zero gradient) when the group has no loss terms but
-    its K/V carry seeds."""
+    """A group's graph between its forward and its backward: ``loss``, read from
+    ``split``'s rows (:class:`~dtree.engine.head_first.HeadSplit`: the head's backward
+    first, then the decoder's), or ``hidden`` (with a zero gradient) when the group has
+    no loss terms but its K/V carry seeds."""
 
     loss: torch.Tensor | None
     hidden: torch.Tensor | None
+    split: HeadSplit | None = None
 
 
 def _group_layout(sched: Schedule, g: int) -> SegmentLayout:
@@ -175,19 +179,23 @@ class TreeWalk:
         )
 
     # ------------------------------------------------------------------ training
-    def _group_loss(self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list) -> torch.Tensor | None:
+    def _group_loss(
+        self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list
+    ) -> tuple[torch.Tensor, HeadSplit] | None:
+        """(group ``g``'s loss, the split its backward runs through), or None without loss terms."""
         terms, a = self.plan.terms, self.plan.arrays
         e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
         if e1 == e0:
             return None
         p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
+        split = HeadSplit(hidden, a.pred_hidden_row[p0:p1])
         weighted = weighted_terms(
-            per_token.fn, hidden, a.pred_hidden_row[p0:p1], a.labels[p0:p1], a.loss_pred[e0:e1], a.weights[e0:e1],
+            per_token.fn, split.head_in, None, a.labels[p0:p1], a.loss_pred[e0:e1], a.weights[e0:e1],
             {n: f[e0:e1] for n, f in a.fields.items()}, self.plan.head, self.plan.logprob_chunk,
             temperature=per_token.temperature, with_entropy=per_token.with_entropy,
         )
         term_log.append((e0, weighted.detach()))
-        return weighted.sum()
+        return weighted.sum(), split
 
     def _run_group(
         self, g: int, push: bool, rng_seed: int | None, per_token: PerToken, term_log: list, checkpoint: int
@@ -195,9 +203,11 @@ class TreeWalk:
         with torch.enable_grad(), rng.seeded(rng_seed, self.plan.device):
             hidden = self.hidden(g, push=push, checkpoint=checkpoint)
             loss = self._group_loss(g, hidden, per_token, term_log)
+        if loss is not None:
+            return _GroupState(loss=loss[0], hidden=None, split=loss[1])
         # without loss terms, a group's backward only carries its descendants' seeds
-        keep_hidden = loss is None and not self.sched.groups[g].is_leaf and hidden.requires_grad
-        return _GroupState(loss=loss, hidden=hidden if keep_hidden else None)
+        keep_hidden = not self.sched.groups[g].is_leaf and hidden.requires_grad
+        return _GroupState(loss=None, hidden=hidden if keep_hidden else None)
 
     def train(self, per_token: PerToken, scope: Callable | None = None) -> WalkOutput:
         """Forward and backward of every group, depth first; gradients land in the
@@ -312,8 +322,7 @@ def _finish_group(state: _GroupState, total: torch.Tensor) -> torch.Tensor:
     """Backward of one group (see the module docstring); returns the running loss sum."""
     if state.loss is not None:
         total = total + state.loss.detach()
-        if state.loss.requires_grad:
-            state.loss.backward()
+        state.split.backward(state.loss)
     elif state.hidden is not None:
         state.hidden.backward(torch.zeros_like(state.hidden))
     return total

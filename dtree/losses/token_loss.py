@@ -253,7 +253,7 @@ def nll(reduction: str = "token_mean", scale: float = 1.0, *, temperature: float
 def weighted_terms(
     per_token: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor],
     hidden: torch.Tensor,
-    pred_hidden_row: torch.Tensor,
+    pred_hidden_row: torch.Tensor | None,
     labels: torch.Tensor,
     loss_pred: torch.Tensor,
     weights: torch.Tensor,
@@ -269,7 +269,8 @@ def weighted_terms(
     Args:
         hidden: [T, H] final hidden states of the call.
         pred_hidden_row, labels: [P] rows whose hidden states go through the LM head, and
-            the token each predicts (the names of :class:`dtree.plan.loss_terms.LossTerms`).
+            the token each predicts (the names of :class:`dtree.plan.loss_terms.LossTerms`);
+            ``pred_hidden_row`` None: ``hidden`` holds those rows already ([P, H]).
         loss_pred: [E] which prediction each loss term reads (terms that share a unique
             token share its prediction).
         weights, fields: [E] the terms' weights (reduction and mask folded in) and fields.
@@ -282,7 +283,7 @@ def weighted_terms(
         [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
     """
     logp, ent = token_logprobs(
-        hidden[pred_hidden_row], output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy
+        hidden if pred_hidden_row is None else hidden[pred_hidden_row], output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy
     )
     logp = logp[loss_pred]
     if with_entropy:
