@@ -150,6 +150,15 @@ def test_low_setting_takes_the_lean_recipes_peak_as_its_cap():
     assert seven.predicted_peak_bytes <= seven.budget_bytes
 
 
+def test_low_setting_keeps_the_recipes_head_chunks():
+    """The head's backward is where a `low` step peaks: its chunk stays the recipe's (the
+    slack under the cap goes to the other knobs), or the user's."""
+    for shape in (AGENTIC_21K, AGENTIC_64K):
+        assert plan(shape, setting="low").logprob_chunk == mp.LOW_LOGPROB_CHUNK
+        assert plan(shape, setting="low", logprob_chunk=2048).logprob_chunk == 2048
+        assert plan(shape).logprob_chunk == 4096  # the default still takes the fastest chunk
+
+
 def test_explicit_options_are_kept():
     p = plan(group_tokens=4096, checkpoint_layers=True, logprob_chunk=2048)
     assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (4096, 28, 2048)

@@ -38,10 +38,11 @@ def cases(draw):
     return spec, shape, cb, draw(st.sampled_from([1, 2, 4, 8])), draw(st.booleans()), draw(st.booleans())
 
 
-def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB):
+def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB, chunk=None):
+    """``chunk``: the head chunk fixed (``memory="low"`` keeps its recipe's)."""
     fig_of = {c: mm._figures(spec, itemsize, cb, fused, c) for c in mp.LOGPROB_CHUNKS}
     fixed = mp._shared_figures(spec, itemsize, shape, stack_held, missing)
-    grid = mp._knob_grid(shape, "auto", spec.num_layers, None, None, None, can_keep)
+    grid = mp._knob_grid(shape, "auto", spec.num_layers, None, None, chunk, can_keep)
     return grid, fig_of, fixed
 
 
@@ -111,7 +112,8 @@ def test_the_policy_decides_as_the_reference_on_the_issue_cases():
             got = mp.plan_step(spec, 2, shape, on_cuda=True, available=76 * GIB, allocated=2.9 * GIB,
                                expandable_segments=True, fused_head=True, missing_grads=2.9 * GIB, setting=setting,
                                call_bytes=lean, can_keep_attention=True)
-            grid, fig_of, fixed = _scored(spec, shape, lean, 2, True, True, missing=2.9 * GIB)
+            chunk = mp.LOW_LOGPROB_CHUNK if setting == "low" else None
+            grid, fig_of, fixed = _scored(spec, shape, lean, 2, True, True, missing=2.9 * GIB, chunk=chunk)
             plans = [(*pc.candidate(shape, k, fig_of[k.chunk], spec, fixed), k) for k in grid.knobs()]
             (peak, cost, parts, kn), _ = pc.choose(plans, got.budget_bytes)
             assert (got.group_tokens, got.checkpoint_layers, got.path_checkpoint_layers, got.logprob_chunk,

@@ -40,7 +40,10 @@ Settings (``TreeRuntime(memory=...)``):
 ``"low"``
     the lean recipe's peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
     calls, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is the cap, and the fastest
-    plan under it runs.
+    plan under it runs, with the recipe's LM-head chunks: the head's backward is where
+    this setting's step peaks (its ``[chunk, V]`` buffer and the ``[V, H]`` weight
+    gradient; ``benchmarks/results/h200/session_o``), and 1,024-row chunks cost ~2% of
+    the head's time over 4,096 (``benchmarks/head_chunk_cost.py``).
 a number
     a cap in GiB on the step's peak allocated memory (everything the process holds
     included; :data:`CAP_MARGIN` is kept for prediction error): the fastest plan
@@ -183,10 +186,10 @@ def plan_step(
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = _shared_figures(spec, itemsize, shape, stack_held, missing_grads)
     budget = _budget(available, expandable_segments, setting, allocated)
-    grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, logprob_chunk, can_keep_attention)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
-    if recipe is not None:  # the lean recipe's peak is the cap
-        # with SLACK: without it (1,024-row head chunks on the 64k tree) the same peak was measured
+    chunk = recipe.chunk if recipe is not None else logprob_chunk
+    grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, chunk, can_keep_attention)
+    if recipe is not None:  # the lean recipe's peak is the cap, with SLACK for the other knobs
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
         budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
     peaks, costs = candidate_scores(shape, grid, fig_of, spec, fixed)
