@@ -4,7 +4,8 @@
 # the bench command and issue 17's two cases, or with SMOKE=1 their CPU stand-ins on the
 # tiny model (plumbing only). Sets BENCH, CASE1, AGENTIC64K, SMOKE_FLAG (--smoke for the Python
 # scripts), MASK_GIB (the mask's peak on the
-# 64k tree: the memory cap that compares dtree at the mask's memory) and STEPS.
+# 64k tree: the memory cap that compares dtree at the mask's memory) and STEPS, and defines bench
+# (one `dtree bench` run into $OUT/DIR, its report rows printed).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 BENCH="python -m dtree bench --model qwen2.5-1.5b"
@@ -17,3 +18,11 @@ if [ "${SMOKE:-0}" = 1 ]; then
   AGENTIC64K="--workload agentic --set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set target_unique_tokens=400"
   MASK_GIB=4 STEPS=2 SMOKE_FLAG=--smoke
 fi
+
+bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows printed
+  local dir=$1 limit=$2
+  shift 2
+  mkdir -p "$OUT/$dir"
+  timeout "$limit" $BENCH "$@" --out "$OUT/$dir" >"$OUT/$dir.log" 2>&1
+  grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT/$dir"/*.md | cut -d'|' -f2,6,8,12
+}

@@ -28,14 +28,6 @@ AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262
 AGENTIC32K="--workload agentic --set num_trees=1 --set target_unique_tokens=32768" MODEL7B=qwen2.5-7b
 [ "${SMOKE:-0}" = 1 ] && AGENTIC256K="$AGENTIC64K" AGENTIC32K="$AGENTIC64K" MODEL7B=tiny
 
-bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows printed
-  local dir=$1 limit=$2
-  shift 2
-  mkdir -p "$OUT/$dir"
-  timeout "$limit" $BENCH "$@" --out "$OUT/$dir" >"$OUT/$dir.log" 2>&1
-  grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT/$dir"/*.md | cut -d'|' -f2,6,8,12
-}
-
 case "$PART" in
   new)
     if [ -z "$SMOKE_FLAG" ]; then
