@@ -70,7 +70,6 @@ class HeadSplit:
         if picked.requires_grad:
             self.head_in = picked.detach().requires_grad_(True)
             self._root = _HandOver.apply(picked, self._box)
-        self._like = (picked.shape, picked.dtype, picked.device)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of ``loss`` (read from :attr:`head_in`): the head's graph, then the
@@ -83,11 +82,9 @@ class HeadSplit:
         if root is None:
             return
         head_in, self.head_in = self.head_in, None
-        grad, head_in.grad = head_in.grad, None
+        self._box.append(head_in.grad if head_in.grad is not None else torch.zeros_like(head_in))
+        head_in.grad = None  # the box holds the only reference: autograd frees it after its first use
         # the loss's graph (alive while the caller holds the loss) still points to this leaf:
         # its [P, H] rows go now, as the head's saved copy would in one backward
         head_in.data = head_in.new_empty(0)
-        shape, dtype, device = self._like
-        self._box.append(grad if grad is not None else torch.zeros(shape, dtype=dtype, device=device))
-        del grad
         root.backward()

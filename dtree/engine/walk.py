@@ -202,9 +202,10 @@ class TreeWalk:
     ) -> _GroupState:
         with torch.enable_grad(), rng.seeded(rng_seed, self.plan.device):
             hidden = self.hidden(g, push=push, checkpoint=checkpoint)
-            loss = self._group_loss(g, hidden, per_token, term_log)
-        if loss is not None:
-            return _GroupState(loss=loss[0], hidden=None, split=loss[1])
+            with_loss = self._group_loss(g, hidden, per_token, term_log)
+        if with_loss is not None:
+            loss, split = with_loss
+            return _GroupState(loss=loss, hidden=None, split=split)
         # without loss terms, a group's backward only carries its descendants' seeds
         keep_hidden = not self.sched.groups[g].is_leaf and hidden.requires_grad
         return _GroupState(loss=None, hidden=hidden if keep_hidden else None)

@@ -282,9 +282,8 @@ def weighted_terms(
     Returns:
         [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
     """
-    logp, ent = token_logprobs(
-        hidden if pred_hidden_row is None else hidden[pred_hidden_row], output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy
-    )
+    rows = hidden if pred_hidden_row is None else hidden[pred_hidden_row]
+    logp, ent = token_logprobs(rows, output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy)
     logp = logp[loss_pred]
     if with_entropy:
         fields = {**fields, "entropy": ent[loss_pred]}
