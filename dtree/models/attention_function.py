@@ -102,9 +102,11 @@ def dtree_attention_function(
     if query.shape[0] != 1:
         raise ValueError(f"dtree runs one packed row per call, got batch size {query.shape[0]}")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    q = query[0].transpose(0, 1)  # [T, Hq, D]
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    # squeeze, not [0]: a select's backward zero-fills the whole input and copies the gradient in (two
+    # launches per tensor, and the q/k projections' view backward then copies again); a squeeze's is a view
+    q = query.squeeze(0).transpose(0, 1)  # [T, Hq, D]
+    k = key.squeeze(0).transpose(0, 1)
+    v = value.squeeze(0).transpose(0, 1)
     out = calls(module, q, k, v, scale, **options)
     return out.unsqueeze(0), None
 

@@ -65,7 +65,7 @@ def _tokens(x: torch.Tensor) -> torch.Tensor:
     """[1, heads, T, D] -> [T, heads, D] (dtree runs one packed row per call)."""
     if x.shape[0] != 1:
         raise ValueError(f"dtree runs one packed row per model call, got batch size {x.shape[0]}")
-    return x[0].transpose(0, 1)
+    return x.squeeze(0).transpose(0, 1)  # a view's backward: no zero-filled copy as a select's
 
 
 def _heads_first(out: torch.Tensor) -> torch.Tensor:

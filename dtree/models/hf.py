@@ -302,7 +302,7 @@ class HFTreeModel:
             raise
         calls.check_every_layer(self.decoder_layers())
         hidden = getattr(out, "last_hidden_state", None)
-        return (hidden if hidden is not None else out[0])[0]
+        return (hidden if hidden is not None else out[0]).squeeze(0)  # [T, H]: a view back, not a select's copy
 
     def head_transform(self) -> str:
         """What dtree applies to the head's logits, for messages."""

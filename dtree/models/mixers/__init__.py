@@ -102,7 +102,7 @@ def _install_on_class(cls: type, adapter: MixerAdapter) -> None:
         hidden = bound.arguments["hidden_states"]
         if hidden.dim() != 3 or hidden.shape[0] != 1:
             raise ValueError(f"dtree runs one packed row per call, got hidden states of shape {tuple(hidden.shape)}")
-        out = _run(adapter, self, calls.states(self), hidden[0]).unsqueeze(0)
+        out = _run(adapter, self, calls.states(self), hidden.squeeze(0)).unsqueeze(0)
         return (out, None) if adapter.returns_tuple else out
 
     dispatch.__dtree_mixer__ = adapter
