@@ -4,8 +4,10 @@ Forward: one program per row (``BLOCK_N`` = the row width rounded up to a power 
 two): the row's float32 sum of squares gives ``r``, the normalized row is rounded to
 the input dtype and multiplied by the weight (HF's two roundings). Backward: each
 program walks a contiguous block of rows, writes ``dx`` per row and keeps its share of
-``dweight`` in float32 registers; the shares (``[programs, N]`` float32) are summed by
-torch. ``M`` (rows) and the rows per program are not specialized, so calls of every
+``dweight`` in float32 registers; a second kernel sums the shares (``[programs, N]``
+float32) column by column in float32 and writes ``dweight`` in the weight's dtype: one
+launch where torch's sum and cast took two (a norm's backward runs per layer and model
+call, and short calls are host-bound). ``M`` (rows) and the rows per program are not specialized, so calls of every
 size share one compiled kernel per row width and dtype.
 
 Their torch twins are :func:`dtree.ops.rms_norm.rms_norm_forward_torch` and
@@ -75,6 +77,21 @@ def _rms_norm_bwd_kernel(
         tl.store(DW + pid * N + cols, dw, mask=mask)
 
 
+@triton.jit(do_not_specialize=["programs"])
+def _dweight_sum_kernel(P, DW, programs, N, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = cols < N
+    acc = tl.zeros([BLOCK_C], dtype=tl.float32)
+    for start in range(0, programs, BLOCK_P):
+        rows = start + tl.arange(0, BLOCK_P)
+        mask = (rows[:, None] < programs) & cmask[None, :]
+        acc += tl.sum(tl.load(P + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0), axis=0)
+    tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=cmask)
+
+
+_SUM_COLUMNS, _SUM_ROWS = 128, 32
+
+
 def _block(n: int) -> int:
     if n > _MAX_N:
         raise ValueError(f"the Triton RMSNorm takes rows of at most {_MAX_N} elements, got {n}")
@@ -104,7 +121,7 @@ def _programs(m: int, device: torch.device) -> int:
 def rms_norm_backward(
     dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, need_dweight: bool
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([M, N] dx in x's dtype, [N] float32 dweight or None)."""
+    """([M, N] dx in x's dtype, [N] dweight in the weight's dtype (summed in float32) or None)."""
     m, n = x2.shape
     dx = torch.empty_like(x2)
     programs = _programs(m, x2.device)
@@ -116,6 +133,13 @@ def rms_norm_backward(
             dy2, x2, weight, r, dx, partial, dy2.stride(0), x2.stride(0), dx.stride(0), m, n,
             cdiv(m, programs), BLOCK_N=block, NEED_DW=need_dweight, num_warps=_warps(block),
         )
-    elif need_dweight:
-        partial.zero_()
-    return dx, (partial.sum(0) if need_dweight else None)
+    if not need_dweight:
+        return dx, None
+    if not m:
+        return dx, torch.zeros(n, dtype=weight.dtype, device=x2.device)
+    dw = torch.empty(n, dtype=weight.dtype, device=x2.device)
+    fast_launch(
+        _dweight_sum_kernel, (cdiv(n, _SUM_COLUMNS),), partial, dw, programs, n, BLOCK_C=_SUM_COLUMNS,
+        BLOCK_P=_SUM_ROWS, num_warps=1 if _INTERPRET else 4,
+    )
+    return dx, dw
