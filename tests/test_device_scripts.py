@@ -3,7 +3,8 @@
 ``benchmarks/gpu_idle_gpu.sh``, ``benchmarks/vs_mask_gpu.sh``,
 ``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``,
 ``benchmarks/masked_call_gpu.sh``, ``benchmarks/session_k_gpu.sh``, ``benchmarks/session_l_gpu.sh``,
-``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``, sharing
+``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``,
+``benchmarks/session_p_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -32,14 +33,16 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("call_size_gpu.sh", {"PARTS": "eager"}, ("eager",)),
     ("vs_mask_gpu.sh", {}, ("case1", "agentic64k")),
     ("scale_gpu.sh", {}, ("release", "agentic256k", "qwen7b")),
-    # earlier sessions' scripts: their runs are the same `dtree bench` invocations as session O's
+    # earlier sessions' scripts: their runs are the same `dtree bench` invocations as session P's
     # `final` part (bench_cases.sh), so they run in the slow sweep only (the suite's time on CI's two cores)
     pytest.param("session_k_gpu.sh", {}, ("case1", "agentic64k", "."), marks=pytest.mark.slow),
     pytest.param("session_l_gpu.sh", {"PART": "final"}, ("final/case1", "final/agentic64k"), marks=pytest.mark.slow),
     pytest.param("session_m_gpu.sh", {"PART": "new"}, ("new", "case1"), marks=pytest.mark.slow),
     pytest.param("session_n_gpu.sh", {"PART": "final"}, ("final64k", "agentic256k", "qwen7b", "."),
                  marks=pytest.mark.slow),
-    ("session_o_gpu.sh", {"PART": "final"}, ("final64k", "case1", "memory_final")),
+    pytest.param("session_o_gpu.sh", {"PART": "final"}, ("final64k", "case1", "memory_final"), marks=pytest.mark.slow),
+    ("session_p_gpu.sh", {"PART": "final"}, ("final64k", "case1")),
+    ("session_p_gpu.sh", {"PART": "origins"}, (".",)),
 ])
 def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
     r = _smoke(script, tmp_path, **parts)

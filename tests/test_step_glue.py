@@ -62,3 +62,16 @@ def test_the_projections_views_get_their_gradients_in_their_own_memory_order():
     out.backward(upstream)
     assert grads[0].is_contiguous() and grads[0].shape == (1, 5, 4, 8)
     torch.testing.assert_close(flat[0].grad, (upstream * 0.5).reshape(1, 5, 32))
+
+
+
+def test_the_tree_mask_baselines_attention_output_is_a_view_back():
+    """The mask baseline hands its [1, H, N, D] attention output back the same way (a
+    stronger baseline is the honest one). SDPA here; its FlexAttention twin has the same
+    line and no backward on CPU."""
+    from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention_sdpa
+
+    q, k, v = (torch.randn(4, 2, 8, requires_grad=True) for _ in range(3))
+    out = tree_mask_attention_sdpa(q, k, v, TreeMaskLayout([4, 3, 3, 4]), 0.5)
+    names = [type(n).__name__ for n in graph_nodes(out.grad_fn)]
+    assert not [n for n in names if n.startswith("SelectBackward")], names

@@ -168,7 +168,7 @@ def tree_mask_attention_sdpa(
     out = F.scaled_dot_product_attention(
         _heads_first(q), _heads_first(k), _heads_first(v), attn_mask=mask, scale=scale, enable_gqa=True
     )
-    return out[0].transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)  # a view back (a select's backward zero-fills and copies)
 
 
 @functools.lru_cache(maxsize=None)
@@ -196,7 +196,7 @@ def tree_mask_attention_flex(
         scale=scale,
         enable_gqa=q.shape[1] != k.shape[1],
     )
-    return out[0].transpose(0, 1)
+    return out.squeeze(0).transpose(0, 1)  # a view back (a select's backward zero-fills and copies)
 
 
 def flex_unavailable(target: Target) -> str | None:

@@ -1,0 +1,109 @@
+"""Which code launches each kernel of one dtree step, per layer and call.
+
+A host-bound step pays for every launch (GRPO case 1: ~82 kernels per decoder layer, ~30 of
+them copies, fills, memsets and adds around the matmuls and the attention). This script
+profiles one steady step, links every kernel to the CPU op that launched
+it, and counts kernels by (kernel kind, launching op, the autograd node it ran in), per
+decoder layer and model call: what a change would remove, and from where.
+
+    python benchmarks/kernel_origins.py                          # GPU: GRPO case 1
+    python benchmarks/kernel_origins.py --workload agentic64k --opt memory=low
+    python benchmarks/kernel_origins.py --smoke                  # CPU, tiny model (plumbing)
+
+Prints Markdown, also written to ``$OUT/kernel_origins_<workload><_tag>.md`` when OUT is set.
+On CPU there are no kernels: the CPU ops are counted instead (plumbing only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.host_profile import add_setup_arguments, script_setup
+from dtree.bench.measure import emit_report, sync_device
+
+_GLUE = ("copy", "fill", "memset", "memcpy", "add", "mul", "reduce", "cat", "index", "zero")
+
+
+def _kind(kernel: str) -> str:
+    """A kernel's short name: the template's functor or the Triton / CuTe name."""
+    name = kernel.split("(")[0]
+    for marker in ("Functor_", "FillFunctor", "copy_kernel", "reduce_kernel", "CatArray", "Memset", "Memcpy"):
+        if marker in kernel:
+            return kernel[kernel.find(marker):][:48]
+    return name.split("<")[0][-60:]
+
+
+def _op(event):
+    """The op that launched: the innermost parent that is neither a CUDA runtime call nor a frame."""
+    while event is not None and (event.name.startswith(("cuda", "cu")) or ".py(" in event.name):
+        event = event.cpu_parent
+    return event
+
+
+def _node(event) -> str:
+    """The autograd node an op runs in (backward), or ''."""
+    while event is not None:
+        if event.name.startswith("autograd::engine::evaluate_function: "):
+            return " in " + event.name.split(": ", 1)[1]
+        event = event.cpu_parent
+    return ""
+
+
+def origins(prof, device: torch.device) -> collections.Counter:
+    """(kernel kind, launching op and autograd node) -> kernels, from one profiled step (on CPU, which has
+    no kernels: the aten ops, for the plumbing)."""
+    counts = collections.Counter()
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CPU or ".py(" in e.name:
+            continue
+        if device.type != "cuda":
+            if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")):
+                counts[(e.name, e.name + _node(e))] += 1
+            continue
+        op = _op(e)
+        for k in e.kernels:
+            counts[(_kind(k.name), (op.name if op is not None else "?") + _node(e))] += 1
+    return counts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setup_arguments(p, "case1")
+    p.add_argument("--tag", default="")
+    p.add_argument("--top", type=int, default=70)
+    args = p.parse_args()
+    from torch.profiler import ProfilerActivity, profile
+
+    model, device, rt, loss, forests, _, options = script_setup(args, 5)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    model.zero_grad(set_to_none=True)
+    sync_device(device)
+    with profile(activities=activities) as prof:
+        out = rt.forward_backward(forests[4], loss)
+        sync_device(device)
+    counts = origins(prof, device)
+    calls = max(1, int(out.metrics.get("groups", 1)))
+    layers = max(1, len(getattr(model.config, "layer_types", None) or range(model.config.num_hidden_layers)))
+    total = sum(counts.values())
+    glue = sum(n for (kind, op), n in counts.items() if any(g in (kind + op).lower() for g in _GLUE))
+    summary = (f"torch {torch.__version__}; runtime options {options or 'default'}; {calls} model call(s), "
+               f"{layers} decoder layers; **{total} kernels** ({total / calls / layers:.1f} per layer and call), "
+               f"{glue} of them copies, fills, memsets, adds and reductions")
+    lines = [f"# Kernels of one dtree step by origin: {args.workload}, {device.type}", "", summary, "",
+             "| kernel | launched by (in the autograd node) | kernels | per layer and call |", "|---|---|---|---|"]
+    for (kind, op), n in counts.most_common(args.top):
+        lines.append(f"| `{kind}` | `{op}` | {n} | {n / calls / layers:.2f} |")
+    tag = f"_{args.tag}" if args.tag else ""
+    emit_report("\n".join(lines), f"kernel_origins_{args.workload}{tag}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
