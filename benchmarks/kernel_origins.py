@@ -1,10 +1,12 @@
 """Which code launches each kernel of one dtree step, per layer and call.
 
-A host-bound step pays for every launch (GRPO case 1: ~82 kernels per decoder layer, ~30 of
-them copies, fills, memsets and adds around the matmuls and the attention). This script
-profiles one steady step, links every kernel to the CPU op that launched
-it, and counts kernels by (kernel kind, launching op, the autograd node it ran in), per
-decoder layer and model call: what a change would remove, and from where.
+A host-bound step pays for every launch (GRPO case 1 on an H200: 75 kernels per decoder layer,
+about half of them copies, fills, memsets, adds and reductions around the matmuls and the
+attention). This script profiles one steady step, links every kernel to the CPU op that
+launched it, and counts kernels by (kernel kind, launching op, the autograd node it ran in),
+per decoder layer and model call: what a change would remove, and from where.
+(``benchmarks/kernel_sources.py`` groups small ops by their Python frames instead, which the
+GPU machine's torch 2.11 does not record.)
 
     python benchmarks/kernel_origins.py                          # GPU: GRPO case 1
     python benchmarks/kernel_origins.py --workload agentic64k --opt memory=low
@@ -28,7 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.host_profile import add_setup_arguments, script_setup
 from dtree.bench.measure import emit_report, sync_device
 
-_GLUE = ("copy", "fill", "memset", "memcpy", "add", "mul", "reduce", "cat", "index", "zero")
+_GLUE_KERNELS = ("Memset", "Memcpy", "FillFunctor", "copy_kernel", "reduce_kernel", "CatArray")
+_GLUE_OPS = ("aten::add", "aten::add_", "aten::sum", "aten::copy_", "aten::fill_", "aten::zero_", "aten::mul", "aten::cat")
+
+
+def _is_glue(kind: str, op: str) -> bool:
+    """A copy, fill, memset, elementwise add or multiply, reduction or concatenation."""
+    return kind.startswith(_GLUE_KERNELS) or "copy_kernel" in kind or op.split(" in ")[0] in _GLUE_OPS
 
 
 def _kind(kernel: str) -> str:
@@ -92,10 +100,10 @@ def main() -> int:
     calls = max(1, int(out.metrics.get("groups", 1)))
     layers = max(1, len(getattr(model.config, "layer_types", None) or range(model.config.num_hidden_layers)))
     total = sum(counts.values())
-    glue = sum(n for (kind, op), n in counts.items() if any(g in (kind + op).lower() for g in _GLUE))
+    glue = sum(n for (kind, op), n in counts.items() if _is_glue(kind, op))
     summary = (f"torch {torch.__version__}; runtime options {options or 'default'}; {calls} model call(s), "
                f"{layers} decoder layers; **{total} kernels** ({total / calls / layers:.1f} per layer and call), "
-               f"{glue} of them copies, fills, memsets, adds and reductions")
+               f"{glue} of them copies, fills, memsets, elementwise adds and multiplies, reductions and concatenations")
     lines = [f"# Kernels of one dtree step by origin: {args.workload}, {device.type}", "", summary, "",
              "| kernel | launched by (in the autograd node) | kernels | per layer and call |", "|---|---|---|---|"]
     for (kind, op), n in counts.most_common(args.top):

@@ -13,6 +13,8 @@ Known gap: on the H100 machine's torch 2.11 the Python frames did not come back 
 read ``(no dtree frame)``; torch 2.13 here records them as the ops' parent events), so there
 it only counts the ops, their launches and GPU time: case 1 had 971 such ops, 982 kernels,
 9.3 GPU ms per step (sums 231 kernels, copies 143, zero_ 137, adds 199, clones 84, zeros 89).
+``benchmarks/kernel_origins.py`` attributes every kernel to the op and the autograd node that
+launched it instead, which that torch does record.
 
 Prints Markdown, also written to ``$OUT/kernel_sources_<workload>.md`` when OUT is set.
 """
