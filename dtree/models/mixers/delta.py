@@ -31,7 +31,7 @@ def _qwen3_next_inputs(m, x: torch.Tensor):
     """Qwen3-Next's grouped projection layout, split by the module's own method."""
     query, key, value, z, b, a = m.fix_query_key_value_ordering(m.in_proj_qkvz(x)[None], m.in_proj_ba(x)[None])
     mixed = torch.cat([t.reshape(t.shape[1], -1) for t in (query, key, value)], dim=-1)
-    return mixed, z[0], b[0], a[0]
+    return mixed, z.squeeze(0), b.squeeze(0), a.squeeze(0)  # views back: a select's backward zero-fills and copies
 
 
 def _qwen3_5_inputs(m, x: torch.Tensor):
@@ -75,7 +75,7 @@ def _kimi_forward(m, states: LayerStates, x: torch.Tensor) -> torch.Tensor:
     t = x.shape[0]
     mixed = _conv(m, states, torch.cat([m.q_proj(x), m.k_proj(x), m.v_proj(x)], dim=-1))
     q, k, v = (y.reshape(t, -1, m.head_dim) for y in torch.split(mixed, [m.qkv_dim] * 3, dim=-1))
-    g = m.forget_gate(x[None])[0]  # [T, H, K] log decay per key row
+    g = m.forget_gate(x[None]).squeeze(0)  # [T, H, K] log decay per key row
     beta = torch.sigmoid(m.b_proj(x))
     o = linear_recurrence(q, k, v, g, beta, states, scale=m.head_dim**-0.5, qk_l2norm=True)
     gate = m.g_b_proj(m.g_a_proj(x)).reshape(t, -1, m.head_dim)

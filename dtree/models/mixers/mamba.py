@@ -63,7 +63,7 @@ def _mamba2_forward(m, states: LayerStates, x: torch.Tensor) -> torch.Tensor:
         y = y * F.silu(gate[None])  # Falcon-H1 without its gated norm
     else:
         y = m.norm(y, gate[None])
-    return m.out_proj(y[0].to(dtype))
+    return m.out_proj(y.squeeze(0).to(dtype))  # a view back, not a select (its backward zero-fills and copies)
 
 
 def _mamba2_states(m) -> dict[str, tuple[int, ...]]:

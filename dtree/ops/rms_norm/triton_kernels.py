@@ -7,8 +7,8 @@ program walks a contiguous block of rows, writes ``dx`` per row and keeps its sh
 ``dweight`` in float32 registers; a second kernel sums the shares (``[programs, N]``
 float32) column by column in float32 and writes ``dweight`` in the weight's dtype: one
 launch where torch's sum and cast took two (a norm's backward runs per layer and model
-call, and short calls are host-bound). ``M`` (rows) and the rows per program are not specialized, so calls of every
-size share one compiled kernel per row width and dtype.
+call, and short calls are host-bound). ``M`` (rows) and the rows per program are not
+specialized, so calls of every size share one compiled kernel per row width and dtype.
 
 Their torch twins are :func:`dtree.ops.rms_norm.rms_norm_forward_torch` and
 :func:`dtree.ops.rms_norm.rms_norm_backward_torch`; ``tests/test_rms_norm.py`` runs these
