@@ -92,7 +92,7 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
 
     calls: list = []
     for module, names in [
-        (rt, ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel"]),
+        (rt, ["_rms_norm_fwd_kernel", "_rms_norm_bwd_kernel", "_dweight_sum_kernel"]),
         (wt, ["_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel"]),
         (st, ["_push_kernel", "_fold_kernel"]),
         (lt, ["_row_stats_kernel", "_dlogits_kernel"]),
@@ -115,7 +115,7 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
     labels = torch.zeros(37, dtype=torch.int64)
     logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels, lt.LogitTransform(), True, 32, True)
     torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
-    assert len({k.fn.__name__ for k, _, _ in calls}) == 8
+    assert len({k.fn.__name__ for k, _, _ in calls}) == 9
     _classes_are_sound(calls)
 
 
