@@ -79,6 +79,21 @@ def add_setup_arguments(p: argparse.ArgumentParser, default_workload: str = "cas
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, a small forest")
 
 
+def profiled_step(rt, model, forest, loss, device, **profile_options):
+    """(the profiler, the step's output) of one step under torch.profiler: CPU ops, and the
+    kernels where there is a GPU; the gradients reset and the device idle before it starts.
+    ``profile_options``: torch.profiler.profile's own (``with_stack=True``, ...)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    model.zero_grad(set_to_none=True)
+    sync_device(device)
+    with profile(activities=activities, **profile_options) as prof:
+        out = rt.forward_backward(forest, loss)
+        sync_device(device)
+    return prof, out
+
+
 def kernel_busy(rt, model, forest, loss, device) -> dict:
     """One profiled step: kernel time, launches, and the step's time with no kernel running."""
     from torch.profiler import ProfilerActivity, profile, record_function

@@ -27,30 +27,30 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import add_setup_arguments, script_setup
-from dtree.bench.measure import emit_report, sync_device
+from benchmarks.host_profile import add_setup_arguments, profiled_step, script_setup
+from dtree.bench.measure import emit_report
 
-_GLUE_KERNELS = ("Memset", "Memcpy", "FillFunctor", "copy_kernel", "reduce_kernel", "CatArray")
+# generic kernels that are glue whoever launches them; a short name is cut from these markers
+_GLUE_KERNELS = ("FillFunctor", "copy_kernel", "reduce_kernel", "CatArray", "Memset", "Memcpy")
 _GLUE_OPS = ("aten::add", "aten::add_", "aten::sum", "aten::copy_", "aten::fill_", "aten::zero_", "aten::mul", "aten::cat")
 
 
 def _is_glue(kind: str, op: str) -> bool:
     """A copy, fill, memset, elementwise add or multiply, reduction or concatenation."""
-    return kind.startswith(_GLUE_KERNELS) or "copy_kernel" in kind or op.split(" in ")[0] in _GLUE_OPS
+    return kind.startswith(_GLUE_KERNELS) or op.split(" in ")[0] in _GLUE_OPS
 
 
 def _kind(kernel: str) -> str:
-    """A kernel's short name: the template's functor or the Triton / CuTe name."""
-    name = kernel.split("(")[0]
-    for marker in ("Functor_", "FillFunctor", "copy_kernel", "reduce_kernel", "CatArray", "Memset", "Memcpy"):
+    """A kernel's short name: from the generic kernel's marker on, or the Triton / CuTe name."""
+    for marker in ("Functor_", *_GLUE_KERNELS):
         if marker in kernel:
             return kernel[kernel.find(marker):][:48]
-    return name.split("<")[0][-60:]
+    return kernel.split("(")[0].split("<")[0][-60:]
 
 
 def _op(event):
-    """The op that launched: the innermost parent that is neither a CUDA runtime call nor a frame."""
-    while event is not None and (event.name.startswith(("cuda", "cu")) or ".py(" in event.name):
+    """The op that launched: the innermost event that is not a CUDA runtime or driver call."""
+    while event is not None and event.name.startswith(("cuda", "cu")):
         event = event.cpu_parent
     return event
 
@@ -69,7 +69,7 @@ def origins(prof, device: torch.device) -> collections.Counter:
     no kernels: the aten ops, for the plumbing)."""
     counts = collections.Counter()
     for e in prof.events():
-        if e.device_type != torch.autograd.DeviceType.CPU or ".py(" in e.name:
+        if e.device_type != torch.autograd.DeviceType.CPU:
             continue
         if device.type != "cuda":
             if e.name.startswith("aten::") and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")):
@@ -87,15 +87,8 @@ def main() -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--top", type=int, default=70)
     args = p.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
     model, device, rt, loss, forests, _, options = script_setup(args, 5)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    model.zero_grad(set_to_none=True)
-    sync_device(device)
-    with profile(activities=activities) as prof:
-        out = rt.forward_backward(forests[4], loss)
-        sync_device(device)
+    prof, out = profiled_step(rt, model, forests[4], loss, device)
     counts = origins(prof, device)
     calls = max(1, int(out.metrics.get("groups", 1)))
     layers = max(1, len(getattr(model.config, "layer_types", None) or range(model.config.num_hidden_layers)))

@@ -31,8 +31,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
-from dtree.bench.measure import emit_report, sync_device  # noqa: E402
+from benchmarks.host_profile import add_setup_arguments, profiled_step, script_setup  # noqa: E402
+from dtree.bench.measure import emit_report  # noqa: E402
 
 OPS = r"^aten::(zero_|zeros|zeros_like|fill_|copy_|add_?|sum|to|_to_copy|mul|cat|index|new_zeros|clone)$"
 FRAMES = re.compile(r"(dtree/|transformers/models/)")
@@ -64,15 +64,8 @@ def main() -> int:
     p.add_argument("--depth", type=int, default=2, help="frames shown per source")
     p.add_argument("--top", type=int, default=40)
     args = p.parse_args()
-    from torch.profiler import ProfilerActivity, profile
-
     model, device, rt, loss, forests, kind, options = script_setup(args, 4)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    model.zero_grad(set_to_none=True)
-    sync_device(device)
-    with profile(activities=activities, with_stack=True) as prof:
-        rt.forward_backward(forests[3], loss)
-        sync_device(device)
+    prof, _ = profiled_step(rt, model, forests[3], loss, device, with_stack=True)
     ops = re.compile(args.ops)
     rows: dict = collections.defaultdict(lambda: [0, 0, 0.0])  # (op, where) -> [calls, kernels, GPU us]
     for e in prof.events():

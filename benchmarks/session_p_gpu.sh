@@ -51,7 +51,8 @@ dtree:memory=$CAP+group_tokens=$MID+checkpoint_layers=14,tree-mask:whole+ckpt"
       --top 90 >/dev/null 2>&1; head -5 "$OUT/kernel_origins_agentic64k_low.md"
     ;;
   ab)  # the commit before this session's changes (.oldm/: git archive <rev> dtree | tar -x -C .oldm) against them,
-      # processes alternating: GRPO case 1 twice, the 64k tree at memory="low" once; then where case 1's kernels come from
+      # processes alternating: GRPO case 1 in each of ROUNDS rounds (2), the 64k tree at memory="low" in the first (unless
+      # LOW=0); then where case 1's kernels come from
     for round in $(seq 1 "${ROUNDS:-2}"); do
       for side in old new; do
         dir=$PWD; [ $side = old ] && dir=$PWD/.oldm
