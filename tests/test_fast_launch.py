@@ -83,10 +83,11 @@ def test_stack_attention_classes_match_triton_specialization(monkeypatch, backwa
 
 @pytest.mark.skipif(_INTERPRET, reason="the session runs the Triton interpreter")
 def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
-    """The norms, SwiGLU, the stack glue and the log-prob head, as a training step calls them."""
+    """The norms, SwiGLU, the stack glue, the log-prob head and the bias sums, as a training step calls them."""
     from dtree.ops.logprobs import fused_head as fh
     from dtree.ops.logprobs import triton_kernels as lt
     from dtree.ops.rms_norm import triton_kernels as rt
+    from dtree.ops.shared_input_linear import triton_kernels as bt
     from dtree.ops.stack_ops import triton_kernels as st
     from dtree.ops.swiglu import triton_kernels as wt
 
@@ -96,6 +97,7 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
         (wt, ["_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel"]),
         (st, ["_push_kernel", "_fold_kernel"]),
         (lt, ["_row_stats_kernel", "_dlogits_kernel"]),
+        (bt, ["_column_sums_kernel"]),
     ]:
         for name in names:
             monkeypatch.setattr(module, name, _Recorder(getattr(module, name), calls))
@@ -115,7 +117,9 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
     labels = torch.zeros(37, dtype=torch.int64)
     logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels, lt.LogitTransform(), True, 32, True)
     torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
-    assert len({k.fn.__name__ for k, _, _ in calls}) == 9
+    dq, dkv = torch.zeros(37, 1536, dtype=torch.bfloat16), torch.zeros(37, 256, dtype=torch.bfloat16)
+    bt.column_sums([dq, dkv, dkv], [torch.bfloat16] * 3)
+    assert len({k.fn.__name__ for k, _, _ in calls}) == 10
     _classes_are_sound(calls)
 
 
