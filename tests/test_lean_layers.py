@@ -40,7 +40,7 @@ def test_lean_layers_match_per_path(arch, mode):
     ref_model, ref_loss = reference(model)
     patched, info = lean(model)
     norms = 2 * 2 + 1 + (4 if arch == "qwen3" else 0)  # two per layer, the final one, Qwen3's q/k norms
-    assert (info.norms, info.mlps, info.fused_down) == (norms, 2, 2)
+    assert (info.norms, info.mlps, info.fused_down, info.qkv) == (norms, 2, 2, 2)
     out, tree_model = run_dtree(patched, copy_model=False, mode=mode, group_tokens=8)
     assert_exact(tree_model, ref_model, out, ref_loss)
 
@@ -66,6 +66,7 @@ def test_lean_layers_under_lora_call_adapted_projections_as_modules():
     patched = copy.deepcopy(model)
     info = lean_layers.apply_lean_layers(patched.base_model.model)
     assert info.fused_down == 0 and info.mlps == 2  # LoRA-wrapped down projections: called as modules
+    assert info.qkv == 0  # and the q, k, v projections too
     out, tree_model = run_dtree(patched, copy_model=False, mode="retain", group_tokens=8)
     assert_exact(tree_model, ref_model, out, ref_loss)
 

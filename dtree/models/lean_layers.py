@@ -17,6 +17,12 @@ measures it; ``benchmarks/PERF_NOTES.md`` has the table):
 The kernels run in Triton on CUDA (one kernel per norm, one per activation, forward
 and backward) and in torch elsewhere, with the same saved tensors.
 
+Projections that read one input run as one autograd op
+(:mod:`dtree.ops.shared_input_linear`): the MLP's gate and up, and attention's q, k and
+v (:mod:`dtree.models.shared_projections`), so their input gradients are summed inside
+the matmuls and their bias gradients in one launch. Their forward is the same
+``F.linear`` calls.
+
 During a step (:func:`lean_layers_during`), the attention's rotary embedding of q and k
 runs through :mod:`dtree.ops.rotary` too: one kernel each way instead of HF's ~10
 forward and ~20 backward launches per layer, with HF's roundings (bit for bit on the
@@ -53,8 +59,10 @@ from ..ops.rms_norm import rms_norm
 from ..ops.rotary import RotaryFunction
 from ..ops.rotary.interface import rotary_supported
 from ..ops.rerun import in_rerun
+from ..ops.shared_input_linear import shared_input_linear
 from ..ops.swiglu import silu_mul, swiglu_down
 from .plain_linear import is_plain_linear
+from .shared_projections import is_shared_attention, restore_projections, swap_projections
 
 __all__ = [
     "LeanLayers", "apply_lean_layers", "lean_layers_applied", "lean_layers_during", "lean_layers_supported",
@@ -70,18 +78,22 @@ _SILU = ("SiLUActivation", "SiLU")
 @dataclasses.dataclass(frozen=True)
 class LeanLayers:
     """What :func:`apply_lean_layers` changed: the family, how many RMSNorm and MLP
-    modules now run dtree's lean kernels, and how many of those MLPs fold the down
-    projection in (a plain ``nn.Linear``; the others call it as a module)."""
+    modules now run dtree's lean kernels, how many of those MLPs fold the down
+    projection in (a plain ``nn.Linear``; the others call it as a module), and how many
+    attention modules run their q, k, v projections as one op
+    (:mod:`dtree.models.shared_projections`)."""
 
     model_type: str
     norms: int
     mlps: int
     fused_down: int
     rotary: bool = False
+    qkv: int = 0
 
     def describe(self) -> str:
         return (f"dtree lean layers ({self.model_type}): RMSNorm x{self.norms}, SwiGLU MLP x{self.mlps} "
-                f"({self.fused_down} with the down projection fused){', rotary' if self.rotary else ''}")
+                f"({self.fused_down} with the down projection fused), q/k/v as one op x{self.qkv}"
+                f"{', rotary' if self.rotary else ''}")
 
 
 def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -89,7 +101,11 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    gate, up = self.gate_proj(x), self.up_proj(x)
+    if is_plain_linear(self.gate_proj) and is_plain_linear(self.up_proj):  # one backward node: dx summed in the matmuls
+        gate, up = shared_input_linear(x, ((self.gate_proj.weight, self.gate_proj.bias),
+                                           (self.up_proj.weight, self.up_proj.bias)))
+    else:
+        gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
     if is_plain_linear(down):
         return swiglu_down(gate, up, down.weight, down.bias, output_unused=in_rerun())  # only the residual add reads it
@@ -188,10 +204,12 @@ def _is_mlp(m: torch.nn.Module) -> bool:
             and all(isinstance(getattr(m, n, None), torch.nn.Module) for n in ("gate_proj", "up_proj", "down_proj")))
 
 
-def _targets(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module]]:
-    """(the model's Llama-style RMSNorm modules, its SiLU-gated MLP modules)."""
+def _targets(model: torch.nn.Module) -> tuple[list[torch.nn.Module], list[torch.nn.Module], list[torch.nn.Module]]:
+    """(the model's Llama-style RMSNorm modules, its SiLU-gated MLP modules, its attention
+    modules whose q, k, v projections can run as one op)."""
     modules = list(model.modules())
-    return [m for m in modules if _is_norm(m)], [m for m in modules if _is_mlp(m)]
+    return ([m for m in modules if _is_norm(m)], [m for m in modules if _is_mlp(m)],
+            [m for m in modules if is_shared_attention(m)])
 
 
 def lean_layers_supported(model: torch.nn.Module) -> bool:
@@ -199,7 +217,7 @@ def lean_layers_supported(model: torch.nn.Module) -> bool:
     it recognizes)."""
     if _model_type(model) not in FAMILIES:
         return False
-    norms, mlps = _targets(model)
+    norms, mlps, _ = _targets(model)
     return bool(norms or mlps)
 
 
@@ -224,10 +242,10 @@ def apply_lean_layers(model: torch.nn.Module) -> LeanLayers:
             f"dtree's lean layers reproduce the norms and MLPs of {', '.join(FAMILIES)} exactly; this model's "
             f"model_type is {model_type!r}: run it with its own layers (or Liger's: dtree.models.fused)"
         )
-    norms, mlps = _targets(model)
+    norms, mlps, attentions = _targets(model)
     if not norms and not mlps:
         raise ValueError(f"{type(model).__name__}: no {'/'.join(_NORMS)} or SiLU {'/'.join(_MLPS)} module to replace")
-    return _swap(model_type, norms, mlps)
+    return _swap(model_type, norms, mlps, attentions)[0]
 
 
 @functools.cache
@@ -239,7 +257,10 @@ def _forwards() -> tuple:
     return torch.compiler.disable(_norm_forward), torch.compiler.disable(_mlp_forward)
 
 
-def _swap(model_type: str, norms: list[torch.nn.Module], mlps: list[torch.nn.Module]) -> LeanLayers:
+def _swap(
+    model_type: str, norms: list[torch.nn.Module], mlps: list[torch.nn.Module], attentions: list[torch.nn.Module]
+) -> tuple[LeanLayers, list[torch.nn.Module]]:
+    """Swap the modules' forwards; returns what changed and every module swapped."""
     norm_forward, mlp_forward = _forwards()
     for m in norms:
         m.forward = types.MethodType(norm_forward, m)
@@ -248,13 +269,16 @@ def _swap(model_type: str, norms: list[torch.nn.Module], mlps: list[torch.nn.Mod
         m.forward = types.MethodType(mlp_forward, m)
         m._dtree_lean = True
     fused_down = sum(is_plain_linear(m.down_proj) for m in mlps)
-    return LeanLayers(model_type, len(norms), len(mlps), fused_down)
+    projections = swap_projections(attentions)
+    return LeanLayers(model_type, len(norms), len(mlps), fused_down, qkv=len(attentions)), norms + mlps + projections
 
 
 def _restore(modules: list[torch.nn.Module]) -> None:
+    restore_projections([m for m in modules if hasattr(m, "_dtree_handover")])
     for m in modules:
-        del m.forward
-        del m._dtree_lean
+        if "forward" in vars(m):  # the norms and MLPs (the projections are back already)
+            del m.forward
+            del m._dtree_lean
 
 
 def remove_lean_layers(model: torch.nn.Module) -> None:
@@ -284,21 +308,21 @@ def lean_layers_during(
     if not enabled or model_type not in FAMILIES:
         yield None
         return
-    norms, mlps, attention = [], [], None
+    norms, mlps, attentions, attention = [], [], [], None
     for m in model.modules() if modules is None else modules:  # once: this runs at every step
         if getattr(m, "_dtree_lean", False) or _compiled(m):
             yield None
             return
         if "forward" not in vars(m):
-            (norms if _is_norm(m) else mlps if _is_mlp(m) else []).append(m)
+            (norms if _is_norm(m) else mlps if _is_mlp(m) else attentions if is_shared_attention(m) else []).append(m)
         if attention is None and type(m).__name__.endswith("Attention"):
             attention = m
     if not norms and not mlps:
         yield None
         return
-    applied = _swap(model_type, norms, mlps)
+    applied, swapped = _swap(model_type, norms, mlps, attentions)
     try:
         with _swapped_rotary(attention) as module:
             yield applied if module is None else dataclasses.replace(applied, rotary=True)
     finally:
-        _restore(norms + mlps)
+        _restore(swapped)
