@@ -182,7 +182,7 @@ def test_cpu_keeps_the_fixed_defaults():
     assert (p.group_tokens, p.checkpoint_layers, p.logprob_chunk) == (8192, 0, 4096)
     assert math.isinf(p.retain_bytes) and math.isinf(p.retain_budget("auto"))
     low = mp.plan_step(QWEN_1_5B, 4, AGENTIC_64K, on_cuda=False, setting="low")
-    assert (low.group_tokens, low.checkpoint_layers, low.logprob_chunk) == (8192, 28, 1024)
+    assert (low.group_tokens, low.checkpoint_layers, low.logprob_chunk) == (8192, 28, 512)
 
 
 @pytest.mark.parametrize("bad", ["fast", 0, -2, True, None])

@@ -40,7 +40,7 @@ def cases(draw):
 
 def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB, chunk=None):
     """``chunk``: the head chunk fixed (``memory="low"`` keeps its recipe's)."""
-    fig_of = {c: mm._figures(spec, itemsize, cb, fused, c) for c in mp.LOGPROB_CHUNKS}
+    fig_of = {c: mm._figures(spec, itemsize, cb, fused, c) for c in {*mp.LOGPROB_CHUNKS, *([chunk] if chunk else [])}}
     fixed = mp._shared_figures(spec, itemsize, shape, stack_held, missing)
     grid = mp._knob_grid(shape, "auto", spec.num_layers, None, None, chunk, can_keep)
     return grid, fig_of, fixed

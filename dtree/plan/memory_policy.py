@@ -42,8 +42,9 @@ Settings (``TreeRuntime(memory=...)``):
     calls, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is the cap, and the fastest
     plan under it runs, with the recipe's LM-head chunks: the head's backward is where
     this setting's step peaks (its ``[chunk, V]`` buffer and the ``[V, H]`` weight
-    gradient; ``benchmarks/results/h200/session_o``), and 1,024-row chunks cost ~2% of
-    the head's time over 4,096 (``benchmarks/head_chunk_cost.py``).
+    gradient; ``benchmarks/results/h200/session_o``); 1,024-row chunks cost ~2% of the
+    head's time over 4,096 (``benchmarks/head_chunk_cost.py``), and 512-row chunks take
+    another ~0.15 GiB off the peak on qwen2.5-1.5b's 152k vocabulary (session Q).
 a number
     a cap in GiB on the step's peak allocated memory (everything the process holds
     included; :data:`CAP_MARGIN` is kept for prediction error): the fastest plan
@@ -116,7 +117,7 @@ CHECKPOINT_STEPS = 8  # layer counts tried: 0, L/8, ..., L
 CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
-LOW_LOGPROB_CHUNK = 1024
+LOW_LOGPROB_CHUNK = 512
 
 
 def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
