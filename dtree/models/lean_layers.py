@@ -38,9 +38,9 @@ Mistral (HF's Llama-style RMSNorm; ``hidden_act="silu"``). :func:`lean_layers_du
 does the same for the length of a block: the runtime runs each of its steps inside it
 (``RuntimeConfig.lean_layers``, on by default), so the model is the user's own again
 between steps. Adapters stay in charge of
-their modules: a LoRA-wrapped or hooked down projection is called as a module (its
-input, the product, is then kept as HF keeps it); gate and up projections are always
-called as modules.
+their modules: a LoRA-wrapped or hooked projection is called as a module (a down
+projection's input, the product, is then kept as HF keeps it); only plain ``nn.Linear``
+projections are folded into the shared-input op or the SwiGLU kernel.
 """
 
 from __future__ import annotations
