@@ -9,7 +9,8 @@ Grammar (``dtree bench --configs``)::
 ``whole`` is ``max_tokens_per_batch=None`` (tree-mask: the whole forest in one row);
 ``ckpt`` is ``checkpoint=True`` (the baselines' own per-layer checkpointing);
 ``plain`` and ``default`` add nothing; ``recompute`` is dtree's ``mode=recompute``;
-``low`` is dtree's ``memory="low"`` (layer checkpointing, 8k calls, 1k-row LM-head chunks).
+``low`` is dtree's ``memory="low"`` (the fastest plan under the peak of every layer checkpointed,
+8k calls and 512-row LM-head chunks).
 ``KEY=VALUE`` is any constructor option of the method (``dtree:group_tokens=4096``).
 
 A bare ``METHOD`` runs with :data:`METHOD_DEFAULTS`. Presets (:data:`PRESETS`) expand to

@@ -46,15 +46,27 @@ from .schedule import FORWARD, Schedule
 SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 
 __all__ = [
-    "MemoryPlan", "RECOMPUTE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
+    "MemoryPlan", "RECOMPUTE", "RERUN_MATMUL_SHARE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
     "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_grad_slot_bytes",
     "stack_slot_bytes", "state_slot_bytes",
 ]
 
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
-# Cost model constants (see dtree.plan.memory_policy's docstring), for qwen2.5-1.5b on an H100
-# in eager mode; both scale with layers per unit of per-token compute.
-CALL_CPU_TOKENS = 2600.0
+# Cost model constants (see dtree.plan.memory_policy's docstring), for qwen2.5-1.5b in eager
+# mode; all scale with layers per unit of per-token compute.
+# A call's host work hides behind its GPU work from ~5k tokens on; checkpointed layers push that
+# point out (they run forward twice, the re-run with autograd).
+# Fitted on H200 hosts (session R, benchmarks/PERF_NOTES.md), 64k agentic tree: nothing
+# checkpointed, calls of 2k/4k/8k tokens cost 4.62/1.20/0.30 s over 32k ones (session P); every
+# layer checkpointed without kept outputs, 8k/12k/16k-token calls took 2.823/2.177/2.071 s. The
+# H100 host of the first fit (2,600 tokens, nothing checkpointed) was faster per launch.
+CALL_CPU_TOKENS = 5000.0
+RERUN_CPU_SHARE = 0.47  # every layer checkpointed: the CPU point this much further out
+# A checkpointed layer's re-run against its layers' share of a token's compute (cost_rates' first
+# figure): the re-run skips the down projection (its output is unused); fitted on session Q's
+# one-process run (H200): memory=14.5 (16k calls, every layer checkpointed, attention outputs
+# kept) took 1.905 s against the default's 1.624 s.
+RERUN_MATMUL_SHARE = 0.5
 CALL_FIXED_TOKENS = 1500.0  # H100, qwen2.5-1.5b, 64k agentic tree: 20 calls of 4,096 tokens took 4.22 s a step, ~6
 # calls of up to 14.9k tokens 2.65 s (kernel sessions 3, 4); session B measured ~43 ms (1,300) a call
 _CALL_REFERENCE = (28, 3.09e9)  # (layers, forward FLOPs per token) where they were measured
@@ -203,16 +215,18 @@ def cost_rates(spec: ModelSpec) -> tuple[float, float, float]:
     return (total - head) / (3 * total), head / total, (spec.num_layers / layers) * (flops / total)
 
 
-def call_overhead_tokens(spec: ModelSpec, tokens: float) -> float:
+def call_overhead_tokens(spec: ModelSpec, tokens: float, checkpointed: float = 0.0) -> float:
     """One model call's cost beyond its tokens, in tokens' worth of compute: the fixed
     part, and the CPU time its GPU work does not hide (both proportional to the layers,
-    against the per-token compute)."""
-    return call_overhead_at(cost_rates(spec)[2], tokens)
+    against the per-token compute). ``checkpointed``: the fraction of its decoder layers
+    the call checkpoints (their re-runs add host work, :data:`RERUN_CPU_SHARE`)."""
+    return call_overhead_at(cost_rates(spec)[2], tokens, checkpointed)
 
 
-def call_overhead_at(scale: float, tokens: float) -> float:
+def call_overhead_at(scale: float, tokens: float, checkpointed: float = 0.0) -> float:
     """:func:`call_overhead_tokens` for the call-cost ``scale`` of :func:`cost_rates`."""
-    return scale * CALL_FIXED_TOKENS + max(0.0, scale * CALL_CPU_TOKENS - tokens)
+    cpu = scale * CALL_CPU_TOKENS * (1.0 + RERUN_CPU_SHARE * checkpointed)
+    return scale * CALL_FIXED_TOKENS + max(0.0, cpu - tokens)
 
 
 @dataclass(frozen=True)

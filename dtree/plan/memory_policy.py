@@ -38,13 +38,15 @@ Settings (``TreeRuntime(memory=...)``):
     process (a colocated inference engine) holds is never planned for. On CPU (no
     device memory to plan for): 8192-token calls, no checkpointing, everything retained.
 ``"low"``
-    the lean recipe's peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
-    calls, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is the cap, and the fastest
-    plan under it runs, with the recipe's LM-head chunks: the head's backward is where
-    this setting's step peaks (its ``[chunk, V]`` buffer and the ``[V, H]`` weight
-    gradient; ``benchmarks/results/h200/session_o``); 1,024-row chunks cost ~2% of the
-    head's time over 4,096 (``benchmarks/head_chunk_cost.py``), and 512-row chunks take
-    another ~0.15 GiB off the peak on qwen2.5-1.5b's 152k vocabulary (session Q).
+    the lean recipe's predicted peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
+    calls, the path's groups retained, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is
+    the cap, and the fastest plan predicted under it runs, with the recipe's LM-head
+    chunks: the head's backward is where this setting's step peaks (its ``[chunk, V]``
+    buffer and the ``[V, H]`` weight gradient; ``benchmarks/results/h200/session_o``);
+    1,024-row chunks cost ~2% of the head's time over 4,096
+    (``benchmarks/head_chunk_cost.py``), and 512-row chunks take another ~0.15 GiB off
+    the peak on qwen2.5-1.5b's 152k vocabulary (session Q). No slack above the cap: a
+    faster plan may not predict more memory than the recipe.
 a number
     a cap in GiB on the step's peak allocated memory (everything the process holds
     included; :data:`CAP_MARGIN` is kept for prediction error): the fastest plan
@@ -53,23 +55,28 @@ a number
 Explicit ``group_tokens``, ``checkpoint_layers`` and ``logprob_chunk`` arguments of the
 runtime are kept as given; the policy decides the rest.
 
-Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~38 us each for
-qwen2.5-1.5b on an H100): a model call's CPU work (eager layers: ~90 ms to launch its
+Time (a plan's predicted cost, in tokens' worth of fwd+bwd compute, ~23 us each for
+qwen2.5-1.5b on an H200): a model call's CPU work (eager layers: ~90 ms to launch its
 kernels forward and backward) is hidden behind the GPU unless the call's own GPU work is
-shorter, so a call of ``T`` tokens costs :data:`~dtree.plan.memory_model.CALL_FIXED_TOKENS` plus ``max(0,
-CALL_CPU_TOKENS - T)`` (on an H100 a call cost 43-110 ms beyond its tokens' work on
-the agentic trees, where every call's attention also re-reads the path's K/V; an extra 2,048-token leaf call of GRPO case 1 cost 27 ms on an H200); re-running a layer (a checkpointed layer, a recomputed group) costs
-its forward, ``layer forward FLOPs / (3 * forward FLOPs) / L``, 0.01 of a token per layer
-on qwen2.5-1.5b (0.28 for all 28), plus its attention forward over the forest's keys
+shorter, so a call of ``T`` tokens costs :data:`~dtree.plan.memory_model.CALL_FIXED_TOKENS`
+plus ``max(0, CALL_CPU_TOKENS * (1 + RERUN_CPU_SHARE * f) - T)``, ``f`` the fraction of its
+layers that are checkpointed (their re-runs add host work); fitted on H200 hosts (session R,
+``benchmarks/PERF_NOTES.md``): on the 64k agentic tree with every layer checkpointed,
+8k-token calls ran 2.82 s where 12k ones ran 2.18 s; with nothing checkpointed 4k-token
+calls cost 1.2 s over 32k ones. Re-running a layer (a checkpointed layer) costs
+:data:`~dtree.plan.memory_model.RERUN_MATMUL_SHARE` of its forward, ``layer forward FLOPs
+/ (3 * forward FLOPs) / L`` (0.28 for all 28 layers of qwen2.5-1.5b; the re-run skips the
+down projection), plus its attention forward over the forest's keys
 (:func:`~dtree.plan.memory_model.attention_rerun_rate`) unless the plan keeps checkpointed
 layers' attention outputs (:mod:`dtree.ops.stack_attention.output_memo`; only where the
-backend can, at 3 KB per layer and token on qwen2.5-1.5b); LM-head chunks of 1,024 and 2,048
-rows are priced 15% and 5% of the head's time over 4,096 (:data:`~dtree.plan.plan_candidates.HEAD_CHUNK_PENALTY`,
-from when the backward re-read a float32 ``[V, H]`` sum per chunk; an H200 now measures 1-2%,
-benchmarks/head_chunk_cost.py, but priced so, GRPO case 1's default would checkpoint 9 layers
-for 2,048-row chunks within SLACK: kept until a GPU run weighs that). Plans
-within :data:`~dtree.plan.plan_candidates.SLACK` of the fastest count as equally fast: the
-leanest of them runs. The candidates are scored together in
+backend can, at 3 KB per layer and token on qwen2.5-1.5b); a recomputed group runs its whole
+forward again. LM-head chunks of 1,024 and 2,048 rows are priced 15% and 5% of the head's
+time over 4,096 (:data:`~dtree.plan.plan_candidates.HEAD_CHUNK_PENALTY`, from when the
+backward re-read a float32 ``[V, H]`` sum per chunk; an H200 now measures 1-2%,
+benchmarks/head_chunk_cost.py). Plans within :data:`~dtree.plan.plan_candidates.SLACK` (2%)
+of the fastest count as equally fast: the leanest of them runs when it saves at least
+:data:`~dtree.plan.plan_candidates.LEANER` of the memory (at 5%, GRPO case 1's default
+checkpointed 9 layers once re-runs were priced as measured). The candidates are scored together in
 :mod:`dtree.plan.plan_candidates` (beside the one-plan reference they equal).
 """
 
@@ -97,7 +104,7 @@ from .memory_model import (
     state_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
-from .plan_candidates import SLACK, KnobGrid, Knobs, candidate, candidate_scores, choose_index, knob_grid
+from .plan_candidates import KnobGrid, Knobs, candidate, candidate_scores, choose_index, knob_grid
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
@@ -111,7 +118,7 @@ MARGIN_FRAGMENTED = 0.20
 CAP_MARGIN = 0.03  # of a memory=<GiB> cap, for prediction error
 # Call sizes the policy considers (tokens); the largest call a schedule makes is at
 # most its budget (and at most the forest).
-GROUP_TOKENS = (32768, 16384, 8192, 4096, 2048)
+GROUP_TOKENS = (32768, 16384, 12288, 8192, 4096, 2048)
 LOGPROB_CHUNKS = (4096, 2048, 1024)
 CHECKPOINT_STEPS = 8  # layer counts tried: 0, L/8, ..., L
 CPU_GROUP_TOKENS = 8192
@@ -190,9 +197,9 @@ def plan_step(
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
     chunk = recipe.chunk if recipe is not None else logprob_chunk
     grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, chunk, can_keep_attention)
-    if recipe is not None:  # the lean recipe's peak is the cap, with SLACK for the other knobs
+    if recipe is not None:  # the lean recipe's peak is the cap: a faster plan must not need more
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
-        budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0] * (1 + SLACK))
+        budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0])
     peaks, costs = candidate_scores(shape, grid, fig_of, spec, fixed)
     chosen, reason = choose_index(peaks, costs, grid, budget, Knobs(*keep) if keep is not None else None)
     kn = grid.knob(chosen)

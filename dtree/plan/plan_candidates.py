@@ -24,7 +24,16 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..models.protocol import ModelSpec
-from .memory_model import RECOMPUTE, SMALL_CALL_TOKENS, StepShape, _Figures, call_count, call_overhead_at, head_bytes
+from .memory_model import (
+    RECOMPUTE,
+    RERUN_MATMUL_SHARE,
+    SMALL_CALL_TOKENS,
+    StepShape,
+    _Figures,
+    call_count,
+    call_overhead_at,
+    head_bytes,
+)
 
 __all__ = ["HEAD_CHUNK_PENALTY", "KnobGrid", "Knobs", "LEANER", "SLACK", "candidate", "candidate_scores", "choose",
            "choose_index", "fit_reason", "knob_grid"]
@@ -32,7 +41,7 @@ __all__ = ["HEAD_CHUNK_PENALTY", "KnobGrid", "Knobs", "LEANER", "SLACK", "candid
 # Plans within this fraction of the fastest predicted one count as equally fast; the
 # one with the least memory among them is taken when it saves at least LEANER of the
 # fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
-SLACK = 0.05
+SLACK = 0.02  # at 5%, GRPO case 1's default checkpointed 9 layers once re-runs were priced as measured
 LEANER = 0.2
 HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
 _OTHER_CHUNK_PENALTY = 0.15
@@ -75,17 +84,17 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
     (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
     # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
     attention = fixed["attention_rerun"]
-    rerun = s + (0.0 if knobs.keep else attention)
+    rerun = RERUN_MATMUL_SHARE * s + (0.0 if knobs.keep else attention)
     shared = min(shape.shared_tokens, u)
     cost = u + (u - shared) * rerun * knobs.checkpoint / L
     if knobs.path == RECOMPUTE:
         reruns = math.ceil(shared / max(call, 1))
         cost += shared * (s + attention + rerun * knobs.checkpoint / L)
-        cost += reruns * call_overhead_at(scale, min(call, shared))
+        cost += reruns * call_overhead_at(scale, min(call, shared), knobs.checkpoint / L)
     else:
         cost += shared * rerun * knobs.path / L
     calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
-    cost += calls * call_overhead_at(scale, u / calls)
+    cost += calls * call_overhead_at(scale, u / calls, knobs.checkpoint / L)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, _OTHER_CHUNK_PENALTY)
     return sum(parts.values()), cost, parts
 
@@ -170,15 +179,17 @@ def candidate_scores(
 
     (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
     attention = fixed["attention_rerun"]
-    rerun = s + np.where(keep, 0.0, attention)
+    rerun = RERUN_MATMUL_SHARE * s + np.where(keep, 0.0, attention)
     shared = min(shape.shared_tokens, u)
     cost = u + (u - shared) * rerun * ckpt / L
     reruns = np.ceil(shared / np.maximum(call, 1))
     recomputed = cost + shared * (s + attention + rerun * ckpt / L)
-    recomputed = recomputed + reruns * _lookup(lambda c: call_overhead_at(scale, min(c, shared)), calls)
+    recomputed = recomputed + reruns * _lookup(lambda c, k: call_overhead_at(scale, min(c, shared), k / L),
+                                               calls, grid.checkpoint)
     cost = np.where(recompute, recomputed, cost + shared * rerun * np.where(recompute, 0, grid.path) / L)
     num_calls = _lookup(lambda c: call_count(u, c), calls)
-    cost = cost + num_calls * _lookup(lambda c: call_overhead_at(scale, u / call_count(u, c)), calls)
+    cost = cost + num_calls * _lookup(lambda c, k: call_overhead_at(scale, u / call_count(u, c), k / L),
+                                      calls, grid.checkpoint)
     penalty = _lookup(lambda c: HEAD_CHUNK_PENALTY.get(c, _OTHER_CHUNK_PENALTY), grid.chunk)
     cost = cost + u * head_share * penalty
     return peak, cost
