@@ -91,6 +91,20 @@ def site(frames: list[dict]) -> str:
     return "(no stack)"
 
 
+def peak_moment(trace: list[dict], index: int, depth: int = 10) -> list[str]:
+    """The dtree and transformers frames (innermost first, at most ``depth``) of the
+    allocation that reached the peak (``trace[index]``): what the step was doing then."""
+    if not 0 <= index < len(trace):
+        return []
+    frames = trace[index].get("frames") or []
+    out = []
+    for f in frames:
+        name = str(f.get("filename", "")).replace("\\", "/")
+        if "/dtree/" in name or "/transformers/" in name:
+            out.append(f"{name.split('/site-packages/')[-1].split('/wt/')[-1]}:{f.get('line')} {f.get('name')}")
+    return out[:depth]
+
+
 def replay_peak(trace: list[dict], start_allocated: int, start_reserved: int) -> dict:
     """Replay an allocator trace (``snapshot["device_traces"][device]`` entries) that began
     with ``start_allocated`` / ``start_reserved`` bytes in use.
@@ -259,6 +273,8 @@ def profile_config(config, model, forest, loss, device, spec, params: int, top: 
             "reserved_at_peak_gib": peak["reserved_at_peak"] / 2**30,
             "breakdown_gib": {k: v / 2**30 for k, v in sorted(cats.items(), key=lambda kv: -kv[1])},
             "top_sites": [{"category": c, "site": s, "gib": b / 2**30, "blocks": n} for c, s, b, n in sites[:top]],
+            "peak_moment": peak_moment(trace, peak["event_index"]),
+            "peak_block_mib": trace[peak["event_index"]]["size"] / 2**20 if peak["event_index"] >= 0 else 0.0,
         })
         del snapshot, trace, peak
     out, step_s = timed_step(runner, forest, loss, model, device)
@@ -307,6 +323,9 @@ def markdown(report: dict) -> str:
             lines += [f"| {k} | {v:.2f} |" for k, v in r["breakdown_gib"].items() if abs(v) >= 0.005]
             lines += ["", "| top allocation sites alive at the peak | category | GiB | blocks |", "|---|---|---|---|"]
             lines += [f"| `{s['site']}` | {s['category']} | {s['gib']:.2f} | {s['blocks']} |" for s in r["top_sites"]]
+            if r.get("peak_moment"):
+                moment = f"The allocation that reached the peak ({r['peak_block_mib']:.1f} MiB), innermost frame first:"
+                lines += ["", moment, ""] + [f"- `{frame}`" for frame in r["peak_moment"]]
         if r.get("predicted_gib"):
             plan = r["metrics"].get("memory_plan") or {}
             lines += ["", f"Predicted by the memory policy (`{json.dumps(plan, default=str)}`): "

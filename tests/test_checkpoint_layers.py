@@ -228,13 +228,16 @@ def test_the_rerun_skips_the_mlp_down_projection_and_stays_exact(monkeypatch, ar
     from dtree.ops import rerun
     from dtree.ops.swiglu import interface as swiglu
 
-    original = swiglu._forward
+    original, in_place = swiglu._forward, swiglu._backward_in_place
     model = make_model(arch)
     ref_model, ref_loss = reference(model)
     products = {}
     for skip in (True, False):
         seen: list = []
         monkeypatch.setattr(swiglu, "_forward", lambda *a, seen=seen: seen.append(rerun.in_rerun()) or original(*a))
+        # a re-run's backward forms the product inside its in-place kernel
+        monkeypatch.setattr(swiglu, "_backward_in_place",
+                            lambda *a, seen=seen: seen.append(rerun.in_rerun()) or in_place(*a))
         monkeypatch.setattr(lean_layers, "in_rerun", rerun.in_rerun if skip else (lambda: False))
         out, tree_model = run_dtree(model, checkpoint_layers=True, mode="retain", group_tokens=16)
         assert_exact(tree_model, ref_model, out, ref_loss)

@@ -4,7 +4,8 @@
 ``benchmarks/scale_gpu.sh``, ``benchmarks/profile_gpu.sh``, ``benchmarks/flash_step_gpu.sh``,
 ``benchmarks/masked_call_gpu.sh``, ``benchmarks/session_k_gpu.sh``, ``benchmarks/session_l_gpu.sh``,
 ``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``,
-``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``, sharing
+``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
+``benchmarks/session_s_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -44,7 +45,9 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_p_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
     pytest.param("session_p_gpu.sh", {"PART": "origins"}, (".",), marks=pytest.mark.slow),
     pytest.param("session_q_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
-    ("session_r_gpu.sh", {"PART": "confirm"}, ("confirm64k", "half256k")),
+    pytest.param("session_r_gpu.sh", {"PART": "confirm"}, ("confirm64k", "half256k"), marks=pytest.mark.slow),
+    ("session_s_gpu.sh", {"PART": "check"}, ("memory_after",)),
+    ("session_s_gpu.sh", {"PART": "confirm"}, ("final64k", "case1")),
 ])
 def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
     r = _smoke(script, tmp_path, **parts)

@@ -63,6 +63,8 @@ def test_swiglu_kernels_move_16_byte_vectors(tokens):
     assert _accesses(fwd) == ({"v4.b32"}, {"v4.b32"}), _accesses(fwd)
     bwd = _ptx(swk._silu_mul_bwd_kernel, p, g, u, _bf16(n), _bf16(n), n, BLOCK=swk._BLOCK, num_warps=8)
     assert _accesses(bwd) == ({"v4.b32"}, {"v4.b32"}), _accesses(bwd)
+    in_place = _ptx(swk._silu_mul_bwd_in_place_kernel, p, g, u, n, BLOCK=swk._BLOCK, num_warps=8)  # a re-run's chunk
+    assert _accesses(in_place) == ({"v4.b32"}, {"v4.b32"}), _accesses(in_place)
 
 
 def test_an_element_count_off_the_16_grid_still_runs_its_own_variant():

@@ -4,7 +4,8 @@
 CPU: both autograd functions with their torch kernels, float64 and float32, odd
 sizes, with and without bias, frozen pieces; what they save (``gate`` and ``up``, plus
 the weight for the fused down projection: never the SiLU output or the product),
-counted with saved-tensor hooks. The Triton kernels run under the interpreter against
+counted with saved-tensor hooks; a re-run's backward (``output_unused``), which writes
+the gradients over gate and up, in one chunk and several. The Triton kernels run under the interpreter against
 their torch twins, in place where the down projection owns the buffers. GPU
 (``-m gpu``): bf16 by the flash-attention rule.
 """
@@ -104,6 +105,41 @@ def test_keeps_gate_up_and_weight_only():
     assert sum(t.numel() for t in hf if t.shape == gate.shape) == 4 * gate.numel()
 
 
+def _consumed_grads(gate, up, w, b, dy):
+    """Grads through ``swiglu_down(output_unused=True)`` (a re-run's form, whose backward
+    writes over its gate and up: they are made here, as a re-run makes them) and the
+    addresses of the gate and up it was given and of their gradients."""
+    leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (gate, up, w, b)]
+    g_in, u_in = leaves[0] * 1, leaves[1] * 1  # non-leaf, like the projections' outputs
+    seen = {"gate": g_in.data_ptr(), "up": u_in.data_ptr()}
+    g_in.register_hook(lambda g: seen.__setitem__("dgate", g.data_ptr()))
+    u_in.register_hook(lambda g: seen.__setitem__("dup", g.data_ptr()))
+    y = sw.swiglu_down(g_in, u_in, leaves[2], leaves[3], output_unused=True)
+    assert not y.any()
+    y.backward(dy)
+    return [t.grad if t is not None else None for t in leaves], seen
+
+
+@pytest.mark.parametrize("rows", [4096, 5, 1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_consuming_backward_matches(rows, dtype, monkeypatch):
+    # a re-run's backward: the same gradients (the same bits in one chunk), written over gate and up
+    monkeypatch.setattr(sw, "CONSUMING_CHUNK_ROWS", rows)
+    gate, up, w, b, dy = _inputs((2, 19, 60), 24, dtype)
+    got, seen = _consumed_grads(gate, up, w, b, dy)
+    want = _grads(sw.swiglu_down, gate, up, w, b, dy=dy)[1:]
+    for a, e in zip(got, want):
+        if rows >= 38:
+            assert torch.equal(a, e)
+        else:
+            torch.testing.assert_close(a, e, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=1e-6)
+    assert seen["dgate"] == seen["gate"] and seen["dup"] == seen["up"]
+    # empty rows, no bias, frozen weight
+    gate, up, w, _, dy = _inputs((0, 8), 4, dtype)
+    got, _ = _consumed_grads(gate, up, w, None, dy)
+    assert got[0].shape == gate.shape and got[2].shape == w.shape and not got[2].any()
+
+
 def test_bad_shapes():
     with pytest.raises(ValueError, match="do not match"):
         sw.swiglu_down(torch.ones(2, 8), torch.ones(2, 8), torch.ones(4, 7))
@@ -130,12 +166,25 @@ def _case_triton_matches_torch_twins(dtype: str):
         for a, b_, e in zip(got, in_place, want):
             torch.testing.assert_close(a, e, **tol)
             torch.testing.assert_close(b_, e, **tol)
+        # a re-run's backward: product, dgate, dup over dp, gate, up
+        buffers = [dp.clone(), gate.clone(), up.clone()]
+        twins = [dp.clone(), gate.clone(), up.clone()]
+        st.silu_mul_backward_in_place(*buffers)
+        sw.silu_mul_backward_in_place_torch(*twins)
+        expected = [sw.silu_mul_forward_torch(gate, up), *want]
+        for a, b_, e in zip(buffers, twins, expected):
+            torch.testing.assert_close(a, e, **tol)
+            torch.testing.assert_close(b_, e, **tol)
     # the autograd functions pick the kernels on CPU under the interpreter
     gate, up, w, b, dy = _inputs((1, 9, 100), 24, dt)
     got = _grads(sw.swiglu_down, gate, up, w, b, dy=dy)
-    for a, e in zip(got, _grads(sw.swiglu_down_reference, gate, up, w, b, dy=dy)):
+    want = _grads(sw.swiglu_down_reference, gate, up, w, b, dy=dy)
+    for a, e in zip(got, want):
         scale = e.abs().max().item()
         torch.testing.assert_close(a, e, rtol=1e-5 if dt == torch.float32 else 3e-2, atol=3e-2 * scale)
+    consumed, _ = _consumed_grads(gate, up, w, b, dy)  # the in-place kernel, in chunks of 4096 rows: one here
+    for a, e in zip(consumed, got[1:]):
+        assert torch.equal(a, e)
 
 
 worker = worker_fixture("test_swiglu")
@@ -158,3 +207,6 @@ def test_gpu_bf16_flash_rule(shape, h):
     base = _grads(sw.swiglu_down_reference, *half, None, dy=dy.bfloat16())
     got = _grads(sw.swiglu_down, *half, None, dy=dy.bfloat16())
     assert_flash_rule(got, base, exact, f"swiglu_down {shape}")
+    consumed, seen = _consumed_grads(*half, None, dy.bfloat16())  # 4099 rows: two chunks
+    assert seen["dgate"] == seen["gate"]
+    assert_flash_rule([got[0], *consumed[:3]], base, exact, f"swiglu_down re-run backward {shape}")

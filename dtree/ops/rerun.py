@@ -6,7 +6,10 @@ an op whose output value no backward in the layer reads may skip its work then. 
 SwiGLU MLP's down projection (:func:`dtree.ops.swiglu.swiglu_down`), whose output only
 enters the residual add (whose backward reads no values), saves its inputs and returns a
 zero view instead of a matmul and the SiLU product (29% of a qwen2.5-1.5b layer's matmul
-FLOPs); its backward is the same.
+FLOPs). Its backward computes the same gradients, and writes them over the re-run's own
+``gate`` and ``up`` in row chunks, because the re-run's graph is back-propagated once and
+nothing else reads them. That way a checkpointed layer's backward holds two ``[T, I]``
+tensors at its peak, not four.
 :class:`dtree.models.checkpointing.CheckpointedLayer` marks its re-runs with
 :func:`rerun_scope`.
 """

@@ -22,6 +22,16 @@ product's gradient::
     dup   = cast(dp * cast(s))
     dgate = cast(float32(cast(dp * up)) * sig * (1 + gate * (1 - sig)))
 
+In a checkpointed layer's re-run (``output_unused``, :mod:`dtree.ops.rerun`) the saved
+``gate`` and ``up`` are the re-run's own, read by this backward only, which runs once:
+the backward then writes ``dgate`` and ``dup`` over them and takes the rows in chunks of
+:data:`CONSUMING_CHUNK_ROWS`, each chunk's ``dp`` in one reused ``[rows, I]`` buffer
+that then holds its product for the weight gradient (summed over chunks in float32).
+Its peak is ``gate``, ``up`` and one chunk: at the top layer's re-run of a 12k-token call
+on qwen2.5-1.5b, 0.41 GiB less than four ``[T, I]`` tensors (where ``memory="low"``
+peaks, ``benchmarks/results/h200/session_s``). A single chunk gives the same bits as
+the other backward.
+
 Tiers: :func:`silu_mul_reference` (plain autograd, HF's ops), the autograd functions,
 whose elementwise kernels run in Triton on CUDA (:mod:`dtree.ops.swiglu.triton_kernels`) and in
 torch elsewhere (:func:`silu_mul_forward_torch`, :func:`silu_mul_backward_torch`), and
@@ -36,9 +46,11 @@ import torch.nn.functional as F
 from ..backends import triton_kernels_for
 
 __all__ = [
+    "CONSUMING_CHUNK_ROWS",
     "SiluMulFunction",
     "SwiGLUDownFunction",
     "silu_mul",
+    "silu_mul_backward_in_place_torch",
     "silu_mul_backward_torch",
     "silu_mul_forward_torch",
     "silu_mul_reference",
@@ -76,6 +88,19 @@ def silu_mul_backward_torch(
     return dgate, dup
 
 
+CONSUMING_CHUNK_ROWS = 4096  # rows per chunk of a re-run's backward: [4096, 1536] x [1536, 8960] still fills an H100
+
+
+def silu_mul_backward_in_place_torch(dp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """``dp``, ``gate``, ``up`` overwritten with (the product, dgate, dup): the torch
+    twin of the in-place Triton kernel (with temporaries)."""
+    product = silu_mul_forward_torch(gate, up)
+    dgate, dup = silu_mul_backward_torch(dp, gate, up)
+    dp.copy_(product)
+    gate.copy_(dgate)
+    up.copy_(dup)
+
+
 def _kernels(x: torch.Tensor):
     """The Triton module when ``x`` runs there, else None (the torch kernels)."""
     return triton_kernels_for(x, __package__)
@@ -101,6 +126,45 @@ def _backward(
     return silu_mul_backward_torch(dp, gate, up)
 
 
+def _backward_in_place(dp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    kernels = _kernels(gate)
+    if kernels is not None:
+        kernels.silu_mul_backward_in_place(dp, gate, up)
+    else:
+        silu_mul_backward_in_place_torch(dp, gate, up)
+
+
+def _consumable(dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool:
+    return gate.dtype == up.dtype == dy2.dtype and gate.is_contiguous() and up.is_contiguous()
+
+
+def _consuming_backward(
+    dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, need_w: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(dgate, dup, dweight) with dgate and dup written over ``gate`` and ``up``
+    (contiguous, [..., I]); ``dy2`` [T, H]. Rows in chunks (see the module docstring)."""
+    g2, u2 = gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
+    rows, total = CONSUMING_CHUNK_ROWS, g2.shape[0]
+    w = weight.to(dy2.dtype)
+    buffer = g2.new_empty((min(rows, total), g2.shape[1]))
+    dw = weight.new_zeros(weight.shape) if need_w and total == 0 else None
+    summed = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                         device=weight.device) if need_w and total > rows else None
+    for start in range(0, total, rows):
+        stop = min(start + rows, total)
+        dp = torch.mm(dy2[start:stop], w, out=buffer[: stop - start])
+        _backward_in_place(dp, g2[start:stop], u2[start:stop])  # dp now holds the product
+        if need_w:
+            part = dy2[start:stop].t().mm(dp)
+            if summed is None:
+                dw = part.to(weight.dtype)
+            else:
+                summed += part
+    if summed is not None:
+        dw = summed.to(weight.dtype)
+    return gate, up, dw
+
+
 class SiluMulFunction(torch.autograd.Function):
     """``silu(gate) * up`` keeping ``gate`` and ``up`` (not the SiLU output)."""
 
@@ -124,6 +188,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
     def forward(ctx, gate, up, weight, bias, output_unused: bool = False):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
+        ctx.consume_inputs = output_unused  # a re-run's gate and up: only this backward reads them
         if output_unused:  # a checkpointed layer's re-run (dtree.ops.rerun): only the saved tensors count
             return gate.new_zeros(()).expand(*gate.shape[:-1], weight.shape[0])
         return F.linear(_forward(gate, up), weight, bias)
@@ -134,12 +199,15 @@ class SwiGLUDownFunction(torch.autograd.Function):
         need_gate, need_up, need_w, need_b = ctx.needs_input_grad[:4]
         dy2 = dy.reshape(-1, dy.shape[-1])
         dw = db = dgate = dup = None
+        if need_b and ctx.has_bias:
+            db = dy2.sum(0)
+        if ctx.consume_inputs and (need_gate or need_up) and _consumable(dy2, gate, up):
+            dgate, dup, dw = _consuming_backward(dy2, gate, up, weight, need_w)
+            return (dgate if need_gate else None), (dup if need_up else None), dw, db, None
         product = None
         if need_w:
             product = _forward(gate, up)
             dw = dy2.t().mm(product.reshape(-1, product.shape[-1])).to(weight.dtype)
-        if need_b and ctx.has_bias:
-            db = dy2.sum(0)
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)
@@ -160,7 +228,9 @@ def swiglu_down(
     """``linear(silu(gate) * up, weight, bias)``: gate, up [..., I], weight [H, I], bias
     [H] or None -> [..., H]; keeps gate, up and the weight only. ``output_unused``: the
     caller drops the output (a checkpointed layer's re-run, :mod:`dtree.ops.rerun`):
-    the same saved tensors, a zero view returned, no matmul."""
+    the same saved tensors, a zero view returned, no matmul; and ``gate`` and ``up``
+    belong to this op's backward, which writes their gradients over them (pass no
+    tensor anything else reads later)."""
     if gate.shape != up.shape or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
         raise ValueError(
             f"swiglu_down: gate {tuple(gate.shape)}, up {tuple(up.shape)} and weight {tuple(weight.shape)} do not match"

@@ -11,7 +11,10 @@ The backward may write ``dgate`` over ``dp`` (each element is read before it is
 written) and ``dup`` into a spare buffer, when the caller owns them:
 :class:`dtree.ops.swiglu.SwiGLUDownFunction` computes ``dp`` itself and has the
 recomputed product, no longer needed once the down projection's weight gradient is
-formed, so its backward holds two ``[T, I]`` temporaries instead of four.
+formed, so its backward holds two ``[T, I]`` temporaries instead of four. In a
+checkpointed layer's re-run, where ``gate`` and ``up`` belong to the backward alone,
+:func:`silu_mul_backward_in_place` writes ``dgate`` and ``dup`` over them and the
+product over ``dp``, one row chunk at a time.
 
 Their torch twins are :func:`dtree.ops.swiglu.silu_mul_forward_torch` and
 :func:`dtree.ops.swiglu.silu_mul_backward_torch`; ``tests/test_swiglu.py`` runs these
@@ -29,7 +32,7 @@ import triton.language as tl
 from ..backends import triton_runs_on as runs_on
 from ..fast_launch import cdiv, fast_launch
 
-__all__ = ["runs_on", "silu_mul_backward", "silu_mul_forward"]
+__all__ = ["runs_on", "silu_mul_backward", "silu_mul_backward_in_place", "silu_mul_forward"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _BLOCK = 128 if _INTERPRET else 2048
@@ -46,17 +49,38 @@ def _silu_mul_fwd_kernel(G, U, P, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _silu_mul_grads(dp, g, u, dtype: tl.constexpr):
+    """(the SiLU output, dup, dgate) of float32 ``dp``, ``g``, ``u``, with HF's roundings to ``dtype``."""
+    sig = tl.sigmoid(g)
+    s = (g * sig).to(dtype).to(tl.float32)
+    ds = (dp * u).to(dtype).to(tl.float32)
+    return s, (dp * s).to(dtype), (ds * sig * (1.0 + g * (1.0 - sig))).to(dtype)
+
+
+@triton.jit
 def _silu_mul_bwd_kernel(DP, G, U, DG, DU, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     dp = tl.load(DP + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(g)
-    s = (g * sig).to(G.dtype.element_ty).to(tl.float32)
-    ds = (dp * u).to(G.dtype.element_ty).to(tl.float32)
-    tl.store(DU + offs, (dp * s).to(DU.dtype.element_ty), mask=mask)
-    tl.store(DG + offs, (ds * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
+    _, du, dg = _silu_mul_grads(dp, g, u, G.dtype.element_ty)
+    tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _silu_mul_bwd_in_place_kernel(DP, G, U, n, BLOCK: tl.constexpr):
+    # every element is read before any is written: dgate over gate, dup over up, the product over dp
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dp = tl.load(DP + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
+    s, du, dg = _silu_mul_grads(dp, g, u, G.dtype.element_ty)
+    tl.store(DP + offs, (s * u).to(DP.dtype.element_ty), mask=mask)
+    tl.store(U + offs, du, mask=mask)
+    tl.store(G + offs, dg, mask=mask)
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -85,3 +109,14 @@ def silu_mul_backward(
             dp, gate, up, dgate, dup, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8
         )
     return dgate, dup
+
+
+def silu_mul_backward_in_place(dp: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> None:
+    """Contiguous ``dp``, ``gate``, ``up`` of one shape and dtype, overwritten with
+    (the product ``silu(gate) * up``, dgate, dup): one pass, no new buffer."""
+    n = gate.numel()
+    if n:
+        fast_launch(
+            _silu_mul_bwd_in_place_kernel, (cdiv(n, _BLOCK),), dp, gate, up, n, BLOCK=_BLOCK,
+            num_warps=1 if _INTERPRET else 8,
+        )
