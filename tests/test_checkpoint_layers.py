@@ -245,3 +245,21 @@ def test_the_rerun_skips_the_mlp_down_projection_and_stays_exact(monkeypatch, ar
     assert products[True] and not any(products[True]), "the re-run computed the SiLU product"
     in_reruns = sum(products[False])
     assert in_reruns > 0 and len(products[False]) - len(products[True]) == in_reruns
+
+
+@pytest.mark.parametrize("rows", [1, 5])
+def test_the_rerun_backward_in_row_chunks_stays_exact(monkeypatch, rows):
+    """The re-run's MLP backward in row chunks (gradients written over the re-run's gate
+    and up, the down projection's weight gradient summed over chunks) gives HF's gradients
+    per path; every call here is longer than a chunk."""
+    from dtree.ops.swiglu import interface as swiglu
+
+    chunks = []
+    original = swiglu._backward_in_place
+    monkeypatch.setattr(swiglu, "CONSUMING_CHUNK_ROWS", rows)
+    monkeypatch.setattr(swiglu, "_backward_in_place", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
+    model = make_model("qwen2", tied=True)
+    ref_model, ref_loss = reference(model)
+    out, tree_model = run_dtree(model, checkpoint_layers=True, mode="recompute", group_tokens=16)
+    assert_exact(tree_model, ref_model, out, ref_loss)
+    assert chunks and max(chunks) == rows
