@@ -22,7 +22,10 @@ peak, the breakdown, and the top allocation sites alive at the peak; next to the
 measurement, what dtree's memory policy predicted for the step by part
 (:mod:`dtree.plan.memory_policy`; weights and the stack held from the previous step added).
 On CPU there is no allocator trace: only the step times. The process runs with
-``expandable_segments`` like ``dtree bench`` (``--no-expandable-segments`` to compare).
+``expandable_segments`` like ``dtree bench`` (``--no-expandable-segments`` to compare), and
+every method runs the same decoder-layer kernels, as in ``dtree bench`` (``--layers``,
+default ``auto``: dtree's lean layers where the family has them; ``eager`` gives the
+baselines HF's own layers and dtree too).
 
     python benchmarks/profile_memory.py --out benchmarks/results          # H100: ~2 min
     python benchmarks/profile_memory.py --model tiny --set target_unique_tokens=800 --set system_prompt_len=64
@@ -42,7 +45,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 
 from dtree.baselines import make_method  # noqa: E402
-from dtree.bench.configs import parse_assignments, parse_configs  # noqa: E402
+from dtree.bench.configs import MethodConfig, parse_assignments, parse_configs  # noqa: E402
+from dtree.bench.layers import LAYER_CHOICES, bench_layers  # noqa: E402
 from dtree.bench.measure import device_name, free_memory, timed_step, use_expandable_segments  # noqa: E402
 from dtree.bench.report import environment, write_profile_reports  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
@@ -300,6 +304,7 @@ def markdown(report: dict) -> str:
         f"- workload `agentic` {json.dumps(wl['set'])}: {wl['unique_tokens']:,} unique / {wl['linearized_tokens']:,} linearized "
         f"tokens, longest path {wl['max_path_length']:,}; weights {report['weights_gib']:.2f} GiB (+ the same in "
         "gradients)",
+        f"- decoder layers, the same for every method: {report.get('layers') or 'not recorded'}",
         "- per configuration: a warm-up step, a step traced by the allocator (replayed to its peak), an untraced "
         "step for the time",
         "",
@@ -310,9 +315,10 @@ def markdown(report: dict) -> str:
         if r.get("error"):
             lines.append(f"| `{r['config']}` | {r['error']} | | | | | |")
             continue
-        f = lambda k: f"{r[k]:.2f}" if r.get(k) is not None else "-"  # noqa: E731
-        lines.append(f"| `{r['config']}` | {r['step_s']:.3f} | {f('untraced_peak_gib')} | {f('warmup_peak_gib')} | "
-                     f"{f('reserved_at_peak_gib')} | {r['calls']} | {r['peak_graph_tokens']:,} |")
+        f = {k: f"{r[k]:.2f}" if r.get(k) is not None else "-"
+             for k in ("untraced_peak_gib", "warmup_peak_gib", "reserved_at_peak_gib")}
+        lines.append(f"| `{r['config']}` | {r['step_s']:.3f} | {f['untraced_peak_gib']} | {f['warmup_peak_gib']} | "
+                     f"{f['reserved_at_peak_gib']} | {r['calls']} | {r['peak_graph_tokens']:,} |")
     for r in report["runs"]:
         if r.get("error"):
             continue
@@ -333,36 +339,8 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="dtree bench --configs grammar")
-    p.add_argument("--model", default=None, help="default: qwen2.5-1.5b on GPU, tiny on CPU")
-    p.add_argument("--device", default=None)
-    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
-                   help=f"agentic workload parameter (repeatable; default {' '.join(DEFAULT_SET)})")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--top", type=int, default=12, help="allocation sites listed per configuration")
-    p.add_argument("--time-budget", type=float, default=480.0, help="no configuration starts after this many seconds")
-    p.add_argument("--out", default=None)
-    p.add_argument("--no-expandable-segments", action="store_true", help="keep the CUDA allocator's default segments")
-    args = p.parse_args(argv)
-
-    start = time.monotonic()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    allocator = None
-    if device.type == "cuda" and not args.no_expandable_segments:
-        allocator = use_expandable_segments()
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model_name = args.model or ("qwen2.5-1.5b" if device.type == "cuda" else "tiny")
-    configs = parse_configs(args.configs)
-    overrides = {**parse_assignments(DEFAULT_SET, "--set"), **parse_assignments(args.set, "--set")}
-    print(f"memory profile: {model_name} ({dtype}) on {device_name(device)}; {[c.label for c in configs]}", flush=True)
-    model = build_model(model_name, dtype=dtype, device=device, seed=args.seed)
-    spec = adapt(model).dtree_spec()
-    forest = make_workload("agentic", seed=args.seed, vocab_size=spec.vocab_size, **overrides)
-    st = forest.stats()
-    params = sum(p.numel() for p in model.parameters())
-    loss = ppo_clip()
+def _profile_all(configs: list[MethodConfig], args, model, forest, loss, device, spec, params, start) -> list[dict]:
+    """Each configuration's profile (an error entry where it fails or the time budget is spent)."""
     runs = []
     for config in configs:
         if time.monotonic() - start > args.time_budget:
@@ -377,8 +355,53 @@ def main(argv: list[str] | None = None) -> int:
         runs.append(r)
         print(f"  {config.label}: " + (r.get("error") or f"{r['step_s']:.3f} s, peak "
               + (f"{r['untraced_peak_gib']:.2f} GiB" if "untraced_peak_gib" in r else "not measured")), flush=True)
+    return runs
+
+
+def _same_layers(configs: list[MethodConfig], layers: str) -> list[MethodConfig]:
+    """dtree's configurations without its own lean layers where ``--layers`` names others."""
+    if layers not in ("eager", "liger"):
+        return configs
+    return [MethodConfig(c.label, c.method, {"lean_layers": False, **c.options}) if c.method == "dtree" else c
+            for c in configs]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default=DEFAULT_CONFIGS, help="dtree bench --configs grammar")
+    p.add_argument("--model", default=None, help="default: qwen2.5-1.5b on GPU, tiny on CPU")
+    p.add_argument("--device", default=None)
+    p.add_argument("--set", action="append", default=None, metavar="KEY=VALUE",
+                   help=f"agentic workload parameter (repeatable; default {' '.join(DEFAULT_SET)})")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--top", type=int, default=12, help="allocation sites listed per configuration")
+    p.add_argument("--time-budget", type=float, default=480.0, help="no configuration starts after this many seconds")
+    p.add_argument("--out", default=None)
+    p.add_argument("--no-expandable-segments", action="store_true", help="keep the CUDA allocator's default segments")
+    p.add_argument("--layers", choices=LAYER_CHOICES, default="auto", help="decoder-layer kernels for every method")
+    args = p.parse_args(argv)
+
+    start = time.monotonic()
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    allocator = None
+    if device.type == "cuda" and not args.no_expandable_segments:
+        allocator = use_expandable_segments()
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model_name = args.model or ("qwen2.5-1.5b" if device.type == "cuda" else "tiny")
+    configs = _same_layers(parse_configs(args.configs), args.layers)
+    overrides = {**parse_assignments(DEFAULT_SET, "--set"), **parse_assignments(args.set, "--set")}
+    print(f"memory profile: {model_name} ({dtype}) on {device_name(device)}; {[c.label for c in configs]}", flush=True)
+    model = build_model(model_name, dtype=dtype, device=device, seed=args.seed)
+    spec = adapt(model).dtree_spec()
+    forest = make_workload("agentic", seed=args.seed, vocab_size=spec.vocab_size, **overrides)
+    st = forest.stats()
+    params = sum(p.numel() for p in model.parameters())
+    loss = ppo_clip()
+    with bench_layers(model, args.layers, device) as layers:
+        print(f"decoder layers, for every method: {layers}", flush=True)
+        runs = _profile_all(configs, args, model, forest, loss, device, spec, params, start)
     report = {
-        "env": environment(device), "model": model_name, "allocator": allocator,
+        "env": environment(device), "model": model_name, "allocator": allocator, "layers": layers,
         "weights_gib": params * torch.empty((), dtype=dtype).element_size() / 2**30,
         "workload": {"set": {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}, "seed": args.seed, "unique_tokens": st.unique_tokens,
                      "linearized_tokens": st.linearized_tokens, "max_path_length": st.max_path_length},

@@ -47,7 +47,8 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_q_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
     pytest.param("session_r_gpu.sh", {"PART": "confirm"}, ("confirm64k", "half256k"), marks=pytest.mark.slow),
     ("session_s_gpu.sh", {"PART": "check"}, ("memory_after",)),
-    ("session_s_gpu.sh", {"PART": "confirm"}, ("final64k", "case1")),
+    pytest.param("session_s_gpu.sh", {"PART": "confirm"}, ("final64k", "case1"), marks=pytest.mark.slow),
+    ("session_s_gpu.sh", {"PART": "final"}, ("final64k", "case1")),
 ])
 def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
     r = _smoke(script, tmp_path, **parts)

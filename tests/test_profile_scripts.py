@@ -80,6 +80,22 @@ def test_replay_peak_and_breakdown():
     assert cats["fragmentation (reserved - allocated)"] == 6096 - peak["peak_allocated"]
     assert top[0][0].startswith("LM head") and top[0][2] == 500
     assert sum(v for k, v in cats.items() if not k.startswith("fragmentation")) == peak["peak_allocated"]
+    # what the step was doing at the peak: the dtree/transformers frames of the allocation that reached it
+    assert profile_memory.peak_moment(trace, peak["event_index"]) == []  # torch/autograd only
+    assert peak["event_index"] == 5 and profile_memory.peak_moment(trace, 2) == [
+        "dtree/ops/logprobs/interface.py:1 f", "/x/dtree/losses.py:1 f"]
+
+
+def test_profile_memory_gives_every_method_the_same_layers(tmp_path):
+    """``--layers eager``: the baselines and dtree run the model's own layers (dtree without
+    its lean layers), and the report says so."""
+    assert profile_memory.main(["--model", "tiny", "--device", "cpu", *TINY_TREE, "--out", str(tmp_path),
+                                "--layers", "eager", "--configs", "dtree:low"]) == 0
+    report = json.loads(next(tmp_path.glob("memory_profile_cpu_tiny.json")).read_text())
+    assert report["layers"].startswith("eager")
+    assert report["runs"][0]["options"]["lean_layers"] is False
+    lean = profile_memory._same_layers(profile_memory.parse_configs("dtree:low,tree-mask"), "auto")
+    assert all("lean_layers" not in c.options for c in lean)
 
 
 def test_autotune_message_parsing():
