@@ -41,11 +41,12 @@ Settings (``TreeRuntime(memory=...)``):
     the lean recipe's predicted peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
     calls, the path's groups retained, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is
     the cap, and the fastest plan predicted under it runs, with the recipe's LM-head
-    chunks: the head's backward is where this setting's step peaks (its ``[chunk, V]``
-    buffer and the ``[V, H]`` weight gradient; ``benchmarks/results/h200/session_o``);
-    1,024-row chunks cost ~2% of the head's time over 4,096
-    (``benchmarks/head_chunk_cost.py``), and 512-row chunks take another ~0.15 GiB off
-    the peak on qwen2.5-1.5b's 152k vocabulary (session Q). No slack above the cap: a
+    chunks: the head's backward is where this setting's step peaked once (its ``[chunk, V]``
+    buffer and the ``[V, H]`` weight gradient; ``benchmarks/results/h200/session_o``), and it
+    still sets a floor under every call's peak; 1,024-row chunks cost ~2% of the head's time
+    over 4,096 (``benchmarks/head_chunk_cost.py``), and 512-row chunks take another ~0.15 GiB
+    off on qwen2.5-1.5b's 152k vocabulary (session Q). Since session S the step peaks in the
+    top layer's re-run backward, the MLP's (:mod:`dtree.ops.swiglu`). No slack above the cap: a
     faster plan may not predict more memory than the recipe.
 a number
     a cap in GiB on the step's peak allocated memory (everything the process holds
