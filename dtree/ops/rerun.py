@@ -9,7 +9,7 @@ zero view instead of a matmul and the SiLU product (29% of a qwen2.5-1.5b layer'
 FLOPs). Its backward computes the same gradients, and writes them over the re-run's own
 ``gate`` and ``up`` in row chunks, because the re-run's graph is back-propagated once and
 nothing else reads them. That way a checkpointed layer's backward holds two ``[T, I]``
-tensors at its peak, not four.
+tensors and one row chunk at its peak, not four ``[T, I]`` tensors.
 :class:`dtree.models.checkpointing.CheckpointedLayer` marks its re-runs with
 :func:`rerun_scope`.
 """

@@ -27,10 +27,11 @@ In a checkpointed layer's re-run (``output_unused``, :mod:`dtree.ops.rerun`) the
 the backward then writes ``dgate`` and ``dup`` over them and takes the rows in chunks of
 :data:`CONSUMING_CHUNK_ROWS`, each chunk's ``dp`` in one reused ``[rows, I]`` buffer
 that then holds its product for the weight gradient (summed over chunks in float32).
-Its peak is ``gate``, ``up`` and one chunk: at the top layer's re-run of a 12k-token call
-on qwen2.5-1.5b, 0.41 GiB less than four ``[T, I]`` tensors (where ``memory="low"``
-peaks, ``benchmarks/results/h200/session_s``). A single chunk gives the same bits as
-the other backward.
+Its peak is ``gate``, ``up``, one chunk and (past one chunk) the float32 sum, where the
+other backward holds four ``[T, I]`` tensors: ``memory="low"`` peaks in the top layer's
+re-run of a 12k-token call on qwen2.5-1.5b, and peaked 0.26 GiB lower with this
+(8.75 -> 8.49 GiB, ``benchmarks/results/h200/session_s``). A single chunk gives the
+same bits as the other backward.
 
 Tiers: :func:`silu_mul_reference` (plain autograd, HF's ops), the autograd functions,
 whose elementwise kernels run in Triton on CUDA (:mod:`dtree.ops.swiglu.triton_kernels`) and in
