@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 from dtree.baselines import make_method  # noqa: E402
 from dtree.bench.configs import MethodConfig, parse_assignments, parse_configs  # noqa: E402
-from dtree.bench.layers import LAYER_CHOICES, bench_layers  # noqa: E402
+from dtree.bench.layers import LAYER_CHOICES, bench_layers, dtree_layer_options  # noqa: E402
 from dtree.bench.measure import device_name, free_memory, timed_step, use_expandable_segments  # noqa: E402
 from dtree.bench.report import environment, write_profile_reports  # noqa: E402
 from dtree.losses import ppo_clip  # noqa: E402
@@ -360,10 +360,8 @@ def _profile_all(configs: list[MethodConfig], args, model, forest, loss, device,
 
 def _same_layers(configs: list[MethodConfig], layers: str) -> list[MethodConfig]:
     """dtree's configurations without its own lean layers where ``--layers`` names others."""
-    if layers not in ("eager", "liger"):
-        return configs
-    return [MethodConfig(c.label, c.method, {"lean_layers": False, **c.options}) if c.method == "dtree" else c
-            for c in configs]
+    own = dtree_layer_options(layers)
+    return [MethodConfig(c.label, c.method, {**own, **c.options}) if c.method == "dtree" else c for c in configs]
 
 
 def main(argv: list[str] | None = None) -> int:

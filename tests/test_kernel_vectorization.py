@@ -61,9 +61,11 @@ def test_swiglu_kernels_move_16_byte_vectors(tokens):
     g, u, p = _bf16(n), _bf16(n), _bf16(n)
     fwd = _ptx(swk._silu_mul_fwd_kernel, g, u, p, n, BLOCK=swk._BLOCK, num_warps=8)
     assert _accesses(fwd) == ({"v4.b32"}, {"v4.b32"}), _accesses(fwd)
-    bwd = _ptx(swk._silu_mul_bwd_kernel, p, g, u, _bf16(n), _bf16(n), n, BLOCK=swk._BLOCK, num_warps=8)
+    bwd = _ptx(swk._silu_mul_bwd_kernel, p, g, u, _bf16(n), _bf16(n), n, BLOCK=swk._BLOCK, PRODUCT=False,
+               num_warps=8)
     assert _accesses(bwd) == ({"v4.b32"}, {"v4.b32"}), _accesses(bwd)
-    in_place = _ptx(swk._silu_mul_bwd_in_place_kernel, p, g, u, n, BLOCK=swk._BLOCK, num_warps=8)  # a re-run's chunk
+    in_place = _ptx(swk._silu_mul_bwd_kernel, p, g, u, g, u, n, BLOCK=swk._BLOCK, PRODUCT=True,
+                    num_warps=8)  # a re-run's chunk
     assert _accesses(in_place) == ({"v4.b32"}, {"v4.b32"}), _accesses(in_place)
 
 

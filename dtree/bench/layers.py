@@ -23,9 +23,16 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["LAYER_CHOICES", "apply_layers", "bench_layers"]
+__all__ = ["LAYER_CHOICES", "apply_layers", "bench_layers", "dtree_layer_options"]
 
 LAYER_CHOICES = ("auto", "lean", "liger", "eager")
+
+
+def dtree_layer_options(choice: str) -> dict:
+    """dtree's constructor options for the run's ``choice``: with ``eager`` or ``liger``
+    dtree runs those layers too (``lean_layers=False``; by default it runs its lean layers
+    during its steps, which the baselines would not)."""
+    return {"lean_layers": False} if choice in ("eager", "liger") else {}
 
 
 def _liger(model: torch.nn.Module, **switches) -> str | None:

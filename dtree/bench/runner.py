@@ -21,7 +21,7 @@ import torch
 
 from ..presets import DTYPES, MODEL_PRESETS, build_model
 from .configs import PRESETS, MethodConfig, parse_assignments, parse_configs
-from .layers import LAYER_CHOICES, bench_layers
+from .layers import LAYER_CHOICES, bench_layers, dtree_layer_options
 from .measure import (
     MethodResult,
     StepForest,
@@ -116,8 +116,8 @@ def select_configs(args: argparse.Namespace, on_gpu: bool, layers: str = "auto")
     configurations get ``lean_layers=False`` (its default runs lean layers during its
     steps; the baselines would not)."""
     base = _method_options(parse_assignments(args.opt, "--opt"))
-    if layers in ("eager", "liger"):  # dtree too runs the layers --layers names
-        base["dtree"] = {"lean_layers": False, **base.get("dtree", {})}
+    if own := dtree_layer_options(layers):  # dtree too runs the layers --layers names
+        base["dtree"] = {**own, **base.get("dtree", {})}
     text = args.configs or args.methods or ("gpu" if on_gpu else "basic")
     if args.methods:
         unknown = [m for m in args.methods.split(",") if m.strip() and m.strip() not in ("dtree", "linearized", "tree-mask")]

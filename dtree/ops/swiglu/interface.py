@@ -148,9 +148,9 @@ def _consuming_backward(
     rows, total = CONSUMING_CHUNK_ROWS, g2.shape[0]
     w = weight.to(dy2.dtype)
     buffer = g2.new_empty((min(rows, total), g2.shape[1]))
-    dw = weight.new_zeros(weight.shape) if need_w and total == 0 else None
+    dw = None
     summed = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
-                         device=weight.device) if need_w and total > rows else None
+                         device=weight.device) if need_w and not 0 < total <= rows else None
     for start in range(0, total, rows):
         stop = min(start + rows, total)
         dp = torch.mm(dy2[start:stop], w, out=buffer[: stop - start])

@@ -49,38 +49,21 @@ def _silu_mul_fwd_kernel(G, U, P, n, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _silu_mul_grads(dp, g, u, dtype: tl.constexpr):
-    """(the SiLU output, dup, dgate) of float32 ``dp``, ``g``, ``u``, with HF's roundings to ``dtype``."""
+def _silu_mul_bwd_kernel(DP, G, U, DG, DU, n, BLOCK: tl.constexpr, PRODUCT: tl.constexpr):
+    # every element is read before any is written, so DG, DU may be DP, G or U; PRODUCT: the
+    # product silu(g) * u over DP besides (a re-run's backward: DG is G, DU is U)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    dp = tl.load(DP + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
+    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
     sig = tl.sigmoid(g)
-    s = (g * sig).to(dtype).to(tl.float32)
-    ds = (dp * u).to(dtype).to(tl.float32)
-    return s, (dp * s).to(dtype), (ds * sig * (1.0 + g * (1.0 - sig))).to(dtype)
-
-
-@triton.jit
-def _silu_mul_bwd_kernel(DP, G, U, DG, DU, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dp = tl.load(DP + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    _, du, dg = _silu_mul_grads(dp, g, u, G.dtype.element_ty)
-    tl.store(DU + offs, du.to(DU.dtype.element_ty), mask=mask)
-    tl.store(DG + offs, dg.to(DG.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _silu_mul_bwd_in_place_kernel(DP, G, U, n, BLOCK: tl.constexpr):
-    # every element is read before any is written: dgate over gate, dup over up, the product over dp
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    dp = tl.load(DP + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(G + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(U + offs, mask=mask, other=0.0).to(tl.float32)
-    s, du, dg = _silu_mul_grads(dp, g, u, G.dtype.element_ty)
-    tl.store(DP + offs, (s * u).to(DP.dtype.element_ty), mask=mask)
-    tl.store(U + offs, du, mask=mask)
-    tl.store(G + offs, dg, mask=mask)
+    s = (g * sig).to(G.dtype.element_ty).to(tl.float32)
+    ds = (dp * u).to(G.dtype.element_ty).to(tl.float32)
+    if PRODUCT:
+        tl.store(DP + offs, (s * u).to(DP.dtype.element_ty), mask=mask)
+    tl.store(DU + offs, (dp * s).to(DU.dtype.element_ty), mask=mask)
+    tl.store(DG + offs, (ds * sig * (1.0 + g * (1.0 - sig))).to(DG.dtype.element_ty), mask=mask)
 
 
 def silu_mul_forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -106,7 +89,7 @@ def silu_mul_backward(
     if n:
         fast_launch(
             _silu_mul_bwd_kernel, (cdiv(n, _BLOCK),),
-            dp, gate, up, dgate, dup, n, BLOCK=_BLOCK, num_warps=1 if _INTERPRET else 8
+            dp, gate, up, dgate, dup, n, BLOCK=_BLOCK, PRODUCT=False, num_warps=1 if _INTERPRET else 8
         )
     return dgate, dup
 
@@ -117,6 +100,6 @@ def silu_mul_backward_in_place(dp: torch.Tensor, gate: torch.Tensor, up: torch.T
     n = gate.numel()
     if n:
         fast_launch(
-            _silu_mul_bwd_in_place_kernel, (cdiv(n, _BLOCK),), dp, gate, up, n, BLOCK=_BLOCK,
+            _silu_mul_bwd_kernel, (cdiv(n, _BLOCK),), dp, gate, up, gate, up, n, BLOCK=_BLOCK, PRODUCT=True,
             num_warps=1 if _INTERPRET else 8,
         )
