@@ -80,6 +80,14 @@ class RuntimeConfig:
             during a step promote its short-lived objects until a full collection of the
             whole process runs (320-370 ms every third step of ``memory="low"`` on the 64k
             agentic tree, H100 host). False: the collector runs as Python schedules it.
+        grad_guard: a failed training step (a non-finite loss, an out-of-memory error, a
+            loss function's mistake) leaves ``param.grad`` bit for bit as it was: the step
+            keeps the gradients already there aside and adds its own at the end
+            (:mod:`dtree.engine.grad_guard`). In a gradient-accumulation loop that holds one
+            more copy of the gradients during each step after the first (2.9 GiB for
+            qwen2.5-1.5b in bf16; the memory policy counts it). False: the step accumulates
+            into ``param.grad`` in place, as a plain PyTorch loop does, and a failed step may
+            leave part of its gradient there (its error says so).
     """
 
     mode: Mode = "auto"
@@ -97,6 +105,7 @@ class RuntimeConfig:
     lean_layers: bool = True
     free_after_step: bool = False
     pause_gc: bool = True
+    grad_guard: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -123,7 +132,7 @@ class RuntimeConfig:
                 "checkpoint_layers must be None (decided per step), True, False or a number of layers >= 0, "
                 f"got {self.checkpoint_layers!r}"
             )
-        for name in ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc"):
+        for name in ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc", "grad_guard"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

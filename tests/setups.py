@@ -5,6 +5,7 @@ every parameter gradient compared with the same model run on each path by HF
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -108,3 +109,24 @@ def assert_model_flash_rule(
     params = zip(model.named_parameters(), exact.named_parameters(), bf16_ref.named_parameters())
     for (name, p), (_, e), (_, b) in params:
         assert_flash_rule([p.grad], [b.grad], [e.grad], f"{label} {name}", outputs=0)
+
+
+@contextlib.contextmanager
+def grads_when_first_reached(model):
+    """Yields ``{name: param.grad}`` as each parameter's ``.grad`` was when the block's first
+    gradient for it arrived (a tensor hook runs before autograd accumulates it): None when a
+    step moved the old gradients aside, the old tensor when it accumulates in place."""
+    seen = {}
+
+    def hook(name):
+        def record(grad):
+            seen.setdefault(name, model.get_parameter(name).grad)
+            return grad
+        return record
+
+    handles = [p.register_hook(hook(n)) for n, p in model.named_parameters()]
+    try:
+        yield seen
+    finally:
+        for h in handles:
+            h.remove()

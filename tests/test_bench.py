@@ -93,6 +93,29 @@ def test_same_forest_mode(tmp_path):
     assert "median of 2 steps after 0 warm-up" in next(tmp_path.glob("*.md")).read_text()
 
 
+def test_accumulate_keeps_the_gradients_after_the_first_step(tmp_path, monkeypatch):
+    """--accumulate: gradients cleared before a configuration's first step only; the baselines
+    accumulate in place (grad_guard=False), dtree keeps its default unless a configuration sets it."""
+    from dtree.bench import measure
+
+    starts = []
+    step = measure.timed_step
+
+    def recording(runner, forest, loss, model, device, **kw):
+        starts.append(kw.get("zero_grad", True) or next(model.parameters()).grad is None)
+        return step(runner, forest, loss, model, device, **kw)
+
+    monkeypatch.setattr(measure, "timed_step", recording)
+    report = _run(tmp_path, "--steps", "3", "--accumulate", "--configs", "dtree,dtree:grad_guard=False,tree-mask")
+    assert report["_rc"] == 0 and report["accumulate"] is True
+    assert starts == [True, False, False] * 3  # cleared (or empty) at each configuration's first step only
+    rows = {r["config"]: r for r in report["results"]}
+    assert rows["tree-mask"]["options"]["grad_guard"] is False and "grad_guard" not in rows["dtree"]["options"]
+    assert rows["dtree:grad_guard=False"]["options"]["grad_guard"] is False
+    assert report["loss_agreement"] < 1e-5
+    assert "gradients accumulated" in next(tmp_path.glob("*.md")).read_text()
+
+
 def test_out_of_memory_and_time_budget(tmp_path):
     """A configuration whose allocation fails is reported as oom and the next one still
     runs; with no time left, configurations are reported as skipped."""

@@ -10,7 +10,7 @@ import copy
 import pytest
 import torch
 from hf_models import make_model
-from setups import assert_grads_equal, grads_of
+from setups import assert_grads_equal, grads_of, grads_when_first_reached
 
 import dtree
 from dtree.baselines import METHODS, make_method
@@ -137,3 +137,33 @@ def test_decoder_layer_backward_hook_raising(name, kw, model):
             handle.remove()
 
     check_nothing_lost(name, kw, model, fail, Injected)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_unguarded_steps_accumulate_in_place(name, model):
+    """``grad_guard=False``: a step adds into the ``param.grad`` tensors already there (no
+    second copy of the gradients while accumulating), with the gradients of the guarded form;
+    a failed step says that ``param.grad`` may hold part of it."""
+    twin = copy.deepcopy(model)
+    guarded, plain = make_method(name, twin), make_method(name, model, grad_guard=False)
+    first, forest = dtree.Forest.from_sequences(FIRST), dtree.Forest.from_sequences(SEQS)
+    for r in (guarded, plain):
+        r.forward_backward(first, dtree.losses.nll())
+    old = {n: p.grad for n, p in model.named_parameters()}
+    with grads_when_first_reached(model) as seen:
+        out = plain.forward_backward(forest, dtree.losses.nll())
+    ref = guarded.forward_backward(forest, dtree.losses.nll())
+    assert len(seen) == len(old) and all(seen[n] is old[n] for n in old)  # in place: the old tensors
+    assert all(p.grad is old[n] for n, p in model.named_parameters())
+    assert out.loss == pytest.approx(ref.loss, rel=1e-6)
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-6, msg=n)
+    with pytest.raises(Injected, match="injected"):
+        plain.forward_backward(forest, nll_raising_on(1))
+    with pytest.raises(ValueError, match=r"may hold part of this call's gradient \(grad_guard=False\)"):
+        plain.forward_backward(forest, TokenLoss(lambda logp, fields: logp * float("nan")))
+
+
+def test_grad_guard_is_checked():
+    with pytest.raises(ValueError, match="grad_guard must be True or False"):
+        dtree.RuntimeConfig(grad_guard="no")

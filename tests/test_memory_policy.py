@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import make_model
-from setups import SEQS
+from setups import SEQS, grads_when_first_reached
 
 import dtree
 from dtree.config import RuntimeConfig
@@ -38,7 +38,7 @@ AGENTIC_256K = mp.StepShape(262144, 9836, 25200)
 AGENTIC_21K = mp.StepShape(21266, 7849, 4900)
 CASE_1 = mp.StepShape(6144, 2560, 2048)
 H100 = dict(available=76 * GIB, allocated=2.9 * GIB, expandable_segments=True, fused_head=True,
-            missing_grads=2.9 * GIB)
+            step_grads=2.9 * GIB)
 # benchmarks/results/activation_bytes_qwen2.5-1.5b.md (CPU, exact): per token, 28 layers
 LEAN = CallBytes(1.58e6, 0.12e6, 28, 3072)
 
@@ -176,7 +176,7 @@ def test_low_setting_takes_the_lean_recipes_peak_as_its_cap():
         assert p.predicted_cost <= recipe.predicted_cost * (1 + SLACK)
         # weights (2.9) + the rest: the issue's <= 12 GB on the 21k tree
         assert total(p) < 11.5 * GIB
-    seven = plan(spec=QWEN_7B, setting="low", missing_grads=15.2e9, available=64 * GIB)
+    seven = plan(spec=QWEN_7B, setting="low", step_grads=15.2e9, available=64 * GIB)
     assert seven.predicted_peak_bytes <= seven.budget_bytes
 
 
@@ -202,7 +202,7 @@ def test_explicit_options_are_kept():
 
 
 def test_a_bigger_model_takes_smaller_calls_or_checkpoints():
-    p = plan(spec=QWEN_7B, missing_grads=15.2e9, available=64 * GIB)
+    p = plan(spec=QWEN_7B, step_grads=15.2e9, available=64 * GIB)
     assert p.predicted_peak_bytes <= p.budget_bytes
     assert p.group_tokens < 32768 or p.checkpoint_layers > 0
 
@@ -336,13 +336,82 @@ def test_runtime_plans_every_step_on_cpu():
     assert low.memory_plan.logprob_chunk == 7
 
 
-def test_missing_grad_bytes_counts_tied_weights_once():
+def test_step_grad_bytes_counts_tied_weights_once_and_existing_grads():
+    """A step allocates a fresh gradient for every trainable parameter: the ones already
+    there (gradient accumulation) stay aside until it commits (GradStash), so they do not
+    make the step's gradients free; frozen parameters get none."""
     model = make_model("qwen2", tied=True)
     params = list(model.parameters())
     want = sum(p.numel() * p.element_size() for p in params)  # .parameters() lists a tied weight once
-    assert mp.missing_grad_bytes(params + params) == want
+    assert mp.step_grad_bytes(params + params) == want
     params[0].grad = torch.zeros_like(params[0])
-    assert mp.missing_grad_bytes(params) == want - params[0].numel() * params[0].element_size()
+    assert mp.step_grad_bytes(params) == want
+    # grad_guard=False: the step accumulates into the gradients already there
+    assert mp.step_grad_bytes(params, kept_aside=False) == want - params[0].numel() * params[0].element_size()
+    params[1].requires_grad_(False)
+    assert mp.step_grad_bytes(params) == want - params[1].numel() * params[1].element_size()
+
+
+def test_accumulating_steps_hold_both_gradients():
+    """The premise of step_grad_bytes: during a step over a model that already has
+    gradients, the old ones are kept aside (alive) while the step writes fresh ones, and the
+    commit adds the step's into the old tensors."""
+    model = make_model("qwen2")
+    rt = dtree.TreeRuntime(model, chunk_size=3)
+    forest = dtree.Forest.from_sequences(SEQS)
+    rt.forward_backward(forest, dtree.losses.nll())
+    old = {n: p.grad for n, p in model.named_parameters()}
+    first = {n: g.clone() for n, g in old.items()}
+    with grads_when_first_reached(model) as seen:
+        rt.forward_backward(forest, dtree.losses.nll())
+    assert len(seen) == len(old) and all(g is None for g in seen.values())  # the old ones aside: fresh .grad
+    for n, p in model.named_parameters():
+        assert p.grad is old[n]  # committed into the old tensor
+        torch.testing.assert_close(p.grad, 2 * first[n])
+
+
+def test_the_policy_counts_the_step_gradients_when_accumulating(monkeypatch):
+    """With gradients already there, the step's own are still every trainable parameter's (it
+    counted none before: memory caps under-predicted by the gradients' size on every
+    micro-batch after the first); unguarded, none. They count at the peak of a call after the
+    step's first backward only."""
+    model = make_model("qwen2")
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    monkeypatch.setattr(mp, "available_bytes", lambda device: (5 * GIB, 1 * GIB))
+    adapted = adapt(model)
+    head = as_output_head(adapted.dtree_output_layer())
+    cuda = (torch.device("cuda", 0), torch.bfloat16)
+    forest = dtree.Forest.from_sequences(SEQS)
+    want = sum(p.numel() * p.element_size() for p in model.parameters())
+
+    def plan_with(**kw):
+        config = RuntimeConfig(chunk_size=3, **kw)
+        return plan_memory(model_view(model), adapted.dtree_spec(), head, config, cuda, None, forest,
+                           CallBytes(5000.0, 800.0, 2, 144.0))
+
+    several = plan_with(group_tokens=4)  # calls of 4 tokens: the later ones peak with the gradients
+    assert several.step_grad_bytes == several.parts["gradients"] == want > 0
+    one = plan_with()
+    assert one.step_grad_bytes == want and one.parts["gradients"] == 0
+    unguarded = plan_with(group_tokens=4, grad_guard=False)
+    assert unguarded.step_grad_bytes == unguarded.parts["gradients"] == 0
+    assert unguarded.predicted_peak_bytes < several.predicted_peak_bytes
+
+
+def test_the_refined_peak_counts_the_gradients_after_the_first_backward():
+    """The schedule's peak: the first call without the step's gradients, every later one with."""
+    forest = dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])
+    sched = build_schedule(forest, 6, 6)  # two leaf calls of 6 tokens, in DFS order
+    assert len(sched.groups) == 2
+    cb = CallBytes(5000.0, 800.0, 2, 144.0)
+    fig = mm._Figures(QWEN_7B, 2, cb, True, 4096)
+    rows = [5, 5]
+    alone, _ = mm.simulate_peak(sched, rows, 0, 0, 0, fig)
+    with_grads, where = mm.simulate_peak(sched, rows, 0, 0, 0, fig, grads=1e9)
+    assert with_grads == alone + 1e9 and where["group"] == 1 and where["gradients"] == 1e9
+    one = build_schedule(forest, 6, 12)  # one call: no gradient before its backward
+    assert mm.simulate_peak(one, [10], 0, 0, 0, fig, grads=1e9)[1]["gradients"] == 0
 
 
 def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
@@ -369,7 +438,8 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     plan_ = plan_on_cuda(RuntimeConfig(chunk_size=3))
     assert seen["device"] == torch.device("cuda", 0)
     assert plan_.budget_bytes == pytest.approx((1 - mp.MARGIN_FRAGMENTED) * 5 * GIB)
-    assert plan_.parts["gradients"] == mp.missing_grad_bytes(model.parameters()) > 0
+    # one call: its backward peaks before its gradients exist
+    assert plan_.step_grad_bytes == mp.step_grad_bytes(model.parameters()) > 0 and plan_.parts["gradients"] == 0
     assert plan_.predicted_peak_bytes <= plan_.budget_bytes and "fastest predicted plan" in plan_.reason
     assert plan_.call_bytes is cb and plan_.start_bytes == 1 * GIB
     cap = plan_on_cuda(RuntimeConfig(chunk_size=3, memory=1.5))

@@ -110,7 +110,7 @@ def test_the_policy_decides_as_the_reference_on_the_issue_cases():
     for shape in (mm.StepShape(65606, 9836, 6300), mm.StepShape(6144, 2560, 2048), mm.StepShape(262144, 9836, 25200)):
         for setting in ("auto", "low", 14.5, 30.0):
             got = mp.plan_step(spec, 2, shape, on_cuda=True, available=76 * GIB, allocated=2.9 * GIB,
-                               expandable_segments=True, fused_head=True, missing_grads=2.9 * GIB, setting=setting,
+                               expandable_segments=True, fused_head=True, step_grads=2.9 * GIB, setting=setting,
                                call_bytes=lean, can_keep_attention=True)
             chunk = mp.LOW_LOGPROB_CHUNK if setting == "low" else None
             grid, fig_of, fixed = _scored(spec, shape, lean, 2, True, True, missing=2.9 * GIB, chunk=chunk)

@@ -44,6 +44,9 @@ class LinearizedTrainer(MicroBatchTrainer):
             :mod:`dtree.models.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
+        grad_guard: a failed step leaves ``param.grad`` as it was (as the runtime's
+            option, :mod:`dtree.engine.grad_guard`); False accumulates in place, as the
+            trainers this baseline stands for do.
     """
 
     def __init__(
@@ -54,8 +57,9 @@ class LinearizedTrainer(MicroBatchTrainer):
         attention: str = "auto",
         logprob_chunk: int = 4096,
         checkpoint: bool = False,
+        grad_guard: bool = True,
     ) -> None:
-        super().__init__(model, logprob_chunk, checkpoint)
+        super().__init__(model, logprob_chunk, checkpoint, grad_guard)
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
         self.max_tokens_per_batch = max_tokens_per_batch

@@ -142,10 +142,13 @@ class MicroBatchTrainer:
     """Base of the baselines: :meth:`forward_backward` over the micro-batches that
     :meth:`plan` returns, each run with the attention :meth:`_attend` builds.
 
-    Subclasses set ``self.attention`` and implement ``plan`` and ``_attend``.
+    Subclasses set ``self.attention`` and implement ``plan`` and ``_attend``. ``grad_guard``:
+    as the runtime's (:mod:`dtree.engine.grad_guard`); False is how mask-based and
+    linearized trainers accumulate (into ``param.grad`` in place).
     """
 
-    def __init__(self, model: torch.nn.Module, logprob_chunk: int, checkpoint: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, logprob_chunk: int, checkpoint: bool = False,
+                 grad_guard: bool = True) -> None:
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         self.module = model
@@ -153,6 +156,7 @@ class MicroBatchTrainer:
         self.spec = self.model.dtree_spec()
         self.logprob_chunk = logprob_chunk
         self.checkpoint = bool(checkpoint)
+        self.grad_guard = bool(grad_guard)
         if self.checkpoint:
             decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found
 
@@ -219,7 +223,8 @@ class MicroBatchTrainer:
         calls = [c for c in (_select_terms(b, weights, forest) for b in batches) if len(c.term_lin)]
         lin = np.concatenate([c.term_lin for c in calls]) if calls else np.zeros(0, dtype=np.int64)
 
-        with TokenStep(self.module.parameters(), forest, loss, lin, self.device, self.dtype, started=t0) as step:
+        with TokenStep(self.module.parameters(), forest, loss, lin, self.device, self.dtype, started=t0,
+                       grad_guard=self.grad_guard) as step:
             total, term_log = self._run(calls, forest, weights, loss, step.per_token)
             walked = WalkOutput(
                 total, term_log, num_model_calls=len(calls),

@@ -108,6 +108,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
             :mod:`dtree.models.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
+        grad_guard: a failed step leaves ``param.grad`` as it was (as the runtime's
+            option, :mod:`dtree.engine.grad_guard`); False accumulates in place, as the
+            trainers this baseline stands for do.
     """
 
     def __init__(
@@ -118,8 +121,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
         attention: str = "auto",
         logprob_chunk: int = 4096,
         checkpoint: bool = False,
+        grad_guard: bool = True,
     ) -> None:
-        super().__init__(model, logprob_chunk, checkpoint)
+        super().__init__(model, logprob_chunk, checkpoint, grad_guard)
         if self.spec.recurrent_states:
             raise ValueError(
                 f"{self.spec.name} has recurrent layers (layers {list(self.spec.recurrent_layers)}): tree-mask training "

@@ -188,11 +188,15 @@ def sync_device(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def timed_step(runner, forest, loss, model: torch.nn.Module, device: torch.device, *, reset_peak: bool = True):
+def timed_step(runner, forest, loss, model: torch.nn.Module, device: torch.device, *, reset_peak: bool = True,
+               zero_grad: bool = True):
     """One ``runner.forward_backward(forest, loss)`` timed between device syncs, after
-    ``model.zero_grad(set_to_none=True)`` and (``reset_peak``) a reset of the CUDA peak
-    counters. Returns ``(step output, seconds)``; every benchmark times a step this way."""
-    model.zero_grad(set_to_none=True)
+    ``model.zero_grad(set_to_none=True)`` (unless not ``zero_grad``: the step accumulates onto
+    the gradients there, as a micro-batch after the first of an optimizer step does) and
+    (``reset_peak``) a reset of the CUDA peak counters. Returns ``(step output, seconds)``;
+    every benchmark times a step this way."""
+    if zero_grad:
+        model.zero_grad(set_to_none=True)
     if reset_peak and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     sync_device(device)
@@ -340,9 +344,12 @@ def measure_steps(
     on_step: Callable[[int, float, "MethodResult"], None] | None = None,
     deadline: float | None = None,
     max_seconds: float | None = None,
+    accumulate: bool = False,
 ) -> MethodResult:
     """Fresh-forest protocol: one step on each of ``forests`` in order, with one runner
-    (as a training loop keeps its trainer).
+    (as a training loop keeps its trainer). ``accumulate``: the gradients are cleared
+    before the first step only, so every later step adds to them (the micro-batches of one
+    long optimizer step: what gradient accumulation holds in memory).
 
     ``deadline`` (``time.monotonic()`` value): no step starts after it; the
     configuration is ``skipped`` if it ran none. ``max_seconds``: stop this
@@ -364,7 +371,7 @@ def measure_steps(
             if max_seconds is not None and spent >= max_seconds and i >= 3:
                 result.note = f"stopped after {i} of {len(forests)} steps ({spent:.0f} s >= {max_seconds:g} s per configuration)"
                 break
-            out, dt = timed_step(runner, sf.forest, loss, model, device)
+            out, dt = timed_step(runner, sf.forest, loss, model, device, zero_grad=i == 0 or not accumulate)
             spent += dt
             result.step_times_s.append(dt)
             result.step_losses.append(float(out.loss))

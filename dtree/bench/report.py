@@ -293,6 +293,9 @@ def _markdown(report: dict) -> str:
         "step of the first configuration that needs them (benchmarks/profile_warmup.py measures fresh processes)"
         if fresh else f"one forest; median of {report['repeats']} steps after {report['warmup']} warm-up"
     )
+    if report.get("accumulate"):
+        protocol += ("; gradients accumulated: cleared before a configuration's first step only, so every later "
+                     "step adds to them (the micro-batches of one optimizer step; the baselines accumulate in place)")
     limits = []
     if report.get("memory_limit_gib"):
         limits.append(f"GPU memory capped at {report['memory_limit_gib']:g} GiB")

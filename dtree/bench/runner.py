@@ -83,6 +83,11 @@ def add_bench_parser(sub) -> None:
     p.add_argument("--steps", type=int, default=None,
                    help="steps per configuration, one fresh forest each (seeds seed..seed+steps-1); "
                         "default 6 on GPU, 4 on CPU. Steady figures are over steps 3..N")
+    p.add_argument("--accumulate", action="store_true",
+                   help="clear the gradients before a configuration's first step only: every later step adds to "
+                        "them, as the micro-batches of one optimizer step do (the baselines accumulate in place, as "
+                        "the trainers they stand for; dtree keeps its grad_guard default unless a configuration sets "
+                        "it)")
     p.add_argument("--same-forest", action="store_true",
                    help="repeat one forest instead: --warmup untimed steps, then the median of --repeats")
     p.add_argument("--warmup", type=int, default=2, help="(--same-forest) untimed steps first (default 2)")
@@ -241,6 +246,7 @@ class BenchConfig:
     memory_limit_gib: float | None = None
     steps: int = 1
     same_forest: bool = False
+    accumulate: bool = False
     warmup: int = 2
     repeats: int = 3
     time_budget: float | None = None
@@ -279,6 +285,7 @@ class BenchConfig:
             memory_limit_gib=args.memory_limit_gib,
             steps=1 if same_forest else (args.steps or (6 if on_gpu else 4)),
             same_forest=same_forest,
+            accumulate=args.accumulate,
             warmup=args.warmup,
             repeats=args.repeats,
             time_budget=args.time_budget,
@@ -368,6 +375,7 @@ def _report_header(cfg: BenchConfig, model, spec, workload: dict, forests: list[
         },
         "workload": {**workload, "seed": cfg.seed, "forests": _forest_summary(forests)},
         "protocol": "same-forest" if cfg.same_forest else "fresh-forests",
+        "accumulate": cfg.accumulate,
         "steps": cfg.steps,
         "warmup": cfg.warmup if cfg.same_forest else None,
         "repeats": cfg.repeats if cfg.same_forest else None,
@@ -389,17 +397,20 @@ def _measure_config(cfg: BenchConfig, method_cfg: MethodConfig, model, forests: 
     """One configuration's steps (skipped once the run's time budget is spent)."""
     from ..baselines import make_method
 
+    label, options = method_cfg.label, method_cfg.options
+    if cfg.accumulate and method_cfg.method != "dtree":
+        options = {"grad_guard": False, **options}  # as mask-based and linearized trainers accumulate
+
     def make():
-        return make_method(method_cfg.method, model, **method_cfg.options)
+        return make_method(method_cfg.method, model, **options)
 
     deadline = start + cfg.time_budget if cfg.time_budget is not None else None
     peak = peak_tflops(cfg.device, cfg.dtype)
-    label, options = method_cfg.label, method_cfg.options
     print(f"{label}: {method_cfg.method} {options or ''}", flush=True)
     if not cfg.same_forest:
         res = measure_steps(label, method_cfg.method, make, forests, loss, model, device=cfg.device, peak=peak,
                             options=options, on_step=_progress(start), deadline=deadline,
-                            max_seconds=cfg.max_config_seconds)
+                            max_seconds=cfg.max_config_seconds, accumulate=cfg.accumulate)
     elif deadline is not None and time.monotonic() > deadline:
         res = MethodResult(method_cfg.method, "skipped", config=label, options=options,
                            note="time budget spent before it started")

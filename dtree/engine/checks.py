@@ -12,6 +12,7 @@ import torch
 from ..forest.forest import Forest
 from ..losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from ..models import ModelSpec
+from .grad_guard import KEPT_NOTE
 
 __all__ = [
     "check_forest",
@@ -161,17 +162,21 @@ def refuse_paths_beyond_window(forest: Forest, spec: ModelSpec, method: str) -> 
         )
 
 
-def raise_non_finite(forest: Forest, loss_lin: np.ndarray, term_log: list[tuple[int, torch.Tensor]]) -> None:
+def raise_non_finite(
+    forest: Forest, loss_lin: np.ndarray, term_log: list[tuple[int, torch.Tensor]],
+    note: str = KEPT_NOTE,
+) -> None:
     """Raise a ValueError naming the first (sequence, position) whose loss term is not
     finite. ``term_log`` holds ``(offset, terms)`` pairs: ``terms[i]`` is the weighted
-    loss of linearized token ``loss_lin[offset + i]``."""
+    loss of linearized token ``loss_lin[offset + i]``; ``note`` ends the message (what became
+    of ``param.grad``: :mod:`dtree.engine.grad_guard`)."""
     bad = []
     for e0, t in term_log:
         local = torch.nonzero(~torch.isfinite(t)).flatten().cpu().numpy()
         bad += [(int(loss_lin[e0 + i]), float(t[i])) for i in local]
     lin, value = min(bad) if bad else (None, float("nan"))
     where = "at sequence {}, position {}".format(*forest.locate(lin)) if lin is not None else "in the sum"
-    raise ValueError(f"loss is not finite ({value}) {where}; param.grad was left as it was before this call")
+    raise ValueError(f"loss is not finite ({value}) {where}; {note}")
 
 
 def checked_step_loss(loss: Any, forest: Forest, normalization: Normalization | None) -> Any:

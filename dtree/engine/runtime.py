@@ -77,7 +77,7 @@ from ..models.lean_layers import lean_layers_during
 from ..plan.memory_policy import MemoryPlan
 from ..plan.model_view import ModelView, model_view
 from ..plan.schedule import Schedule
-from ..plan.step_plan import StepPlanner
+from ..plan.step_plan import StepPlan, StepPlanner
 from ..stacks.step_stacks import StepStacks
 from .checks import (
     check_forest,
@@ -87,6 +87,7 @@ from .checks import (
     checked_step_loss,
     validate_forest,
 )
+from .micro_batches import run_micro_batches
 from .step import StepOutput
 from .step_memory import after_step, drops_stack, with_report
 from .two_pass import (
@@ -128,7 +129,9 @@ class TreeRuntime:
             ``deterministic`` (bitwise-identical gradients in every run; :mod:`dtree.ops.determinism`),
             ``lean_layers`` (the model's norms and MLPs run dtree's lean kernels during
             its steps; :mod:`dtree.models.lean_layers`), ``pause_gc`` (Python's automatic
-            garbage collection off during a training step; :mod:`dtree.engine.collector`).
+            garbage collection off during a training step; :mod:`dtree.engine.collector`),
+            ``grad_guard`` (a failed step leaves ``param.grad`` as it was, at one more copy of
+            the gradients while accumulating; :mod:`dtree.engine.grad_guard`).
 
     To ``torch.compile`` the decoder layers, call :func:`dtree.compile_layers` on the
     model first (the runtime never recompiles the user's model itself).
@@ -287,22 +290,79 @@ class TreeRuntime:
         check_loss_argument(loss)
         check_normalization(normalization)
         with self._call(training=True) as (view, after):
-            validate_forest(forest, self.spec)
-            loss = checked_step_loss(loss, forest, normalization)
-            first, trained = None, loss
             if isinstance(loss, TokenLoss):
-                forest, weights = loss.prepare(forest, normalization)
+                out = self._train(self._token_plan(forest, loss, normalization, view), view, return_logprobs)
             else:  # pass 1 of two (dtree.engine.two_pass): the log-probs, then the loss's gradient on the host
+                validate_forest(forest, self.spec)
+                loss = checked_step_loss(loss, forest, normalization)
                 plan = self._planner.make_plan(forest, view=view)
                 lps, ents = TreeWalk(plan).logprobs(loss_temperature(loss), needs_entropy(loss), rewind_rng=True)
                 first = host_step(loss, forest, lps, ents)
                 forest, trained, weights = surrogate(forest, first.grads)
-            plan = self._planner.make_plan(forest, weights, trained.field_names, first is not None, view)
-            out = train_step(plan, trained, view.parameters, self._scope(), return_logprobs and first is None,
-                             self.config.pause_gc)
-            if first is not None:
-                out = two_pass_output(out, loss, first, return_logprobs)
+                plan = self._planner.make_plan(forest, weights, trained.field_names, True, view)
+                out = two_pass_output(self._train((plan, trained), view, False), loss, first, return_logprobs)
         return with_report(out, after, self.memory_plan)
+
+    def forward_backward_micro_batches(
+        self,
+        forests: Sequence[Forest],
+        loss: TokenLoss | SequenceLoss | LogprobLoss | SequenceLossFn,
+        *,
+        normalization: Normalization | None = None,
+        return_logprobs: bool = False,
+    ) -> list[StepOutput]:
+        """:meth:`forward_backward` over each of ``forests``, the micro-batches of one optimizer
+        step, in order: their gradients accumulate into ``param.grad`` (the same as one call per
+        forest), reduced over all of them (``normalization`` defaults to
+        ``Normalization.from_forests(forests, loss)``; a plain callable normalizes itself).
+
+        For a :class:`dtree.losses.TokenLoss` the host prepares each micro-batch (checks, the
+        loss's weights, the memory plan, the schedule, the uploads) while the GPU still runs
+        the one before (:mod:`dtree.engine.micro_batches`), and the model is walked, checked and
+        given its lean layers once for all of them; other losses run one ``forward_backward``
+        each. Returns one :class:`StepOutput` per forest; ``metrics["memory"]`` (what the call
+        left allocated) is on the last. Errors are :meth:`forward_backward`'s, raised with a
+        note naming the micro-batch; the micro-batches before it stay in ``param.grad``.
+        """
+        forests = list(forests)
+        if not forests:
+            raise ValueError("forests is empty: pass the micro-batches of one optimizer step (dtree.Forest each)")
+        for forest in forests:
+            check_forest(forest)
+        check_loss_argument(loss)
+        check_normalization(normalization)
+        if normalization is None and isinstance(loss, (TokenLoss, SequenceLoss)):
+            normalization = Normalization.from_forests(forests, loss)
+        if not isinstance(loss, TokenLoss):
+            def one(k, forest, _):
+                return self.forward_backward(forest, loss, normalization=normalization, return_logprobs=return_logprobs)
+            return run_micro_batches(len(forests), lambda k, _: forests[k], one)
+        with self._call(training=True) as (view, after):
+            outs = run_micro_batches(
+                len(forests),
+                lambda k, releasing: self._token_plan(forests[k], loss, normalization, view, releasing),
+                lambda k, planned, ahead: self._train(planned, view, return_logprobs, ahead),
+            )
+        with_report(outs[-1], after, self.memory_plan)
+        return outs
+
+    def _token_plan(self, forest: Forest, loss: TokenLoss, normalization: Normalization | None, view: ModelView,
+                    releasing: float = 0.0) -> tuple[StepPlan, TokenLoss]:
+        """(the plan, the checked loss) of a step of ``loss`` over ``forest``: the forest checked
+        against the model, the loss's fields and weights (:meth:`TokenLoss.prepare`), the step
+        plan (``releasing``: :meth:`StepPlanner.make_plan`'s)."""
+        validate_forest(forest, self.spec)
+        loss = checked_step_loss(loss, forest, normalization)
+        forest, weights = loss.prepare(forest, normalization)
+        return self._planner.make_plan(forest, weights, loss.field_names, view=view, releasing=releasing), loss
+
+    def _train(self, planned: tuple[StepPlan, TokenLoss], view: ModelView, return_logprobs: bool,
+               before_sync=None) -> StepOutput:
+        """The training walk of a plan and its loss (:func:`dtree.engine.walk.train_step`) with the
+        runtime's options."""
+        plan, loss = planned
+        return train_step(plan, loss, view.parameters, self._scope(), return_logprobs, self.config.pause_gc,
+                          self.config.grad_guard, before_sync)
 
     def backward_from_logprob_grads(
         self,
@@ -331,7 +391,8 @@ class TreeRuntime:
             grads = LogprobGrads(float(loss_value), check_temperature(temperature), w, w_entropy)
             forest, loss, weights = surrogate(forest, grads)
             plan = self._planner.make_plan(forest, weights, loss.field_names, view=view)
-            out = train_step(plan, loss, view.parameters, self._scope(), pause_gc=self.config.pause_gc)
+            out = train_step(plan, loss, view.parameters, self._scope(), pause_gc=self.config.pause_gc,
+                             grad_guard=self.config.grad_guard)
             out.loss = grads.value
         return with_report(out, after, self.memory_plan)
 

@@ -32,7 +32,8 @@ from ..ops.logprobs import compute_dtype
 from ..plan.loss_terms import prediction_lin
 from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
 from .collector import CollectorPause
-from .grad_guard import GradStash
+from .grad_guard import KEPT_NOTE
+from .grad_guard import grad_guard as guard_grads
 
 __all__ = [
     "KeptLogprobs", "LossFields", "MissingFieldError", "StepOutput", "TokenStep", "WalkOutput", "checked_loss",
@@ -117,8 +118,9 @@ class LossFields(Mapping[str, torch.Tensor]):
     """The fields a loss's functions see (name -> [M]); reading a missing one raises a
     :class:`MissingFieldError` that says how to provide it."""
 
-    def __init__(self, fields: Mapping[str, torch.Tensor], loss: TokenLoss, forest_fields: Iterable[str]) -> None:
-        self._fields, self._loss, self._forest_fields = fields, loss, sorted(forest_fields)
+    def __init__(self, fields: Mapping[str, torch.Tensor], loss: TokenLoss, forest_fields: Iterable[str],
+                 note: str = KEPT_NOTE) -> None:
+        self._fields, self._loss, self._forest_fields, self._note = fields, loss, sorted(forest_fields), note
 
     def __getitem__(self, name: str) -> torch.Tensor:
         try:
@@ -147,10 +149,10 @@ class LossFields(Mapping[str, torch.Tensor]):
                 f"Forest.from_sequences(..., {name}=...) or forest.with_fields({name}=...), and list it in "
                 "required_fields"
             )
-        return f"{loss}, {fix}; param.grad was left as it was"
+        return f"{loss}, {fix}; {self._note}"
 
 
-def _checked_output(loss: TokenLoss, out: object, logp: torch.Tensor) -> torch.Tensor:
+def _checked_output(loss: TokenLoss, out: object, logp: torch.Tensor, note: str = KEPT_NOTE) -> torch.Tensor:
     """A per-token function's result: a tensor that carries gradient back to ``logp``."""
     if not isinstance(out, torch.Tensor):
         raise TypeError(
@@ -161,23 +163,24 @@ def _checked_output(loss: TokenLoss, out: object, logp: torch.Tensor) -> torch.T
         raise ValueError(
             f"the per-token function of loss {loss.name!r} returned a tensor that does not depend on logp (detached, "
             "or computed from the fields alone): no gradient would reach the model. Compute it from logp with torch "
-            "operations, without .detach(), .item() or numpy; param.grad was left as it was"
+            f"operations, without .detach(), .item() or numpy; {note}"
         )
     return out
 
 
-def checked_loss(loss: TokenLoss, forest: Forest) -> TokenLoss:
+def checked_loss(loss: TokenLoss, forest: Forest, note: str = KEPT_NOTE) -> TokenLoss:
     """``loss`` whose per-token and metric functions read :class:`LossFields` (a missing
     field is named, with the fix) and whose per-token results are checked
-    (:func:`_checked_output`): mistakes inside a user's function become clear errors."""
+    (:func:`_checked_output`): mistakes inside a user's function become clear errors, ending
+    with ``note`` (what became of ``param.grad``: :mod:`dtree.engine.grad_guard`)."""
     names = tuple(forest.fields)
     per_token, metrics = loss.per_token, loss.metrics
 
     def checked(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        return _checked_output(loss, per_token(logp, LossFields(fields, loss, names)), logp)
+        return _checked_output(loss, per_token(logp, LossFields(fields, loss, names, note)), logp, note)
 
     def checked_metrics(logp: torch.Tensor, fields: Mapping[str, torch.Tensor]) -> dict:
-        return metrics(logp, LossFields(fields, loss, names))
+        return metrics(logp, LossFields(fields, loss, names, note))
 
     return dataclasses.replace(loss, per_token=checked, metrics=None if metrics is None else checked_metrics)
 
@@ -191,7 +194,8 @@ class TokenStep:
             out = step.finish(walked)
 
     On entering, ``param.grad`` is moved aside (a failed step loses nothing: it is
-    restored when the block raises), and Python's automatic garbage collection is paused
+    restored when the block raises; ``grad_guard=False``: the step accumulates into it in
+    place, :mod:`dtree.engine.grad_guard`), and Python's automatic garbage collection is paused
     until the step ends (``pause_gc``: :mod:`dtree.engine.collector`). ``per_token`` is the
     loss's function whose fields are :class:`LossFields` and whose results are checked
     (:func:`checked_loss`); it records the loss's metrics, and keeps the log-probs the loss saw when
@@ -202,15 +206,15 @@ class TokenStep:
     def __init__(
         self, parameters: Iterable[torch.nn.Parameter], forest: Forest, loss: TokenLoss, loss_lin: np.ndarray,
         device: torch.device, dtype: torch.dtype, return_logprobs: bool = False, started: float | None = None,
-        pause_gc: bool = True,
+        pause_gc: bool = True, grad_guard: bool = True,
     ) -> None:
         self.started = time.perf_counter() if started is None else started
+        self._stash = guard_grads(parameters, grad_guard)
         self.forest, self.loss, self.loss_lin, self.device, self.dtype = forest, loss, loss_lin, device, dtype
         self.recorded: list[dict] = []  # per call with terms, the loss's per-token metrics
         self.kept = KeptLogprobs() if return_logprobs else None
-        per_token = checked_loss(loss, forest).recording(self.recorded)
+        per_token = checked_loss(loss, forest, self._stash.note).recording(self.recorded)
         self.per_token: PerTokenFn = per_token if self.kept is None else self.kept.wrap(per_token)
-        self._stash = GradStash(parameters)
         self._collector = CollectorPause(pause_gc)
 
     def __enter__(self) -> "TokenStep":
@@ -222,6 +226,10 @@ class TokenStep:
         self._collector.__exit__(*exc)
         return self._stash.__exit__(*exc)
 
+    def releasing_bytes(self) -> float:
+        """Bytes the step frees when it succeeds (the gradients it adds into those kept aside)."""
+        return self._stash.releasing_bytes()
+
     def finish(self, walked: WalkOutput) -> StepOutput:
         """The step's output: the loss value (non-finite: ValueError), the walk's counters and
         metrics, the loss's metrics; the loss and the metrics come to the host in the step's one
@@ -230,7 +238,7 @@ class TokenStep:
         sums = loss_metric_sums(self.loss, forest, loss_lin, walked.term_log, self.recorded, self.device, self.dtype)
         loss_value, loss_means = host_values(walked.total, sums)
         if not np.isfinite(loss_value):  # any non-finite term makes the sum non-finite
-            raise_non_finite(forest, loss_lin, walked.term_log)
+            raise_non_finite(forest, loss_lin, walked.term_log, self._stash.note)
         out = StepOutput(
             loss=loss_value, num_sequences=forest.num_sequences, num_unique_tokens=forest.num_unique_tokens,
             num_linearized_tokens=forest.num_linearized_tokens, num_loss_terms=len(loss_lin),

@@ -331,13 +331,20 @@ def _finish_group(state: _GroupState, total: torch.Tensor) -> torch.Tensor:
 
 def train_step(
     plan: StepPlan, loss: TokenLoss, parameters: Iterable[torch.nn.Parameter], scope: Callable | None = None,
-    return_logprobs: bool = False, pause_gc: bool = True,
+    return_logprobs: bool = False, pause_gc: bool = True, grad_guard: bool = True,
+    before_sync: Callable[[float], None] | None = None,
 ) -> StepOutput:
     """The training walk of ``plan`` for ``loss`` between the two ends of a step
-    (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds, the
-    garbage collector paused when ``pause_gc``, one device sync at the end). ``scope``: the
-    model adapter's attention scope (:meth:`TreeWalk.train`)."""
+    (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds when
+    ``grad_guard``, the garbage collector paused when ``pause_gc``, one device sync at the
+    end). ``scope``: the
+    model adapter's attention scope (:meth:`TreeWalk.train`). ``before_sync(releasing)`` runs once
+    every kernel of the step is queued, before its sync (the GPU still busy), with the bytes the
+    step frees when it succeeds (:mod:`dtree.engine.micro_batches` prepares the next step there)."""
     with TokenStep(parameters, plan.forest, loss, plan.terms.loss_lin, plan.device, plan.dtype, return_logprobs,
-                   pause_gc=pause_gc) as step:
+                   pause_gc=pause_gc, grad_guard=grad_guard) as step:
         per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
-        return step.finish(TreeWalk(plan).train(per_token, scope))
+        walked = TreeWalk(plan).train(per_token, scope)
+        if before_sync is not None:
+            before_sync(step.releasing_bytes())
+        return step.finish(walked)

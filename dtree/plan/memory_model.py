@@ -156,6 +156,7 @@ class MemoryPlan:
     fused_head: bool = False
     spec: ModelSpec | None = field(default=None, compare=False)
     itemsize: int = 2
+    step_grad_bytes: float = 0.0  # the gradients the step allocates (alive from its first backward on)
 
     def retain_tokens(self) -> float:
         """Tokens whose graphs fit in ``retain_bytes``."""
@@ -269,21 +270,26 @@ def peak_of(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: 
 
 def simulate_peak(
     sched: Schedule, rows: list[int], retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
+    grads: float = 0.0,
 ) -> tuple[float, dict]:
-    """The most live activation bytes over ``sched``'s walk (as :class:`dtree.engine.walk.TreeWalk`
-    runs it: groups with children retained outermost first while their tokens fit
-    ``retain_budget``, the others recomputed at their backward) and where it is:
-    ``(bytes, {"group", "tokens", "retained_tokens"})``. ``rows``: predictions per group."""
+    """The most live bytes over ``sched``'s walk (as :class:`dtree.engine.walk.TreeWalk` runs it:
+    groups with children retained outermost first while their tokens fit ``retain_budget``, the
+    others recomputed at their backward) and where it is: ``(bytes, {"group", "tokens",
+    "retained_tokens", "gradients"})``. ``rows``: predictions per group. ``grads``: the bytes of
+    the gradients the step allocates, alive from its first backward on (a backward peaks as it
+    starts, before its own gradients exist); ``"gradients"``: those counted at the peak."""
     live_tokens, retained = 0, 0.0
     kept: dict[int, float] = {}
     best, where = 0.0, {}
     path_per_token = fig.call_bytes.call(path_checkpoint)
+    alive = [0.0]  # the step's gradients alive at the next backward
 
     def visit(g: int, tokens: int, k: int) -> None:
         nonlocal best, where
-        peak = peak_of(fig, retained, tokens, rows[g], k)
+        peak = peak_of(fig, retained, tokens, rows[g], k) + alive[0]
         if peak > best:
-            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens}
+            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": alive[0]}
+        alive[0] = grads
 
     for kind, g in sched.events:
         group = sched.groups[g]
@@ -338,7 +344,8 @@ def refine(
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
     path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
     rows = [int(n) for n in sched.predictions.pred_offsets[1:] - sched.predictions.pred_offsets[:-1]]
-    activations, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig)
-    parts = {"gradients": plan.parts.get("gradients", 0.0), "kv_stack": float(grow), "activations": activations}
+    peak, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig, plan.step_grad_bytes)
+    gradients = where.get("gradients", 0.0)
+    parts = {"gradients": gradients, "kv_stack": float(grow), "activations": peak - gradients}
     return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,
                    reason=plan.reason + f"; peak at group {where.get('group')} ({where.get('tokens')} tokens)")

@@ -109,7 +109,7 @@ from .plan_candidates import KnobGrid, Knobs, candidate, candidate_scores, choos
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "head_bytes", "layer_activation_bytes",
-    "layer_input_bytes", "missing_grad_bytes", "plan_step", "stack_slot_bytes", "state_slot_bytes",
+    "layer_input_bytes", "step_grad_bytes", "plan_step", "stack_slot_bytes", "state_slot_bytes",
 ]
 
 # Fraction of the allocatable memory a plan leaves unused (fragmentation, kernels'
@@ -151,7 +151,7 @@ def plan_step(
     logprob_chunk: int | None = None,
     fused_head: bool = False,
     stack_held: float = 0.0,
-    missing_grads: float = 0.0,
+    step_grads: float = 0.0,
     hf_checkpointing: bool = False,
     can_checkpoint: bool = True,
     call_bytes: CallBytes | None = None,
@@ -174,7 +174,7 @@ def plan_step(
             ``checkpoint_layers``: True is every layer, False none, an int that many).
         fused_head: the LM head runs the fused Triton op (its chunk is leaner).
         stack_held: bytes of the stacks (KV, states) kept from earlier steps (reused or freed).
-        missing_grads: bytes of the gradients the step will allocate.
+        step_grads: bytes of the gradients the step allocates (:func:`step_grad_bytes`).
         hf_checkpointing: the model checkpoints its own layers (HF gradient
             checkpointing; ``call_bytes`` measured so): dtree adds no checkpoint.
         can_checkpoint: dtree can checkpoint the model's layers (a layer list).
@@ -193,7 +193,7 @@ def plan_step(
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
-    fixed = _shared_figures(spec, itemsize, shape, stack_held, missing_grads)
+    fixed = _shared_figures(spec, itemsize, shape, stack_held, step_grads)
     budget = _budget(available, expandable_segments, setting, allocated)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
     chunk = recipe.chunk if recipe is not None else logprob_chunk
@@ -213,7 +213,7 @@ def plan_step(
         keep_attention_outputs=kn.keep, logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token,
         predicted_peak_bytes=peak, predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated,
         parts=parts, reason=reason,
-        call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
+        call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize, step_grad_bytes=step_grads,
     )
 
 
@@ -225,10 +225,10 @@ def _budget(available: float, expandable_segments: bool, setting: str | float, a
     return budget
 
 
-def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held: float, missing_grads: float) -> dict:
+def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held: float, step_grads: float) -> dict:
     """What every candidate plan shares, computed once per step (~770 candidates on GRPO case 1)."""
     return {
-        "stack_held": stack_held, "missing_grads": missing_grads, "attention_rerun": attention_rerun_rate(spec, shape),
+        "stack_held": stack_held, "step_grads": step_grads, "attention_rerun": attention_rerun_rate(spec, shape),
         "rates": cost_rates(spec), "slot_bytes": stack_slot_bytes(spec, itemsize),
         "state_bytes": state_slot_bytes(spec, itemsize),
     }
@@ -334,12 +334,16 @@ def expandable_segments() -> bool:
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
-def missing_grad_bytes(parameters: Iterable[torch.Tensor]) -> float:
-    """Bytes of the gradients a step will allocate: trainable parameters without ``.grad``
-    (each storage once: tied weights share one gradient)."""
+def step_grad_bytes(parameters: Iterable[torch.Tensor], kept_aside: bool = True) -> float:
+    """Bytes of the gradients a training step allocates (each storage once: tied weights share
+    one gradient). ``kept_aside`` (``grad_guard``): a fresh ``.grad`` for every trainable
+    parameter, whether or not it has one already: the step keeps the gradients already there
+    aside until it succeeds (:class:`dtree.engine.grad_guard.GradStash`), so in a
+    gradient-accumulation loop both are alive (the old ones are in the allocated bytes the plan
+    starts from, the step's are these). Else the parameters without ``.grad`` only."""
     seen, total = set(), 0
     for p in parameters:
-        if p.requires_grad and p.grad is None and id(p) not in seen:
+        if p.requires_grad and (kept_aside or p.grad is None) and id(p) not in seen:
             seen.add(id(p))
             total += p.numel() * p.element_size()
     return float(total)

@@ -58,6 +58,14 @@ class Knobs:
     keep: bool = False  # checkpointed layers keep their attention outputs
 
 
+def _grads_at_peak(step_grads: float, calls):
+    """The step's gradients at its peak: a call peaks as its backward starts, so the gradients
+    that backward allocates come after the peak of the first call, and are alive at every later
+    one (a one-call step peaks without them: GRPO case 1 measured 13.4 GiB where counting them
+    predicted 16.4). ``calls``: a count, or [n] counts."""
+    return step_grads * (np.asarray(calls) > 1) if isinstance(calls, np.ndarray) else step_grads * (calls > 1)
+
+
 def _call_tokens(group_tokens: int, unique: int) -> int:
     return max(1, min(group_tokens if group_tokens > 0 else SMALL_CALL_TOKENS, unique))
 
@@ -74,8 +82,9 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
     kv = min(u, shape.longest_path + call) * fixed["slot_bytes"]
     stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
+    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
     parts = {
-        "gradients": fixed["missing_grads"],
+        "gradients": _grads_at_peak(fixed["step_grads"], calls),
         "kv_stack": stack,
         "path_graphs": retained,
         "call_activations": call * cb.call(knobs.checkpoint),
@@ -93,7 +102,6 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
         cost += reruns * call_overhead_at(scale, min(call, shared), knobs.checkpoint / L)
     else:
         cost += shared * rerun * knobs.path / L
-    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
     cost += calls * call_overhead_at(scale, u / calls, knobs.checkpoint / L)
     cost += u * head_share * HEAD_CHUNK_PENALTY.get(knobs.chunk, _OTHER_CHUNK_PENALTY)
     return sum(parts.values()), cost, parts
@@ -174,7 +182,8 @@ def candidate_scores(
                    grid.chunk, calls)
     per_token = _lookup(lambda c, kp, n: cb(c, kp).call(n), grid.chunk, keep, grid.checkpoint)
     backward = _lookup(lambda c, kp, n: cb(c, kp).backward(n), grid.chunk, keep, grid.checkpoint)
-    peak = 0 + np.full(len(grid), fixed["missing_grads"], dtype=np.float64)  # summed in candidate's parts order
+    num_calls = _lookup(lambda c: call_count(u, c), calls)
+    peak = 0 + _grads_at_peak(fixed["step_grads"], num_calls)  # summed in candidate's parts order
     peak = peak + stack + retained + call * per_token + np.maximum(head, call * backward)
 
     (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
@@ -187,7 +196,6 @@ def candidate_scores(
     recomputed = recomputed + reruns * _lookup(lambda c, k: call_overhead_at(scale, min(c, shared), k / L),
                                                calls, grid.checkpoint)
     cost = np.where(recompute, recomputed, cost + shared * rerun * np.where(recompute, 0, grid.path) / L)
-    num_calls = _lookup(lambda c: call_count(u, c), calls)
     cost = cost + num_calls * _lookup(lambda c, k: call_overhead_at(scale, u / call_count(u, c), k / L),
                                       calls, grid.checkpoint)
     penalty = _lookup(lambda c: HEAD_CHUNK_PENALTY.get(c, _OTHER_CHUNK_PENALTY), grid.chunk)

@@ -134,12 +134,15 @@ def plan_memory(
     call_bytes: CallBytes | None = None,
     kept: dict | None = None,
     attention: str | None = None,
+    releasing: float = 0.0,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
     ``view``: the model this step (:func:`dtree.plan.model_view.model_view`); ``stack``: the stacks the runtime holds now (their bytes are already allocated);
     ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate);
     ``attention``: the stack-attention backend (one of ``KEEPING_BACKENDS`` lets the
     plan keep checkpointed layers' attention outputs).
+    ``releasing``: bytes allocated now that are free before the step starts (planned ahead,
+    while the step before it still holds them: :mod:`dtree.engine.micro_batches`).
     ``kept`` (deterministic mode): the last plan per forest shape, which a step over that
     shape keeps while it is predicted to fit, whatever else the memory free at the call
     would allow: call sizes, checkpointing and head chunks set the order of the gradient's
@@ -150,11 +153,11 @@ def plan_memory(
     if device.type == "cuda":
         available, allocated = memory_policy.available_bytes(device)
         kw = dict(
-            available=available,
-            allocated=allocated,
+            available=available + releasing,
+            allocated=allocated - releasing,
             expandable_segments=memory_policy.expandable_segments(),
             stack_held=float(stack.nbytes()) if stack is not None and stack.device == device else 0.0,
-            missing_grads=memory_policy.missing_grad_bytes(view.parameters),
+            step_grads=memory_policy.step_grad_bytes(view.parameters, config.grad_guard),
             fused_head=fused_head_kernel(head, dtype, device),
         )
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
@@ -315,14 +318,16 @@ class StepPlanner:
         return self._plan_schedule(forest, None, same_schedule=False)[1]
 
     def _plan_schedule(
-        self, forest: Forest, weights: np.ndarray | None, same_schedule: bool, view: ModelView | None = None
+        self, forest: Forest, weights: np.ndarray | None, same_schedule: bool, view: ModelView | None = None,
+        releasing: float = 0.0,
     ) -> tuple[memory_policy.MemoryPlan, Schedule, LossTerms, StatePlan | None]:
         """The memory plan, schedule, loss terms (``weights`` None: every prediction) and state
         slots of a step over ``forest``, in that order: the plan sizes the calls, the schedule
         packs them, the state slots follow the schedule, and the plan's peak is then predicted
         from the schedule (:func:`dtree.plan.memory_model.refine`). ``same_schedule``: the last
         step's plan, schedule and state slots, with new loss terms (the two-pass path).
-        ``view``: the model this step (:func:`dtree.plan.model_view.model_view`)."""
+        ``view``: the model this step (:func:`dtree.plan.model_view.model_view`); ``releasing``:
+        :func:`plan_memory`'s."""
         if same_schedule:
             memory, sched, states = self._last
             return memory, sched, select_loss_terms(sched.predictions, forest, weights), states
@@ -335,7 +340,7 @@ class StepPlanner:
         kept = self._kept_plans if self.deterministic else None
         memory = plan_memory(
             view, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept,
-            self.attention,
+            self.attention, releasing,
         )
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
         check_stack_capacity(sched, forest, self.config.stack_capacity)
@@ -358,7 +363,7 @@ class StepPlanner:
 
     def make_plan(
         self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
-        same_schedule: bool = False, view: ModelView | None = None,
+        same_schedule: bool = False, view: ModelView | None = None, releasing: float = 0.0,
     ) -> StepPlan:
         """The plan of a step over ``forest``: a training plan with its [N] ``weights`` and the
         loss's fields, else a log-prob plan (every prediction, no gradient slots); over the
@@ -366,9 +371,10 @@ class StepPlanner:
         a new schedule. The step's arrays go to the device in one copy per kind; the stacks
         are the ones held when they fit, else new ones. ``view``: the model this call (its
         modules and parameters walked once, :func:`~dtree.plan.model_view.model_view`; walked
-        here when None)."""
+        here when None). ``releasing``: bytes allocated now that the step before this one frees
+        before this one starts (:func:`plan_memory`)."""
         view = view or model_view(self.module)
-        memory, sched, terms, states = self._plan_schedule(forest, weights, same_schedule, view)
+        memory, sched, terms, states = self._plan_schedule(forest, weights, same_schedule, view, releasing)
         training, (device, dtype) = weights is not None, self.placement
         ints, floats = upload_arrays(
             [forest.tokens[sched.row_unique], forest.positions[sched.row_unique], terms.pred_hidden_row,
