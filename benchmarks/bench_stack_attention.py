@@ -23,6 +23,10 @@ same inputs:
 * ``sdpa dense``: ``F.scaled_dot_product_attention`` (flash backend) over the dense
   batch, ancestors copied in front of each segment, K/V heads repeated (the
   linearized computation; copies not timed);
+* ``fa4 dense``: flash-attn-4's own kernel on that dense batch (grouped-query attention in
+  the kernel, copies not timed): what FlashAttention-class kernels reach on the same
+  (query, key) pairs without a tree, so its backward/forward ratio is the one to compare
+  the stack kernels' with;
 * ``regions (torch)``: only with ``--smoke``, the region path with the pure-torch kernel.
 
 Reported per implementation: median ``do_bench`` ms of the forward and of
@@ -59,6 +63,8 @@ from stack_attention_cases import (  # noqa: E402
     cases,
     dense_inputs,
     environment,
+    fa4_dense,
+    fa4_dense_inputs,
     flash,
     kernel_ms,
     short_kernel_name,
@@ -177,6 +183,13 @@ def run_case(case: Case, args, fns: dict, dtype, device) -> dict:
             out_dense = flash(*dense, scale=scale).transpose(1, 2).reshape(want[0].shape).float()
         err = ((out_dense - want[0]).abs().max() / want[0].abs().max()).item()
         row["impls"]["sdpa dense"] = {**m, "errors": [err] + [float("nan")] * 5, "bitwise": None}
+        if "fa4 gathered" in fns:  # flash-attn-4 imports: its own kernel on the same dense batch
+            inputs, go_fa4 = fa4_dense_inputs(dense, go_dense, hq // hkv)
+            m = measure(functools.partial(fa4_dense, scale=scale), tuple(inputs), go_fa4, flops_fwd)
+            with torch.no_grad():
+                out_fa4 = fa4_dense(*inputs, scale=scale).reshape(want[0].shape).float()
+            err = ((out_fa4 - want[0]).abs().max() / want[0].abs().max()).item()
+            row["impls"]["fa4 dense"] = {**m, "errors": [err] + [float("nan")] * 5, "bitwise": None}
     return row
 
 

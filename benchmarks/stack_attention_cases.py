@@ -110,6 +110,27 @@ def flash(q, k, v, *, scale):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
+def fa4_dense(q, k, v, *, scale):
+    """flash-attn-4's own kernel (``flash_attn.cute.flash_attn_func``, bottom-right causal,
+    grouped-query attention in the kernel) on the dense batch: q [B, Lq, Hq, D], k/v
+    [B, Lk, Hkv, D] (:func:`fa4_dense_inputs`). What a FlashAttention-class kernel does with
+    the same (query, key) pairs without a tree: the reference for the stack kernels'
+    speed and backward/forward ratio."""
+    from flash_attn.cute import flash_attn_func
+
+    out = flash_attn_func(q, k, v, softmax_scale=scale, causal=True)
+    return out[0] if isinstance(out, tuple) else out
+
+
+def fa4_dense_inputs(dense: list[torch.Tensor], go: torch.Tensor, group: int) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`dense_inputs`' batch ([B, H, L, D], K/V heads repeated ``group`` times) and its
+    output gradient in flash-attn-4's layout: [B, L, H, D], K/V at the model's head count."""
+    q, k, v = (x.detach() for x in dense)
+    k, v = (x[:, ::group] for x in (k, v))
+    leaves = [x.transpose(1, 2).contiguous().requires_grad_() for x in (q, k, v)]
+    return leaves, go.transpose(1, 2).contiguous()
+
+
 def bench_ms(fn, grads=None) -> float:
     """Median ms of ``fn`` (``triton.testing.do_bench``); on CPU (smoke runs) one timed call."""
     if not torch.cuda.is_available():

@@ -5,7 +5,7 @@
 ``benchmarks/masked_call_gpu.sh``, ``benchmarks/session_k_gpu.sh``, ``benchmarks/session_l_gpu.sh``,
 ``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``,
 ``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
-``benchmarks/session_s_gpu.sh``, sharing
+``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -46,9 +46,12 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_p_gpu.sh", {"PART": "origins"}, (".",), marks=pytest.mark.slow),
     pytest.param("session_q_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
     pytest.param("session_r_gpu.sh", {"PART": "confirm"}, ("confirm64k", "half256k"), marks=pytest.mark.slow),
-    ("session_s_gpu.sh", {"PART": "check"}, ("memory_after",)),
+    pytest.param("session_s_gpu.sh", {"PART": "check"}, ("memory_after",), marks=pytest.mark.slow),
     pytest.param("session_s_gpu.sh", {"PART": "confirm"}, ("final64k", "case1"), marks=pytest.mark.slow),
-    ("session_s_gpu.sh", {"PART": "final"}, ("final64k", "case1")),
+    pytest.param("session_s_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
+    ("session_t_gpu.sh", {"PART": "check"}, ("case1_micro", "case1_before")),
+    ("session_t_gpu.sh", {"PART": "memory"}, ("agentic64k_micro", "agentic64k_before", "accumulate64k")),
+    pytest.param("session_t_gpu.sh", {"PART": "attn"}, (".",), marks=pytest.mark.slow),
 ])
 def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
     r = _smoke(script, tmp_path, **parts)
