@@ -57,8 +57,12 @@ layers in backward attend through the stack), attention dropout.
 
 Errors: inputs are validated on the host before any kernel runs. A non-finite loss is
 detected at the end of the step with a single device sync; ``param.grad`` is then
-restored to what it was before the call and a ``ValueError`` names the sequence and
-position of the first bad term.
+restored to what it was before the call (unless ``grad_guard=False``: the step then
+accumulates in place, :mod:`dtree.engine.grad_guard`) and a ``ValueError`` names the
+sequence and position of the first bad term.
+
+Micro-batches: :meth:`TreeRuntime.forward_backward_micro_batches` runs an optimizer step's
+micro-batches, each planned while the one before still runs (:mod:`dtree.engine.micro_batches`).
 """
 
 from __future__ import annotations
