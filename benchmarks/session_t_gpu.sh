@@ -12,6 +12,9 @@
 #                plan predicted against the peak, with and without the guard, this code and .oldm's;
 #                then `dtree bench --accumulate` on the 64k tree (memory=14.5 and low, each with and
 #                without the guard, against tree-mask:whole+ckpt accumulating in place);
+#   PART=final   the usual comparisons, one step at a time (gradients cleared before each): the 64k tree
+#                (default, memory=14.5, memory="low", tree-mask:whole+ckpt) and GRPO case 1 against the
+#                mask, with this session's step (the plan's gradient accounting, the step's end);
 #   PART=attn    the stack attention kernels against flash-attn-4's own kernel on the same dense
 #                batch (bench_stack_attention.py's `fa4 dense`, qwen2.5-1.5b's 12/2 heads): the
 #                backward/forward ratio a FlashAttention-class kernel reaches without a tree.
@@ -52,10 +55,15 @@ case "$PART" in
       "dtree:memory=$CAP,dtree:memory=$CAP+grad_guard=False,dtree:low,dtree:low+grad_guard=False,tree-mask:whole+ckpt"
     rm -f "$OUT"/*/*.png
     ;;
+  final)
+    bench final64k 300 $AGENTIC64K --steps "${STEPS}" --configs "dtree,dtree:memory=$CAP,dtree:low,tree-mask:whole+ckpt"
+    bench case1 150 $CASE1 --steps "${CASE1_STEPS:-8}" --configs "dtree,tree-mask:whole+ckpt"
+    rm -f "$OUT"/*/*.png
+    ;;
   attn)
     timeout 400 python benchmarks/bench_stack_attention.py $SMOKE_FLAG $ATTN --impls "$IMPLS" \
       --option-cases "" --out "$OUT" >"$OUT/attn.log" 2>&1
     grep -E "^\|" "$OUT"/stack_attention_*.md 2>/dev/null | head -30
     ;;
-  *) echo "PART must be check, memory or attn"; exit 2 ;;
+  *) echo "PART must be check, memory, final or attn"; exit 2 ;;
 esac

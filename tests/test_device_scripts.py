@@ -52,6 +52,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("session_t_gpu.sh", {"PART": "check"}, ("case1_micro", "case1_before")),
     ("session_t_gpu.sh", {"PART": "memory"}, ("agentic64k_micro", "agentic64k_before", "accumulate64k")),
     pytest.param("session_t_gpu.sh", {"PART": "attn"}, (".",), marks=pytest.mark.slow),
+    pytest.param("session_t_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
 ])
 def test_device_script_runs_on_cpu(tmp_path, script, parts, reports):
     r = _smoke(script, tmp_path, **parts)
