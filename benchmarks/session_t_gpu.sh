@@ -44,13 +44,16 @@ case "$PART" in
         | tee "$OUT/gpu_tests.txt" | tail -1
     fi
     micro case1_micro 240 --workload case1 --micro-batches 4 --steps "${CASE1_STEPS:-4}"
-    [ -d .oldm/dtree ] && micro case1_before 120 --workload case1 --micro-batches 4 --steps 2 --ways loop \
-      --dtree-src .oldm
+    if [ -d .oldm/dtree ]; then
+      micro case1_before 120 --workload case1 --micro-batches 4 --steps 2 --ways loop --dtree-src .oldm
+    fi
     ;;
   memory)
     micro agentic64k_micro 300 --workload agentic64k --micro-batches 2 --steps 2 --opt "memory=$CAP"
-    [ -d .oldm/dtree ] && micro agentic64k_before 150 --workload agentic64k --micro-batches 2 --steps 1 \
-      --ways loop --opt "memory=$CAP" --dtree-src .oldm
+    if [ -d .oldm/dtree ]; then
+      micro agentic64k_before 150 --workload agentic64k --micro-batches 2 --steps 1 --ways loop \
+        --opt "memory=$CAP" --dtree-src .oldm
+    fi
     bench accumulate64k 300 $AGENTIC64K --steps "${STEPS}" --accumulate --configs \
       "dtree:memory=$CAP,dtree:memory=$CAP+grad_guard=False,dtree:low,dtree:low+grad_guard=False,tree-mask:whole+ckpt"
     rm -f "$OUT"/*/*.png
