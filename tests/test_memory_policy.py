@@ -416,7 +416,7 @@ def test_the_refined_peak_counts_the_gradients_after_the_first_backward():
 
 def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     """The runtime's side of a CUDA step without a GPU: what the allocator can hand out,
-    the gradients still to allocate, the stack held, the fused head, HF checkpointing,
+    the step's gradients, the stack held, the fused head, HF checkpointing,
     the measured per-token figures; and the refined prediction from the schedule."""
     model = make_model("qwen2")
     cuda = (torch.device("cuda", 0), torch.bfloat16)

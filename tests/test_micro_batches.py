@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from hf_models import make_model
-from setups import assert_grads_equal, grads_of
+from setups import SEQS, assert_exact, assert_grads_equal, grads_of, reference
 
 import dtree
 from dtree.engine import micro_batches
@@ -80,6 +80,17 @@ def test_equals_one_step_over_all_sequences(model, forests):
     assert sum(o.loss for o in outs) == pytest.approx(whole.loss, rel=1e-5)
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("kw", [{}, {"grad_guard": False}, {"mode": "recompute", "group_tokens": 0}])
+def test_every_gradient_equals_hf_per_path(model, kw):
+    """Against the reference nobody here wrote: HF run on each sequence of the three
+    micro-batches (token-mean NLL over all of them), every parameter's gradient."""
+    ref_model, ref_loss = reference(model, SEQS)
+    batches = [dtree.Forest.from_sequences(SEQS[a:b]) for a, b in ((0, 6), (6, 8), (8, 9))]
+    outs = dtree.TreeRuntime(model, **{"chunk_size": 3, **kw}).forward_backward_micro_batches(batches, dtree.losses.nll())
+    assert_exact(model, ref_model)
+    assert sum(o.loss for o in outs) == pytest.approx(ref_loss, rel=1e-5)
 
 
 def test_other_losses_run_one_step_each(model, forests):

@@ -282,14 +282,14 @@ def simulate_peak(
     kept: dict[int, float] = {}
     best, where = 0.0, {}
     path_per_token = fig.call_bytes.call(path_checkpoint)
-    alive = [0.0]  # the step's gradients alive at the next backward
+    alive = 0.0  # the step's gradients alive at the next backward
 
     def visit(g: int, tokens: int, k: int) -> None:
-        nonlocal best, where
-        peak = peak_of(fig, retained, tokens, rows[g], k) + alive[0]
+        nonlocal best, where, alive
+        peak = peak_of(fig, retained, tokens, rows[g], k) + alive
         if peak > best:
-            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": alive[0]}
-        alive[0] = grads
+            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": alive}
+        alive = grads
 
     for kind, g in sched.events:
         group = sched.groups[g]

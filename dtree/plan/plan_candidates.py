@@ -63,7 +63,7 @@ def _grads_at_peak(step_grads: float, calls):
     that backward allocates come after the peak of the first call, and are alive at every later
     one (a one-call step peaks without them: GRPO case 1 measured 13.4 GiB where counting them
     predicted 16.4). ``calls``: a count, or [n] counts."""
-    return step_grads * (np.asarray(calls) > 1) if isinstance(calls, np.ndarray) else step_grads * (calls > 1)
+    return step_grads * (np.asarray(calls) > 1)
 
 
 def _call_tokens(group_tokens: int, unique: int) -> int:
