@@ -85,9 +85,13 @@ class RuntimeConfig:
             keeps the gradients already there aside and adds its own at the end
             (:mod:`dtree.engine.grad_guard`). In a gradient-accumulation loop that holds one
             more copy of the gradients during each step after the first (2.9 GiB for
-            qwen2.5-1.5b in bf16; the memory policy counts it). False: the step accumulates
-            into ``param.grad`` in place, as a plain PyTorch loop does, and a failed step may
-            leave part of its gradient there (its error says so).
+            qwen2.5-1.5b in bf16; the memory policy counts it). Under a memory cap (``memory``
+            ``"low"`` or a number) the runtime keeps that copy in pinned host memory instead
+            when the device copy would make the step's plan slower: the step then accumulates
+            in place and a failure copies the old gradients back. ``"device"`` and ``"host"``
+            pick the place. False: the step accumulates into ``param.grad`` in place, as a
+            plain PyTorch loop does, and a failed step may leave part of its gradient there
+            (its error says so).
     """
 
     mode: Mode = "auto"
@@ -105,7 +109,7 @@ class RuntimeConfig:
     lean_layers: bool = True
     free_after_step: bool = False
     pause_gc: bool = True
-    grad_guard: bool = True
+    grad_guard: bool | str = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -132,7 +136,9 @@ class RuntimeConfig:
                 "checkpoint_layers must be None (decided per step), True, False or a number of layers >= 0, "
                 f"got {self.checkpoint_layers!r}"
             )
-        for name in ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc", "grad_guard"):
+        if not (isinstance(self.grad_guard, bool) or self.grad_guard in ("device", "host")):
+            raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {self.grad_guard!r}")
+        for name in ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

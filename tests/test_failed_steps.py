@@ -19,7 +19,8 @@ from dtree.losses import TokenLoss
 RUNNERS = [
     (name, kw) for name in METHODS
     for kw in ([{"mode": "retain", "chunk_size": 3, "group_tokens": 0},
-                {"mode": "recompute", "chunk_size": 3, "group_tokens": 0}, {}] if name == "dtree" else [{}])
+                {"mode": "recompute", "chunk_size": 3, "group_tokens": 0}, {}, {"grad_guard": "host"}]
+               if name == "dtree" else [{}, {"grad_guard": "host"}])
 ]
 IDS = [name + "".join(f"-{k}={v}" for k, v in kw.items()) for name, kw in RUNNERS]
 SEQS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9], [1, 2, 10], [11, 12, 13, 14]]
@@ -164,6 +165,62 @@ def test_unguarded_steps_accumulate_in_place(name, model):
         plain.forward_backward(forest, TokenLoss(lambda logp, fields: logp * float("nan")))
 
 
-def test_grad_guard_is_checked():
-    with pytest.raises(ValueError, match="grad_guard must be True or False"):
-        dtree.RuntimeConfig(grad_guard="no")
+@pytest.mark.parametrize("name", METHODS)
+def test_host_guarded_steps_accumulate_in_place(name, model):
+    """``grad_guard="host"``: the old gradients wait in host memory while the step adds into
+    the ``param.grad`` tensors already there, bit for bit as unguarded; a failed step puts the
+    old values back into those same tensors."""
+    twin = copy.deepcopy(model)
+    calls = {"chunk_size": 3, "group_tokens": 0} if name == "dtree" else {}  # several backwards before the failure
+    plain = make_method(name, twin, grad_guard=False, **calls)
+    hosted = make_method(name, model, grad_guard="host", **calls)
+    first, forest = dtree.Forest.from_sequences(FIRST), dtree.Forest.from_sequences(SEQS)
+    for r in (plain, hosted):
+        r.forward_backward(first, dtree.losses.nll())
+    old = {n: p.grad for n, p in model.named_parameters()}
+    before = grads_of(model)
+    with pytest.raises(Injected):
+        hosted.forward_backward(forest, nll_raising_on(calls_of(name, calls, model)))
+    assert all(p.grad is old[n] for n, p in model.named_parameters())
+    assert_grads_equal(model, before)
+    with grads_when_first_reached(model) as seen:
+        out = hosted.forward_backward(forest, dtree.losses.nll())
+    ref = plain.forward_backward(forest, dtree.losses.nll())
+    assert len(seen) == len(old) and all(seen[n] is old[n] for n in old)
+    assert all(p.grad is old[n] for n, p in model.named_parameters())
+    assert out.loss == ref.loss
+    assert_grads_equal(model, grads_of(twin))
+
+
+def test_grad_guard_is_checked(model):
+    for bad in ("no", 1, None):
+        with pytest.raises(ValueError, match="grad_guard must be True, False, 'device' or 'host'"):
+            dtree.RuntimeConfig(grad_guard=bad)
+        with pytest.raises(ValueError, match="grad_guard must be True, False, 'device' or 'host'"):
+            make_method("tree-mask", model, grad_guard=bad)
+
+
+def test_the_host_buffer_is_kept_lent_once_and_released(monkeypatch):
+    """The host guard's pinned buffer (pinning gigabytes outlasts a step's forward): kept between
+    steps and grown when too small; a second guard alive at once gets its own; released on request.
+    (CPU: ``pin_memory`` needs CUDA, so the allocation is plain here.)"""
+    from dtree.engine import grad_guard as guards
+
+    real_empty = torch.empty
+    monkeypatch.setattr(guards.torch, "empty", lambda n, dtype, pin_memory: real_empty(n, dtype=dtype))
+    pinned = guards._PinnedBuffer()
+    first = pinned.take(100)
+    other = pinned.take(50)  # lent: a buffer of its own
+    assert other is not first and other.numel() == 50
+    pinned.give_back(other)  # not the kept one: changes nothing
+    assert pinned.lent
+    pinned.give_back(first)
+    assert pinned.take(80) is first  # kept and large enough
+    pinned.give_back(first)
+    grown = pinned.take(200)
+    assert grown is not first and grown.numel() == 200
+    pinned.give_back(grown)
+    pinned.release()
+    assert pinned.buffer is None and not pinned.lent
+    guards.release_host_buffer()
+    assert guards._PINNED.buffer is None

@@ -399,6 +399,43 @@ def test_the_policy_counts_the_step_gradients_when_accumulating(monkeypatch):
     assert unguarded.predicted_peak_bytes < several.predicted_peak_bytes
 
 
+def test_under_a_cap_the_old_gradients_wait_on_the_host_when_that_is_faster(monkeypatch):
+    """While accumulating under a memory cap with the default guard, the plan keeps the old
+    gradients in host memory (``grad_guard="host"``) when the plan without their device copy is
+    predicted faster; the device copy where it costs nothing (a cap that fits both, no cap, the
+    first micro-batch) or where the config names the place."""
+    model = make_model("qwen2")
+    adapted = adapt(model)
+    head = as_output_head(adapted.dtree_output_layer())
+    forest = dtree.Forest.from_sequences([[1 + (7 * i + j) % 90 for j in range(40)] for i in range(6)])
+    monkeypatch.setattr(mp, "available_bytes", lambda device: (20 * GIB, 1 * GIB))
+    sizes = {True: 6 * GIB, False: 0.0}  # the step's gradients with the old ones kept aside, and in place
+    monkeypatch.setattr(mp, "step_grad_bytes", lambda params, kept_aside=True: sizes[kept_aside])
+
+    def plan_with(**kw):
+        config = RuntimeConfig(chunk_size=8, group_tokens=8, **kw)  # several calls: the gradients at their peaks
+        return plan_memory(model_view(model), adapted.dtree_spec(), head, config, (torch.device("cuda", 0),
+                           torch.bfloat16), None, forest, CallBytes(60e6, 20e6, 2, 144.0))
+
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    tight = plan_with(memory=7.5)
+    device = plan_with(memory=7.5, grad_guard="device")
+    assert device.grad_guard == "device" and device.step_grad_bytes == 6 * GIB
+    assert tight.grad_guard == "host" and tight.step_grad_bytes == 0
+    assert tight.predicted_cost < device.predicted_cost
+    assert plan_with(memory=7.5, grad_guard="host").grad_guard == "host"
+    assert plan_with(memory=7.5, grad_guard=False).grad_guard is False
+    assert plan_with(memory=19).grad_guard is True  # both fit: no PCIe copy
+    assert plan_with().grad_guard is True  # memory="auto"
+    assert tight.describe()["grad_guard"] == "host" and plan_with().describe()["grad_guard"] == "device"
+    low = plan_with(memory="low")  # its cap is its own recipe's peak: the device copy would only raise it
+    assert low.grad_guard == "host" and low.step_grad_bytes == 0
+    assert plan_with(memory="low", grad_guard="device").predicted_peak_bytes > low.predicted_peak_bytes
+    sizes[False] = sizes[True]  # the first micro-batch: nothing to keep aside
+    assert plan_with(memory=7.5).grad_guard is True and plan_with(memory="low").grad_guard is True
+
+
 def test_the_refined_peak_counts_the_gradients_after_the_first_backward():
     """The schedule's peak: the first call without the step's gradients, every later one with."""
     forest = dtree.Forest.from_sequences([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 12]])

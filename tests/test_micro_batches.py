@@ -54,7 +54,7 @@ def runtime(model, **kw):
     return dtree.TreeRuntime(model, chunk_size=3, group_tokens=8, **kw)
 
 
-@pytest.mark.parametrize("kw", [{}, {"grad_guard": False}, {"mode": "recompute"}])
+@pytest.mark.parametrize("kw", [{}, {"grad_guard": False}, {"grad_guard": "host"}, {"mode": "recompute"}])
 @pytest.mark.parametrize("loss_name", ["nll", "ppo_clip"])
 def test_equals_one_forward_backward_per_forest(model, forests, loss_name, kw):
     loss = dtree.losses.nll() if loss_name == "nll" else dtree.losses.ppo_clip(0.2)
@@ -82,7 +82,7 @@ def test_equals_one_step_over_all_sequences(model, forests):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=n)
 
 
-@pytest.mark.parametrize("kw", [{}, {"grad_guard": False}, {"mode": "recompute", "group_tokens": 0}])
+@pytest.mark.parametrize("kw", [{}, {"grad_guard": False}, {"grad_guard": "host"}, {"mode": "recompute", "group_tokens": 0}])
 def test_every_gradient_equals_hf_per_path(model, kw):
     """Against the reference nobody here wrote: HF run on each sequence of the three
     micro-batches (token-mean NLL over all of them), every parameter's gradient."""

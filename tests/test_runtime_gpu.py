@@ -126,3 +126,51 @@ def test_flash_attn_runtime_with_gradient_slots_for_the_path(monkeypatch, mode, 
                                 f"{mode} window={window} group_tokens={group_tokens}")
     assert sizes and all(grads < tokens for tokens, grads in sizes), sizes
     assert (grown[0] > 0) if window else (grown[0] == 0), (window, grown)
+
+
+def test_host_guard_copies_before_the_first_write_and_holds_no_device_copy():
+    """``grad_guard="host"`` on CUDA: the old gradients go to pinned host memory on a side stream
+    while the step runs; the step adds into the same ``.grad`` tensors only after that copy (a
+    large vocabulary makes the copy outlast the first backward, so a missing wait would show up
+    as a wrong restore); a failed step restores them bit for bit, a good one equals the
+    unguarded step bit for bit, and the step's peak holds no second copy on the device."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=65536, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config).cuda()
+    twin = copy.deepcopy(model)
+    kw = {"chunk_size": 8, "group_tokens": 8}
+    hosted = dtree.TreeRuntime(model, grad_guard="host", **kw)
+    plain = dtree.TreeRuntime(twin, grad_guard=False, **kw)
+    seqs = [torch.randint(0, 65536, (40,)).tolist() for _ in range(3)]
+    seqs += [seqs[0][:20] + torch.randint(0, 65536, (30,)).tolist()]
+    forest = dtree.Forest.from_sequences(seqs)
+    for rt in (hosted, plain):
+        rt.forward_backward(forest, dtree.losses.nll())
+    old = {n: p.grad for n, p in model.named_parameters()}
+    before = {n: g.clone() for n, g in old.items()}
+    calls = [0]
+
+    def raising_last(logp, fields):
+        calls[0] += 1
+        if calls[0] == 6:
+            raise RuntimeError("injected")
+        return -logp
+
+    with pytest.raises(RuntimeError, match="injected"):
+        hosted.forward_backward(forest, dtree.losses.TokenLoss(raising_last))
+    assert calls[0] == 6
+    for n, p in model.named_parameters():
+        assert p.grad is old[n] and torch.equal(p.grad, before[n]), n
+    peaks = {}
+    for name, rt in (("host", hosted), ("in place", plain)):
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        rt.forward_backward(forest, dtree.losses.nll())
+        peaks[name] = torch.cuda.max_memory_allocated() - base
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert p.grad is old[n] and torch.equal(p.grad, q.grad), n
+    assert peaks["host"] <= peaks["in place"] + 2**20, peaks

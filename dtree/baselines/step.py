@@ -148,7 +148,7 @@ class MicroBatchTrainer:
     """
 
     def __init__(self, model: torch.nn.Module, logprob_chunk: int, checkpoint: bool = False,
-                 grad_guard: bool = True) -> None:
+                 grad_guard: bool | str = True) -> None:
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         self.module = model
@@ -156,7 +156,9 @@ class MicroBatchTrainer:
         self.spec = self.model.dtree_spec()
         self.logprob_chunk = logprob_chunk
         self.checkpoint = bool(checkpoint)
-        self.grad_guard = bool(grad_guard)
+        if not (isinstance(grad_guard, bool) or grad_guard in ("device", "host")):
+            raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {grad_guard!r}")
+        self.grad_guard = grad_guard
         if self.checkpoint:
             decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found
 

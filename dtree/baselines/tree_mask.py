@@ -109,7 +109,8 @@ class TreeMaskTrainer(MicroBatchTrainer):
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
         grad_guard: a failed step leaves ``param.grad`` as it was (as the runtime's
-            option, :mod:`dtree.engine.grad_guard`); False accumulates in place, as the
+            option, :mod:`dtree.engine.grad_guard`; ``"host"``: the old gradients kept in
+            pinned host memory); False accumulates in place, as the
             trainers this baseline stands for do.
     """
 
@@ -121,7 +122,7 @@ class TreeMaskTrainer(MicroBatchTrainer):
         attention: str = "auto",
         logprob_chunk: int = 4096,
         checkpoint: bool = False,
-        grad_guard: bool = True,
+        grad_guard: bool | str = True,
     ) -> None:
         super().__init__(model, logprob_chunk, checkpoint, grad_guard)
         if self.spec.recurrent_states:

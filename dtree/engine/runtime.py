@@ -135,7 +135,8 @@ class TreeRuntime:
             its steps; :mod:`dtree.models.lean_layers`), ``pause_gc`` (Python's automatic
             garbage collection off during a training step; :mod:`dtree.engine.collector`),
             ``grad_guard`` (a failed step leaves ``param.grad`` as it was, at one more copy of
-            the gradients while accumulating; :mod:`dtree.engine.grad_guard`).
+            the gradients while accumulating, kept in pinned host memory under a memory cap
+            when that is faster; :mod:`dtree.engine.grad_guard`).
 
     To ``torch.compile`` the decoder layers, call :func:`dtree.compile_layers` on the
     model first (the runtime never recompiles the user's model itself).
@@ -366,7 +367,7 @@ class TreeRuntime:
         runtime's options."""
         plan, loss = planned
         return train_step(plan, loss, view.parameters, self._scope(), return_logprobs, self.config.pause_gc,
-                          self.config.grad_guard, before_sync)
+                          plan.memory.grad_guard, before_sync)
 
     def backward_from_logprob_grads(
         self,
@@ -396,7 +397,7 @@ class TreeRuntime:
             forest, loss, weights = surrogate(forest, grads)
             plan = self._planner.make_plan(forest, weights, loss.field_names, view=view)
             out = train_step(plan, loss, view.parameters, self._scope(), pause_gc=self.config.pause_gc,
-                             grad_guard=self.config.grad_guard)
+                             grad_guard=plan.memory.grad_guard)
             out.loss = grads.value
         return with_report(out, after, self.memory_plan)
 

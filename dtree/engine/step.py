@@ -194,8 +194,8 @@ class TokenStep:
             out = step.finish(walked)
 
     On entering, ``param.grad`` is moved aside (a failed step loses nothing: it is
-    restored when the block raises; ``grad_guard=False``: the step accumulates into it in
-    place, :mod:`dtree.engine.grad_guard`), and Python's automatic garbage collection is paused
+    restored when the block raises; ``grad_guard="host"``: kept in pinned host memory;
+    ``grad_guard=False``: the step accumulates into it in place, :mod:`dtree.engine.grad_guard`), and Python's automatic garbage collection is paused
     until the step ends (``pause_gc``: :mod:`dtree.engine.collector`). ``per_token`` is the
     loss's function whose fields are :class:`LossFields` and whose results are checked
     (:func:`checked_loss`); it records the loss's metrics, and keeps the log-probs the loss saw when
@@ -206,7 +206,7 @@ class TokenStep:
     def __init__(
         self, parameters: Iterable[torch.nn.Parameter], forest: Forest, loss: TokenLoss, loss_lin: np.ndarray,
         device: torch.device, dtype: torch.dtype, return_logprobs: bool = False, started: float | None = None,
-        pause_gc: bool = True, grad_guard: bool = True,
+        pause_gc: bool = True, grad_guard: bool | str = True,
     ) -> None:
         self.started = time.perf_counter() if started is None else started
         self._stash = guard_grads(parameters, grad_guard)

@@ -331,7 +331,7 @@ def _finish_group(state: _GroupState, total: torch.Tensor) -> torch.Tensor:
 
 def train_step(
     plan: StepPlan, loss: TokenLoss, parameters: Iterable[torch.nn.Parameter], scope: Callable | None = None,
-    return_logprobs: bool = False, pause_gc: bool = True, grad_guard: bool = True,
+    return_logprobs: bool = False, pause_gc: bool = True, grad_guard: bool | str = True,
     before_sync: Callable[[float], None] | None = None,
 ) -> StepOutput:
     """The training walk of ``plan`` for ``loss`` between the two ends of a step

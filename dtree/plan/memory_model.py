@@ -157,6 +157,7 @@ class MemoryPlan:
     spec: ModelSpec | None = field(default=None, compare=False)
     itemsize: int = 2
     step_grad_bytes: float = 0.0  # the gradients the step allocates (alive from its first backward on)
+    grad_guard: bool | str = True  # where the step keeps param.grad's old values (dtree.engine.grad_guard)
 
     def retain_tokens(self) -> float:
         """Tokens whose graphs fit in ``retain_bytes``."""
@@ -194,6 +195,7 @@ class MemoryPlan:
             ),
             "logprob_chunk": self.logprob_chunk,
             "keep_attention_outputs": self.keep_attention_outputs,
+            "grad_guard": {True: "device", False: "in place"}.get(self.grad_guard, self.grad_guard),
             "predicted_peak_gib": g(self.predicted_peak_bytes),
             "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
             "start_gib": g(self.start_bytes),

@@ -14,6 +14,7 @@ forest or schedule, so the planner reads them at every call, not at construction
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -146,7 +147,11 @@ def plan_memory(
     ``kept`` (deterministic mode): the last plan per forest shape, which a step over that
     shape keeps while it is predicted to fit, whatever else the memory free at the call
     would allow: call sizes, checkpointing and head chunks set the order of the gradient's
-    sums, so two runs of one forest give the same bits only under one plan."""
+    sums, so two runs of one forest give the same bits only under one plan.
+    The plan's ``grad_guard`` is the config's, except under a memory cap while accumulating
+    (``param.grad`` set) with the default guard: ``"host"`` (:class:`dtree.engine.grad_guard.GradHostCopy`)
+    when the plan without the device copy of the old gradients is predicted faster, and always
+    under ``memory="low"`` (whose cap is its own recipe's peak: the copy would raise it)."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
     kw = {}
@@ -157,7 +162,7 @@ def plan_memory(
             allocated=allocated - releasing,
             expandable_segments=memory_policy.expandable_segments(),
             stack_held=float(stack.nbytes()) if stack is not None and stack.device == device else 0.0,
-            step_grads=memory_policy.step_grad_bytes(view.parameters, config.grad_guard),
+            step_grads=memory_policy.step_grad_bytes(view.parameters, config.grad_guard in (True, "device")),
             fused_head=fused_head_kernel(head, dtype, device),
         )
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
@@ -166,13 +171,22 @@ def plan_memory(
         last.group_tokens, last.checkpoint_layers, last.path_checkpoint_layers, last.logprob_chunk,
         last.keep_attention_outputs,
     )
-    plan = memory_policy.plan_step(
-        spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
-        group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
-        logprob_chunk=config.logprob_chunk, hf_checkpointing=view.hf_checkpointing,
-        can_checkpoint=view.can_checkpoint, call_bytes=call_bytes, keep=keep,
-        can_keep_attention=attention in KEEPING_BACKENDS, **kw,
-    )
+    def planned(**changes) -> memory_policy.MemoryPlan:
+        return memory_policy.plan_step(
+            spec, itemsize, shape, on_cuda=device.type == "cuda", setting=config.memory, mode=config.mode,
+            group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
+            logprob_chunk=config.logprob_chunk, hf_checkpointing=view.hf_checkpointing,
+            can_checkpoint=view.can_checkpoint, call_bytes=call_bytes, keep=keep,
+            can_keep_attention=attention in KEEPING_BACKENDS, **{**kw, **changes},
+        )
+
+    plan = dataclasses.replace(planned(), grad_guard=config.grad_guard)
+    if config.grad_guard is True and config.memory != "auto" and kw:
+        in_place = memory_policy.step_grad_bytes(view.parameters, kept_aside=False)
+        if in_place < kw["step_grads"]:  # accumulating: the old gradients could wait on the host instead
+            lean = planned(step_grads=in_place)
+            if config.memory == "low" or lean.predicted_cost < plan.predicted_cost:  # low: the least memory
+                plan = dataclasses.replace(lean, grad_guard="host")
     if kept is not None:
         kept.pop(shape, None)
         kept[shape] = plan
