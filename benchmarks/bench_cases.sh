@@ -4,19 +4,20 @@
 # the bench command and issue 17's two cases, or with SMOKE=1 their CPU stand-ins on the
 # tiny model (plumbing only). Sets BENCH, CASE1, AGENTIC64K, SMOKE_FLAG (--smoke for the Python
 # scripts), MASK_GIB (the mask's peak on the
-# 64k tree: the memory cap that compares dtree at the mask's memory) and STEPS, and defines bench
-# (one `dtree bench` run into $OUT/DIR, its report rows printed).
+# 64k tree: the memory cap that compares dtree at the mask's memory), CAP (the same for the mask with
+# dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
+# $OUT/DIR, its report rows printed) and micro (one benchmarks/micro_batches.py run, likewise).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 BENCH="python -m dtree bench --model qwen2.5-1.5b"
 CASE1="--workload grpo --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512"
 AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"
-MASK_GIB=17.6 STEPS=4 SMOKE_FLAG=
+MASK_GIB=17.6 STEPS=4 SMOKE_FLAG= CAP=14.5
 if [ "${SMOKE:-0}" = 1 ]; then
   BENCH="python -m dtree bench --model tiny --device cpu"
   CASE1="--workload grpo --set num_prompts=1 --set prompt_len=64 --set group_size=4 --set answer_len=16"
   AGENTIC64K="--workload agentic --set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set target_unique_tokens=400"
-  MASK_GIB=4 STEPS=2 SMOKE_FLAG=--smoke
+  MASK_GIB=4 STEPS=2 SMOKE_FLAG=--smoke CAP=4
 fi
 
 bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows printed
@@ -25,4 +26,10 @@ bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows p
   mkdir -p "$OUT/$dir"
   timeout "$limit" $BENCH "$@" --out "$OUT/$dir" >"$OUT/$dir.log" 2>&1
   grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT/$dir"/*.md | cut -d'|' -f2,6,8,12
+}
+
+micro() {  # micro DIR TIMEOUT ARGS...: benchmarks/micro_batches.py, its report in $OUT/DIR, its table printed
+  mkdir -p "$OUT/$1"
+  OUT="$OUT/$1" timeout "$2" python benchmarks/micro_batches.py $SMOKE_FLAG "${@:3}" >"$OUT/$1.log" 2>&1
+  grep -E "^\| \`|^- dtree from" "$OUT/$1.log" | cut -c1-220
 }

@@ -2,8 +2,10 @@
 
 A trainer accumulates the gradients of ``--micro-batches`` fresh forests per optimizer step (GRPO
 groups, agent trees) before it steps the optimizer. This script times such optimizer steps, in one
-process, alternating the ways of running them (each optimizer step starts with the gradients
-cleared and ends with one device sync):
+process, alternating the ways of running them in an order that rotates each round (each optimizer
+step starts with the gradients cleared and ends with one device sync; the first way to meet a
+round's fresh forests pays the once-per-shape costs of their new shapes, which had made the first
+way of every round look ~5% slower before session U):
 
 * ``loop``: one ``forward_backward`` per micro-batch (what a trainer writes today), with the
   batch-wide normalization;
@@ -12,6 +14,9 @@ cleared and ends with one device sync):
 * ``... unguarded``: the same with ``grad_guard=False`` (the step accumulates into ``param.grad``
   in place instead of keeping the old gradients aside: one copy of the gradients less from the
   second micro-batch on);
+* ``... device copy``: the same with ``grad_guard="device"`` (the old gradients kept aside on the
+  device, as every guarded step did before the plan could keep them in pinned host memory; the
+  ``guard`` column says where each way's plans kept them);
 * ``mask loop``: ``tree-mask:whole+ckpt`` per micro-batch, accumulating in place (AReaL's form),
   with the same decoder layers (``dtree.bench.layers``).
 
@@ -68,12 +73,19 @@ def ways(model, options: dict) -> dict:
     mask = make_method("tree-mask", model, max_tokens_per_batch=None, checkpoint=True, grad_guard=False)
     out["micro"] = lambda fs, loss, norm: rt.forward_backward_micro_batches(fs, loss, normalization=norm)
     out["micro unguarded"] = lambda fs, loss, norm: unguarded.forward_backward_micro_batches(fs, loss, normalization=norm)
+    try:
+        on_device = dtree.TreeRuntime(model, **{**options, "grad_guard": "device"})
+        out["micro device copy"] = lambda fs, loss, norm: on_device.forward_backward_micro_batches(
+            fs, loss, normalization=norm)
+    except ValueError:
+        out["micro device copy"] = "this dtree has no grad_guard='device'"
     out["mask loop"] = lambda fs, loss, norm: [mask.forward_backward(f, loss, normalization=norm) for f in fs]
     return out
 
 
-def optimizer_step(fn, forests, loss, model, device) -> tuple[float, float | None, float | None, int]:
-    """(seconds, peak allocated GiB, largest predicted peak GiB, model calls) of one optimizer step."""
+def optimizer_step(fn, forests, loss, model, device) -> tuple[float, float | None, float | None, int, str]:
+    """(seconds, peak allocated GiB, largest predicted peak GiB, model calls, where the plans kept the
+    old gradients) of one optimizer step."""
     model.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -85,7 +97,8 @@ def optimizer_step(fn, forests, loss, model, device) -> tuple[float, float | Non
     peak = torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None
     predicted = [o.metrics.get("memory_plan", {}).get("predicted_total_gib") for o in outs]
     predicted = [p for p in predicted if p is not None]
-    return seconds, peak, max(predicted) if predicted else None, sum(o.num_model_calls for o in outs)
+    guards = sorted({str(o.metrics.get("memory_plan", {}).get("grad_guard", "-")) for o in outs})
+    return seconds, peak, max(predicted) if predicted else None, sum(o.num_model_calls for o in outs), "/".join(guards)
 
 
 def _largest(values) -> str:
@@ -123,8 +136,10 @@ def main() -> int:
         for w, fn in runs.items():  # the untimed first optimizer step: compiles, the memory probe
             optimizer_step(fn, batches[0], loss, model, device)
             print(f"{w}: warmed up", flush=True)
-        for s in range(1, args.steps + 1):  # the ways alternate, so every way sees the same host drift
-            for w, fn in runs.items():
+        order = list(runs.items())
+        for s in range(1, args.steps + 1):  # the ways alternate, so every way sees the same host drift,
+            # and the first to meet a step's fresh forests (its new shapes' one-time costs) rotates
+            for w, fn in order[(s - 1) % len(order):] + order[:(s - 1) % len(order)]:
                 rows.setdefault(w, []).append(optimizer_step(fn, batches[s], loss, model, device))
                 print(f"{w} step {s}: {rows[w][-1][0]:.3f} s", flush=True)
     flops = sum(spec.training_flops(torch.from_numpy(f.positions.copy())) for b in batches[1:] for f in b)
@@ -138,19 +153,20 @@ def main() -> int:
         f"# Optimizer steps of {k} micro-batches: {args.workload}, {env.get('device', device.type)}", "",
         "- " + ", ".join(f"{key} {value}" for key, value in env.items()),
         f"- dtree from {where}; decoder layers, every way: {layers}; dtree options: {options or 'defaults'}",
-        (f"- {args.steps} timed optimizer steps per way (after one untimed), ways alternating; "
+        (f"- {args.steps} timed optimizer steps per way (after one untimed), ways alternating, the first of each round rotating; "
          f"{per_micro_batch:,.0f} unique tokens per micro-batch on average; gradients cleared before each "
          "optimizer step, one device sync after it"), "",
-        "| way | s per micro-batch | against loop | MFU | model calls per step | peak alloc (GiB) | largest predicted (GiB) |",
-        "|---|---|---|---|---|---|---|",
+        ("| way | s per micro-batch | against loop | MFU | model calls per step | peak alloc (GiB) | "
+         "largest predicted (GiB) | guard |"),
+        "|---|---|---|---|---|---|---|---|",
     ]
     for w, r in rows.items():
         total = sum(x[0] for x in r)
         mfu = f"{flops / total / (peak * 1e12):.1%}" if peak else "-"
         vs = f"{base / (total / len(r)):.3f}x" if base else "-"
         lines.append(f"| `{w}` | {total / len(r) / k:.4f} | {vs} | {mfu} | {r[-1][3]} | {_largest(x[1] for x in r)} | "
-                     f"{_largest(x[2] for x in r)} |")
-    lines += [f"| `{w}` | absent: {why} | | | | | |" for w, why in absent.items()]
+                     f"{_largest(x[2] for x in r)} | {r[-1][4]} |")
+    lines += [f"| `{w}` | absent: {why} | | | | | | |" for w, why in absent.items()]
     emit_report("\n".join(lines) + "\n", f"micro_batches_{args.workload}_{k}.md")
     return 0
 

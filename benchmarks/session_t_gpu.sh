@@ -31,12 +31,6 @@ if [ "${SMOKE:-0}" = 1 ]; then
   CAP=4 ATTN="--layouts grpo" IMPLS="triton fused"
 fi
 
-micro() {  # micro DIR TIMEOUT ARGS...: benchmarks/micro_batches.py, its report in $OUT/DIR, its table printed
-  mkdir -p "$OUT/$1"
-  OUT="$OUT/$1" timeout "$2" python benchmarks/micro_batches.py $SMOKE_FLAG "${@:3}" >"$OUT/$1.log" 2>&1
-  grep -E "^\| \`|^- dtree from" "$OUT/$1.log" | cut -c1-200
-}
-
 case "$PART" in
   check)
     if [ -z "$SMOKE_FLAG" ]; then
