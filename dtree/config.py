@@ -87,9 +87,9 @@ class RuntimeConfig:
             more copy of the gradients during each step after the first (2.9 GiB for
             qwen2.5-1.5b in bf16; the memory policy counts it). Under a memory cap (``memory``
             ``"low"`` or a number) the runtime keeps that copy in pinned host memory instead
-            when the device copy would make the step's plan slower: the step then accumulates
-            in place and a failure copies the old gradients back. ``"device"`` and ``"host"``
-            pick the place. False: the step accumulates into ``param.grad`` in place, as a
+            when the device copy would make the step's plan slower (under ``"low"``: larger):
+            the step then accumulates in place and a failure copies the old gradients back.
+            ``"device"`` and ``"host"`` pick the place. False: the step accumulates into ``param.grad`` in place, as a
             plain PyTorch loop does, and a failed step may leave part of its gradient there
             (its error says so).
     """

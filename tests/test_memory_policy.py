@@ -413,7 +413,7 @@ def test_under_a_cap_the_old_gradients_wait_on_the_host_when_that_is_faster(monk
     monkeypatch.setattr(mp, "step_grad_bytes", lambda params, kept_aside=True: sizes[kept_aside])
 
     def plan_with(**kw):
-        config = RuntimeConfig(chunk_size=8, group_tokens=8, **kw)  # several calls: the gradients at their peaks
+        config = RuntimeConfig(**{"chunk_size": 8, "group_tokens": 8, **kw})  # several calls: the gradients at their peaks
         return plan_memory(model_view(model), adapted.dtree_spec(), head, config, (torch.device("cuda", 0),
                            torch.bfloat16), None, forest, CallBytes(60e6, 20e6, 2, 144.0))
 
@@ -432,6 +432,8 @@ def test_under_a_cap_the_old_gradients_wait_on_the_host_when_that_is_faster(monk
     low = plan_with(memory="low")  # its cap is its own recipe's peak: the device copy would only raise it
     assert low.grad_guard == "host" and low.step_grad_bytes == 0
     assert plan_with(memory="low", grad_guard="device").predicted_peak_bytes > low.predicted_peak_bytes
+    one_call = plan_with(memory="low", group_tokens=4096)  # peaks before its gradients exist: no PCIe copy
+    assert one_call.group_tokens >= forest.num_unique_tokens and one_call.grad_guard is True
     sizes[False] = sizes[True]  # the first micro-batch: nothing to keep aside
     assert plan_with(memory=7.5).grad_guard is True and plan_with(memory="low").grad_guard is True
 

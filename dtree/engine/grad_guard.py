@@ -20,7 +20,7 @@ step's first write into a ``.grad`` waits for it); a failed step copies them bac
 device memory, and PCIe time only where the forward is shorter than the copy (53 GB/s on an
 H200 host: 58 ms for qwen2.5-1.5b's 3.1 GB), plus one pinning of the host buffer, kept for the
 later steps (:func:`release_host_buffer`). Under a memory cap the runtime picks it when the
-device copy would make the plan slower, and always under ``memory="low"``
+device copy would make the plan slower, and under ``memory="low"`` when it would make it leaner
 (:func:`dtree.plan.step_plan.plan_memory`).
 """
 

@@ -150,8 +150,9 @@ def plan_memory(
     sums, so two runs of one forest give the same bits only under one plan.
     The plan's ``grad_guard`` is the config's, except under a memory cap while accumulating
     (``param.grad`` set) with the default guard: ``"host"`` (:class:`dtree.engine.grad_guard.GradHostCopy`)
-    when the plan without the device copy of the old gradients is predicted faster, and always
-    under ``memory="low"`` (whose cap is its own recipe's peak: the copy would raise it)."""
+    when the plan without the device copy of the old gradients is predicted faster, and under
+    ``memory="low"`` when it is predicted leaner (that cap is its own recipe's peak, which the
+    copy raises in steps of several calls; a one-call step peaks before its gradients exist)."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
     kw = {}
@@ -185,7 +186,9 @@ def plan_memory(
         in_place = memory_policy.step_grad_bytes(view.parameters, kept_aside=False)
         if in_place < kw["step_grads"]:  # accumulating: the old gradients could wait on the host instead
             lean = planned(step_grads=in_place)
-            if config.memory == "low" or lean.predicted_cost < plan.predicted_cost:  # low: the least memory
+            if lean.predicted_cost < plan.predicted_cost or (  # low: the least memory
+                config.memory == "low" and lean.predicted_peak_bytes < plan.predicted_peak_bytes
+            ):
                 plan = dataclasses.replace(lean, grad_guard="host")
     if kept is not None:
         kept.pop(shape, None)
