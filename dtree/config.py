@@ -20,6 +20,7 @@ __all__ = ["RuntimeConfig", "Mode", "Attention", "Recurrence", "MODES", "ATTENTI
 
 Mode = Literal["auto", "retain", "recompute"]
 MEMORY_SETTINGS = ("auto", "low")  # or a positive number: a cap in GiB (dtree.plan.memory_policy)
+GRAD_GUARDS = (True, False, "device", "host")  # where a step keeps param.grad's old values (dtree.engine.grad_guard)
 
 Attention = Literal["auto", "triton", "flash-attn", "sdpa", "reference"]
 Recurrence = Literal["auto", "reference", "chunked", "fla"]
@@ -136,8 +137,7 @@ class RuntimeConfig:
                 "checkpoint_layers must be None (decided per step), True, False or a number of layers >= 0, "
                 f"got {self.checkpoint_layers!r}"
             )
-        if not (isinstance(self.grad_guard, bool) or self.grad_guard in ("device", "host")):
-            raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {self.grad_guard!r}")
+        check_grad_guard(self.grad_guard)
         for name in ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
@@ -149,6 +149,12 @@ class RuntimeConfig:
     def as_dict(self) -> dict[str, Any]:
         """The options as a plain dict (for reports)."""
         return dataclasses.asdict(self)
+
+
+def check_grad_guard(value: Any) -> None:
+    """Raise unless ``value`` is one of :data:`GRAD_GUARDS` (True, not 1: the bools by type)."""
+    if not (isinstance(value, bool) or value in ("device", "host")):
+        raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {value!r}")
 
 
 def _check_count(name: str, value: Any, *, minimum: int, optional: bool = True) -> None:

@@ -38,6 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..config import check_grad_guard
 from ..device.placement import model_placement
 from ..device.transfer import upload_arrays
 from ..engine.checks import (
@@ -156,8 +157,7 @@ class MicroBatchTrainer:
         self.spec = self.model.dtree_spec()
         self.logprob_chunk = logprob_chunk
         self.checkpoint = bool(checkpoint)
-        if not (isinstance(grad_guard, bool) or grad_guard in ("device", "host")):
-            raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {grad_guard!r}")
+        check_grad_guard(grad_guard)
         self.grad_guard = grad_guard
         if self.checkpoint:
             decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found

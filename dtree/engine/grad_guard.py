@@ -30,11 +30,9 @@ from typing import Iterable, Self
 
 import torch
 
-__all__ = [
-    "GUARDS", "KEPT_NOTE", "PARTIAL_NOTE", "GradHostCopy", "GradInPlace", "GradStash", "grad_guard", "release_host_buffer",
-]
+from ..config import check_grad_guard
 
-GUARDS = (True, False, "device", "host")  # True and "device" are one guard: GradStash
+__all__ = ["KEPT_NOTE", "PARTIAL_NOTE", "GradHostCopy", "GradInPlace", "GradStash", "grad_guard", "release_host_buffer"]
 
 KEPT_NOTE = "param.grad was left as it was before this call"
 PARTIAL_NOTE = (
@@ -238,13 +236,10 @@ class GradHostCopy(_Guard):
 
 
 def grad_guard(params: Iterable[torch.Tensor], guarded: bool | str = True) -> GradStash | GradHostCopy | GradInPlace:
-    """A step's guard of ``param.grad`` (``guarded``, one of :data:`GUARDS`): :class:`GradStash`
-    (True, ``"device"``), :class:`GradHostCopy` (``"host"``) or :class:`GradInPlace` (False);
-    its ``note`` ends the step's error messages."""
+    """A step's guard of ``param.grad`` (``guarded``, one of :data:`dtree.config.GRAD_GUARDS`):
+    :class:`GradStash` (True, ``"device"``), :class:`GradHostCopy` (``"host"``) or
+    :class:`GradInPlace` (False); its ``note`` ends the step's error messages."""
+    check_grad_guard(guarded)
     if guarded is False:
         return GradInPlace(params)
-    if guarded == "host":
-        return GradHostCopy(params)
-    if guarded is True or guarded == "device":
-        return GradStash(params)
-    raise ValueError(f"grad_guard must be one of {GUARDS}, got {guarded!r}")
+    return GradHostCopy(params) if guarded == "host" else GradStash(params)
