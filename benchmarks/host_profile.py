@@ -60,16 +60,27 @@ def script_setup(args, num_forests: int):
     (model, device, runtime, loss, ``num_forests`` fresh forests, workload kind, runtime
     options), after three warm-up steps on the first forests (Triton compiles, the memory
     probe)."""
-    model, device = script_model(args.smoke)
-    spec = adapt(model).dtree_spec()
-    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
-    options = parse_assignments(args.opt, "--opt")
+    model, device, forest_of, options, loss = script_parts(args.smoke, args.workload, args.opt)
     rt = dtree.TreeRuntime(model, **options)
-    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
-    forests = [make_workload(kind, seed=i, vocab_size=spec.vocab_size, **params) for i in range(num_forests)]
+    forests = [forest_of(i) for i in range(num_forests)]
     for forest in forests[:3]:
         host_timed_step(rt, forest, loss, model, device)
+    kind = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload][0]
     return model, device, rt, loss, forests, kind, options
+
+
+def script_parts(smoke: bool, workload: str, opt: list[str]):
+    """(model, device, ``forest_of(seed)``, the runtime options ``opt`` give, the PPO loss) of a
+    benchmark script: qwen2.5-1.5b on CUDA (tiny on CPU or with ``smoke``), ``workload``'s
+    fresh forests (:data:`WORKLOADS`; :data:`SMOKE` off CUDA)."""
+    model, device = script_model(smoke)
+    spec = adapt(model).dtree_spec()
+    kind, params = (SMOKE if smoke or device.type != "cuda" else WORKLOADS)[workload]
+
+    def forest_of(seed: int):
+        return make_workload(kind, seed=seed, vocab_size=spec.vocab_size, **params)
+
+    return model, device, forest_of, parse_assignments(opt, "--opt"), ppo_clip(clip_eps=0.2, reduction="token_mean")
 
 
 def add_setup_arguments(p: argparse.ArgumentParser, default_workload: str = "case1") -> None:

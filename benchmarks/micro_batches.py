@@ -48,15 +48,13 @@ if "--dtree-src" in sys.argv[:-1]:  # before anything imports dtree: an older ch
     sys.path.insert(0, os.path.abspath(sys.argv[sys.argv.index("--dtree-src") + 1]))
 
 import dtree  # first: --dtree-src's, before benchmarks.host_profile puts this checkout in front)
-from benchmarks.host_profile import SMOKE, WORKLOADS
+from benchmarks.host_profile import WORKLOADS, script_parts
 from dtree.baselines import make_method
-from dtree.bench.configs import parse_assignments
 from dtree.bench.layers import bench_layers
-from dtree.bench.measure import emit_report, peak_tflops, script_model, sync_device
+from dtree.bench.measure import emit_report, peak_tflops, sync_device
 from dtree.bench.report import environment
-from dtree.losses import Normalization, ppo_clip
+from dtree.losses import Normalization
 from dtree.models import adapt
-from dtree.workloads import make_workload
 
 GIB = 2.0**30
 
@@ -119,13 +117,10 @@ def main() -> int:
     args = p.parse_args()
     if args.micro_batches < 1 or args.steps < 1:
         raise SystemExit("--micro-batches and --steps must be >= 1")
-    model, device = script_model(args.smoke)
+    model, device, forest_of, options, loss = script_parts(args.smoke, args.workload, args.opt)
     spec = adapt(model).dtree_spec()
-    kind, params = (SMOKE if args.smoke or device.type != "cuda" else WORKLOADS)[args.workload]
-    options = parse_assignments(args.opt, "--opt")
-    loss = ppo_clip(clip_eps=0.2, reduction="token_mean")
     k = args.micro_batches
-    batches = [[make_workload(kind, seed=s * k + i, vocab_size=spec.vocab_size, **params) for i in range(k)]
+    batches = [[forest_of(s * k + i) for i in range(k)]
                for s in range(args.steps + 1)]
     rows, absent = {}, {}
     with bench_layers(model, "auto", device) as layers:

@@ -34,14 +34,19 @@ def hf_checkpointing(model, reentrant: bool):
     return model.train()
 
 
+@pytest.mark.parametrize("offload", [False, True], ids=["inputs on the device", "inputs on the host"])
 @pytest.mark.parametrize("group_tokens", GROUP_TOKENS)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_checkpoint_layers_matches_per_path(arch, mode, group_tokens):
+def test_checkpoint_layers_matches_per_path(arch, mode, group_tokens, offload):
+    """``offload_checkpoints``: the inputs wait in host memory (:mod:`dtree.models.host_checkpoints`;
+    cloned on CPU: the same steps)."""
     model = make_model(arch, tied=arch == "qwen2")
     ref_model, ref_loss = reference(model)
-    out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, checkpoint_layers=True)
+    out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, checkpoint_layers=True,
+                                offload_checkpoints=offload)
     assert out.metrics["memory_plan"]["checkpoint_layers"] == model.config.num_hidden_layers
+    assert out.metrics["memory_plan"]["offload_checkpoints"] is offload
     assert_exact(tree_model, ref_model, out, ref_loss)
 
 
@@ -74,7 +79,7 @@ def test_path_and_leaf_calls_checkpoint_different_layers(leaf, path, mode, monke
     exact in each combination; the layers are restored after every call."""
     import dataclasses
 
-    import dtree.plan.step_plan as step_plan
+    from dtree.plan import step_plan
 
     model = three_layer_model("qwen2")
     ref_model, ref_loss = reference(model)

@@ -5,7 +5,8 @@
 ``benchmarks/masked_call_gpu.sh``, ``benchmarks/session_k_gpu.sh``, ``benchmarks/session_l_gpu.sh``,
 ``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``,
 ``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
-``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``, sharing
+``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
+``benchmarks/session_v_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -54,9 +55,13 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_t_gpu.sh", {"PART": "memory"}, ("agentic64k_micro", "accumulate64k"), marks=pytest.mark.slow),
     pytest.param("session_t_gpu.sh", {"PART": "attn"}, (".",), marks=pytest.mark.slow),
     pytest.param("session_t_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
-    ("session_u_gpu.sh", {"PART": "check"}, ("agentic64k_micro",)),
+    pytest.param("session_u_gpu.sh", {"PART": "check"}, ("agentic64k_micro",), marks=pytest.mark.slow),
     ("session_u_gpu.sh", {"PART": "diag", "GUARD_STEPS": "1"}, ("host_guard",)),
-    ("session_u_gpu.sh", {"PART": "accumulate"}, ("accumulate64k",)),
+    pytest.param("session_u_gpu.sh", {"PART": "accumulate"}, ("accumulate64k",), marks=pytest.mark.slow),
+    ("session_v_gpu.sh", {"PART": "encounter", "FORESTS": "1"}, ("default", "capped")),
+    ("session_v_gpu.sh", {"PART": "offload"}, ("offload64k",)),
+    pytest.param("session_v_gpu.sh", {"PART": "split"}, ("split64k", "memory_low"), marks=pytest.mark.slow),
+    ("session_v_gpu.sh", {"PART": "offloadcost", "COST_STEPS": "1"}, ("offload_cost",)),
     pytest.param("session_u_gpu.sh", {"PART": "recheck", "CASE1_STEPS": "2", "AGENTIC_STEPS": "2"},
                  ("case1_rotated", "agentic64k_rotated"), marks=pytest.mark.slow),
 ])

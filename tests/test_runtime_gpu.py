@@ -174,3 +174,57 @@ def test_host_guard_copies_before_the_first_write_and_holds_no_device_copy():
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert p.grad is old[n] and torch.equal(p.grad, q.grad), n
     assert peaks["host"] <= peaks["in place"] + 2**20, peaks
+
+
+def test_offloaded_checkpoints_on_cuda_are_exact_and_leaner():
+    """``offload_checkpoints=True`` on CUDA: the layer inputs go to pinned pages on a side stream
+    and come back before each re-run (the layer below prefetched): the step's gradients equal
+    the step keeping them on the device bit for bit (deterministic mode); as the backward reaches the decoder layers
+    (a hook on the final norm's input, after a device sync) the device holds about all the
+    layer inputs less; every page is free again after the step."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from dtree.models import host_checkpoints
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config).cuda()
+    twin = copy.deepcopy(model)
+    seqs = [torch.randint(0, 4096, (1500,)).tolist() for _ in range(2)]
+    seqs += [seqs[0][:700] + torch.randint(0, 4096, (800,)).tolist()]
+    forest = dtree.Forest.from_sequences(seqs)
+    # deterministic: at this size two plain runs differ in the last bits (~1e-6), so bit-for-bit needs it
+    kw = {"group_tokens": 8192, "checkpoint_layers": True, "deterministic": True}
+    held_at_backward: dict[str, list[int]] = {}
+
+    def watch(name: str, own) -> None:
+        def on_grad(_grad):
+            torch.cuda.synchronize()
+            torch.empty(1, device="cuda")  # the allocator frees blocks whose side-stream copies ended
+            held_at_backward.setdefault(name, []).append(torch.cuda.memory_allocated())
+
+        def hook(module, args, out):
+            if args[0].requires_grad:  # not the memory probe's calls without grad
+                args[0].register_hook(on_grad)
+
+        own.model.norm.register_forward_hook(hook)
+
+    runs = {"host": dtree.TreeRuntime(model, offload_checkpoints=True, **kw),
+            "device": dtree.TreeRuntime(twin, offload_checkpoints=False, **kw)}
+    for (name, _), own in zip(runs.items(), (model, twin)):
+        watch(name, own)
+    for _ in range(2):  # the second: the stack and the pages exist already
+        for (name, rt), own in zip(runs.items(), (model, twin)):
+            own.zero_grad(set_to_none=True)
+            out = rt.forward_backward(forest, dtree.losses.nll())
+            torch.cuda.synchronize()
+            assert out.metrics["memory_plan"]["offload_checkpoints"] is (name == "host")
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+    layer_input = forest.num_unique_tokens * config.hidden_size * 4
+    saved = held_at_backward["device"][-1] - held_at_backward["host"][-1]
+    assert saved >= 0.9 * config.num_hidden_layers * layer_input, (held_at_backward, layer_input)
+    held = host_checkpoints.host_page_bytes()
+    assert held >= config.num_hidden_layers * layer_input
+    assert host_checkpoints.free_page_bytes() == held

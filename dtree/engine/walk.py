@@ -133,7 +133,8 @@ class TreeWalk:
     def _checkpointing(self) -> LayerCheckpointing:
         """The step's checkpointed layer wrappers (built at the first call that checkpoints)."""
         if self._layer_checkpointing is None:
-            self._layer_checkpointing = LayerCheckpointing(self.plan.checkpoint_root, self.plan.keep_attention_outputs)
+            self._layer_checkpointing = LayerCheckpointing(
+                self.plan.checkpoint_root, self.plan.keep_attention_outputs, self.plan.offload_checkpoints)
         return self._layer_checkpointing
 
     def events(self):

@@ -29,6 +29,10 @@ and log-sum-exp, and the re-run takes them back instead of running the attention
 again (:mod:`dtree.ops.stack_attention.output_memo`): 3 KB more per token and layer on
 qwen2.5-1.5b, one attention forward less per layer. The memory policy decides.
 
+With ``inputs_on_host`` the layers' inputs wait in pinned host memory from the forward to the
+re-run (:mod:`dtree.models.host_checkpoints`: one group per model call, so the backward's
+prefetch of the layer below stays inside its call); the runtime does so under a memory cap.
+
 The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output value no backward
 of the layer reads may skip their work there (the lean MLP's down projection: its output
 only enters the residual add, whose backward reads no values).
@@ -49,8 +53,9 @@ from torch.utils.checkpoint import checkpoint
 
 from ..ops.rerun import rerun_scope
 from ..ops.stack_attention.output_memo import OutputMemo
+from .host_checkpoints import HostCheckpoints
 from .layer_list import LAYER_LIST_PATHS, find_decoder_layers
-from .layer_recompute import recompute_in_backward
+from .layer_recompute import inputs_on_host, recompute_in_backward
 
 __all__ = ["CheckpointedLayer", "LayerCheckpointing", "checkpointed_layers", "decoder_layers"]
 
@@ -109,7 +114,9 @@ class CheckpointedLayer(torch.nn.Module):
     ``keep_attention_outputs``: the re-run takes the forward's attention outputs back
     (see the module docstring). ``torch_checkpoint``: run under non-reentrant
     ``torch.utils.checkpoint`` instead (HF gradient checkpointing is on inside the model:
-    its own checkpoints re-run inside ours, which that form nests).
+    its own checkpoints re-run inside ours, which that form nests). ``host``: the
+    :class:`~dtree.models.host_checkpoints.HostCheckpoints` group the layer's input waits in
+    (None: on the device); :class:`LayerCheckpointing` sets one per model call.
     """
 
     def __init__(self, layer: torch.nn.Module, configs: list[Any], keep_attention_outputs: bool = False,
@@ -119,6 +126,7 @@ class CheckpointedLayer(torch.nn.Module):
         self._configs = configs
         self._keep_attention_outputs = keep_attention_outputs
         self._torch_checkpoint = torch_checkpoint
+        self.host: HostCheckpoints | None = None
 
     def forward(self, *args, **kwargs):
         saved = [(config, config._attn_implementation) for config in self._configs]
@@ -143,6 +151,9 @@ class CheckpointedLayer(torch.nn.Module):
             return layer(*args, **kwargs)
         if self._torch_checkpoint:
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
+        if self.host is not None:
+            with inputs_on_host(self.host):
+                return recompute_in_backward(run, *args, **kwargs)
         return recompute_in_backward(run, *args, **kwargs)
 
     def __getattr__(self, name: str):
@@ -159,9 +170,10 @@ class LayerCheckpointing:
     step, where building them per call (the configs' walk over every module, a wrapper
     module per layer) cost ~2.5 ms of host time per call on an H100 host."""
 
-    def __init__(self, model: torch.nn.Module, keep_attention_outputs: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, keep_attention_outputs: bool = False,
+                 inputs_on_host: bool = False) -> None:
         self.layers = decoder_layers(model)
-        self._model, self._keep = model, keep_attention_outputs
+        self._model, self._keep, self._on_host = model, keep_attention_outputs, inputs_on_host
         self._wrappers: list[CheckpointedLayer] | None = None
 
     def _built(self) -> list[CheckpointedLayer]:
@@ -173,7 +185,8 @@ class LayerCheckpointing:
     @contextlib.contextmanager
     def applied(self, count: int | None = None) -> Iterator[None]:
         """While the block runs, the first ``count`` layers (None: all) are checkpointed;
-        nested use is a no-op (the layers are wrapped once)."""
+        nested use is a no-op (the layers are wrapped once). With ``inputs_on_host`` the
+        block's checkpointed layers share one new host group (the call's)."""
         layers = self.layers
         if any(isinstance(layer, CheckpointedLayer) for layer in layers):
             yield
@@ -181,13 +194,16 @@ class LayerCheckpointing:
         count = len(layers) if count is None else max(0, min(int(count), len(layers)))
         originals = list(layers)
         wrappers = self._built() if count else []
+        group = HostCheckpoints() if self._on_host and count else None
         try:
             for i in range(count):
                 layers[i] = wrappers[i]
+                wrappers[i].host = group
             yield
         finally:
             for i in range(count):
                 layers[i] = originals[i]
+                wrappers[i].host = None
 
 
 @contextlib.contextmanager

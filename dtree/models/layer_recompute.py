@@ -16,6 +16,10 @@ against 1.24 ms with this function (a plain layer: 0.85 ms; the reentrant form: 
 and a memory-capped step checkpoints every layer of every call (308 layer calls per step
 of ``memory="low"`` on the 64k agentic tree).
 
+Under a memory cap the inputs can wait in pinned host memory instead
+(:func:`inputs_on_host`, :mod:`dtree.models.host_checkpoints`): the forward hands them to the
+group and the backward takes them back, the same bits.
+
 The re-run's outputs are used only for their graph: an op whose output value no backward
 reads may skip its work there (:mod:`dtree.ops.rerun`), as the caller marks re-runs.
 When no input requires grad (frozen embeddings under LoRA), a zero-size anchor that does
@@ -28,13 +32,15 @@ not in the forward's graph, so nothing else could be asked for).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-__all__ = ["graph_nodes", "recompute_in_backward", "rerun_graph_hooks"]
+__all__ = ["graph_nodes", "inputs_on_host", "recompute_in_backward", "rerun_graph_hooks"]
 
+_HOST: contextvars.ContextVar = contextvars.ContextVar("dtree_inputs_on_host", default=None)
 _ANCHORS: dict = {}  # device -> a zero-size leaf that requires grad: stands in when no input does
 _RERUN_HOOKS: list[Callable] = []  # rerun_graph_hooks' hooks (module-wide: backward runs on other threads)
 
@@ -62,6 +68,18 @@ def rerun_graph_hooks(hook: Callable):
         yield
     finally:
         _RERUN_HOOKS.remove(hook)
+
+
+@contextlib.contextmanager
+def inputs_on_host(group):
+    """While the block runs, the layers run through :func:`recompute_in_backward` keep their
+    inputs in ``group`` (a :class:`dtree.models.host_checkpoints.HostCheckpoints`: pinned host
+    memory on CUDA) instead of on the device, and take them back in their backward."""
+    token = _HOST.set(group)
+    try:
+        yield
+    finally:
+        _HOST.reset(token)
 
 
 class _Frame:
@@ -108,7 +126,12 @@ class _LayerRecompute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, frame: _Frame, *grad_inputs):
         ctx.frame = frame
-        ctx.save_for_backward(*grad_inputs)
+        host = _HOST.get()
+        if host is not None and all(x.numel() for x in grad_inputs):  # not the zero-size anchor
+            ctx.host, ctx.kept = host, [(host.put(x), x.requires_grad) for x in grad_inputs]
+        else:
+            ctx.host, ctx.kept = None, None
+            ctx.save_for_backward(*grad_inputs)
         out = frame.call(grad_inputs)  # grad is off inside a Function's forward
         flat, frame.out_spec = tree_flatten(out)
         frame.out_tensor_at = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
@@ -120,7 +143,11 @@ class _LayerRecompute(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         frame: _Frame = ctx.frame
-        inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
+        if ctx.kept is not None:
+            inputs = [ctx.host.get(entry).requires_grad_(flag) for entry, flag in ctx.kept]
+            ctx.host = ctx.kept = None
+        else:
+            inputs = [x.detach().requires_grad_(x.requires_grad) for x in ctx.saved_tensors]
         with torch.enable_grad(), frame.replayed():
             flat, _ = tree_flatten(frame.call(inputs))
         outs = [flat[i] for i in frame.out_tensor_at]

@@ -136,7 +136,8 @@ class MemoryPlan:
     children, or :data:`RECOMPUTE`; ``retain_bytes``: what their graphs may hold at
     once, at ``retained_bytes_per_token`` (:meth:`retain_budget` turns it into
     tokens); ``inf`` on CPU. ``keep_attention_outputs``: the checkpointed layers keep
-    their attention outputs (``call_bytes`` then counts them)."""
+    their attention outputs (``call_bytes`` then counts them). ``offload_checkpoints``: their
+    inputs wait in pinned host memory (``call_bytes`` then counts two per call)."""
 
     group_tokens: int
     checkpoint_layers: int
@@ -158,6 +159,7 @@ class MemoryPlan:
     itemsize: int = 2
     step_grad_bytes: float = 0.0  # the gradients the step allocates (alive from its first backward on)
     grad_guard: bool | str = True  # where the step keeps param.grad's old values (dtree.engine.grad_guard)
+    offload_checkpoints: bool = False  # checkpointed layers' inputs wait on the host (dtree.models.host_checkpoints)
 
     def retain_tokens(self) -> float:
         """Tokens whose graphs fit in ``retain_bytes``."""
@@ -196,6 +198,7 @@ class MemoryPlan:
             "logprob_chunk": self.logprob_chunk,
             "keep_attention_outputs": self.keep_attention_outputs,
             "grad_guard": {True: "device", False: "in place"}.get(self.grad_guard, self.grad_guard),
+            "offload_checkpoints": self.offload_checkpoints,
             "predicted_peak_gib": g(self.predicted_peak_bytes),
             "predicted_total_gib": g(self.start_bytes + self.predicted_peak_bytes),
             "start_gib": g(self.start_bytes),

@@ -39,7 +39,8 @@ Settings (``TreeRuntime(memory=...)``):
     device memory to plan for): 8192-token calls, no checkpointing, everything retained.
 ``"low"``
     the lean recipe's predicted peak (every layer checkpointed, :data:`LOW_GROUP_TOKENS`-token
-    calls, the path's groups retained, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is
+    calls, :data:`LOW_GROUP_TOKENS_OFFLOADED` with the layer inputs on the host (CUDA: the
+    runtime's ``offload_checkpoints``), the path's groups retained, :data:`LOW_LOGPROB_CHUNK`-row LM-head chunks) is
     the cap, and the fastest plan predicted under it runs, with the recipe's LM-head
     chunks: the head's backward is where this setting's step peaked once (its ``[chunk, V]``
     buffer and the ``[V, H]`` weight gradient; ``benchmarks/results/h200/session_o``), and it
@@ -125,6 +126,7 @@ CHECKPOINT_STEPS = 8  # layer counts tried: 0, L/8, ..., L
 CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
+LOW_GROUP_TOKENS_OFFLOADED = 12288  # with the layer inputs on the host a call's size costs little memory
 LOW_LOGPROB_CHUNK = 512
 
 
@@ -157,6 +159,7 @@ def plan_step(
     call_bytes: CallBytes | None = None,
     keep: tuple[int, int, int, int, bool] | None = None,
     can_keep_attention: bool = False,
+    offload: bool = False,
 ) -> MemoryPlan:
     """Decide one step (see the module docstring).
 
@@ -189,13 +192,14 @@ def plan_step(
     label = _setting_label(setting)
     L = spec.num_layers
     cb = call_bytes or estimated_call_bytes(spec, itemsize)
+    cb = cb.offloading() if offload else cb
     fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = _shared_figures(spec, itemsize, shape, stack_held, step_grads)
     budget = _budget(available, expandable_segments, setting, allocated)
-    recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk) if setting == "low" else None
+    recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload) if setting == "low" else None
     chunk = recipe.chunk if recipe is not None else logprob_chunk
     grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, chunk, can_keep_attention)
     if recipe is not None:  # the lean recipe's peak is the cap: a faster plan must not need more
@@ -214,6 +218,7 @@ def plan_step(
         predicted_peak_bytes=peak, predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated,
         parts=parts, reason=reason,
         call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize, step_grad_bytes=step_grads,
+        offload_checkpoints=offload,
     )
 
 
@@ -242,13 +247,18 @@ def _knob_grid(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckp
                      _path_options(mode, fixed_ckpt, layers), _options(logprob_chunk, LOGPROB_CHUNKS), can_keep)
 
 
-def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk) -> Knobs:
+def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, offload: bool = False) -> Knobs:
     """The lean recipe: every layer checkpointed, the groups with children retained
-    (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks."""
+    (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks.
+    With the layer inputs on the host: larger calls (smaller ones are host-bound: 8k-token
+    calls paid their whole host time in session R) and the path recomputed unless the mode
+    retains it (retained with its inputs on the host, the 64k tree's step ran 10% slower in
+    session V; recomputed, as fast as with them on the device)."""
     k = layers if fixed_ckpt is None else fixed_ckpt
-    group = LOW_GROUP_TOKENS if group_tokens is None else group_tokens
+    group = (LOW_GROUP_TOKENS_OFFLOADED if offload else LOW_GROUP_TOKENS) if group_tokens is None else group_tokens
     chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
-    return Knobs(group, k, RECOMPUTE if mode == "recompute" else k, chunk)
+    recompute = mode == "recompute" or (offload and mode != "retain")
+    return Knobs(group, k, RECOMPUTE if recompute else k, chunk)
 
 
 def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) -> int | None:

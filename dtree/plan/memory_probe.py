@@ -95,6 +95,15 @@ class CallBytes:
         return replace(self, checkpointed=self.checkpointed + kept * attention_layers,
                        layer_input=self.layer_input + share)
 
+    def offloading(self) -> CallBytes:
+        """These figures when checkpointed layers keep their inputs in pinned host memory
+        (:mod:`dtree.models.host_checkpoints`): a checkpointed layer keeps nothing on the
+        device, and a call two layer inputs at a time in its backward (the re-run layer's and
+        the one prefetched below it)."""
+        resident = 2 * self.layer_input
+        return replace(self, checkpointed=max(resident, self.checkpointed - self.layers * self.layer_input + resident),
+                       layer_input=0.0)
+
     def describe(self) -> dict:
         return {"full_kb": self.full / 1e3, "checkpointed_kb": self.checkpointed / 1e3,
                 "per_layer_kb": self.per_layer / 1e3, "backward_kb": self.backward(0) / 1e3,

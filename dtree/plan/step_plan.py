@@ -42,7 +42,7 @@ from .state_plan import StatePlan, plan_states
 
 __all__ = [
     "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes",
-    "grad_slots", "pick_backend", "pick_recurrence", "plan_memory", "stack_slots", "step_shape",
+    "grad_slots", "offloads_checkpoints", "pick_backend", "pick_recurrence", "plan_memory", "stack_slots", "step_shape",
 ]
 
 Placement = tuple[torch.device, torch.dtype]
@@ -124,6 +124,14 @@ def checkpoint_root(module: torch.nn.Module, view: ModelView | None = None) -> t
     return unwrap(module)
 
 
+def offloads_checkpoints(config: RuntimeConfig, device: torch.device, view: ModelView) -> bool:
+    """Whether checkpointed layers keep their inputs on the host (:mod:`dtree.models.host_checkpoints`): ``"auto"``
+    on CUDA under a memory cap; never under HF's own checkpointing (``torch.utils.checkpoint`` keeps them)."""
+    if not view.can_checkpoint or view.hf_checkpointing or config.offload_checkpoints is False:
+        return False
+    return config.offload_checkpoints is True or (device.type == "cuda" and config.memory != "auto")
+
+
 def plan_memory(
     view: ModelView,
     spec: ModelSpec,
@@ -166,6 +174,9 @@ def plan_memory(
             step_grads=memory_policy.step_grad_bytes(view.parameters, config.grad_guard in (True, "device")),
             fused_head=fused_head_kernel(head, dtype, device),
         )
+    offload = offloads_checkpoints(config, device, view)
+    if offload and kw:
+        kw["offload"] = True
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
     last = kept.get(shape) if kept is not None else None
     keep = None if last is None else (
@@ -181,7 +192,7 @@ def plan_memory(
             can_keep_attention=attention in KEEPING_BACKENDS, **{**kw, **changes},
         )
 
-    plan = dataclasses.replace(planned(), grad_guard=config.grad_guard)
+    plan = dataclasses.replace(planned(), grad_guard=config.grad_guard, offload_checkpoints=offload)
     if config.grad_guard is True and config.memory != "auto" and kw:
         in_place = memory_policy.step_grad_bytes(view.parameters, kept_aside=False)
         if in_place < kw["step_grads"]:  # accumulating: the old gradients could wait on the host instead
@@ -189,7 +200,7 @@ def plan_memory(
             if lean.predicted_cost < plan.predicted_cost or (  # low: the least memory
                 config.memory == "low" and lean.predicted_peak_bytes < plan.predicted_peak_bytes
             ):
-                plan = dataclasses.replace(lean, grad_guard="host")
+                plan = dataclasses.replace(lean, grad_guard="host", offload_checkpoints=offload)
     if kept is not None:
         kept.pop(shape, None)
         kept[shape] = plan
@@ -261,7 +272,8 @@ class StepPlan:
     with ``checkpoint_layers`` of its decoder layers checkpointed in the calls of groups
     without children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in
     retained groups with children, ``keep_attention_outputs``: whether those
-    checkpointed layers keep their attention outputs for the re-run; ``randomness``: every group runs under its own RNG
+    checkpointed layers keep their attention outputs for the re-run, ``offload_checkpoints``:
+    whether their inputs wait in pinned host memory; ``randomness``: every group runs under its own RNG
     seed (a module is in training mode, :mod:`dtree.device.rng`); ``state_grads``: per layer,
     whether its states' stack reads take gradients (None: all)."""
 
@@ -286,6 +298,7 @@ class StepPlan:
     checkpoint_layers: int
     path_checkpoint_layers: int
     keep_attention_outputs: bool
+    offload_checkpoints: bool
     progress: bool
     deterministic: bool
     state_grads: tuple[bool, ...] | None
@@ -431,6 +444,7 @@ class StepPlanner:
             checkpoint_layers=memory.checkpoint_layers if root is not None else 0,
             path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
             keep_attention_outputs=memory.keep_attention_outputs and root is not None,
+            offload_checkpoints=memory.offload_checkpoints and root is not None,
             progress=self.config.progress, deterministic=self.deterministic,
             state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )
