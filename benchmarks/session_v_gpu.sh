@@ -13,6 +13,9 @@
 #                    10k-token calls, against tree-mask:whole+ckpt (TESTS=offload: only the offload's test);
 #   PART=split       the offload's cost apart from the plan's: low's plans (12k-token calls, the path
 #                    retained or recomputed) with and without the offload; a memory profile of low;
+#   PART=final       with the re-run's MLP in row chunks (dtree.ops.swiglu.rerun_mlp) too: the GPU tests
+#                    of checkpointing, the offload and low; low with and without the offload,
+#                    memory=$CAP and the default against tree-mask:whole+ckpt on the 64k tree;
 #   PART=offloadcost what the offload costs a step (benchmarks/offload_cost.py): memory=low with and
 #                    without it on fresh 64k forests, host time in its puts and gets, pages pinned,
 #                    the allocator's retries, and a profiled step of each;
@@ -59,11 +62,20 @@ case "$PART" in
     grep -E "^\| " "$OUT/memory_low.log" | head -40 | cut -c1-200
     rm -f "$OUT"/*/*.png
     ;;
+  final)
+    if [ -z "$SMOKE_FLAG" ]; then
+      timeout 150 python -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_gpu.py -k "checkpoint or offload or fused_head" \
+        2>&1 | tee "$OUT/gpu_tests_final.txt" | tail -2
+    fi
+    bench final64k 330 $AGENTIC64K --steps "${STEPS}" --configs \
+      "dtree:low,dtree:low+offload_checkpoints=False,dtree:memory=$CAP,dtree,tree-mask:whole+ckpt"
+    rm -f "$OUT"/*/*.png
+    ;;
   offloadcost)
     mkdir -p "$OUT/offload_cost"
     OUT="$OUT/offload_cost" timeout 400 python benchmarks/offload_cost.py $SMOKE_FLAG --steps "${COST_STEPS:-3}" \
       >"$OUT/offload_cost.log" 2>&1
     grep -E "^\| |^step" "$OUT/offload_cost.log" | cut -c1-240
     ;;
-  *) echo "PART must be encounter, offload, split or offloadcost"; exit 2 ;;
+  *) echo "PART must be encounter, offload, split, final or offloadcost"; exit 2 ;;
 esac

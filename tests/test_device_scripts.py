@@ -62,6 +62,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("session_v_gpu.sh", {"PART": "offload"}, ("offload64k",)),
     pytest.param("session_v_gpu.sh", {"PART": "split"}, ("split64k", "memory_low"), marks=pytest.mark.slow),
     ("session_v_gpu.sh", {"PART": "offloadcost", "COST_STEPS": "1"}, ("offload_cost",)),
+    ("session_v_gpu.sh", {"PART": "final"}, ("final64k",)),
     pytest.param("session_u_gpu.sh", {"PART": "recheck", "CASE1_STEPS": "2", "AGENTIC_STEPS": "2"},
                  ("case1_rotated", "agentic64k_rotated"), marks=pytest.mark.slow),
 ])
