@@ -13,9 +13,10 @@
 #                    10k-token calls, against tree-mask:whole+ckpt (TESTS=offload: only the offload's test);
 #   PART=split       the offload's cost apart from the plan's: low's plans (12k-token calls, the path
 #                    retained or recomputed) with and without the offload; a memory profile of low;
-#   PART=final       with the re-run's MLP in row chunks (dtree.ops.swiglu.rerun_mlp) too: the GPU tests
-#                    of checkpointing, the offload and low; low with and without the offload,
-#                    memory=$CAP and the default against tree-mask:whole+ckpt on the 64k tree;
+#   PART=final       the GPU tests of checkpointing, the offload and low; low with and without the
+#                    offload, memory=$CAP and the default against tree-mask:whole+ckpt on the 64k
+#                    tree (session V ran it at 38b775f, with a re-run MLP in row chunks that this
+#                    run had measured slower and no leaner for dtree, and that was reverted after it);
 #   PART=offloadcost what the offload costs a step (benchmarks/offload_cost.py): memory=low with and
 #                    without it on fresh 64k forests, host time in its puts and gets, pages pinned,
 #                    the allocator's retries, and a profiled step of each;

@@ -225,50 +225,42 @@ def test_checkpoint_layers_needs_a_layer_list():
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_the_rerun_skips_the_mlp_down_projection_and_stays_exact(monkeypatch, arch):
-    """A checkpointed lean layer's re-run skips the MLP's output (it only reaches the residual
-    add, which the re-run's caller drops): its gate and up are computed per chunk in backward
-    (:mod:`dtree.ops.swiglu.rerun_mlp`), the SiLU product is not computed in the re-run's
-    forward, and the gradients are HF's per path, with the skip and without it."""
-    import importlib
-
+    """A checkpointed lean layer's re-run keeps what the backward saves and skips the
+    MLP's down projection (its output only reaches the residual add, which the re-run's
+    caller drops): the SiLU product is not computed in the re-run, and the gradients are
+    HF's per path, with the skip and without it."""
     from dtree.models import lean_layers
     from dtree.ops import rerun
     from dtree.ops.swiglu import interface as swiglu
 
-    chunked = importlib.import_module("dtree.ops.swiglu.rerun_mlp")
-    original, in_place, chunk_in_place = swiglu._forward, swiglu._backward_in_place, chunked._backward_in_place
+    original, in_place = swiglu._forward, swiglu._backward_in_place
     model = make_model(arch)
     ref_model, ref_loss = reference(model)
-    products, chunks = {}, {}
+    products = {}
     for skip in (True, False):
         seen: list = []
-        chunks[skip] = []
         monkeypatch.setattr(swiglu, "_forward", lambda *a, seen=seen: seen.append(rerun.in_rerun()) or original(*a))
+        # a re-run's backward forms the product inside its in-place kernel
         monkeypatch.setattr(swiglu, "_backward_in_place",
                             lambda *a, seen=seen: seen.append(rerun.in_rerun()) or in_place(*a))
-        monkeypatch.setattr(chunked, "_backward_in_place",
-                            lambda *a, got=chunks[skip]: got.append(a[0].shape[0]) or chunk_in_place(*a))
         monkeypatch.setattr(lean_layers, "in_rerun", rerun.in_rerun if skip else (lambda: False))
         out, tree_model = run_dtree(model, checkpoint_layers=True, mode="retain", group_tokens=16)
         assert_exact(tree_model, ref_model, out, ref_loss)
         products[skip] = seen
     assert products[True] and not any(products[True]), "the re-run computed the SiLU product"
     in_reruns = sum(products[False])
-    assert in_reruns > 0 and len(chunks[True]) == in_reruns and not chunks[False]
+    assert in_reruns > 0 and len(products[False]) - len(products[True]) == in_reruns
 
 
 @pytest.mark.parametrize("rows", [1, 5])
 def test_the_rerun_backward_in_row_chunks_stays_exact(monkeypatch, rows):
-    """Where the whole MLP cannot run in chunks (:func:`dtree.models.lean_layers._rerun_in_chunks`
-    false: an adapter's projection, another dtype), the re-run's SwiGLU backward takes its rows in
-    chunks (gradients written over the re-run's gate and up, the down projection's weight gradient
-    summed over chunks) and gives HF's gradients per path; every call here is longer than a chunk."""
-    from dtree.models import lean_layers
+    """The re-run's MLP backward in row chunks (gradients written over the re-run's gate
+    and up, the down projection's weight gradient summed over chunks) gives HF's gradients
+    per path; every call here is longer than a chunk."""
     from dtree.ops.swiglu import interface as swiglu
 
     chunks = []
     original = swiglu._backward_in_place
-    monkeypatch.setattr(lean_layers, "_rerun_in_chunks", lambda mlp, x: False)
     monkeypatch.setattr(swiglu, "CONSUMING_CHUNK_ROWS", rows)
     monkeypatch.setattr(swiglu, "_backward_in_place", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
     model = make_model("qwen2", tied=True)

@@ -12,9 +12,7 @@ measures it; ``benchmarks/PERF_NOTES.md`` has the table):
   SwiGLU keeps ``gate`` and ``up``, the down projection the product);
 * these lean layers: ~54 KB: the norms keep their bf16 input and one float32 per row,
   the MLP keeps ``gate`` and ``up`` only (the product is recomputed in backward, one
-  elementwise pass, when the down projection is a plain ``nn.Linear``); in a checkpointed
-  layer's re-run, where nothing reads the MLP's output, it keeps its input only and computes
-  ``gate`` and ``up`` per row chunk in backward (:mod:`dtree.ops.swiglu.rerun_mlp`).
+  elementwise pass, when the down projection is a plain ``nn.Linear``).
 
 The kernels run in Triton on CUDA (one kernel per norm, one per activation, forward
 and backward) and in torch elsewhere, with the same saved tensors.
@@ -62,7 +60,7 @@ from ..ops.rotary import RotaryFunction
 from ..ops.rotary.interface import rotary_supported
 from ..ops.rerun import in_rerun
 from ..ops.shared_input_linear import shared_input_linear
-from ..ops.swiglu import rerun_mlp, silu_mul, swiglu_down
+from ..ops.swiglu import silu_mul, swiglu_down
 from .plain_linear import is_plain_linear
 from .shared_projections import is_shared_attention, restore_projections, swap_projections
 
@@ -102,17 +100,7 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-def _rerun_in_chunks(mlp, x: torch.Tensor) -> bool:
-    """A checkpointed layer's re-run (the output only carries the graph) of plain linears in
-    ``x``'s dtype: :func:`dtree.ops.swiglu.rerun_mlp` computes gate and up per chunk in backward."""
-    projections = (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-    return in_rerun() and torch.is_grad_enabled() and all(
-        is_plain_linear(p) and p.weight.dtype == x.dtype for p in projections)
-
-
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if _rerun_in_chunks(self, x):
-        return rerun_mlp(x, *((p.weight, p.bias) for p in (self.gate_proj, self.up_proj, self.down_proj)))
     if is_plain_linear(self.gate_proj) and is_plain_linear(self.up_proj):  # one backward node: dx summed in the matmuls
         gate, up = shared_input_linear(x, ((self.gate_proj.weight, self.gate_proj.bias),
                                            (self.up_proj.weight, self.up_proj.bias)))
