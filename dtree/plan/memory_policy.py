@@ -183,14 +183,12 @@ def plan_step(
         can_checkpoint: dtree can checkpoint the model's layers (a layer list).
         call_bytes: per-token bytes of the model's calls (None: HF's eager figure).
         keep: an earlier plan's (group_tokens, checkpoint_layers, path_checkpoint_layers,
-            logprob_chunk, keep_attention_outputs), kept while predicted to fit
-            (deterministic mode).
-        can_keep_attention: the attention backend can keep a checkpointed layer's
-            outputs for its re-run (:mod:`dtree.ops.stack_attention.output_memo`): plans
-            with and without are scored.
+            logprob_chunk, keep_attention_outputs), kept while predicted to fit (deterministic mode).
+        can_keep_attention: the attention backend can keep a checkpointed layer's outputs for its
+            re-run (:mod:`dtree.ops.stack_attention.output_memo`): plans with and without are scored.
+        offload: checkpointed layers' inputs wait on the host (:meth:`CallBytes.offloading`).
     """
-    label = _setting_label(setting)
-    L = spec.num_layers
+    label, L = _setting_label(setting), spec.num_layers
     cb = call_bytes or estimated_call_bytes(spec, itemsize)
     cb = cb.offloading() if offload else cb
     fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
@@ -216,9 +214,8 @@ def plan_step(
         group_tokens=kn.group_tokens, checkpoint_layers=kn.checkpoint, path_checkpoint_layers=kn.path,
         keep_attention_outputs=kn.keep, logprob_chunk=kn.chunk, retain_bytes=retain, retained_bytes_per_token=per_token,
         predicted_peak_bytes=peak, predicted_cost=cost, budget_bytes=budget, setting=label, start_bytes=allocated,
-        parts=parts, reason=reason,
-        call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize, step_grad_bytes=step_grads,
-        offload_checkpoints=offload,
+        parts=parts, reason=reason, call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
+        step_grad_bytes=step_grads, offload_checkpoints=offload,
     )
 
 
