@@ -149,3 +149,16 @@ def test_when_the_runtime_offloads(setting, device, view, expected):
 def test_bad_offload_values_are_refused(value):
     with pytest.raises(ValueError, match="offload_checkpoints must be True, False or 'auto'"):
         RuntimeConfig(offload_checkpoints=value)
+
+
+def test_page_sizes_are_powers_of_two_that_hold_the_tensor():
+    from dtree.models.host_checkpoints import PAGE_BYTES, SMALLEST_PAGE, page_size
+
+    assert page_size(1) == SMALLEST_PAGE
+    assert page_size(SMALLEST_PAGE + 1) == 2 * SMALLEST_PAGE
+    mb = 12_220 * 1536 * 2  # a 12k-token layer input of qwen2.5-1.5b in bf16
+    assert page_size(mb) == PAGE_BYTES >= mb
+    assert page_size(10 * PAGE_BYTES) == PAGE_BYTES  # larger tensors take several pages
+    for n in (3, 5 * 2**20 + 7, 40 * 2**20):
+        size = page_size(n)
+        assert size & (size - 1) == 0 and (size >= n or size == PAGE_BYTES) and (size < 2 * n or size == SMALLEST_PAGE)

@@ -69,9 +69,10 @@ def page_size(nbytes: int) -> int:
 
 
 def _take_page(size: int) -> torch.Tensor:
-    free = _FREE_PAGES.get(size)
-    if free:
-        return free.pop()
+    try:
+        return _FREE_PAGES[size].pop()  # one call (atomic under the GIL): backward runs on another thread
+    except (KeyError, IndexError):
+        pass
     _HELD[0] += size
     return torch.empty(size, dtype=torch.uint8, pin_memory=True)
 
