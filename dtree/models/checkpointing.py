@@ -151,10 +151,8 @@ class CheckpointedLayer(torch.nn.Module):
             return layer(*args, **kwargs)
         if self._torch_checkpoint:
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
-        if self.host is not None:
-            with inputs_on_host(self.host):
-                return recompute_in_backward(run, *args, **kwargs)
-        return recompute_in_backward(run, *args, **kwargs)
+        with inputs_on_host(self.host):  # None: the inputs stay on the device
+            return recompute_in_backward(run, *args, **kwargs)
 
     def __getattr__(self, name: str):
         # attributes a model's forward may read off its layers (e.g. attention_type)

@@ -43,7 +43,7 @@ def release_host_pages() -> int:
     """Return the free pinned pages to the system; the pages in use stay. Returns how many were
     released. The next step that offloads pins what it needs again."""
     count = sum(len(pages) for pages in _FREE_PAGES.values())
-    _HELD[0] -= sum(size * len(pages) for size, pages in _FREE_PAGES.items())
+    _HELD[0] -= free_page_bytes()
     _FREE_PAGES.clear()
     return count
 
@@ -89,12 +89,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class _Entry:
-    """One offloaded tensor: its pages (CUDA) or its clone (CPU), its shape and dtype, and
-    its copy back to the device once asked for (with the event that ends it)."""
+    """One offloaded tensor: its place in its group, its pages (CUDA) or its clone (CPU), its
+    shape and dtype, and its copy back to the device once asked for (with the event that ends it)."""
 
-    __slots__ = ("clone", "device", "dtype", "fetched", "nbytes", "pages", "ready", "shape")
+    __slots__ = ("clone", "device", "dtype", "fetched", "nbytes", "pages", "place", "ready", "shape")
 
-    def __init__(self, tensor: torch.Tensor) -> None:
+    def __init__(self, tensor: torch.Tensor, place: int) -> None:
+        self.place = place
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self.pages: list[torch.Tensor] = []
@@ -113,7 +114,6 @@ class HostCheckpoints:
 
     def __init__(self) -> None:
         self._entries: list[_Entry] = []
-        self._index: dict[int, int] = {}  # id(entry) -> its place in _entries
 
     def __del__(self) -> None:  # a call whose backward never ran (an error): its pages go back
         for entry in self._entries:
@@ -122,12 +122,11 @@ class HostCheckpoints:
                 entry.pages = []
 
     def put(self, tensor: torch.Tensor) -> _Entry:
-        entry = _Entry(tensor)
+        entry = _Entry(tensor, len(self._entries))
         if tensor.device.type == "cuda":
             self._to_host(entry, tensor)
         else:
             entry.clone = tensor.detach().clone()
-        self._index[id(entry)] = len(self._entries)
         self._entries.append(entry)
         return entry
 
@@ -138,9 +137,8 @@ class HostCheckpoints:
             return out
         if entry.fetched is None:
             self._to_device(entry)
-        place = self._index.get(id(entry))
-        if place:  # the layer below is the next one a backward re-runs
-            below = self._entries[place - 1]
+        if entry.place:  # the layer below is the next one a backward re-runs
+            below = self._entries[entry.place - 1]
             if below.fetched is None and below.pages:
                 self._to_device(below)
         torch.cuda.current_stream(entry.device).wait_event(entry.ready)

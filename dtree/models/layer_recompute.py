@@ -74,7 +74,7 @@ def rerun_graph_hooks(hook: Callable):
 def inputs_on_host(group):
     """While the block runs, the layers run through :func:`recompute_in_backward` keep their
     inputs in ``group`` (a :class:`dtree.models.host_checkpoints.HostCheckpoints`: pinned host
-    memory on CUDA) instead of on the device, and take them back in their backward."""
+    memory on CUDA) instead of on the device, and take them back in their backward (None: on the device)."""
     token = _HOST.set(group)
     try:
         yield

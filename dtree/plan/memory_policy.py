@@ -193,7 +193,7 @@ def plan_step(
     cb = cb.offloading() if offload else cb
     fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
     if not on_cuda:
-        return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk)
+        return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = _shared_figures(spec, itemsize, shape, stack_held, step_grads)
     budget = _budget(available, expandable_segments, setting, allocated)
@@ -279,7 +279,7 @@ def _path_options(mode: str, fixed: int | None, layers: int) -> tuple[int, ...]:
     return retained if mode == "retain" else retained + (RECOMPUTE,)
 
 
-def _cpu_plan(label, setting, mode, layers, group_tokens, fixed_ckpt, logprob_chunk) -> MemoryPlan:
+def _cpu_plan(label, setting, mode, layers, group_tokens, fixed_ckpt, logprob_chunk, offload) -> MemoryPlan:
     k = fixed_ckpt if fixed_ckpt is not None else (layers if setting == "low" else 0)
     return MemoryPlan(
         group_tokens=CPU_GROUP_TOKENS if group_tokens is None else group_tokens, checkpoint_layers=k,
@@ -288,6 +288,7 @@ def _cpu_plan(label, setting, mode, layers, group_tokens, fixed_ckpt, logprob_ch
         retain_bytes=math.inf, retained_bytes_per_token=0.0,
         predicted_peak_bytes=math.inf, predicted_cost=math.nan, budget_bytes=math.inf, setting=label,
         reason="CPU: the low recipe" if setting == "low" else "CPU defaults (no device memory to plan for)",
+        offload_checkpoints=offload,
     )
 
 

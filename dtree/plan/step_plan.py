@@ -175,8 +175,6 @@ def plan_memory(
             fused_head=fused_head_kernel(head, dtype, device),
         )
     offload = offloads_checkpoints(config, device, view)
-    if offload and kw:
-        kw["offload"] = True
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
     last = kept.get(shape) if kept is not None else None
     keep = None if last is None else (
@@ -189,10 +187,10 @@ def plan_memory(
             group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
             logprob_chunk=config.logprob_chunk, hf_checkpointing=view.hf_checkpointing,
             can_checkpoint=view.can_checkpoint, call_bytes=call_bytes, keep=keep,
-            can_keep_attention=attention in KEEPING_BACKENDS, **{**kw, **changes},
+            can_keep_attention=attention in KEEPING_BACKENDS, offload=offload, **{**kw, **changes},
         )
 
-    plan = dataclasses.replace(planned(), grad_guard=config.grad_guard, offload_checkpoints=offload)
+    plan = dataclasses.replace(planned(), grad_guard=config.grad_guard)
     if config.grad_guard is True and config.memory != "auto" and kw:
         in_place = memory_policy.step_grad_bytes(view.parameters, kept_aside=False)
         if in_place < kw["step_grads"]:  # accumulating: the old gradients could wait on the host instead
@@ -200,7 +198,7 @@ def plan_memory(
             if lean.predicted_cost < plan.predicted_cost or (  # low: the least memory
                 config.memory == "low" and lean.predicted_peak_bytes < plan.predicted_peak_bytes
             ):
-                plan = dataclasses.replace(lean, grad_guard="host", offload_checkpoints=offload)
+                plan = dataclasses.replace(lean, grad_guard="host")
     if kept is not None:
         kept.pop(shape, None)
         kept[shape] = plan
