@@ -102,6 +102,12 @@ class RuntimeConfig:
             memory it frees; True: wherever layers are checkpointed (on CPU the inputs are
             cloned: the same steps, for tests); False: never. The pinned pages stay with the
             process for later steps (:func:`dtree.models.host_checkpoints.release_host_pages`).
+        keep_attention_outputs: True (default): the memory policy may have checkpointed layers
+            keep their stack attention's output and log-sum-exp for their re-run
+            (:mod:`dtree.ops.stack_attention.output_memo`: one attention forward less per
+            re-run), where the attention backend can and the plan predicts it pays; with the
+            inputs offloaded they wait on the host too. False: never (every re-run runs its
+            attention forward again), for comparison.
     """
 
     mode: Mode = "auto"
@@ -121,6 +127,7 @@ class RuntimeConfig:
     pause_gc: bool = True
     grad_guard: bool | str = True
     offload_checkpoints: bool | str = "auto"
+    keep_attention_outputs: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -150,7 +157,8 @@ class RuntimeConfig:
         check_grad_guard(self.grad_guard)
         if not (isinstance(self.offload_checkpoints, bool) or self.offload_checkpoints == "auto"):
             raise ValueError(f"offload_checkpoints must be True, False or 'auto', got {self.offload_checkpoints!r}")
-        for name in ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc"):
+        flags = ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc", "keep_attention_outputs")
+        for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 

@@ -6,7 +6,7 @@
 ``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``,
 ``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
 ``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
-``benchmarks/session_v_gpu.sh``, sharing
+``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -62,7 +62,9 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("session_v_gpu.sh", {"PART": "offload"}, ("offload64k",)),
     pytest.param("session_v_gpu.sh", {"PART": "split"}, ("split64k", "memory_low"), marks=pytest.mark.slow),
     ("session_v_gpu.sh", {"PART": "offloadcost", "COST_STEPS": "1"}, ("offload_cost",)),
-    ("session_v_gpu.sh", {"PART": "final"}, ("final64k",)),
+    pytest.param("session_v_gpu.sh", {"PART": "final"}, ("final64k",), marks=pytest.mark.slow),
+    ("session_w_gpu.sh", {"PART": "main"}, ("main64k",)),
+    ("session_w_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("half256k", "memory_low")),
     pytest.param("session_u_gpu.sh", {"PART": "recheck", "CASE1_STEPS": "2", "AGENTIC_STEPS": "2"},
                  ("case1_rotated", "agentic64k_rotated"), marks=pytest.mark.slow),
 ])

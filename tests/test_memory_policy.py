@@ -612,3 +612,26 @@ def test_call_budgets_that_plan_the_same_calls_are_scored_once(monkeypatch, shap
     monkeypatch.setattr(mp, "_call_budgets", lambda fixed, u: (fixed,) if fixed is not None else mp.GROUP_TOKENS)
     every = plan(shape, **kw)
     assert dataclasses.replace(fewer, reason="") == dataclasses.replace(every, reason="")  # the reason counts the plans
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_keep_attention_outputs_false_keeps_none(monkeypatch, allowed):
+    """``keep_attention_outputs=False`` takes keeping out of the policy's choice (a comparison run);
+    by default a capped plan on a keeping backend, whose re-runs then skip their attention
+    forward, keeps them (here on the host, with the layer inputs)."""
+    model = make_model("qwen2")
+    adapted = adapt(model)
+    head = as_output_head(adapted.dtree_output_layer())
+    forest = dtree.Forest.from_sequences([[1 + (7 * i + j) % 90 for j in range(400)] for i in range(6)])
+    monkeypatch.setattr(mp, "available_bytes", lambda device: (20 * GIB, 1 * GIB))
+    config = RuntimeConfig(chunk_size=8, memory="low", keep_attention_outputs=allowed, offload_checkpoints=True)
+    plan = plan_memory(model_view(model), adapted.dtree_spec(), head, config, (torch.device("cuda", 0), torch.bfloat16),
+                       None, forest, CallBytes(5000.0, 800.0, 2, 144.0), attention="triton")
+    assert plan.checkpoint_layers == 2 and plan.offload_checkpoints
+    assert plan.keep_attention_outputs is allowed
+
+
+@pytest.mark.parametrize("value", [None, "auto", 1])
+def test_bad_keep_attention_outputs_values_are_refused(value):
+    with pytest.raises(ValueError, match="keep_attention_outputs must be True or False"):
+        RuntimeConfig(keep_attention_outputs=value)

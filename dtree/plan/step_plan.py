@@ -187,7 +187,8 @@ def plan_memory(
             group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
             logprob_chunk=config.logprob_chunk, hf_checkpointing=view.hf_checkpointing,
             can_checkpoint=view.can_checkpoint, call_bytes=call_bytes, keep=keep,
-            can_keep_attention=attention in KEEPING_BACKENDS, offload=offload, **{**kw, **changes},
+            can_keep_attention=config.keep_attention_outputs and attention in KEEPING_BACKENDS, offload=offload,
+            **{**kw, **changes},
         )
 
     plan = dataclasses.replace(planned(), grad_guard=config.grad_guard)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Session W on one Hopper GPU (flash-attn-4 installed as in ../shared/tools/fa4_wheels.sh), in parts
+# that each fit one device call. The session's subject: checkpointed layers' attention outputs kept
+# for their re-run in pinned host memory, beside their layer's input (keep_attention_outputs with
+# offload_checkpoints), so a re-run skips its attention forward at the device memory of one layer.
+#
+#   PART=main    the bf16 GPU tests of the offload and of kept outputs, then `dtree bench` on the 64k
+#                agentic tree: low and memory=$CAP with and without kept outputs, the default, against
+#                tree-mask:whole+ckpt;
+#   PART=scale   the 256k tree at half the mask's peak (memory=$HALF256K) with and without kept
+#                outputs, against the mask; a memory profile of low on the 64k tree;
+#
+#     PART=main bash benchmarks/session_w_gpu.sh           # reports in $OUT (default /tmp/dtree_session_w)
+#     SMOKE=1 PART=main bash benchmarks/session_w_gpu.sh   # CPU, tiny model: plumbing only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/dtree_session_w}
+PART=${PART:-main}
+source benchmarks/bench_cases.sh  # CAP: 14.5 GiB, the mask's peak on the 64k tree (4 with SMOKE=1)
+HALF256K=19.9
+AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
+[ -n "$SMOKE_FLAG" ] && HALF256K=4 AGENTIC256K="$AGENTIC64K"
+AGENTIC64K_SET="${AGENTIC64K#--workload agentic }"  # profile_memory.py takes the agentic workload's --set only
+NOKEEP=keep_attention_outputs=False
+
+case "$PART" in
+  main)
+    if [ -z "$SMOKE_FLAG" ]; then
+      timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_gpu.py tests/test_output_memo.py \
+        -k "offload or keeping" 2>&1 | tee "$OUT/gpu_tests.txt" | tail -3
+    fi
+    bench main64k 380 $AGENTIC64K --steps "${STEPS}" --configs \
+      "dtree:low,dtree:low+$NOKEEP,dtree:memory=$CAP,dtree:memory=$CAP+$NOKEEP,dtree,tree-mask:whole+ckpt"
+    rm -f "$OUT"/*/*.png
+    ;;
+  scale)
+    bench half256k 420 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs \
+      "dtree:memory=$HALF256K,dtree:memory=$HALF256K+$NOKEEP,tree-mask:whole+ckpt"
+    mkdir -p "$OUT/memory_low"
+    timeout 150 python benchmarks/profile_memory.py --configs "dtree:low" $AGENTIC64K_SET --out "$OUT/memory_low" \
+      >"$OUT/memory_low.log" 2>&1
+    grep -E "^\| " "$OUT/memory_low.log" | head -30 | cut -c1-200
+    rm -f "$OUT"/*/*.png
+    ;;
+  *) echo "PART must be main or scale"; exit 2 ;;
+esac
