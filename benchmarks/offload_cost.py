@@ -2,7 +2,9 @@
 (``offload_checkpoints``, :mod:`dtree.models.host_checkpoints`).
 
 Two runtimes over the same fresh forests in one process, alike but for ``offload_checkpoints``
-(``--opt`` sets the rest; default ``memory=low``), the order rotating each step. Per way: step
+(or the boolean option ``--compare`` names, e.g. ``keep_attention_outputs``: its attention outputs kept
+on the host beside the inputs or not; ``--opt`` sets the rest; default ``memory=low``), the order
+rotating each step. Per way: step
 seconds, peak allocated memory, pinned page bytes held after the step and pinned during it (a
 step that pins pays ``cudaHostAlloc``), and the host time inside the group's ``put`` and
 ``get`` (``put``: queue the copies to the host; ``get``: queue the copy back, its prefetch, the
@@ -11,6 +13,7 @@ device). Then one step of each over the last forest under torch.profiler: wall, 
 (copies included) and the host events that differ most.
 
     python benchmarks/offload_cost.py --workload agentic64k                      # H100 / H200
+    python benchmarks/offload_cost.py --workload agentic64k --compare keep_attention_outputs
     python benchmarks/offload_cost.py --smoke                                     # CPU plumbing
 """
 
@@ -35,7 +38,16 @@ from dtree.bench.report import environment
 from dtree.models import host_checkpoints
 
 GIB = 2.0**30
-WAYS = {"offloaded": True, "on the device": False}
+WAYS = {"offloaded": True, "on the device": False}  # offload_checkpoints
+
+
+def ways_of(option: str) -> dict[str, bool]:
+    """The two ways of a boolean RuntimeConfig option: its value per way's name."""
+    if option == "offload_checkpoints":
+        return dict(WAYS)
+    if not isinstance(getattr(dtree.RuntimeConfig(), option, None), bool):
+        raise SystemExit(f"--compare takes a boolean RuntimeConfig option, got {option!r}")
+    return {f"{option}=True": True, f"{option}=False": False}
 
 
 class HostTimers:
@@ -95,18 +107,21 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per way, each on a fresh forest")
     p.add_argument("--opt", action="append", default=None, metavar="KEY=VALUE",
                    help="a RuntimeConfig option for both ways (default: memory=low)")
+    p.add_argument("--compare", default="offload_checkpoints", metavar="OPTION",
+                   help="the boolean RuntimeConfig option the two ways differ in")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--smoke", action="store_true", help="CPU, tiny model, small forests")
     args = p.parse_args()
     if args.steps < 1:
         raise SystemExit("--steps must be >= 1")
+    ways = ways_of(args.compare)
     model, device, forest_of, options, loss = script_parts(args.smoke, args.workload, args.opt or ["memory=low"])
     forests = [forest_of(2000 + i) for i in range(args.steps + 1)]
     timers = HostTimers()
     timers.install()
     rows: dict[str, list[dict]] = {}
     with bench_layers(model, "auto", device) as layers:
-        runtimes = {w: dtree.TreeRuntime(model, **{**options, "offload_checkpoints": on}) for w, on in WAYS.items()}
+        runtimes = {w: dtree.TreeRuntime(model, **{**options, args.compare: on}) for w, on in ways.items()}
         for rt in runtimes.values():  # warm-up: compiles, the memory probe, the first pages
             for _ in range(2):
                 timed_step(rt, forests[0], loss, model, device, timers)
@@ -123,7 +138,7 @@ def main() -> int:
 
         profiles = [profiled(run(rt), device) for rt in runtimes.values()]
     env = environment(device)
-    lines = [f"# Checkpointed layers' inputs on the host: {args.workload}, {env.get('device', device.type)}", "",
+    lines = [f"# Checkpointed layers on the host, by {args.compare}: {args.workload}, {env.get('device', device.type)}", "",
              "- " + ", ".join(f"{k} {v}" for k, v in env.items()),
              (f"- decoder layers: {layers}; options: {options}; {args.steps} fresh forests, the ways alternating "
               f"(the first rotating); {forests[1].num_unique_tokens:,} unique tokens in the first"), "",
@@ -133,15 +148,16 @@ def main() -> int:
     for w, r in rows.items():
         plan = r[-1]["plan"]
         desc = (f"{plan.get('group_tokens')}-token calls, {plan.get('checkpoint_layers')} ckpt, path "
-                f"{plan.get('path_checkpoint_layers')}, predicted {plan.get('predicted_total_gib') or 0:.2f} GiB")
+                f"{plan.get('path_checkpoint_layers')}, keep {plan.get('keep_attention_outputs')}, offload "
+                f"{plan.get('offload_checkpoints')}, predicted {plan.get('predicted_total_gib') or 0:.2f} GiB")
         peak = max((x["peak"] or 0) for x in r)
         lines.append(f"| {w} | {statistics.fmean(x['seconds'] for x in r):.3f} | {peak:.2f} | "
                      f"{sum(x['pinned'] for x in r):.2f} | {r[-1]['held']:.2f} | "
                      f"{statistics.fmean(x['put_ms'] for x in r):.1f} | {statistics.fmean(x['get_ms'] for x in r):.1f} | "
                      f"{r[-1]['puts']} | {sum(x['mappings'] for x in r)} / {sum(x['retries'] for x in r)} | {desc} |")
     lines += ["", "## One step of each over the last forest, under torch.profiler", ""]
-    lines += compared(tuple(WAYS), profiles[0], profiles[1], args.top)
-    emit_report("\n".join(lines) + "\n", f"offload_cost_{args.workload}.md")
+    lines += compared(tuple(ways), profiles[0], profiles[1], args.top)
+    emit_report("\n".join(lines) + "\n", f"offload_cost_{args.workload}_{args.compare}.md")
     return 0
 
 

@@ -7,6 +7,9 @@
 #   PART=main    the bf16 GPU tests of the offload and of kept outputs, then `dtree bench` on the 64k
 #                agentic tree: low and memory=$CAP with and without kept outputs, the default, against
 #                tree-mask:whole+ckpt;
+#   PART=ab      the same process, fresh 64k forests, the order rotating (benchmarks/offload_cost.py
+#                --compare keep_attention_outputs): low and memory=$CAP with and without kept outputs; then
+#                `dtree bench`: memory=$CAP as planned, without the offload, with 16k-token calls;
 #   PART=scale   the 256k tree at half the mask's peak (memory=$HALF256K) with and without kept
 #                outputs, against the mask; a memory profile of low on the 64k tree;
 #
@@ -33,6 +36,17 @@ case "$PART" in
       "dtree:low,dtree:low+$NOKEEP,dtree:memory=$CAP,dtree:memory=$CAP+$NOKEEP,dtree,tree-mask:whole+ckpt"
     rm -f "$OUT"/*/*.png
     ;;
+  ab)
+    for opt in low "$CAP"; do
+      mkdir -p "$OUT/keep_$opt"
+      OUT="$OUT/keep_$opt" timeout 200 python benchmarks/offload_cost.py $SMOKE_FLAG --steps "${COST_STEPS:-3}" \
+        --compare keep_attention_outputs --opt "memory=$opt" >"$OUT/keep_$opt.log" 2>&1
+      grep -E "^\| |^step" "$OUT/keep_$opt.log" | head -12 | cut -c1-260
+    done
+    bench capped64k 300 $AGENTIC64K --steps "${STEPS}" --configs \
+      "dtree:memory=$CAP,dtree:memory=$CAP+offload_checkpoints=False,dtree:memory=$CAP+group_tokens=16384,tree-mask:whole+ckpt"
+    rm -f "$OUT"/*/*.png
+    ;;
   scale)
     bench half256k 420 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs \
       "dtree:memory=$HALF256K,dtree:memory=$HALF256K+$NOKEEP,tree-mask:whole+ckpt"
@@ -42,5 +56,5 @@ case "$PART" in
     grep -E "^\| " "$OUT/memory_low.log" | head -30 | cut -c1-200
     rm -f "$OUT"/*/*.png
     ;;
-  *) echo "PART must be main or scale"; exit 2 ;;
+  *) echo "PART must be main, ab or scale"; exit 2 ;;
 esac
