@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Session W on one Hopper GPU (flash-attn-4 installed as in ../shared/tools/fa4_wheels.sh), in parts
 # that each fit one device call. The session's subject: checkpointed layers' attention outputs kept
-# for their re-run in pinned host memory, beside their layer's input (keep_attention_outputs with
-# offload_checkpoints), so a re-run skips its attention forward at the device memory of one layer.
+# for their re-run in pinned host memory beside their layer's input (0a2cdff: measured slower, reverted),
+# and what the offload of layer inputs costs a step under a cap in GiB.
 #
 #   PART=main    the bf16 GPU tests of the offload and of kept outputs, then `dtree bench` on the 64k
 #                agentic tree: low and memory=$CAP with and without kept outputs, the default, against
-#                tree-mask:whole+ckpt;
+#                tree-mask:whole+ckpt (run at 0a2cdff);
 #   PART=ab      the same process, fresh 64k forests, the order rotating (benchmarks/offload_cost.py
 #                --compare keep_attention_outputs): low and memory=$CAP with and without kept outputs; then
-#                `dtree bench`: memory=$CAP as planned, without the offload, with 16k-token calls;
+#                `dtree bench`: memory=$CAP as planned, without the offload, with 16k-token calls (0a2cdff);
 #   PART=scale   the 256k tree at half the mask's peak (memory=$HALF256K) with and without kept
-#                outputs, against the mask; a memory profile of low on the 64k tree;
+#                outputs, against the mask; a memory profile of low on the 64k tree (0a2cdff);
+#   PART=final   after the revert, with the offload under a cap in GiB only where nothing fits without it:
+#                the GPU tests of checkpointing, the offload and kept outputs; the 64k tree (low,
+#                memory=$CAP, the default) and the 256k tree (memory=$HALF256K) against the mask;
 #
 #     PART=main bash benchmarks/session_w_gpu.sh           # reports in $OUT (default /tmp/dtree_session_w)
 #     SMOKE=1 PART=main bash benchmarks/session_w_gpu.sh   # CPU, tiny model: plumbing only
@@ -47,6 +50,15 @@ case "$PART" in
       "dtree:memory=$CAP,dtree:memory=$CAP+offload_checkpoints=False,dtree:memory=$CAP+group_tokens=16384,tree-mask:whole+ckpt"
     rm -f "$OUT"/*/*.png
     ;;
+  final)
+    if [ -z "$SMOKE_FLAG" ]; then
+      timeout 200 python -m pytest -q -p no:cacheprovider -m gpu tests/test_runtime_gpu.py tests/test_output_memo.py \
+        -k "checkpoint or offload or keeping" 2>&1 | tee "$OUT/gpu_tests_final.txt" | tail -3
+    fi
+    bench final64k 240 $AGENTIC64K --steps "${STEPS}" --configs "dtree:low,dtree:memory=$CAP,dtree,tree-mask:whole+ckpt"
+    bench final256k 240 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs "dtree:memory=$HALF256K,tree-mask:whole+ckpt"
+    rm -f "$OUT"/*/*.png
+    ;;
   scale)
     bench half256k 420 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs \
       "dtree:memory=$HALF256K,dtree:memory=$HALF256K+$NOKEEP,tree-mask:whole+ckpt"
@@ -56,5 +68,5 @@ case "$PART" in
     grep -E "^\| " "$OUT/memory_low.log" | head -30 | cut -c1-200
     rm -f "$OUT"/*/*.png
     ;;
-  *) echo "PART must be main, ab or scale"; exit 2 ;;
+  *) echo "PART must be main, ab, scale or final"; exit 2 ;;
 esac

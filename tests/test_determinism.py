@@ -123,7 +123,7 @@ def test_recurrent_layers_in_deterministic_mode(monkeypatch, torch_mode):
     refused when named; on CUDA the state ops need torch's own mode, else a RuntimeError."""
     from dtree.models import ModelSpec
     from dtree.ops.linear_recurrence import fla_backend as linear_recurrence_fla
-    from dtree.plan.step_plan import pick_recurrence
+    from dtree.plan.backend_choice import pick_recurrence
 
     monkeypatch.setattr(linear_recurrence_fla, "fla_unavailable", lambda target: None)  # as if installed on a GPU
     dense = ModelSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11)

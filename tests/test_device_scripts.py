@@ -64,8 +64,11 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("session_v_gpu.sh", {"PART": "offloadcost", "COST_STEPS": "1"}, ("offload_cost",)),
     pytest.param("session_v_gpu.sh", {"PART": "final"}, ("final64k",), marks=pytest.mark.slow),
     ("session_w_gpu.sh", {"PART": "main"}, ("main64k",)),
-    ("session_w_gpu.sh", {"PART": "ab", "COST_STEPS": "1"}, ("keep_low", "keep_4", "capped64k")),
-    ("session_w_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("half256k", "memory_low")),
+    pytest.param("session_w_gpu.sh", {"PART": "ab", "COST_STEPS": "1"}, ("keep_low", "keep_4", "capped64k"),
+                 marks=pytest.mark.slow),
+    ("session_w_gpu.sh", {"PART": "final", "SCALE_STEPS": "1"}, ("final64k", "final256k")),
+    pytest.param("session_w_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("half256k", "memory_low"),
+                 marks=pytest.mark.slow),
     pytest.param("session_u_gpu.sh", {"PART": "recheck", "CASE1_STEPS": "2", "AGENTIC_STEPS": "2"},
                  ("case1_rotated", "agentic64k_rotated"), marks=pytest.mark.slow),
 ])

@@ -65,22 +65,6 @@ def test_the_group_gives_the_same_bits_back_from_a_copy():
         assert torch.equal(back, original)
 
 
-def test_a_layer_comes_back_whole_and_only_once():
-    """Entries put after ``begin_layer`` belong to that layer; each comes back once (a second ask is
-    a backward through the layer again, refused by name)."""
-    group = HostCheckpoints()
-    group.begin_layer()
-    first = group.put(torch.ones(2))
-    group.begin_layer()
-    second, memo = group.put(torch.full((3,), 2.0)), group.put(torch.full((4,), 3.0))
-    assert (first.layer, second.layer, memo.layer) == (0, 1, 1)
-    assert torch.equal(group.get(memo), torch.full((4,), 3.0))
-    assert torch.equal(group.get(second), torch.full((3,), 2.0))
-    with pytest.raises(RuntimeError, match="asked for twice"):
-        group.get(second)
-    assert torch.equal(group.get(first), torch.ones(2))
-
-
 def test_a_call_whose_backward_never_runs_leaves_nothing_behind():
     """A forward under offloading whose graph is dropped (an error before the backward) frees its
     entries with it; the next step runs as usual."""

@@ -614,21 +614,39 @@ def test_call_budgets_that_plan_the_same_calls_are_scored_once(monkeypatch, shap
     assert dataclasses.replace(fewer, reason="") == dataclasses.replace(every, reason="")  # the reason counts the plans
 
 
-@pytest.mark.parametrize("allowed", [True, False])
-def test_keep_attention_outputs_false_keeps_none(monkeypatch, allowed):
-    """``keep_attention_outputs=False`` takes keeping out of the policy's choice (a comparison run);
-    by default a capped plan on a keeping backend, whose re-runs then skip their attention
-    forward, keeps them (here on the host, with the layer inputs)."""
-    model = make_model("qwen2")
+def _plan_with(model, monkeypatch, free_gib: float, **config):
+    """plan_memory for a bf16 CUDA placement with ``free_gib`` available (the policy's kwargs captured)."""
     adapted = adapt(model)
     head = as_output_head(adapted.dtree_output_layer())
     forest = dtree.Forest.from_sequences([[1 + (7 * i + j) % 90 for j in range(400)] for i in range(6)])
-    monkeypatch.setattr(mp, "available_bytes", lambda device: (20 * GIB, 1 * GIB))
-    config = RuntimeConfig(chunk_size=8, memory="low", keep_attention_outputs=allowed, offload_checkpoints=True)
-    plan = plan_memory(model_view(model), adapted.dtree_spec(), head, config, (torch.device("cuda", 0), torch.bfloat16),
-                       None, forest, CallBytes(5000.0, 800.0, 2, 144.0), attention="triton")
-    assert plan.checkpoint_layers == 2 and plan.offload_checkpoints
-    assert plan.keep_attention_outputs is allowed
+    monkeypatch.setattr(mp, "available_bytes", lambda device: (free_gib * GIB, 1 * GIB))
+    seen: list[dict] = []
+    plan_step = mp.plan_step
+    monkeypatch.setattr(mp, "plan_step", lambda *a, **kw: (seen.append(kw), plan_step(*a, **kw))[1])
+    plan = plan_memory(model_view(model), adapted.dtree_spec(), head, RuntimeConfig(chunk_size=8, **config),
+                       (torch.device("cuda", 0), torch.bfloat16), None, forest, CallBytes(5e6, 8e5, 2, 1.44e5),
+                       attention="triton")
+    return plan, seen
+
+
+@pytest.mark.parametrize("allowed", [True, False])
+def test_keep_attention_outputs_false_keeps_none(monkeypatch, allowed):
+    """``keep_attention_outputs=False`` takes keeping out of the policy's choice (a comparison run)."""
+    _, seen = _plan_with(make_model("qwen2"), monkeypatch, 20, memory=8, keep_attention_outputs=allowed)
+    assert seen and all(kw["can_keep_attention"] is allowed for kw in seen)
+
+
+@pytest.mark.parametrize("cap,offloaded", [(40, False), (1.35, True)])
+def test_a_cap_in_gib_offloads_only_what_does_not_fit(monkeypatch, cap, offloaded):
+    """Under a cap in GiB the default offload (``"auto"``) is taken only where no plan fits with the
+    layer inputs on the device (the copies cost a capped step time: session W); ``"low"`` offloads
+    (its point is the memory), and ``offload_checkpoints=True`` everywhere."""
+    model = make_model("qwen2")
+    plan, seen = _plan_with(model, monkeypatch, 60, memory=cap)
+    assert plan.offload_checkpoints is offloaded, plan.describe()
+    assert [kw["offload"] for kw in seen] == [True, False]  # planned with the offload, then without
+    assert _plan_with(model, monkeypatch, 60, memory="low")[0].offload_checkpoints
+    assert _plan_with(model, monkeypatch, 60, memory=cap, offload_checkpoints=True)[0].offload_checkpoints
 
 
 @pytest.mark.parametrize("value", [None, "auto", 1])

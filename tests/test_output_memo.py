@@ -19,7 +19,6 @@ from interpreter_worker import worker_fixture
 from setups import SEQS, assert_exact, reference, run_dtree
 
 from dtree.models import ModelSpec
-from dtree.models.host_checkpoints import HostCheckpoints
 from dtree.ops.stack_attention.output_memo import OutputMemo, kept_bytes_per_token
 from dtree.plan import memory_policy as mp
 from dtree.plan.memory_probe import CallBytes
@@ -101,7 +100,7 @@ def _case_checkpointed_attention_is_bitwise_and_runs_forward_once():
     mp_.undo()
 
 
-def _case_runtime_step_keeping_outputs_is_exact(arch: str, offload: bool = False):
+def _case_runtime_step_keeping_outputs_is_exact(arch: str):
     from hf_models import make_model
 
     from dtree.plan import memory_policy
@@ -113,11 +112,9 @@ def _case_runtime_step_keeping_outputs_is_exact(arch: str, offload: bool = False
                 lambda *a, **kw: dataclasses.replace(cpu_plan(*a, **kw), keep_attention_outputs=True))
     model = make_model(arch)
     ref_model, ref_loss = reference(model)
-    out, tree_model = run_dtree(model, attention="triton", checkpoint_layers=True, group_tokens=8, mode="retain",
-                                offload_checkpoints=offload)
+    out, tree_model = run_dtree(model, attention="triton", checkpoint_layers=True, group_tokens=8, mode="retain")
     assert_exact(tree_model, ref_model, out, ref_loss)
     assert out.metrics["memory_plan"]["keep_attention_outputs"] is True
-    assert out.metrics["memory_plan"]["offload_checkpoints"] is offload
     kept = len(launches)
     launches.clear()
     mp_.setattr(memory_policy, "_cpu_plan", cpu_plan)
@@ -133,10 +130,9 @@ def test_checkpointed_attention_keeping_outputs_is_bitwise_and_runs_forward_once
     worker.run("checkpointed_attention_is_bitwise_and_runs_forward_once")
 
 
-@pytest.mark.parametrize("arch,offload", [("llama", False), ("qwen2", False), ("qwen2", True)])
-def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch, offload):
-    """``offload``: the kept outputs wait on the host with their layer's input."""
-    worker.run("runtime_step_keeping_outputs_is_exact", arch=arch, offload=offload)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch):
+    worker.run("runtime_step_keeping_outputs_is_exact", arch=arch)
 
 
 # --------------------------------------------------------------------------- CPU
@@ -164,47 +160,6 @@ def test_a_replay_past_the_recorded_calls_is_refused():
             memo.take((3, 2, 4), (2, 3), torch.float32)
     with memo.replaying_scope(), pytest.raises(RuntimeError, match="asked for an attention output"):
         memo.take((4, 2, 4), (2, 4), torch.float32)
-
-
-def test_kept_outputs_wait_on_the_host_with_their_layer():
-    """With a host store the memo records entries, not tensors, and its re-runs take the same bits
-    back (a second re-run too: the first take keeps what came back)."""
-    group = HostCheckpoints()
-    memo = OutputMemo(group)
-    out, lse = torch.randn(3, 2, 4), torch.randn(2, 3)
-    group.begin_layer()
-    with memo.recording():
-        memo.record(out, lse)
-    assert not any(isinstance(x, torch.Tensor) for x in memo._entries[0])
-    for _ in range(2):
-        with memo.replaying_scope():
-            back, back_lse = memo.take((3, 2, 4), (2, 3), torch.float32)
-        assert torch.equal(back, out) and torch.equal(back_lse, lse)
-
-
-def test_offloaded_kept_outputs_cost_one_layer_on_the_device():
-    """Offloaded, keeping the outputs adds one layer's (the prefetched one below) to a call with
-    its layers checkpointed; on the device it adds every attention layer's."""
-    kept = kept_bytes_per_token(QWEN_1_5B.num_heads, QWEN_1_5B.head_dim, 2)
-    on_device, on_host = LEAN_H100.keeping_attention(kept, 28), LEAN_H100.offloading().keeping_attention(kept, 28)
-    assert on_device.call(28) == pytest.approx(LEAN_H100.call(28) + 28 * kept)
-    assert on_host.call(28) == pytest.approx(LEAN_H100.offloading().call(28) + kept)
-    assert LEAN_H100.offloading().offloading() == LEAN_H100.offloading()
-
-
-def test_the_low_recipe_keeps_outputs_when_they_wait_on_the_host():
-    """``memory="low"`` with the inputs offloaded keeps the attention outputs (one attention forward
-    less per re-run) on a backend that can; its predicted peak grows by one layer's outputs of a call."""
-    shape = mp.StepShape(65_600, 9_836, 9_000, 0, 65_600 * 6_000.0)
-    kw = {"on_cuda": True, "available": 130 * 2**30, "expandable_segments": True, "allocated": 2.94 * 2**30,
-          "call_bytes": LEAN_H100, "fused_head": True, "setting": "low", "offload": True}
-    keeping, plain = (mp.plan_step(QWEN_1_5B, 2, shape, can_keep_attention=can, **kw) for can in (True, False))
-    assert keeping.keep_attention_outputs and not plain.keep_attention_outputs
-    assert keeping.offload_checkpoints and keeping.checkpoint_layers == 28
-    extra = keeping.predicted_peak_bytes - plain.predicted_peak_bytes
-    kept = kept_bytes_per_token(QWEN_1_5B.num_heads, QWEN_1_5B.head_dim, 2)
-    assert 0 < extra <= kept * keeping.group_tokens * 1.01, (extra, kept * keeping.group_tokens)
-    assert keeping.predicted_cost < plain.predicted_cost
 
 
 def test_the_policy_keeps_outputs_when_it_pays_and_counts_their_bytes():

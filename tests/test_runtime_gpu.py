@@ -176,24 +176,16 @@ def test_host_guard_copies_before_the_first_write_and_holds_no_device_copy():
     assert peaks["host"] <= peaks["in place"] + 2**20, peaks
 
 
-@pytest.mark.parametrize("keep", [False, True], ids=["inputs", "inputs and attention outputs"])
-def test_offloaded_checkpoints_on_cuda_are_exact_and_leaner(monkeypatch, keep):
-    """``keep``: the plans keep the checkpointed layers' attention outputs, which wait on the host
-    with their layer's input. ``offload_checkpoints=True`` on CUDA: the layer inputs go to pinned pages on a side stream
+def test_offloaded_checkpoints_on_cuda_are_exact_and_leaner():
+    """``offload_checkpoints=True`` on CUDA: the layer inputs go to pinned pages on a side stream
     and come back before each re-run (the layer below prefetched): the step's gradients equal
     the step keeping them on the device bit for bit (deterministic mode); as the backward reaches the decoder layers
     (a hook on the final norm's input, after a device sync) the device holds about all the
     layer inputs less; every page is free again after the step."""
-    import dataclasses
-
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from dtree.models import host_checkpoints
-    from dtree.plan import memory_policy
 
-    plan_step = memory_policy.plan_step
-    monkeypatch.setattr(memory_policy, "plan_step", lambda *a, **kw: dataclasses.replace(
-        plan_step(*a, **kw), keep_attention_outputs=keep))
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
                          num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)
@@ -228,7 +220,6 @@ def test_offloaded_checkpoints_on_cuda_are_exact_and_leaner(monkeypatch, keep):
             out = rt.forward_backward(forest, dtree.losses.nll())
             torch.cuda.synchronize()
             assert out.metrics["memory_plan"]["offload_checkpoints"] is (name == "host")
-            assert out.metrics["memory_plan"]["keep_attention_outputs"] is keep
     for (n, p), q in zip(model.named_parameters(), twin.parameters()):
         assert torch.equal(p.grad, q.grad), n
     layer_input = forest.num_unique_tokens * config.hidden_size * 4

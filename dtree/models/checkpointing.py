@@ -31,8 +31,7 @@ qwen2.5-1.5b, one attention forward less per layer. The memory policy decides.
 
 With ``inputs_on_host`` the layers' inputs wait in pinned host memory from the forward to the
 re-run (:mod:`dtree.models.host_checkpoints`: one group per model call, so the backward's
-prefetch of the layer below stays inside its call); the runtime does so under a memory cap. Kept
-attention outputs then wait there too, with their layer's input.
+prefetch of the layer below stays inside its call); the runtime does so under a memory cap.
 
 The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output value no backward
 of the layer reads may skip their work there (the lean MLP's down projection: its output
@@ -133,7 +132,7 @@ class CheckpointedLayer(torch.nn.Module):
         saved = [(config, config._attn_implementation) for config in self._configs]
         context = contextvars.copy_context()  # the active dtree model call, for the recompute
         layer = self.layer
-        memo = OutputMemo(self.host) if self._keep_attention_outputs else None
+        memo = OutputMemo() if self._keep_attention_outputs else None
         runs = [0]  # the first run is the forward, every later one a re-run
 
         def call(*a, **kw):

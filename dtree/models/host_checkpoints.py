@@ -19,11 +19,6 @@ pinning new memory (pinning 3 GB took 2.2-2.6 s on an H200 host); a page holds i
 one copy (each copy costs host time) and wastes less than the tensor's size. The pools keep
 their pages for later steps; :func:`release_host_pages` returns the free ones to the system.
 
-A group is kept in layers (:meth:`HostCheckpoints.begin_layer`): what a checkpointed layer puts in
-its forward (its input, and with ``keep_attention_outputs`` its attention's output and log-sum-exp,
-:mod:`dtree.ops.stack_attention.output_memo`) comes back together at the layer's first :meth:`get`,
-and the layer below's entries are copied meanwhile.
-
 Every copy runs on one side stream per device, in the order they were asked for, so a page
 given back after its copy to the device was queued can be filled by a later copy from the
 device without waiting on the host. On CPU (tests) the inputs are cloned: the same
@@ -94,13 +89,13 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class _Entry:
-    """One offloaded tensor: its layer in its group, its pages (CUDA) or its clone (CPU), its
+    """One offloaded tensor: its place in its group, its pages (CUDA) or its clone (CPU), its
     shape and dtype, and its copy back to the device once asked for (with the event that ends it)."""
 
-    __slots__ = ("clone", "device", "dtype", "fetched", "layer", "nbytes", "pages", "ready", "shape")
+    __slots__ = ("clone", "device", "dtype", "fetched", "nbytes", "pages", "place", "ready", "shape")
 
-    def __init__(self, tensor: torch.Tensor, layer: int) -> None:
-        self.layer = layer
+    def __init__(self, tensor: torch.Tensor, place: int) -> None:
+        self.place = place
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self.pages: list[torch.Tensor] = []
@@ -110,38 +105,29 @@ class _Entry:
 
 
 class HostCheckpoints:
-    """The offloaded tensors of one model call's checkpointed layers, in forward order.
+    """The offloaded layer inputs of one model call, in forward order.
 
-    :meth:`begin_layer` opens a layer; :meth:`put` takes a tensor (any shape and dtype) into the
-    open layer and returns its entry; :meth:`get` returns the tensor again (on its device, the
-    same bits), the entry is done after. The first :meth:`get` of a layer copies all of its
-    entries back and starts the copies of the layer opened before it, which a backward in
-    reverse layer order re-runs next.
+    :meth:`put` takes a tensor (``[T, H]``-like, any shape and dtype) and returns its entry;
+    :meth:`get` returns the tensor again (on its device, the same bits) and starts the copy of
+    the entry put before it, which a backward in reverse layer order asks for next.
     """
 
     def __init__(self) -> None:
-        self._layers: list[list[_Entry]] = []
+        self._entries: list[_Entry] = []
 
     def __del__(self) -> None:  # a call whose backward never ran (an error): its pages go back
-        for layer in self._layers:
-            for entry in layer:
-                if entry.pages:
-                    _give_pages(entry.pages)
-                    entry.pages = []
-
-    def begin_layer(self) -> None:
-        """Later :meth:`put` calls belong to a new layer (one checkpointed layer's forward)."""
-        self._layers.append([])
+        for entry in self._entries:
+            if entry.pages:
+                _give_pages(entry.pages)
+                entry.pages = []
 
     def put(self, tensor: torch.Tensor) -> _Entry:
-        if not self._layers:
-            self.begin_layer()
-        entry = _Entry(tensor, len(self._layers) - 1)
+        entry = _Entry(tensor, len(self._entries))
         if tensor.device.type == "cuda":
             self._to_host(entry, tensor)
         else:
             entry.clone = tensor.detach().clone()
-        self._layers[-1].append(entry)
+        self._entries.append(entry)
         return entry
 
     def get(self, entry: _Entry) -> torch.Tensor:
@@ -149,20 +135,15 @@ class HostCheckpoints:
         if entry.clone is not None:
             out, entry.clone = entry.clone, None
             return out
-        if entry.fetched is None and not entry.pages:
-            raise RuntimeError("a host checkpoint was asked for twice: the backward ran through its layer again")
         if entry.fetched is None:
-            self._fetch(entry.layer)
-            if entry.layer:  # the layer below is the next one a backward re-runs
-                self._fetch(entry.layer - 1)
+            self._to_device(entry)
+        if entry.place:  # the layer below is the next one a backward re-runs
+            below = self._entries[entry.place - 1]
+            if below.fetched is None and below.pages:
+                self._to_device(below)
         torch.cuda.current_stream(entry.device).wait_event(entry.ready)
         out, entry.fetched = entry.fetched, None
         return out.view(entry.dtype).view(entry.shape)
-
-    def _fetch(self, layer: int) -> None:
-        for entry in self._layers[layer]:
-            if entry.fetched is None and entry.pages:
-                self._to_device(entry)
 
     def _to_host(self, entry: _Entry, tensor: torch.Tensor) -> None:
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)

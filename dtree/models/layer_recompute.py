@@ -127,8 +127,6 @@ class _LayerRecompute(torch.autograd.Function):
     def forward(ctx, frame: _Frame, *grad_inputs):
         ctx.frame = frame
         host = _HOST.get()
-        if host is not None:
-            host.begin_layer()  # the layer's own entries (its attention outputs too) follow its inputs
         if host is not None and all(x.numel() for x in grad_inputs):  # not the zero-size anchor
             ctx.host, ctx.kept = host, [(host.put(x), x.requires_grad) for x in grad_inputs]
         else:

@@ -20,7 +20,7 @@ a ``RuntimeError`` the way torch's own nondeterministic ops do (a warning instea
   recurrence, the state stack and the short convolution are torch ops (gathers whose
   backward adds repeated rows, ``index_add_``, depthwise ``conv1d``) that sum in a fixed
   order on CUDA only under ``torch.use_deterministic_algorithms(True)``: deterministic
-  mode on CUDA without it raises (:func:`dtree.plan.step_plan.pick_recurrence`); ``fla``
+  mode on CUDA without it raises (:func:`dtree.plan.backend_choice.pick_recurrence`); ``fla``
   (flash-linear-attention's kernels, not checked for a fixed order) is skipped by
   ``recurrence="auto"`` (which takes ``chunked``, torch ops) and refused when named.
 

@@ -189,15 +189,15 @@ def plan_step(
         offload: checkpointed layers' inputs wait on the host (:meth:`CallBytes.offloading`).
     """
     label, L = _setting_label(setting), spec.num_layers
-    cb = _offloaded(call_bytes or estimated_call_bytes(spec, itemsize), offload)
+    cb = call_bytes or estimated_call_bytes(spec, itemsize)
+    cb = cb.offloading() if offload else cb
     fixed_ckpt = _fixed_checkpoint(checkpoint_layers, L, hf_checkpointing or not can_checkpoint)
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
     fixed = _shared_figures(spec, itemsize, shape, stack_held, step_grads)
     budget = _budget(available, expandable_segments, setting, allocated)
-    keeps = offload and can_keep_attention  # kept outputs wait on the host with the inputs: ~free on the device
-    recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload, keeps) if label == "low" else None
+    recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload) if setting == "low" else None
     chunk = recipe.chunk if recipe is not None else logprob_chunk
     grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, chunk, can_keep_attention)
     if recipe is not None:  # the lean recipe's peak is the cap: a faster plan must not need more
@@ -217,10 +217,6 @@ def plan_step(
         parts=parts, reason=reason, call_bytes=cb, fused_head=fused_head, spec=spec, itemsize=itemsize,
         step_grad_bytes=step_grads, offload_checkpoints=offload,
     )
-
-
-def _offloaded(call_bytes: CallBytes, offload: bool) -> CallBytes:
-    return call_bytes.offloading() if offload else call_bytes
 
 
 def _budget(available: float, expandable_segments: bool, setting: str | float, allocated: float) -> float:
@@ -248,20 +244,18 @@ def _knob_grid(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckp
                      _path_options(mode, fixed_ckpt, layers), _options(logprob_chunk, LOGPROB_CHUNKS), can_keep)
 
 
-def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, offload: bool = False,
-                keep: bool = False) -> Knobs:
+def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, offload: bool = False) -> Knobs:
     """The lean recipe: every layer checkpointed, the groups with children retained
     (their layer inputs) unless the mode recomputes them, mid-size calls, small head chunks.
     With the layer inputs on the host: larger calls (smaller ones are host-bound: 8k-token
     calls paid their whole host time in session R) and the path recomputed unless the mode
     retains it (retained with its inputs on the host, the 64k tree's step ran 10% slower in
-    session V; recomputed, as fast as with them on the device); ``keep``: the checkpointed layers keep
-    their attention outputs (offloaded, they cost one layer's outputs on the device)."""
+    session V; recomputed, as fast as with them on the device)."""
     k = layers if fixed_ckpt is None else fixed_ckpt
     group = (LOW_GROUP_TOKENS_OFFLOADED if offload else LOW_GROUP_TOKENS) if group_tokens is None else group_tokens
     chunk = LOW_LOGPROB_CHUNK if logprob_chunk is None else logprob_chunk
     recompute = mode == "recompute" or (offload and mode != "retain")
-    return Knobs(group, k, RECOMPUTE if recompute else k, chunk, keep and k > 0)
+    return Knobs(group, k, RECOMPUTE if recompute else k, chunk)
 
 
 def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) -> int | None:

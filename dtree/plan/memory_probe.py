@@ -53,7 +53,6 @@ class CallBytes:
         source: ``"measured"`` or ``"estimated"`` (HF's eager layers, from the shapes).
         backward_full, backward_checkpointed: the most a call's backward adds above what
             it kept, per token (measured; None: :meth:`backward`'s estimate).
-        offloaded: the checkpointed layers' inputs wait on the host (:meth:`offloading`).
     """
 
     full: float
@@ -63,7 +62,6 @@ class CallBytes:
     source: str = "measured"
     backward_full: float | None = None
     backward_checkpointed: float | None = None
-    offloaded: bool = False
 
     @property
     def per_layer(self) -> float:
@@ -92,12 +90,7 @@ class CallBytes:
         """These figures when every checkpointed layer also keeps its attention output,
         ``kept`` bytes per token and attention layer
         (:mod:`dtree.ops.stack_attention.output_memo`): spread over the layers, a
-        checkpointed layer's input grows by ``kept * attention_layers / layers``. Offloaded,
-        the outputs wait on the host with their layer's input, and the device holds one
-        layer's more: the layer below's, prefetched (the re-run layer's own replaces the output
-        it would compute)."""
-        if self.offloaded:
-            return replace(self, checkpointed=self.checkpointed + kept * min(1, attention_layers))
+        checkpointed layer's input grows by ``kept * attention_layers / layers``."""
         share = kept * attention_layers / max(1, self.layers)
         return replace(self, checkpointed=self.checkpointed + kept * attention_layers,
                        layer_input=self.layer_input + share)
@@ -107,11 +100,9 @@ class CallBytes:
         (:mod:`dtree.models.host_checkpoints`): a checkpointed layer keeps nothing on the
         device, and a call two layer inputs at a time in its backward (the re-run layer's and
         the one prefetched below it)."""
-        if self.offloaded:
-            return self
         resident = 2 * self.layer_input
         return replace(self, checkpointed=max(resident, self.checkpointed - self.layers * self.layer_input + resident),
-                       layer_input=0.0, offloaded=True)
+                       layer_input=0.0)
 
     def describe(self) -> dict:
         return {"full_kb": self.full / 1e3, "checkpointed_kb": self.checkpointed / 1e3,

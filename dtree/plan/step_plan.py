@@ -28,11 +28,11 @@ from ..forest.forest import Forest
 from ..models import ModelSpec, TreeModule, unwrap
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
-from ..ops.registry import resolve_backend
 from ..ops.stack_attention.interface import OWN_KV_IN_STACK, leaf_slots_take_grads
 from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
+from .backend_choice import Placement, pick_backend, pick_recurrence
 from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .memory_model import refine
 from .memory_probe import CallBytes, measure_call_bytes
@@ -42,10 +42,9 @@ from .state_plan import StatePlan, plan_states
 
 __all__ = [
     "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes",
-    "grad_slots", "offloads_checkpoints", "pick_backend", "pick_recurrence", "plan_memory", "stack_slots", "step_shape",
+    "grad_slots", "offloads_checkpoints", "plan_memory", "stack_slots", "step_shape",
 ]
 
-Placement = tuple[torch.device, torch.dtype]
 KEPT_PLANS = 256  # forest shapes whose plans deterministic mode keeps
 
 
@@ -64,40 +63,6 @@ def grad_slots(sched: Schedule, leaf_grads: bool) -> int:
     if leaf_grads:
         return sched.stack_tokens
     return max((g.stack_start + g.num_tokens for g in sched.groups if not g.is_leaf), default=0)
-
-
-def pick_backend(attention: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str:
-    """The stack-attention backend for ``attention`` (a config value), from the registry
-    (:func:`dtree.ops.registry.resolve_backend`). ``auto``: flash-attn-4 where it runs
-    (Hopper or newer, installed, 16-bit, head dims 64/128), else the fused Triton kernel where
-    it runs (CUDA, Triton installed, 16-bit or float32 weights, head_dim <= 256; in
-    deterministic mode only if its backward has a deterministic form), else SDPA. An
-    explicit backend that cannot run here raises a ValueError saying why; one that cannot
-    run deterministically in deterministic mode raises a RuntimeError, as torch does."""
-    device, dtype = placement
-    head_dim = max((spec.kv_shape(i)[1] for i in spec.attention_layers), default=spec.head_dim)
-    return resolve_backend(
-        "stack_attention", attention, device, dtype, head_dim=head_dim, deterministic=deterministic
-    )
-
-
-def pick_recurrence(recurrence: str, placement: Placement, spec: ModelSpec, deterministic: bool = False) -> str | None:
-    """The ``linear_recurrence`` backend for a model with recurrent layers (None without):
-    ``auto`` takes flash-linear-attention's kernels on CUDA where installed (not in
-    deterministic mode), else the chunked torch form; on CPU the float32 reference. An explicit backend that cannot run
-    here raises a ValueError. In deterministic mode on CUDA, the state ops' gathers and
-    depthwise convolutions are torch ops that sum in a fixed order only under
-    ``torch.use_deterministic_algorithms(True)``: without it, a RuntimeError (as torch raises)."""
-    if not spec.recurrent_states:
-        return None
-    device, dtype = placement
-    if deterministic and device.type == "cuda" and not torch.are_deterministic_algorithms_enabled():
-        determinism.alert_nondeterministic(
-            "recurrent layers on CUDA without torch.use_deterministic_algorithms(True)",
-            "their state ops' gathers and depthwise convolutions sum in a fixed order on CUDA only in torch's own "
-            "mode: call torch.use_deterministic_algorithms(True)",
-        )
-    return resolve_backend("linear_recurrence", recurrence, device, dtype, deterministic=deterministic)
 
 
 def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
@@ -125,8 +90,9 @@ def checkpoint_root(module: torch.nn.Module, view: ModelView | None = None) -> t
 
 
 def offloads_checkpoints(config: RuntimeConfig, device: torch.device, view: ModelView) -> bool:
-    """Whether checkpointed layers keep their inputs on the host (:mod:`dtree.models.host_checkpoints`): ``"auto"``
-    on CUDA under a memory cap; never under HF's own checkpointing (``torch.utils.checkpoint`` keeps them)."""
+    """Whether checkpointed layers may keep their inputs on the host (:mod:`dtree.models.host_checkpoints`):
+    ``"auto"`` on CUDA under a memory cap (under a number :func:`plan_memory` takes the offload only where no
+    plan fits without it); never under HF's own checkpointing (``torch.utils.checkpoint`` keeps them)."""
     if not view.can_checkpoint or view.hf_checkpointing or config.offload_checkpoints is False:
         return False
     return config.offload_checkpoints is True or (device.type == "cuda" and config.memory != "auto")
@@ -187,11 +153,16 @@ def plan_memory(
             group_tokens=config.group_tokens, checkpoint_layers=config.checkpoint_layers,
             logprob_chunk=config.logprob_chunk, hf_checkpointing=view.hf_checkpointing,
             can_checkpoint=view.can_checkpoint, call_bytes=call_bytes, keep=keep,
-            can_keep_attention=config.keep_attention_outputs and attention in KEEPING_BACKENDS, offload=offload,
-            **{**kw, **changes},
+            can_keep_attention=config.keep_attention_outputs and attention in KEEPING_BACKENDS,
+            **{"offload": offload, **kw, **changes},
         )
 
-    plan = dataclasses.replace(planned(), grad_guard=config.grad_guard)
+    plan = planned()
+    if offload and config.offload_checkpoints == "auto" and not isinstance(config.memory, str):
+        on_device = planned(offload=False)  # the copies cost a capped step ~5% (session W): only to fit
+        if on_device.predicted_peak_bytes <= on_device.budget_bytes:
+            plan, offload = on_device, False
+    plan = dataclasses.replace(plan, grad_guard=config.grad_guard)
     if config.grad_guard is True and config.memory != "auto" and kw:
         in_place = memory_policy.step_grad_bytes(view.parameters, kept_aside=False)
         if in_place < kw["step_grads"]:  # accumulating: the old gradients could wait on the host instead

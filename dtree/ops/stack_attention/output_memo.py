@@ -14,11 +14,6 @@ Exact by construction: the re-run's attention sees the same q, k, v and stack sl
 the forward did (checkpointing replays the layer on its saved input, and the ancestors
 are still on the stack), so the recorded output is the one it would compute.
 
-With a host store (a checkpointed layer whose input waits in pinned host memory,
-:mod:`dtree.models.host_checkpoints`) the recorded output and LSE wait there too, in the layer's
-entries: they come back with the layer's input at its re-run, so keeping them costs the device
-one layer's worth (the layer below's, prefetched) instead of every checkpointed layer's.
-
 Which backends record: :data:`KEEPING_BACKENDS`, whose autograd functions compute their
 output through :func:`kept_or_computed`. The memory policy keeps outputs only for plans
 that name it, and only on those backends.
@@ -47,10 +42,9 @@ class OutputMemo:
     back in the same order (a graph backpropagated twice re-runs twice; the entries
     stay until the memo is dropped with the layer's graph)."""
 
-    def __init__(self, host=None) -> None:
-        self._entries: list[tuple] = []  # (out, lse): tensors, or the host store's entries of them
+    def __init__(self) -> None:
+        self._entries: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._cursor: int | None = None  # None: recording
-        self._host = host  # put(tensor) -> entry / get(entry) -> tensor (HostCheckpoints), or None
 
     @property
     def replaying(self) -> bool:
@@ -74,8 +68,7 @@ class OutputMemo:
     def record(self, out: torch.Tensor, lse: torch.Tensor) -> None:
         if self.replaying:
             raise RuntimeError("OutputMemo.record during a re-run: the layer's re-run is to take outputs back")
-        out, lse = out.detach(), lse.detach()
-        self._entries.append((out, lse) if self._host is None else (self._host.put(out), self._host.put(lse)))
+        self._entries.append((out.detach(), lse.detach()))
 
     def take(self, out_shape: tuple, lse_shape: tuple, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The next recorded ``(out, lse)``; a RuntimeError if the re-run asks for more
@@ -92,9 +85,6 @@ class OutputMemo:
                 f"a checkpointed layer's re-run asked for an attention output {tuple(out_shape)} {dtype}, "
                 f"its forward recorded {tuple(out.shape)} {out.dtype}"
             )
-        if self._host is not None and not isinstance(out, torch.Tensor):  # back from the host, once
-            out, lse = self._host.get(out), self._host.get(lse)
-            self._entries[i] = (out, lse)
         self._cursor = i + 1
         return out.detach(), lse  # a fresh alias: the re-run's graph sets its own grad_fn on it
 
