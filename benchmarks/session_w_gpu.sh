@@ -16,6 +16,9 @@
 #                the GPU tests of checkpointing, the offload and kept outputs; the 64k tree (low,
 #                memory=$CAP, the default) and the 256k tree (memory=$HALF256K) against the mask;
 #
+#   PART=tight   a cap under what the 64k tree's plans need with the layer inputs on the device
+#                (memory=$TIGHT): the default offload taken there, against the same cap without it;
+#
 #     PART=main bash benchmarks/session_w_gpu.sh           # reports in $OUT (default /tmp/dtree_session_w)
 #     SMOKE=1 PART=main bash benchmarks/session_w_gpu.sh   # CPU, tiny model: plumbing only
 set -uo pipefail
@@ -28,6 +31,8 @@ AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262
 [ -n "$SMOKE_FLAG" ] && HALF256K=4 AGENTIC256K="$AGENTIC64K"
 AGENTIC64K_SET="${AGENTIC64K#--workload agentic }"  # profile_memory.py takes the agentic workload's --set only
 NOKEEP=keep_attention_outputs=False
+TIGHT=${TIGHT:-8}
+[ -n "$SMOKE_FLAG" ] && TIGHT=3.5
 
 case "$PART" in
   main)
@@ -59,6 +64,11 @@ case "$PART" in
     bench final256k 240 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs "dtree:memory=$HALF256K,tree-mask:whole+ckpt"
     rm -f "$OUT"/*/*.png
     ;;
+  tight)
+    bench tight64k 300 $AGENTIC64K --steps "${STEPS}" --configs \
+      "dtree:memory=$TIGHT,dtree:memory=$TIGHT+offload_checkpoints=False,tree-mask:whole+ckpt"
+    rm -f "$OUT"/*/*.png
+    ;;
   scale)
     bench half256k 420 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs \
       "dtree:memory=$HALF256K,dtree:memory=$HALF256K+$NOKEEP,tree-mask:whole+ckpt"
@@ -68,5 +78,5 @@ case "$PART" in
     grep -E "^\| " "$OUT/memory_low.log" | head -30 | cut -c1-200
     rm -f "$OUT"/*/*.png
     ;;
-  *) echo "PART must be main, ab, scale or final"; exit 2 ;;
+  *) echo "PART must be main, ab, scale, final or tight"; exit 2 ;;
 esac

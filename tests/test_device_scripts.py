@@ -67,6 +67,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_w_gpu.sh", {"PART": "ab", "COST_STEPS": "1"}, ("keep_low", "keep_4", "capped64k"),
                  marks=pytest.mark.slow),
     ("session_w_gpu.sh", {"PART": "final", "SCALE_STEPS": "1"}, ("final64k", "final256k")),
+    pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("half256k", "memory_low"),
                  marks=pytest.mark.slow),
     pytest.param("session_u_gpu.sh", {"PART": "recheck", "CASE1_STEPS": "2", "AGENTIC_STEPS": "2"},
