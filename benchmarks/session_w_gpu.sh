@@ -16,8 +16,9 @@
 #                the GPU tests of checkpointing, the offload and kept outputs; the 64k tree (low,
 #                memory=$CAP, the default) and the 256k tree (memory=$HALF256K) against the mask;
 #
-#   PART=tight   a cap under what the 64k tree's plans need with the layer inputs on the device
-#                (memory=$TIGHT): the default offload taken there, against the same cap without it;
+#   PART=tight   a cap (memory=$TIGHT) where the 64k tree's only plan that fits with the layer inputs on the
+#                device runs 2k-token calls: the default offload against it (first run: the offload taken only
+#                where nothing fit without it, which chose that plan), and memory=$CAP, against the mask;
 #
 #     PART=main bash benchmarks/session_w_gpu.sh           # reports in $OUT (default /tmp/dtree_session_w)
 #     SMOKE=1 PART=main bash benchmarks/session_w_gpu.sh   # CPU, tiny model: plumbing only
@@ -66,7 +67,7 @@ case "$PART" in
     ;;
   tight)
     bench tight64k 300 $AGENTIC64K --steps "${STEPS}" --configs \
-      "dtree:memory=$TIGHT,dtree:memory=$TIGHT+offload_checkpoints=False,tree-mask:whole+ckpt"
+      "dtree:memory=$TIGHT,dtree:memory=$CAP,tree-mask:whole+ckpt${TIGHT_EXTRA:-}"
     rm -f "$OUT"/*/*.png
     ;;
   scale)

@@ -636,11 +636,29 @@ def test_keep_attention_outputs_false_keeps_none(monkeypatch, allowed):
     assert seen and all(kw["can_keep_attention"] is allowed for kw in seen)
 
 
+def test_the_offload_is_taken_where_it_is_faster_with_its_copies_priced():
+    """The plan with the layer inputs on the device where it fits and is predicted no more than
+    OFFLOAD_COST slower; the offloaded plan where the device's does not fit, or is much slower
+    (session W: at memory=8 on the 64k tree the device's only fitting plan ran 3.6x slower)."""
+    shape = mp.StepShape(65_600, 9_836, 9_000, 0, 65_600 * 6_000.0)
+    base = mp.plan_step(ModelSpec(28, 12, 2, 128, 1536, 151936, 8960), 2, shape, on_cuda=True,
+                        available=20 * GIB, setting=14.5, offload=True)
+    offloaded = dataclasses.replace(base, predicted_cost=100.0, predicted_peak_bytes=4 * GIB, budget_bytes=8 * GIB)
+
+    def device_plan(cost, peak_gib):
+        return dataclasses.replace(offloaded, offload_checkpoints=False, predicted_cost=cost,
+                                   predicted_peak_bytes=peak_gib * GIB)
+
+    assert mp.cheaper_than_offload(offloaded, device_plan(104.0, 7.5)).offload_checkpoints is False
+    assert mp.cheaper_than_offload(offloaded, device_plan(100.0 * (1 + mp.OFFLOAD_COST) + 1, 7.5)) is offloaded
+    assert mp.cheaper_than_offload(offloaded, device_plan(90.0, 8.5)) is offloaded  # does not fit
+
+
 @pytest.mark.parametrize("cap,offloaded", [(40, False), (1.35, True)])
-def test_a_cap_in_gib_offloads_only_what_does_not_fit(monkeypatch, cap, offloaded):
-    """Under a cap in GiB the default offload (``"auto"``) is taken only where no plan fits with the
-    layer inputs on the device (the copies cost a capped step time: session W); ``"low"`` offloads
-    (its point is the memory), and ``offload_checkpoints=True`` everywhere."""
+def test_a_cap_in_gib_offloads_only_where_it_pays(monkeypatch, cap, offloaded):
+    """Under a cap in GiB the default offload (``"auto"``) is weighed against the plan with the layer
+    inputs on the device (:func:`cheaper_than_offload`); ``"low"`` offloads (its point is the memory),
+    and ``offload_checkpoints=True`` everywhere."""
     model = make_model("qwen2")
     plan, seen = _plan_with(model, monkeypatch, 60, memory=cap)
     assert plan.offload_checkpoints is offloaded, plan.describe()

@@ -91,8 +91,9 @@ def checkpoint_root(module: torch.nn.Module, view: ModelView | None = None) -> t
 
 def offloads_checkpoints(config: RuntimeConfig, device: torch.device, view: ModelView) -> bool:
     """Whether checkpointed layers may keep their inputs on the host (:mod:`dtree.models.host_checkpoints`):
-    ``"auto"`` on CUDA under a memory cap (under a number :func:`plan_memory` takes the offload only where no
-    plan fits without it); never under HF's own checkpointing (``torch.utils.checkpoint`` keeps them)."""
+    ``"auto"`` on CUDA under a memory cap (under a number :func:`plan_memory` takes the offload only where it
+    is predicted faster with its copies priced: :func:`~dtree.plan.memory_policy.cheaper_than_offload`); never
+    under HF's own checkpointing (``torch.utils.checkpoint`` keeps them)."""
     if not view.can_checkpoint or view.hf_checkpointing or config.offload_checkpoints is False:
         return False
     return config.offload_checkpoints is True or (device.type == "cuda" and config.memory != "auto")
@@ -159,9 +160,8 @@ def plan_memory(
 
     plan = planned()
     if offload and config.offload_checkpoints == "auto" and not isinstance(config.memory, str):
-        on_device = planned(offload=False)  # the copies cost a capped step ~5% (session W): only to fit
-        if on_device.predicted_peak_bytes <= on_device.budget_bytes:
-            plan, offload = on_device, False
+        plan = memory_policy.cheaper_than_offload(plan, planned(offload=False))
+        offload = plan.offload_checkpoints
     plan = dataclasses.replace(plan, grad_guard=config.grad_guard)
     if config.grad_guard is True and config.memory != "auto" and kw:
         in_place = memory_policy.step_grad_bytes(view.parameters, kept_aside=False)
