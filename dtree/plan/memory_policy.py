@@ -52,7 +52,9 @@ Settings (``TreeRuntime(memory=...)``):
 a number
     a cap in GiB on the step's peak allocated memory (everything the process holds
     included; :data:`CAP_MARGIN` is kept for prediction error): the fastest plan
-    predicted under it.
+    predicted under it. On CUDA the planner scores the cap with the layer inputs on the host
+    and on the device and keeps the device's plan where it fits and is predicted no more than
+    :data:`OFFLOAD_COST` slower (:func:`cheaper_than_offload`).
 
 Explicit ``group_tokens``, ``checkpoint_layers`` and ``logprob_chunk`` arguments of the
 runtime are kept as given; the policy decides the rest.
