@@ -6,7 +6,8 @@
 # scripts), MASK_GIB (the mask's peak on the
 # 64k tree: the memory cap that compares dtree at the mask's memory), CAP (the same for the mask with
 # dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
-# $OUT/DIR, its report rows printed) and micro (one benchmarks/micro_batches.py run, likewise).
+# $OUT/DIR, its report rows printed), memory_profile (benchmarks/profile_memory.py on the 64k tree) and micro
+# (one benchmarks/micro_batches.py run, likewise).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 BENCH="python -m dtree bench --model qwen2.5-1.5b"
@@ -26,6 +27,13 @@ bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows p
   mkdir -p "$OUT/$dir"
   timeout "$limit" $BENCH "$@" --out "$OUT/$dir" >"$OUT/$dir.log" 2>&1
   grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT/$dir"/*.md | cut -d'|' -f2,6,8,12
+}
+
+memory_profile() {  # memory_profile DIR TIMEOUT CONFIGS [LINES]: benchmarks/profile_memory.py on the 64k tree, its rows printed
+  mkdir -p "$OUT/$1"
+  timeout "$2" python benchmarks/profile_memory.py --configs "$3" ${AGENTIC64K#--workload agentic } --out "$OUT/$1" \
+    >"$OUT/$1.log" 2>&1
+  grep -E "^\| " "$OUT/$1.log" | head -"${4:-40}" | cut -c1-200
 }
 
 micro() {  # micro DIR TIMEOUT ARGS...: benchmarks/micro_batches.py, its report in $OUT/DIR, its table printed

@@ -2,9 +2,8 @@
 (``offload_checkpoints``, :mod:`dtree.models.host_checkpoints`).
 
 Two runtimes over the same fresh forests in one process, alike but for ``offload_checkpoints``
-(or the boolean option ``--compare`` names, e.g. ``keep_attention_outputs``: its attention outputs kept
-on the host beside the inputs or not; ``--opt`` sets the rest; default ``memory=low``), the order
-rotating each step. Per way: step
+(or the boolean option ``--compare`` names, e.g. ``keep_attention_outputs``; ``--opt`` sets the
+rest; default ``memory=low``), the order rotating each step. Per way: step
 seconds, peak allocated memory, pinned page bytes held after the step and pinned during it (a
 step that pins pays ``cudaHostAlloc``), and the host time inside the group's ``put`` and
 ``get`` (``put``: queue the copies to the host; ``get``: queue the copy back, its prefetch, the

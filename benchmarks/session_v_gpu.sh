@@ -28,7 +28,6 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_v}
 PART=${PART:-encounter}
 source benchmarks/bench_cases.sh  # CAP: 14.5 GiB, the mask's peak on the 64k tree (4 with SMOKE=1)
-AGENTIC64K_SET="${AGENTIC64K#--workload agentic }"  # profile_memory.py takes the agentic workload's --set only
 
 encounter() {  # encounter NAME TIMEOUT ARGS...: benchmarks/first_encounter.py into $OUT/NAME
   mkdir -p "$OUT/$1"
@@ -57,10 +56,7 @@ case "$PART" in
     fi
     bench split64k 420 $AGENTIC64K --steps "${STEPS}" --configs \
       "dtree:low,dtree:low+offload_checkpoints=False+group_tokens=12288,dtree:low+mode=recompute,dtree:low+offload_checkpoints=False,tree-mask:whole+ckpt"
-    mkdir -p "$OUT/memory_low"
-    timeout 200 python benchmarks/profile_memory.py --configs "dtree:low" $AGENTIC64K_SET --out "$OUT/memory_low" \
-      >"$OUT/memory_low.log" 2>&1
-    grep -E "^\| " "$OUT/memory_low.log" | head -40 | cut -c1-200
+    memory_profile memory_low 200 dtree:low
     rm -f "$OUT"/*/*.png
     ;;
   final)

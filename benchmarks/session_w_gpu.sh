@@ -30,7 +30,6 @@ source benchmarks/bench_cases.sh  # CAP: 14.5 GiB, the mask's peak on the 64k tr
 HALF256K=19.9
 AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
 [ -n "$SMOKE_FLAG" ] && HALF256K=4 AGENTIC256K="$AGENTIC64K"
-AGENTIC64K_SET="${AGENTIC64K#--workload agentic }"  # profile_memory.py takes the agentic workload's --set only
 NOKEEP=keep_attention_outputs=False
 TIGHT=${TIGHT:-8}
 [ -n "$SMOKE_FLAG" ] && TIGHT=3.5
@@ -73,10 +72,7 @@ case "$PART" in
   scale)
     bench half256k 420 $AGENTIC256K --steps "${SCALE_STEPS:-3}" --configs \
       "dtree:memory=$HALF256K,dtree:memory=$HALF256K+$NOKEEP,tree-mask:whole+ckpt"
-    mkdir -p "$OUT/memory_low"
-    timeout 150 python benchmarks/profile_memory.py --configs "dtree:low" $AGENTIC64K_SET --out "$OUT/memory_low" \
-      >"$OUT/memory_low.log" 2>&1
-    grep -E "^\| " "$OUT/memory_low.log" | head -30 | cut -c1-200
+    memory_profile memory_low 150 dtree:low 30
     rm -f "$OUT"/*/*.png
     ;;
   *) echo "PART must be main, ab, scale, final or tight"; exit 2 ;;
