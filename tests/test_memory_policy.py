@@ -21,6 +21,7 @@ from dtree.models import ModelSpec, adapt
 from dtree.ops.logprobs import as_output_head
 from dtree.plan import memory_model as mm
 from dtree.plan import memory_policy as mp
+from dtree.plan import plan_candidates as pc
 from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_call_bytes
 from dtree.plan.model_view import model_view
 from dtree.plan.plan_candidates import SLACK
@@ -526,10 +527,14 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     head = as_output_head(adapted.dtree_output_layer())
     plan_ = plan_memory(model_view(model), spec, head, config, cuda, None, forest, cb)
     shape = step_shape(forest, 3, recurrent=True)
-    kv = min(shape.unique_tokens, shape.longest_path + 3) * mm.stack_slot_bytes(spec, 4)
-    assert plan_.parts["kv_stack"] == pytest.approx(kv + shape.state_slots * mm.state_slot_bytes(spec, 4))
-
     sched = build_schedule(forest, 3, 3)
+    # before scheduling, the K/V slots of the schedule's packing (no backend given: K/V and
+    # gradients in the slots it writes); the state stack on its bound
+    kv = sched.stack_tokens * mm.stack_slot_bytes(spec, 4)
+    assert plan_.parts["kv_stack"] == pytest.approx(kv + shape.state_slots * mm.state_slot_bytes(spec, 4))
+    fixed = mp._shared_figures(spec, 4, shape, 0.0, 0.0)  # a shape without stack_needs: the bound
+    assert pc.kv_stack_bytes(shape, 3, 3, fixed) == min(shape.unique_tokens, shape.longest_path + 3) * fixed["slot_bytes"]
+
     slots = plan_states(sched).capacity
     retain = plan_.retain_budget(config.mode)
     refined = mm.refine(plan_, sched, retain, (0, 0), slots)
@@ -606,10 +611,10 @@ def test_the_planner_keeps_a_shape_plan_in_deterministic_mode(monkeypatch):
 def test_call_budgets_that_plan_the_same_calls_are_scored_once(monkeypatch, shape, kw):
     """A forest smaller than several call budgets (GRPO case 1: 6,144 tokens) scores one of
     them, not each: the plan is the one every budget gives, and fewer are scored."""
-    budgets = mp._call_budgets(None, shape.unique_tokens)
+    budgets = mp.call_budgets(None, shape.unique_tokens)
     assert len(budgets) == len({min(g, shape.unique_tokens) for g in mp.GROUP_TOKENS})
     fewer = plan(shape, **kw)
-    monkeypatch.setattr(mp, "_call_budgets", lambda fixed, u: (fixed,) if fixed is not None else mp.GROUP_TOKENS)
+    monkeypatch.setattr(mp, "call_budgets", lambda fixed, u: (fixed,) if fixed is not None else mp.GROUP_TOKENS)
     every = plan(shape, **kw)
     assert dataclasses.replace(fewer, reason="") == dataclasses.replace(every, reason="")  # the reason counts the plans
 
@@ -649,9 +654,36 @@ def test_the_offload_is_taken_where_it_is_faster_with_its_copies_priced():
         return dataclasses.replace(offloaded, offload_checkpoints=False, predicted_cost=cost,
                                    predicted_peak_bytes=peak_gib * GIB)
 
-    assert mp.cheaper_than_offload(offloaded, device_plan(104.0, 7.5)).offload_checkpoints is False
+    assert mp.cheaper_than_offload(offloaded, device_plan(111.0, 7.5)).offload_checkpoints is False
     assert mp.cheaper_than_offload(offloaded, device_plan(100.0 * (1 + mp.OFFLOAD_COST) + 1, 7.5)) is offloaded
     assert mp.cheaper_than_offload(offloaded, device_plan(90.0, 8.5)) is offloaded  # does not fit
+
+
+def test_a_tight_cap_scores_the_schedules_kv_stack():
+    """memory=8 on the 64k agentic tree (qwen2.5-1.5b with the figures measured on an H200, the
+    layer inputs on the host): on the bound (the longest path plus a call, gradients in every slot)
+    the 12k-token calls of ``low`` did not fit and 4k-token calls ran 1.9x slower (session X); with
+    the schedule's own slots (``stack_needs``: 6.7k gradient slots of 18.9k) such calls fit, and the
+    figure is the one the schedule is refined to."""
+    from dtree.plan.step_plan import stack_needs, step_shape
+    from dtree.workloads import make_workload
+
+    forest = make_workload("agentic", seed=0, num_trees=1, target_unique_tokens=65536)
+    shape = step_shape(forest, 8192)
+    exact_shape = dataclasses.replace(shape, stack_needs=stack_needs(
+        forest, 8192, mp.call_budgets(None, shape.unique_tokens), own_in_stack=True, leaf_grads=False))
+    cb = CallBytes(1527852.0, 92692.0, 28, 3072.0, backward_full=0.0, backward_checkpointed=53300.0)
+    kw = {"on_cuda": True, "available": 120 * GIB, "expandable_segments": True, "setting": 8.0,
+          "allocated": 2.94 * GIB, "step_grads": 2.875 * GIB, "call_bytes": cb, "can_keep_attention": True,
+          "fused_head": True, "offload": True}
+    bound, exact = mp.plan_step(QWEN_1_5B, 2, shape, **kw), mp.plan_step(QWEN_1_5B, 2, exact_shape, **kw)
+    assert bound.group_tokens == 4096 and exact.group_tokens >= 12288, (bound.describe(), exact.describe())
+    assert exact.path_checkpoint_layers == mm.RECOMPUTE  # offloaded: the path recomputed, as low's recipe
+    assert exact.predicted_cost < bound.predicted_cost / 1.5
+    sched = build_schedule(forest, 8192, exact.group_tokens)
+    refined = mm.refine(exact, sched, exact.retain_budget("auto"), (0, 0), 0,
+                        stack_slots=stack_slots(sched, True), grad_slots=grad_slots(sched, False))
+    assert refined.parts["kv_stack"] == pytest.approx(exact.parts["kv_stack"])
 
 
 @pytest.mark.parametrize("cap,offloaded", [(40, False), (1.35, True)])
@@ -671,3 +703,14 @@ def test_a_cap_in_gib_offloads_only_where_it_pays(monkeypatch, cap, offloaded):
 def test_bad_keep_attention_outputs_values_are_refused(value):
     with pytest.raises(ValueError, match="keep_attention_outputs must be True or False"):
         RuntimeConfig(keep_attention_outputs=value)
+
+
+def test_with_the_offload_a_retained_path_keeps_no_checkpointed_layers():
+    """Offloaded, a retained path's checkpointed layers would keep their inputs on the host until
+    their backward (10% and 5% slower than recomputing the path in sessions V and X): the path is
+    retained whole (no layer checkpointed) or recomputed, unless ``mode="retain"``."""
+    assert mp._path_options("auto", None, 28, offload=True) == (0, mm.RECOMPUTE)
+    assert mp._path_options("auto", None, 28) == (0, 14, 28, mm.RECOMPUTE)
+    assert mp._path_options("retain", None, 28, offload=True) == (0, 14, 28)
+    assert mp._path_options("recompute", None, 28, offload=True) == (mm.RECOMPUTE,)
+    assert mp._path_options("auto", 5, 28, offload=True) == (mm.RECOMPUTE,)

@@ -172,3 +172,33 @@ def test_masked_tokens_never_reach_the_head():
     t = select_loss_terms(s.predictions, f, weights)
     assert sorted(f.tokens[t.pred_unique].tolist()) == [4, 5]
     assert t.loss_lin.tolist() == [3, 7]
+
+
+@given(sequence_batches(max_sequences=9, max_len=20), st.integers(1, 9),
+       st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True))
+def test_stack_needs_are_the_schedules_slots(seqs, chunk, budgets):
+    """What the memory policy scores a call budget's KV stack on (``stack_needs``, from the
+    packing alone) is what the runtime then allocates for that budget's schedule, with every
+    backend's slot rules (own K/V in the stack or not, leaf slots taking gradients or not)."""
+    from dtree.plan.step_plan import grad_slots, stack_needs, stack_slots
+
+    forest = Forest.from_sequences(seqs)
+    for own in (False, True):
+        for leaf_grads in (False, True):
+            needs = stack_needs(forest, chunk, tuple(budgets), own, leaf_grads)
+            for (budget, kv, grads), g in zip(needs, budgets):
+                sched = build_schedule(forest, chunk, g)
+                assert budget == g
+                assert (kv, grads) == (stack_slots(sched, own), grad_slots(sched, leaf_grads)), (g, own, leaf_grads)
+
+
+def test_stack_needs_on_the_64k_agentic_tree():
+    # large calls: far fewer gradient slots than the bound the policy had (the longest path plus a call)
+    from dtree.plan.step_plan import stack_needs, step_shape
+    from dtree.workloads import make_workload
+
+    forest = make_workload("agentic", seed=0, num_trees=1, target_unique_tokens=65536)
+    shape = step_shape(forest, 8192)
+    (_, kv, grads), = stack_needs(forest, 8192, (12288,), own_in_stack=True, leaf_grads=False)
+    # seed 0: 18,899 K/V slots, 6,679 gradient slots, a longest path of 8,499: the bound 20,787 of each
+    assert grads < shape.longest_path < kv <= shape.longest_path + 12288

@@ -79,13 +79,24 @@ class StepShape:
     children hold), and the segments with children (each may store its recurrent
     states in a state-stack slot: a bound on the state stack's slots; 0 for a model
     without recurrent layers), and the (query, key) pairs of the forest's attention
-    (what re-running a checkpointed layer's attention costs)."""
+    (what re-running a checkpointed layer's attention costs); ``stack_needs``: per call budget
+    the KV-stack slots its schedule takes, ``(group_tokens, KV slots, gradient slots)``
+    (:func:`dtree.plan.step_plan.stack_needs`; without an entry, a plan is scored on the bound:
+    the longest path plus a call, gradients in every slot)."""
 
     unique_tokens: int
     longest_path: int
     shared_tokens: int = 0
     state_slots: int = 0
     attention_keys: float = 0.0  # keys the unique tokens attend to, summed (a token at depth p sees p + 1)
+    stack_needs: tuple[tuple[int, int, int], ...] = ()
+
+    def stack_need(self, group_tokens: int) -> tuple[int, int] | None:
+        """(KV slots, gradient slots) of the schedule of ``group_tokens``-token calls; None: not known."""
+        for budget, kv, grads in self.stack_needs:
+            if budget == group_tokens:
+                return kv, grads
+        return None
 
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:

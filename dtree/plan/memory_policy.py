@@ -104,6 +104,7 @@ from .memory_model import (
     head_bytes,
     layer_activation_bytes,
     layer_input_bytes,
+    stack_grad_slot_bytes,
     stack_slot_bytes,
     state_slot_bytes,
 )
@@ -111,7 +112,8 @@ from .memory_probe import CallBytes, estimated_call_bytes
 from .plan_candidates import KnobGrid, Knobs, candidate, candidate_scores, choose_index, knob_grid
 
 __all__ = [
-    "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "cheaper_than_offload", "head_bytes",
+    "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "call_budgets", "cheaper_than_offload",
+    "head_bytes",
     "layer_activation_bytes", "layer_input_bytes", "step_grad_bytes", "plan_step", "stack_slot_bytes",
     "state_slot_bytes",
 ]
@@ -131,10 +133,12 @@ DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_GROUP_TOKENS_OFFLOADED = 12288  # with the layer inputs on the host a call's size costs little memory
 LOW_LOGPROB_CHUNK = 512
-# What the offload's copies cost a capped step, as a share of its predicted time: on the 64k tree
-# memory=14.5 ran 2.081 s offloaded against 1.973 s on the device (session W); the time model
-# itself prices them at nothing.
-OFFLOAD_COST = 0.05
+# What the offload's copies cost a capped step, as a share of its predicted time (the time model
+# itself prices them at nothing). Fitted on session W's same-process runs on the 64k tree: the
+# offloaded memory=14.5 plan (32k-token calls, 27 layers checkpointed) ran 2.081 s where the device's
+# (16k-token calls, all 28) ran 1.973 s, against predicted costs 5.5% the other way: 0.05 (session W)
+# left the two plans within it once the stack figure was exact (session X), and the slower one won.
+OFFLOAD_COST = 0.12
 
 
 def _checkpoint_options(fixed: int | None, layers: int) -> tuple[int, ...]:
@@ -206,7 +210,7 @@ def plan_step(
     budget = _budget(available, expandable_segments, setting, allocated)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload) if setting == "low" else None
     chunk = recipe.chunk if recipe is not None else logprob_chunk
-    grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, chunk, can_keep_attention)
+    grid = _knob_grid(shape, mode, L, group_tokens, fixed_ckpt, chunk, can_keep_attention, offload)
     if recipe is not None:  # the lean recipe's peak is the cap: a faster plan must not need more
         fig_of.setdefault(recipe.chunk, _figures(spec, itemsize, cb, fused_head, recipe.chunk))
         budget = min(budget, candidate(shape, recipe, fig_of[recipe.chunk], spec, fixed)[0])
@@ -239,16 +243,18 @@ def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held
     return {
         "stack_held": stack_held, "step_grads": step_grads, "attention_rerun": attention_rerun_rate(spec, shape),
         "rates": cost_rates(spec), "slot_bytes": stack_slot_bytes(spec, itemsize),
+        "grad_slot_bytes": stack_grad_slot_bytes(spec, itemsize),
         "state_bytes": state_slot_bytes(spec, itemsize),
     }
 
 
 def _knob_grid(shape: StepShape, mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk,
-               can_keep: bool) -> KnobGrid:
+               can_keep: bool, offload: bool = False) -> KnobGrid:
     """Every plan the policy scores: call sizes, checkpointed layers (calls and path),
     head chunks, and whether checkpointed layers keep their attention outputs."""
-    return knob_grid(_call_budgets(group_tokens, shape.unique_tokens), _checkpoint_options(fixed_ckpt, layers),
-                     _path_options(mode, fixed_ckpt, layers), _options(logprob_chunk, LOGPROB_CHUNKS), can_keep)
+    return knob_grid(call_budgets(group_tokens, shape.unique_tokens), _checkpoint_options(fixed_ckpt, layers),
+                     _path_options(mode, fixed_ckpt, layers, offload), _options(logprob_chunk, LOGPROB_CHUNKS),
+                     can_keep)
 
 
 def _low_recipe(mode: str, layers: int, group_tokens, fixed_ckpt, logprob_chunk, offload: bool = False) -> Knobs:
@@ -276,14 +282,20 @@ def _fixed_checkpoint(value: bool | int | None, layers: int, forbidden: bool) ->
     return min(int(value), layers)
 
 
-def _path_options(mode: str, fixed: int | None, layers: int) -> tuple[int, ...]:
+def _path_options(mode: str, fixed: int | None, layers: int, offload: bool = False) -> tuple[int, ...]:
     """How groups with children may run: retained with none, half or all of their layers
     checkpointed (the path is a few percent of the tokens: coarser steps than the
-    calls' keep the search small), or recomputed (the last option: the leanest)."""
+    calls' keep the search small), or recomputed (the last option: the leanest). With the
+    layer inputs on the host (``offload``) a retained path's checkpointed layers keep theirs
+    there until their backward, which the time model does not price: on the 64k tree such plans
+    ran 10% (session V) and 5% (session X, ``memory=8``: 2.212 s against `low`'s 2.100 s,
+    predicted 13% faster) slower than recomputing the path, so only ``mode="retain"`` takes them."""
     if mode == "recompute":
         return (RECOMPUTE,)
     retained = (0, layers // 2, layers) if fixed is None else (fixed,)
-    return retained if mode == "retain" else retained + (RECOMPUTE,)
+    if mode == "retain":
+        return retained
+    return tuple(k for k in retained if k == 0 or not offload) + (RECOMPUTE,)
 
 
 def _cpu_plan(label, setting, mode, layers, group_tokens, fixed_ckpt, logprob_chunk, offload) -> MemoryPlan:
@@ -312,7 +324,7 @@ def _options(fixed, choices) -> tuple:
     return (fixed,) if fixed is not None else choices
 
 
-def _call_budgets(fixed: int | None, unique_tokens: int) -> tuple[int, ...]:
+def call_budgets(fixed: int | None, unique_tokens: int) -> tuple[int, ...]:
     """The call budgets worth scoring: the user's, or :data:`GROUP_TOKENS` without those
     that plan the same calls as a larger one (every budget at or above the forest's size
     is one call of the whole forest: a GRPO group of 6k tokens scores one of 32k, 16k and

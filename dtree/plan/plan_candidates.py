@@ -35,14 +35,20 @@ from .memory_model import (
     head_bytes,
 )
 
-__all__ = ["HEAD_CHUNK_PENALTY", "KnobGrid", "Knobs", "LEANER", "SLACK", "candidate", "candidate_scores", "choose",
-           "choose_index", "fit_reason", "knob_grid"]
+__all__ = ["HEAD_CHUNK_PENALTY", "KnobGrid", "Knobs", "LEANER", "SLACK", "TIE", "candidate", "candidate_scores", "choose",
+           "choose_index", "fit_reason", "knob_grid", "kv_stack_bytes"]
 
 # Plans within this fraction of the fastest predicted one count as equally fast; the
 # one with the least memory among them is taken when it saves at least LEANER of the
 # fastest one's peak (a colocated engine, a larger batch or a longer path can use it).
 SLACK = 0.02  # at 5%, GRPO case 1's default checkpointed 9 layers once re-runs were priced as measured
 LEANER = 0.2
+# Plans predicted within this fraction of the fastest one are as fast as it as far as any run has
+# told them apart: the leanest of them counts as the fastest. Session X: under memory=14.5 on the
+# 64k tree, 27 checkpointed layers (predicted 0.2% faster than 28) ran 1.920 s at 13.19 GiB where
+# 28 had run 1.850-1.896 s at 12.47; on the 256k tree under 19.9 GiB, 7.549 s at 17.00 GiB against
+# 7.32-7.47 s at 15.57.
+TIE = 0.005
 HEAD_CHUNK_PENALTY = {4096: 0.0, 2048: 0.05, 1024: 0.15}  # of the LM head's share of a token
 _OTHER_CHUNK_PENALTY = 0.15
 
@@ -70,6 +76,17 @@ def _call_tokens(group_tokens: int, unique: int) -> int:
     return max(1, min(group_tokens if group_tokens > 0 else SMALL_CALL_TOKENS, unique))
 
 
+def kv_stack_bytes(shape: StepShape, group_tokens: int, call: int, fixed: dict) -> float:
+    """Bytes of the KV stack a plan of ``group_tokens``-token calls (``call`` tokens each) takes:
+    its schedule's K/V and gradient slots where the shape has them (:attr:`StepShape.stack_needs`),
+    else the bound, the longest path plus a call with gradients in every slot."""
+    need = shape.stack_need(group_tokens)
+    if need is None:
+        return min(shape.unique_tokens, shape.longest_path + call) * fixed["slot_bytes"]
+    kv, grads = need
+    return kv * (fixed["slot_bytes"] - fixed["grad_slot_bytes"]) + grads * fixed["grad_slot_bytes"]
+
+
 def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fixed: dict) -> tuple[float, float, dict]:
     """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
     the call as large as its budget, the path as long as the longest one. ``fixed``: the
@@ -79,7 +96,7 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
     path = min(shape.longest_path, shape.shared_tokens, u)
     cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
     retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
-    kv = min(u, shape.longest_path + call) * fixed["slot_bytes"]
+    kv = kv_stack_bytes(shape, knobs.group_tokens, call, fixed)
     stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
     calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
@@ -176,7 +193,7 @@ def candidate_scores(
     path = min(shape.longest_path, shape.shared_tokens, u)
     retained = np.where(recompute, 0.0, path * _lookup(
         lambda c, kp, p: cb(c, kp).call(p) if p != RECOMPUTE else 0.0, grid.chunk, keep, grid.path))
-    kv = np.minimum(u, shape.longest_path + call) * fixed["slot_bytes"]
+    kv = _lookup(lambda g, c: kv_stack_bytes(shape, g, c, fixed), grid.group_tokens, calls)
     stack = np.maximum(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = _lookup(lambda c, rows: head_bytes(spec, fig_of[c].itemsize, c, rows, fig_of[c].fused_head),
                    grid.chunk, calls)
@@ -205,7 +222,8 @@ def candidate_scores(
 
 def choose(plans: list[tuple], budget: float, keep: Knobs | None = None) -> tuple[tuple, str]:
     """The plan to run among ``(peak, cost, parts, knobs)`` candidates, and why: ``keep``'s
-    when it fits; else the fastest that fits, or a leaner one within ``SLACK`` of its cost
+    when it fits; else the fastest that fits (the leanest of those within ``TIE`` of the
+    least cost), or a leaner one within ``SLACK`` of its cost
     that saves at least ``LEANER`` of its memory; the leanest when none fits (the
     reference of :func:`choose_index`)."""
     fitting = [p for p in plans if p[0] <= budget]
@@ -214,7 +232,8 @@ def choose(plans: list[tuple], budget: float, keep: Knobs | None = None) -> tupl
         return kept, KEPT_REASON
     if not fitting:
         return min(plans, key=lambda p: (p[0], p[1])), NONE_FITS_REASON
-    fastest = min(fitting, key=lambda p: (p[1], p[0]))
+    quickest = min(p[1] for p in fitting)
+    fastest = min((p for p in fitting if p[1] <= quickest * (1 + TIE)), key=lambda p: (p[0], p[1]))
     leanest = min((p for p in fitting if p[1] <= fastest[1] * (1 + SLACK)), key=lambda p: p[0])
     chosen = leanest if leanest[0] <= (1 - LEANER) * fastest[0] else fastest
     return chosen, fit_reason(chosen is fastest, chosen[0], fastest[0], len(fitting), len(plans))
@@ -248,7 +267,8 @@ def choose_index(peaks: np.ndarray, costs: np.ndarray, grid: KnobGrid, budget: f
             return int(kept[0]), KEPT_REASON
     if len(fitting) == 0:
         return _first_min(np.arange(len(peaks)), peaks, costs), NONE_FITS_REASON
-    fastest = _first_min(fitting, costs, peaks)
+    tied = fitting[costs[fitting] <= costs[fitting].min() * (1 + TIE)]
+    fastest = _first_min(tied, peaks, costs)
     near = fitting[costs[fitting] <= costs[fastest] * (1 + SLACK)]
     leanest = _first_min(near, peaks)
     chosen = leanest if peaks[leanest] <= (1 - LEANER) * peaks[fastest] else fastest

@@ -37,12 +37,12 @@ from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .memory_model import refine
 from .memory_probe import CallBytes, measure_call_bytes
 from .model_view import ModelView, model_view
-from .schedule import Schedule, build_schedule, check_stack_capacity
+from .schedule import Schedule, build_schedule, check_stack_capacity, slot_extents
 from .state_plan import StatePlan, plan_states
 
 __all__ = [
     "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes",
-    "grad_slots", "offloads_checkpoints", "plan_memory", "stack_slots", "step_shape",
+    "grad_slots", "offloads_checkpoints", "plan_memory", "planning_shape", "stack_needs", "stack_slots", "step_shape",
 ]
 
 KEPT_PLANS = 256  # forest shapes whose plans deterministic mode keeps
@@ -78,6 +78,34 @@ def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memo
         forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum()),
         state_slots, float((forest.positions + 1).sum()),
     )
+
+
+def stack_needs(
+    forest: Forest, chunk_size: int, budgets: tuple[int, ...], own_in_stack: bool, leaf_grads: bool
+) -> tuple[tuple[int, int, int], ...]:
+    """``(call budget, KV slots, KV gradient slots)`` for each of ``budgets``: what
+    :func:`stack_slots` and :func:`grad_slots` give for the schedule that budget builds,
+    from its packing alone (:func:`~dtree.plan.schedule.slot_extents`)."""
+    return tuple((e.group_tokens, e.every if own_in_stack else e.writing, e.writing if leaf_grads else e.with_children)
+                 for e in slot_extents(forest, chunk_size, budgets))
+
+
+def planning_shape(
+    forest: Forest, config: RuntimeConfig, spec: ModelSpec, device: torch.device, attention: str | None
+) -> memory_policy.StepShape:
+    """:func:`step_shape` and, on CUDA, the KV-stack slots each call budget the policy scores would
+    take with this backend (``stack_needs``): with large calls the bound the policy has without them
+    (the longest path plus a call, gradients in every slot) over-counts by GiBs. On the 64k agentic
+    tree the 12k-token calls of ``memory="low"`` hold 18.9k K/V slots but 6.7k gradient slots, and
+    a cap of 8 GiB ruled that plan out on the bound (0.8 GiB over) and ran 4k-token calls 1.9x slower
+    (``benchmarks/results/h200/session_x``)."""
+    shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
+    if device.type != "cuda":  # the CPU plan is fixed (no memory model)
+        return shape
+    budgets = memory_policy.call_budgets(config.group_tokens, shape.unique_tokens)
+    needs = stack_needs(forest, config.chunk_size, budgets, attention in OWN_KV_IN_STACK,
+                        leaf_slots_take_grads(attention, config.deterministic))
+    return dataclasses.replace(shape, stack_needs=needs)
 
 
 def checkpoint_root(module: torch.nn.Module, view: ModelView | None = None) -> torch.nn.Module | None:
@@ -142,7 +170,7 @@ def plan_memory(
             fused_head=fused_head_kernel(head, dtype, device),
         )
     offload = offloads_checkpoints(config, device, view)
-    shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
+    shape = planning_shape(forest, config, spec, device, attention)
     last = kept.get(shape) if kept is not None else None
     keep = None if last is None else (
         last.group_tokens, last.checkpoint_layers, last.path_checkpoint_layers, last.logprob_chunk,
