@@ -6,8 +6,8 @@
 # scripts), MASK_GIB (the mask's peak on the
 # 64k tree: the memory cap that compares dtree at the mask's memory), CAP (the same for the mask with
 # dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
-# $OUT/DIR, its report rows printed), memory_profile (benchmarks/profile_memory.py on the 64k tree) and micro
-# (one benchmarks/micro_batches.py run, likewise).
+# $OUT/DIR, its report rows printed), memory_profile (benchmarks/profile_memory.py on the 64k tree), gpu_tests
+# (a selection of the GPU tests into $OUT) and micro (one benchmarks/micro_batches.py run, likewise).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 BENCH="python -m dtree bench --model qwen2.5-1.5b"
@@ -34,6 +34,13 @@ memory_profile() {  # memory_profile DIR TIMEOUT CONFIGS [LINES]: benchmarks/pro
   timeout "$2" python benchmarks/profile_memory.py --configs "$3" ${AGENTIC64K#--workload agentic } --out "$OUT/$1" \
     >"$OUT/$1.log" 2>&1
   grep -E "^\| " "$OUT/$1.log" | head -"${4:-40}" | cut -c1-200
+}
+
+gpu_tests() {  # gpu_tests FILE TIMEOUT KEYWORDS TESTS...: the GPU tests (-m gpu) of TESTS matching KEYWORDS, into $OUT/FILE; none with SMOKE=1
+  [ -n "$SMOKE_FLAG" ] && return 0
+  local file=$1 limit=$2 keywords=$3
+  shift 3
+  timeout "$limit" python -m pytest -q -p no:cacheprovider -m gpu "$@" -k "$keywords" 2>&1 | tee "$OUT/$file" | tail -3
 }
 
 micro() {  # micro DIR TIMEOUT ARGS...: benchmarks/micro_batches.py, its report in $OUT/DIR, its table printed

@@ -6,7 +6,7 @@
 ``benchmarks/session_m_gpu.sh``, ``benchmarks/session_n_gpu.sh``, ``benchmarks/session_o_gpu.sh``,
 ``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
 ``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
-``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, sharing
+``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, ``benchmarks/session_x_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -63,10 +63,14 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_v_gpu.sh", {"PART": "split"}, ("split64k", "memory_low"), marks=pytest.mark.slow),
     ("session_v_gpu.sh", {"PART": "offloadcost", "COST_STEPS": "1"}, ("offload_cost",)),
     pytest.param("session_v_gpu.sh", {"PART": "final"}, ("final64k",), marks=pytest.mark.slow),
-    ("session_w_gpu.sh", {"PART": "main"}, ("main64k",)),
+    pytest.param("session_w_gpu.sh", {"PART": "main"}, ("main64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "ab", "COST_STEPS": "1"}, ("keep_low", "keep_4", "capped64k"),
                  marks=pytest.mark.slow),
-    ("session_w_gpu.sh", {"PART": "final", "SCALE_STEPS": "1"}, ("final64k", "final256k")),
+    pytest.param("session_w_gpu.sh", {"PART": "final", "SCALE_STEPS": "1"}, ("final64k", "final256k"),
+                 marks=pytest.mark.slow),
+    ("session_x_gpu.sh", {"PART": "check", "SCALE_STEPS": "1"}, ("check64k", "case1", "check256k")),
+    ("session_x_gpu.sh", {"PART": "final", "SCALE_STEPS": "1", "AT_MASK": "3.8"}, ("tie64k", "tie256k")),
+    pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("half256k", "memory_low"),
                  marks=pytest.mark.slow),
