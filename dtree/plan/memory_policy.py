@@ -126,7 +126,7 @@ CAP_MARGIN = 0.03  # of a memory=<GiB> cap, for prediction error
 # Call sizes the policy considers (tokens); the largest call a schedule makes is at
 # most its budget (and at most the forest).
 GROUP_TOKENS = (32768, 16384, 12288, 8192, 4096, 2048)
-LOGPROB_CHUNKS = (4096, 2048, 1024, 512)  # 512: low's recipe, which a cap in GiB can need too (session W)
+LOGPROB_CHUNKS = (4096, 2048, 1024, 512)  # 512: low's recipe, which a cap in GiB can need too (memory=8: session X)
 CHECKPOINT_STEPS = 8  # layer counts tried: 0, L/8, ..., L
 CPU_GROUP_TOKENS = 8192
 DEFAULT_LOGPROB_CHUNK = 4096

@@ -89,7 +89,8 @@ def kv_stack_bytes(shape: StepShape, group_tokens: int, call: int, fixed: dict) 
 
 def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fixed: dict) -> tuple[float, float, dict]:
     """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
-    the call as large as its budget, the path as long as the longest one. ``fixed``: the
+    the call as large as its budget, the path as long as the longest one; the KV stack from the
+    budget's packing where the shape has it (:func:`kv_stack_bytes`). ``fixed``: the
     figures every candidate of the step shares (``memory_policy._shared_figures``)."""
     u = shape.unique_tokens
     call = _call_tokens(knobs.group_tokens, u)
