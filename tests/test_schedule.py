@@ -189,6 +189,9 @@ def test_stack_needs_are_the_schedules_slots(seqs, chunk, budgets):
             for (budget, kv, grads), g in zip(needs, budgets):
                 sched = build_schedule(forest, chunk, g)
                 assert budget == g
+                for plan in sched.groups:  # an ancestor in the call: a prefix range reaching into its slots
+                    reaching = any(hi > plan.stack_start for r in plan.seg_prefix_ranges for _, hi in r)
+                    assert plan.in_call_ancestors == reaching
                 assert (kv, grads) == (stack_slots(sched, own), grad_slots(sched, leaf_grads)), (g, own, leaf_grads)
 
 

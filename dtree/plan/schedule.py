@@ -85,6 +85,29 @@ class GroupPlan:
 
 
 @dataclass(frozen=True)
+class SlotExtents:
+    """How far the groups of a schedule reach into the KV stack (slot counts), as
+    :func:`build_schedule` packs them under one call budget: every group's (leaf calls'
+    included), the groups' that write their K/V there (:attr:`Schedule.stack_tokens`), and
+    the groups' with a child group (whose slots collect gradients)."""
+
+    group_tokens: int
+    every: int
+    writing: int
+    with_children: int
+
+    def kv_slots(self, own_in_stack: bool) -> int:
+        """The KV-stack capacity: the slots the groups write, or with ``own_in_stack`` (a backend
+        that reads every call's own K/V from its slots) every group's, the leaf calls' too."""
+        return self.every if own_in_stack else self.writing
+
+    def grad_slots(self, leaf_grads: bool) -> int:
+        """The gradient slots: those of the groups with children, or with ``leaf_grads`` (leaf
+        calls whose segments read each other take gradients too) every slot the groups write."""
+        return self.writing if leaf_grads else self.with_children
+
+
+@dataclass(frozen=True)
 class Schedule:
     """The plan for one forest (see module docstring).
 
@@ -110,6 +133,14 @@ class Schedule:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def extents(self) -> SlotExtents:
+        """How far this schedule's groups reach into the KV stack."""
+        return SlotExtents(
+            self.group_tokens, max((g.stack_start + g.num_tokens for g in self.groups), default=0), self.stack_tokens,
+            max((g.stack_start + g.num_tokens for g in self.groups if not g.is_leaf), default=0),
+        )
 
 
 @dataclass(frozen=True)
@@ -241,6 +272,12 @@ class _GroupPacker:
                 size += n
         return [self._add_group(b, parent, stack_start) for b in bins]
 
+    def holds_ancestors(self, gid: int) -> bool:
+        """Some segment of group ``gid`` has its parent in the same group (then an ancestor's
+        K/V is read from this call's own slots: :attr:`GroupPlan.in_call_ancestors`)."""
+        parents = self.segs.parent[self.groups[gid].segments]
+        return bool(np.any(self.seg_group[parents[parents >= 0]] == gid))
+
     def _add_group(self, segments: list[int], parent: int, stack_start: int) -> int:
         gid = len(self.groups)
         offs = np.zeros(len(segments) + 1, dtype=np.int64)
@@ -300,12 +337,12 @@ def _prefix_ranges(segs: _Segments, seg_slot: np.ndarray) -> list[tuple[tuple[in
 def _group_plans(packer: _GroupPacker, seg_ranges: list[tuple[tuple[int, int], ...]]) -> list[GroupPlan]:
     """Phase 3: the packed groups, frozen with their segments' ancestor ranges."""
     plans = []
-    for g in packer.groups:
+    for gid, g in enumerate(packer.groups):
         ranges = [seg_ranges[s] for s in g.segments]
         plans.append(GroupPlan(
             parent=g.parent, stack_start=g.stack_start, num_tokens=int(g.seg_q_offsets[-1]), segments=g.segments,
             seg_q_offsets=g.seg_q_offsets, seg_prefix_ranges=ranges, num_children=g.num_children,
-            in_call_ancestors=any(hi > g.stack_start for r in ranges for _, hi in r),
+            in_call_ancestors=packer.holds_ancestors(gid),
         ))
     return plans
 
@@ -343,19 +380,6 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     )
 
 
-@dataclass(frozen=True)
-class SlotExtents:
-    """How far the groups of a schedule reach into the KV stack (slot counts), as
-    :func:`build_schedule` packs them under one call budget: every group's (leaf calls'
-    included), the groups' that write their K/V there (:attr:`Schedule.stack_tokens`), and
-    the groups' with a child group (whose slots collect gradients)."""
-
-    group_tokens: int
-    every: int
-    writing: int
-    with_children: int
-
-
 def slot_extents(forest: Forest, chunk_size: int, budgets: tuple[int, ...]) -> tuple[SlotExtents, ...]:
     """The :class:`SlotExtents` of the schedule each call budget of ``budgets`` would give,
     from the packing alone (no rows or predictions): ~0.5-1.3 ms a budget on a 64k-token
@@ -367,12 +391,10 @@ def slot_extents(forest: Forest, chunk_size: int, budgets: tuple[int, ...]) -> t
         every = writing = with_children = 0
         for gid, g in enumerate(packer.groups):
             top = g.stack_start + int(g.seg_q_offsets[-1])
-            parents = segs.parent[g.segments]
-            in_call_ancestors = bool(np.any(packer.seg_group[parents[parents >= 0]] == gid))
             every = max(every, top)
             if g.num_children:
                 with_children = max(with_children, top)
-            if g.num_children or in_call_ancestors:  # GroupPlan.writes_stack
+            if g.num_children or packer.holds_ancestors(gid):  # GroupPlan.writes_stack
                 writing = max(writing, top)
         out.append(SlotExtents(budget, every, writing, with_children))
     return tuple(out)

@@ -49,20 +49,17 @@ KEPT_PLANS = 256  # forest shapes whose plans deterministic mode keeps
 
 
 def stack_slots(sched: Schedule, own_in_stack: bool) -> int:
-    """The KV-stack capacity of ``sched``: the slots it writes, or with ``own_in_stack`` (a
-    backend that reads every call's own K/V from its slots, :data:`OWN_KV_IN_STACK`) every
-    call's slots, the leaf calls' too."""
-    return max((g.stack_start + g.num_tokens for g in sched.groups), default=0) if own_in_stack else sched.stack_tokens
+    """The KV-stack capacity of ``sched`` with a backend that does (``own_in_stack``,
+    :data:`OWN_KV_IN_STACK`) or does not read every call's own K/V from its slots
+    (:meth:`~dtree.plan.schedule.SlotExtents.kv_slots`)."""
+    return sched.extents.kv_slots(own_in_stack)
 
 
 def grad_slots(sched: Schedule, leaf_grads: bool) -> int:
-    """The KV-stack gradient slots of ``sched``: those of every group whose slots collect
-    gradients, the groups with children, and with ``leaf_grads``
-    (:func:`~dtree.ops.stack_attention.interface.leaf_slots_take_grads`) the leaf calls whose
-    segments read each other too (then :attr:`Schedule.stack_tokens`)."""
-    if leaf_grads:
-        return sched.stack_tokens
-    return max((g.stack_start + g.num_tokens for g in sched.groups if not g.is_leaf), default=0)
+    """The KV-stack gradient slots of ``sched``; ``leaf_grads``:
+    :func:`~dtree.ops.stack_attention.interface.leaf_slots_take_grads`
+    (:meth:`~dtree.plan.schedule.SlotExtents.grad_slots`)."""
+    return sched.extents.grad_slots(leaf_grads)
 
 
 def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
@@ -86,7 +83,7 @@ def stack_needs(
     """``(call budget, KV slots, KV gradient slots)`` for each of ``budgets``: what
     :func:`stack_slots` and :func:`grad_slots` give for the schedule that budget builds,
     from its packing alone (:func:`~dtree.plan.schedule.slot_extents`)."""
-    return tuple((e.group_tokens, e.every if own_in_stack else e.writing, e.writing if leaf_grads else e.with_children)
+    return tuple((e.group_tokens, e.kv_slots(own_in_stack), e.grad_slots(leaf_grads))
                  for e in slot_extents(forest, chunk_size, budgets))
 
 
