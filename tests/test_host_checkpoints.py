@@ -99,7 +99,7 @@ def test_the_policy_plans_with_what_offloading_frees():
     host, by about the layer inputs of one call (minus the two it keeps)."""
     from dtree.models import ModelSpec
     from dtree.plan.memory_policy import plan_step
-    from dtree.plan.step_plan import step_shape
+    from dtree.plan.stack_sizes import step_shape
 
     model = make_model("qwen2", tied=True)
     spec = dtree.models.adapt(model).dtree_spec()

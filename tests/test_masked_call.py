@@ -131,13 +131,13 @@ def test_runtime_steps_through_the_one_call_path_exactly(monkeypatch, mode):
     (every call pushes, the stack holds every call's slots): against HF per path in
     float32, over the DESIGN edge cases with subtrees inside calls, small and whole-forest
     calls, retained and recomputed paths."""
-    import dtree.plan.step_plan as step_plan
+    import dtree.plan.stack_sizes as stack_sizes
 
     from test_runtime_exact import EDGE_CASES, assert_exact, run_both
     from hf_models import make_model
 
     ran = _one_call_for_reference(monkeypatch)
-    monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
+    monkeypatch.setattr(stack_sizes, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
     sizes, _ = _stack_sizes(monkeypatch)
     seqs = [s for case in EDGE_CASES.values() for s in case]
     for budget in (6, 11, 1000):
@@ -197,14 +197,14 @@ def test_runtime_with_gradient_slots_for_the_path_only(monkeypatch, one_call):
     taking the per-segment path instead (which adds in-call ancestors' dK/dV into the
     leaf's slots: the stack grows its gradient slots there, and stays exact)."""
     import dtree.ops.stack_attention.interface as interface
-    import dtree.plan.step_plan as step_plan
+    import dtree.plan.stack_sizes as stack_sizes
 
     from test_runtime_exact import EDGE_CASES, assert_exact, run_both
     from hf_models import make_model
 
     if one_call:
         _one_call_for_reference(monkeypatch)
-    monkeypatch.setattr(step_plan, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
+    monkeypatch.setattr(stack_sizes, "OWN_KV_IN_STACK", frozenset({"flash-attn", "reference"}))
     monkeypatch.setattr(interface, "OWN_GRADS_IN_CALL", frozenset({"flash-attn", "reference"}))
     sizes, grown = _stack_sizes(monkeypatch)
     seqs = [s for case in EDGE_CASES.values() for s in case]

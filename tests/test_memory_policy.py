@@ -26,7 +26,8 @@ from dtree.plan.memory_probe import CallBytes, estimated_call_bytes, measure_cal
 from dtree.plan.model_view import model_view
 from dtree.plan.plan_candidates import SLACK
 from dtree.plan.schedule import build_schedule
-from dtree.plan.step_plan import grad_slots, plan_memory, stack_slots
+from dtree.plan.stack_sizes import grad_slots, stack_slots
+from dtree.plan.step_plan import plan_memory
 
 GIB = 2.0**30
 QWEN_1_5B = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
@@ -500,7 +501,7 @@ def test_the_state_stack_is_counted_in_the_stack_figure(monkeypatch):
     from test_families import build
 
     from dtree.plan.state_plan import plan_states
-    from dtree.plan.step_plan import step_shape
+    from dtree.plan.stack_sizes import step_shape
     from dtree.stacks.step_stacks import StepStacks
 
     model = build("qwen3_5_text")
@@ -665,7 +666,7 @@ def test_a_tight_cap_scores_the_schedules_kv_stack():
     the 12k-token calls of ``low`` did not fit and 4k-token calls ran 1.9x slower (session X); with
     the schedule's own slots (``stack_needs``: 6.7k gradient slots of 18.9k) such calls fit, and the
     figure is the one the schedule is refined to."""
-    from dtree.plan.step_plan import stack_needs, step_shape
+    from dtree.plan.stack_sizes import stack_needs, step_shape
     from dtree.workloads import make_workload
 
     forest = make_workload("agentic", seed=0, num_trees=1, target_unique_tokens=65536)

@@ -29,7 +29,7 @@ def cases(draw):
                      vocab_size=draw(st.integers(100, 200_000)), intermediate_size=draw(st.integers(64, 20_000)))
     unique = draw(st.integers(1, 400_000))
     longest = draw(st.integers(1, unique))
-    needs = []  # the KV slots of some call budgets' schedules (step_plan.stack_needs), the bound for the rest
+    needs = []  # the KV slots of some call budgets' schedules (stack_sizes.stack_needs), the bound for the rest
     for budget in mp.GROUP_TOKENS:
         if draw(st.booleans()):
             kv = draw(st.integers(0, unique))
@@ -43,10 +43,11 @@ def cases(draw):
     return spec, shape, cb, draw(st.sampled_from([1, 2, 4, 8])), draw(st.booleans()), draw(st.booleans())
 
 
-def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB, chunk=None):
-    """``chunk``: the head chunk fixed (``memory="low"`` keeps its recipe's)."""
+def _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held=0.0, missing=2 * GIB, chunk=None, window=False):
+    """``chunk``: the head chunk fixed (``memory="low"`` keeps its recipe's); ``window``: leaf calls of
+    plans with every layer checkpointed run in a KV window."""
     fig_of = {c: mm._figures(spec, itemsize, cb, fused, c) for c in {*mp.LOGPROB_CHUNKS, *([chunk] if chunk else [])}}
-    fixed = mp._shared_figures(spec, itemsize, shape, stack_held, missing)
+    fixed = mp._shared_figures(spec, itemsize, shape, stack_held, missing, window)
     grid = mp._knob_grid(shape, "auto", spec.num_layers, None, None, chunk, can_keep)
     return grid, fig_of, fixed
 
@@ -71,14 +72,35 @@ def test_the_grid_is_the_nested_loops_in_order(budgets, checkpoints, paths, chun
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases(), st.floats(0.0, 4 * GIB), st.floats(0.0, 8 * GIB))
-def test_scores_equal_the_reference_bit_for_bit(case, stack_held, missing):
+@given(cases(), st.floats(0.0, 4 * GIB), st.floats(0.0, 8 * GIB), st.booleans())
+def test_scores_equal_the_reference_bit_for_bit(case, stack_held, missing, window):
     spec, shape, cb, itemsize, fused, can_keep = case
-    grid, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held, missing)
+    grid, fig_of, fixed = _scored(spec, shape, cb, itemsize, fused, can_keep, stack_held, missing, window=window)
     peaks, costs = pc.candidate_scores(shape, grid, fig_of, spec, fixed)
     reference = [pc.candidate(shape, k, fig_of[k.chunk], spec, fixed) for k in grid.knobs()]
     assert peaks.tolist() == [p for p, _, _ in reference]
     assert costs.tolist() == [c for _, c, _ in reference]
+
+
+def test_a_windowed_plan_holds_the_groups_with_children_and_one_layer_of_every_slot():
+    """With every layer checkpointed (and only then), a plan whose leaf calls run in the KV window
+    is scored on the gradient slots' reach for the stack (K/V and gradients) plus one layer's K/V of
+    every slot for the window."""
+    spec = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
+                     vocab_size=151936, intermediate_size=8960)
+    shape = mm.StepShape(65_606, 8_499, 6_679, stack_needs=((12288, 18_899, 6_679),))
+    fixed = mp._shared_figures(spec, 2, shape, 0.0, 0.0, True)
+    slot, grad = mm.stack_slot_bytes(spec, 2), mm.stack_grad_slot_bytes(spec, 2)
+    assert mm.window_slot_bytes(spec, 2) == 2 * 128 * 2 * 2 == slot / 3 / 28  # K and V of one layer, bf16
+    stack = 18_899 * (slot - grad) + 6_679 * grad
+    assert pc.kv_stack_bytes(shape, 12288, 12288, fixed) == stack
+    windowed = pc.kv_stack_bytes(shape, 12288, 12288, fixed, windowed=True)
+    assert windowed == 6_679 * slot + 18_899 * 1024
+    assert stack - windowed > 0.3 * GIB  # the 64k tree's low plan: 0.33 GiB of leaf calls' K/V
+    fig = mm._figures(spec, 2, CallBytes(1.5e6, 9e4, 28, 3072), True, 512)
+    knobs = {k: pc.Knobs(12288, k, mm.RECOMPUTE, 512) for k in (27, 28)}
+    parts = {k: pc.candidate(shape, kn, fig, spec, fixed)[2]["kv_stack"] for k, kn in knobs.items()}
+    assert parts == {27: stack, 28: windowed}
 
 
 @settings(max_examples=60, deadline=None)

@@ -180,7 +180,7 @@ def test_stack_needs_are_the_schedules_slots(seqs, chunk, budgets):
     """What the memory policy scores a call budget's KV stack on (``stack_needs``, from the
     packing alone) is what the runtime then allocates for that budget's schedule, with every
     backend's slot rules (own K/V in the stack or not, leaf slots taking gradients or not)."""
-    from dtree.plan.step_plan import grad_slots, stack_needs, stack_slots
+    from dtree.plan.stack_sizes import grad_slots, stack_needs, stack_slots
 
     forest = Forest.from_sequences(seqs)
     for own in (False, True):
@@ -197,7 +197,7 @@ def test_stack_needs_are_the_schedules_slots(seqs, chunk, budgets):
 
 def test_stack_needs_on_the_64k_agentic_tree():
     # large calls: far fewer gradient slots than the bound the policy had (the longest path plus a call)
-    from dtree.plan.step_plan import stack_needs, step_shape
+    from dtree.plan.stack_sizes import stack_needs, step_shape
     from dtree.workloads import make_workload
 
     forest = make_workload("agentic", seed=0, num_trees=1, target_unique_tokens=65536)

@@ -152,12 +152,14 @@ class TreeWalk:
         lo, hi = group.stack_start, group.stack_start + group.num_tokens
         grad_seed = self.plan.stack.has_grad and group.writes_stack
         plan = self.plan
+        checkpointed = plan.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
+        # a leaf call's K/V serve one layer at a time when its layers re-run for their backward
+        window = plan.kv_window and group.is_leaf and (checkpointed or not torch.is_grad_enabled())
         attend = GroupAttention(
             plan.stack, lo, hi, self.layout(g), plan.attention, push, grad_seed, self._device_lo(g),
             plan.deterministic, None if plan.states is None else plan.states.layouts[g], plan.recurrence,
-            plan.state_grads, self.grad_pattern,
+            plan.state_grads, self.grad_pattern, window=window,
         )
-        checkpointed = plan.checkpoint_root is not None and checkpoint > 0 and torch.is_grad_enabled()
         with self._checkpointing().applied(checkpoint) if checkpointed else contextlib.nullcontext():
             hidden = plan.model.dtree_hidden_states(plan.arrays.input_ids[r0:r1], plan.arrays.positions[r0:r1], attend)
         if push:
@@ -275,7 +277,7 @@ class TreeWalk:
         metrics = {
             "mode": plan.mode, "attention": plan.attention, "recurrence": plan.recurrence,
             "groups": self.sched.num_groups, "group_tokens": self.sched.group_tokens,
-            "recomputed_tokens": recomputed, "memory_plan": plan.memory.describe(),
+            "recomputed_tokens": recomputed, "kv_window": plan.kv_window, "memory_plan": plan.memory.describe(),
         }
         return WalkOutput(total, term_log, calls, peak, self.sched.stack_tokens, metrics)
 

@@ -48,7 +48,7 @@ SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segmen
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "RERUN_MATMUL_SHARE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
     "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_grad_slot_bytes",
-    "stack_slot_bytes", "state_slot_bytes",
+    "stack_slot_bytes", "state_slot_bytes", "window_slot_bytes",
 ]
 
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
@@ -81,7 +81,7 @@ class StepShape:
     without recurrent layers), and the (query, key) pairs of the forest's attention
     (what re-running a checkpointed layer's attention costs); ``stack_needs``: per call budget
     the KV-stack slots its schedule takes, ``(group_tokens, KV slots, gradient slots)``
-    (:func:`dtree.plan.step_plan.stack_needs`; without an entry, a plan is scored on the bound:
+    (:func:`dtree.plan.stack_sizes.stack_needs`; without an entry, a plan is scored on the bound:
     the longest path plus a call, gradients in every slot)."""
 
     unique_tokens: int
@@ -110,6 +110,13 @@ def stack_grad_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
     """The gradient part of :func:`stack_slot_bytes` (a stack holds fewer gradient slots
     than K/V slots when leaf calls' slots take no gradients: :attr:`KVStack.grad_slots`)."""
     return spec.kv_elements_per_token() * (8 if itemsize == 8 else 4)
+
+
+def window_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
+    """One slot of the KV windows (:mod:`dtree.ops.stack_ops.kv_window`): one layer's K/V of each
+    distinct attention shape, in the model dtype."""
+    shapes = {spec.kv_shape(i) for i in spec.attention_layers}
+    return float(sum(heads * (dim + v_dim) for heads, dim, v_dim in shapes) * itemsize)
 
 
 def state_slot_bytes(spec: ModelSpec, itemsize: int) -> float:
@@ -342,13 +349,15 @@ def call_count(unique: int, group_tokens: int) -> float:
 def refine(
     plan: MemoryPlan, sched: Schedule, retain_tokens: float, held: tuple[int, int], state_slots: int,
     stack_slots: int | None = None, grad_slots: int | None = None, held_grads: int | None = None,
+    window_slots: int = 0, held_window: int = 0,
 ) -> MemoryPlan:
     """``plan`` with its predicted peak from ``sched`` (:func:`simulate_peak`): the calls it
     makes, the path graphs the walk retains under ``retain_tokens``, and the stacks' growth:
     the KV slots it writes (``stack_slots``, default ``sched.stack_tokens``), their gradient
     slots (``grad_slots``, default as many) and its ``state_slots`` state slots beyond the
     ``held`` (KV, state) slots and ``held_grads`` gradient slots (default ``held[0]``) of the
-    stacks kept from earlier steps. A plan without figures (CPU) is returned as is."""
+    stacks kept from earlier steps, and a KV window of ``window_slots`` beyond the ``held_window``
+    (:mod:`dtree.ops.stack_ops.kv_window`). A plan without figures (CPU) is returned as is."""
     if plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes):
         return plan
     slots = sched.stack_tokens if stack_slots is None else stack_slots
@@ -357,6 +366,7 @@ def refine(
     grow = max(0, slots - held[0]) * (stack_slot_bytes(plan.spec, plan.itemsize) - grad_bytes)
     grow += max(0, grads - (held[0] if held_grads is None else held_grads)) * grad_bytes
     grow += max(0, state_slots - held[1]) * state_slot_bytes(plan.spec, plan.itemsize)
+    grow += max(0, window_slots - held_window) * window_slot_bytes(plan.spec, plan.itemsize)
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
     path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
     rows = [int(n) for n in sched.predictions.pred_offsets[1:] - sched.predictions.pred_offsets[:-1]]

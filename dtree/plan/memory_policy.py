@@ -107,6 +107,7 @@ from .memory_model import (
     stack_grad_slot_bytes,
     stack_slot_bytes,
     state_slot_bytes,
+    window_slot_bytes,
 )
 from .memory_probe import CallBytes, estimated_call_bytes
 from .plan_candidates import KnobGrid, Knobs, candidate, candidate_scores, choose_index, knob_grid
@@ -171,6 +172,7 @@ def plan_step(
     keep: tuple[int, int, int, int, bool] | None = None,
     can_keep_attention: bool = False,
     offload: bool = False,
+    kv_window: bool = False,
 ) -> MemoryPlan:
     """Decide one step (see the module docstring).
 
@@ -184,13 +186,11 @@ def plan_step(
             allocated memory; ``allocated`` is what the process held when it started).
         mode: the runtime's mode: ``"retain"`` / ``"recompute"`` fix how the groups
             with children run; ``"auto"`` leaves it to the plan.
-        group_tokens, checkpoint_layers, logprob_chunk: fixed by the user (None: decide;
-            ``checkpoint_layers``: True is every layer, False none, an int that many).
+        group_tokens, checkpoint_layers, logprob_chunk: fixed by the user (None: decide; True: all layers).
         fused_head: the LM head runs the fused Triton op (its chunk is leaner).
         stack_held: bytes of the stacks (KV, states) kept from earlier steps (reused or freed).
         step_grads: bytes of the gradients the step allocates (:func:`step_grad_bytes`).
-        hf_checkpointing: the model checkpoints its own layers (HF gradient
-            checkpointing; ``call_bytes`` measured so): dtree adds no checkpoint.
+        hf_checkpointing: the model checkpoints its own layers (HF's; ``call_bytes`` so): dtree adds none.
         can_checkpoint: dtree can checkpoint the model's layers (a layer list).
         call_bytes: per-token bytes of the model's calls (None: HF's eager figure).
         keep: an earlier plan's (group_tokens, checkpoint_layers, path_checkpoint_layers,
@@ -198,6 +198,7 @@ def plan_step(
         can_keep_attention: the attention backend can keep a checkpointed layer's outputs for its
             re-run (:mod:`dtree.ops.stack_attention.output_memo`): plans with and without are scored.
         offload: checkpointed layers' inputs wait on the host (:meth:`CallBytes.offloading`).
+        kv_window: plans with every layer checkpointed run leaf calls in a KV window (``kv_stack_bytes``).
     """
     label, L = _setting_label(setting), spec.num_layers
     cb = call_bytes or estimated_call_bytes(spec, itemsize)
@@ -206,7 +207,7 @@ def plan_step(
     if not on_cuda:
         return _cpu_plan(label, setting, mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload)
     fig_of = {c: _figures(spec, itemsize, cb, fused_head, c) for c in LOGPROB_CHUNKS + (logprob_chunk or 0,) if c}
-    fixed = _shared_figures(spec, itemsize, shape, stack_held, step_grads)
+    fixed = _shared_figures(spec, itemsize, shape, stack_held, step_grads, kv_window)
     budget = _budget(available, expandable_segments, setting, allocated)
     recipe = _low_recipe(mode, L, group_tokens, fixed_ckpt, logprob_chunk, offload) if setting == "low" else None
     chunk = recipe.chunk if recipe is not None else logprob_chunk
@@ -238,9 +239,12 @@ def _budget(available: float, expandable_segments: bool, setting: str | float, a
     return budget
 
 
-def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held: float, step_grads: float) -> dict:
-    """What every candidate plan shares, computed once per step (~770 candidates on GRPO case 1)."""
+def _shared_figures(spec: ModelSpec, itemsize: int, shape: StepShape, stack_held: float, step_grads: float,
+                    kv_window: bool = False) -> dict:
+    """What every candidate plan shares, computed once per step (~770 candidates on GRPO case 1);
+    ``window``: plans with every layer checkpointed run leaf calls in a KV window."""
     return {
+        "window": kv_window, "window_slot_bytes": window_slot_bytes(spec, itemsize),
         "stack_held": stack_held, "step_grads": step_grads, "attention_rerun": attention_rerun_rate(spec, shape),
         "rates": cost_rates(spec), "slot_bytes": stack_slot_bytes(spec, itemsize),
         "grad_slot_bytes": stack_grad_slot_bytes(spec, itemsize),

@@ -35,7 +35,7 @@ from ..stacks.group_attention import GroupAttention
 from ..stacks.step_stacks import StepStacks
 
 __all__ = [
-    "CallBytes", "LiveBytes", "estimated_call_bytes", "layer_activation_bytes", "layer_input_bytes", "measure_call_bytes",
+    "CallBytes", "LiveBytes", "attention_is_plain", "estimated_call_bytes", "layer_activation_bytes", "layer_input_bytes", "measure_call_bytes",
 ]
 
 PROBE_TOKENS = (128, 384)
@@ -179,6 +179,29 @@ def _probe_stack(spec: ModelSpec, placement, tokens: int) -> StepStacks:
     return StepStacks(spec, tokens, 0, dtype=dtype, device=device, with_grad=False)
 
 
+def _chain_attention(stack: StepStacks, tokens: int, attention: str, recurrence: str | None) -> GroupAttention:
+    """The attend callable of one root chain of ``tokens`` tokens (pushing nothing)."""
+    layout = SegmentLayout(q_offsets=np.array([0, tokens]), own_slot=np.array([0]), prefix_ranges=[()])
+    return GroupAttention(
+        stack, 0, tokens, layout, attention, push=False, grad_seed=False, state_layout=StateLayout.roots([0, tokens]),
+        recurrence=recurrence or "reference",
+    )
+
+
+def attention_is_plain(model: TreeModule, spec: ModelSpec, placement, attention: str, recurrence: str | None = None) -> bool:
+    """Whether every layer of ``model`` attends with no score options (softcap, sinks, ALiBi, a
+    window): one two-token chain through it without grad, in the step's attention scope."""
+    tokens = 2
+    attend = _chain_attention(_probe_stack(spec, placement, tokens), tokens, attention, recurrence)
+    scope = getattr(model, "dtree_scope", None)
+    with scope() if scope is not None else _Null(), torch.no_grad(), torch.random.fork_rng(
+        devices=[placement[0]] if placement[0].type == "cuda" else []
+    ):
+        ids = torch.randint(0, spec.vocab_size, (tokens,), device=placement[0])
+        model.dtree_hidden_states(ids, torch.arange(tokens, device=placement[0]), attend)
+    return attend.plain
+
+
 def _probe_call(
     model: TreeModule, spec: ModelSpec, placement, attention: str, tokens: int, leaves: list,
     stack: StepStacks | None = None, recurrence: str | None = None,
@@ -190,11 +213,7 @@ def _probe_call(
     recurrent layer starts the chain from zeros with the ``recurrence`` backend."""
     device = placement[0]
     stack = stack if stack is not None else _probe_stack(spec, placement, tokens)
-    layout = SegmentLayout(q_offsets=np.array([0, tokens]), own_slot=np.array([0]), prefix_ranges=[()])
-    attend = GroupAttention(
-        stack, 0, tokens, layout, attention, push=False, grad_seed=False, state_layout=StateLayout.roots([0, tokens]),
-        recurrence=recurrence or "reference",
-    )
+    attend = _chain_attention(stack, tokens, attention, recurrence)
     ids = torch.randint(0, spec.vocab_size, (tokens,), device=device)
     positions = torch.arange(tokens, device=device)
     emb = _input_embeddings(model)

@@ -76,15 +76,25 @@ def _call_tokens(group_tokens: int, unique: int) -> int:
     return max(1, min(group_tokens if group_tokens > 0 else SMALL_CALL_TOKENS, unique))
 
 
-def kv_stack_bytes(shape: StepShape, group_tokens: int, call: int, fixed: dict) -> float:
+def kv_stack_bytes(shape: StepShape, group_tokens: int, call: int, fixed: dict, windowed: bool = False) -> float:
     """Bytes of the KV stack a plan of ``group_tokens``-token calls (``call`` tokens each) takes:
     its schedule's K/V and gradient slots where the shape has them (:attr:`StepShape.stack_needs`),
-    else the bound, the longest path plus a call with gradients in every slot."""
+    else the bound, the longest path plus a call with gradients in every slot. ``windowed``
+    (every layer checkpointed, a backend whose leaf calls can run in a KV window: ``fixed["window"]``):
+    the stack holds the groups with children (the gradient slots' reach) and the window every
+    call's reach, for one layer (:func:`dtree.plan.stack_sizes.stack_sizes`)."""
     need = shape.stack_need(group_tokens)
     if need is None:
         return min(shape.unique_tokens, shape.longest_path + call) * fixed["slot_bytes"]
     kv, grads = need
+    if windowed:
+        return grads * fixed["slot_bytes"] + kv * fixed["window_slot_bytes"]
     return kv * (fixed["slot_bytes"] - fixed["grad_slot_bytes"]) + grads * fixed["grad_slot_bytes"]
+
+
+def _windowed(fixed: dict, checkpoint, layers: int):
+    """Whether plans checkpointing ``checkpoint`` of ``layers`` layers run leaf calls in a KV window."""
+    return fixed.get("window", False) and checkpoint >= layers
 
 
 def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fixed: dict) -> tuple[float, float, dict]:
@@ -97,7 +107,7 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
     path = min(shape.longest_path, shape.shared_tokens, u)
     cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
     retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
-    kv = kv_stack_bytes(shape, knobs.group_tokens, call, fixed)
+    kv = kv_stack_bytes(shape, knobs.group_tokens, call, fixed, _windowed(fixed, knobs.checkpoint, spec.num_layers))
     stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
     calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
@@ -194,7 +204,8 @@ def candidate_scores(
     path = min(shape.longest_path, shape.shared_tokens, u)
     retained = np.where(recompute, 0.0, path * _lookup(
         lambda c, kp, p: cb(c, kp).call(p) if p != RECOMPUTE else 0.0, grid.chunk, keep, grid.path))
-    kv = _lookup(lambda g, c: kv_stack_bytes(shape, g, c, fixed), grid.group_tokens, calls)
+    kv = _lookup(lambda g, c, k: kv_stack_bytes(shape, g, c, fixed, _windowed(fixed, k, spec.num_layers)),
+                 grid.group_tokens, calls, grid.checkpoint)
     stack = np.maximum(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = _lookup(lambda c, rows: head_bytes(spec, fig_of[c].itemsize, c, rows, fig_of[c].fused_head),
                    grid.chunk, calls)

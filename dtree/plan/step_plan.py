@@ -28,81 +28,24 @@ from ..forest.forest import Forest
 from ..models import ModelSpec, TreeModule, unwrap
 from ..ops import determinism, stack_ops
 from ..ops.logprobs import OutputHead, as_output_head, compute_dtype, fused_head_kernel
-from ..ops.stack_attention.interface import OWN_KV_IN_STACK, leaf_slots_take_grads
 from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
 from .backend_choice import Placement, pick_backend, pick_recurrence
 from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .memory_model import refine
-from .memory_probe import CallBytes, measure_call_bytes
+from .memory_probe import CallBytes, attention_is_plain, measure_call_bytes
 from .model_view import ModelView, model_view
-from .schedule import Schedule, build_schedule, check_stack_capacity, slot_extents
+from .schedule import Schedule, build_schedule, check_stack_capacity
+from .stack_sizes import StackSizes, leaf_calls_can_window, planning_shape, stack_sizes
 from .state_plan import StatePlan, plan_states
 
 __all__ = [
-    "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes",
-    "grad_slots", "offloads_checkpoints", "plan_memory", "planning_shape", "stack_needs", "stack_slots", "step_shape",
+    "StepArrays", "StepPlan", "StepPlanner", "checkpoint_root", "measured_call_bytes", "offloads_checkpoints",
+    "plan_memory",
 ]
 
 KEPT_PLANS = 256  # forest shapes whose plans deterministic mode keeps
-
-
-def stack_slots(sched: Schedule, own_in_stack: bool) -> int:
-    """The KV-stack capacity of ``sched`` with a backend that does (``own_in_stack``,
-    :data:`OWN_KV_IN_STACK`) or does not read every call's own K/V from its slots
-    (:meth:`~dtree.plan.schedule.SlotExtents.kv_slots`)."""
-    return sched.extents.kv_slots(own_in_stack)
-
-
-def grad_slots(sched: Schedule, leaf_grads: bool) -> int:
-    """The KV-stack gradient slots of ``sched``; ``leaf_grads``:
-    :func:`~dtree.ops.stack_attention.interface.leaf_slots_take_grads`
-    (:meth:`~dtree.plan.schedule.SlotExtents.grad_slots`)."""
-    return sched.extents.grad_slots(leaf_grads)
-
-
-def step_shape(forest: Forest, chunk_size: int, recurrent: bool = False) -> memory_policy.StepShape:
-    """The forest's unique tokens, longest path, shared tokens (of trie nodes with
-    children) and attention keys for the memory policy; for a model with recurrent layers (``recurrent``),
-    its segments of at most ``chunk_size`` tokens that have children (the most state
-    slots a schedule can push)."""
-    lengths = forest.sequence_lengths()
-    inner = np.diff(forest.child_offsets) > 0
-    chunks = np.maximum(1, -(-forest.node_length // chunk_size))
-    state_slots = int((chunks - 1).sum() + inner.sum()) if recurrent else 0
-    return memory_policy.StepShape(
-        forest.num_unique_tokens, int(lengths.max()) if len(lengths) else 0, int(forest.node_length[inner].sum()),
-        state_slots, float((forest.positions + 1).sum()),
-    )
-
-
-def stack_needs(
-    forest: Forest, chunk_size: int, budgets: tuple[int, ...], own_in_stack: bool, leaf_grads: bool
-) -> tuple[tuple[int, int, int], ...]:
-    """``(call budget, KV slots, KV gradient slots)`` for each of ``budgets``: what
-    :func:`stack_slots` and :func:`grad_slots` give for the schedule that budget builds,
-    from its packing alone (:func:`~dtree.plan.schedule.slot_extents`)."""
-    return tuple((e.group_tokens, e.kv_slots(own_in_stack), e.grad_slots(leaf_grads))
-                 for e in slot_extents(forest, chunk_size, budgets))
-
-
-def planning_shape(
-    forest: Forest, config: RuntimeConfig, spec: ModelSpec, device: torch.device, attention: str | None
-) -> memory_policy.StepShape:
-    """:func:`step_shape` and, on CUDA, the KV-stack slots each call budget the policy scores would
-    take with this backend (``stack_needs``): with large calls the bound the policy has without them
-    (the longest path plus a call, gradients in every slot) over-counts by GiBs. On the 64k agentic
-    tree the 12k-token calls of ``memory="low"`` hold 18.9k K/V slots but 6.7k gradient slots, and
-    a cap of 8 GiB ruled that plan out on the bound (0.8 GiB over) and ran 4k-token calls 1.9x slower
-    (``benchmarks/results/h200/session_x``)."""
-    shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
-    if device.type != "cuda":  # the CPU plan is fixed (no memory model)
-        return shape
-    budgets = memory_policy.call_budgets(config.group_tokens, shape.unique_tokens)
-    needs = stack_needs(forest, config.chunk_size, budgets, attention in OWN_KV_IN_STACK,
-                        leaf_slots_take_grads(attention, config.deterministic))
-    return dataclasses.replace(shape, stack_needs=needs)
 
 
 def checkpoint_root(module: torch.nn.Module, view: ModelView | None = None) -> torch.nn.Module | None:
@@ -136,6 +79,7 @@ def plan_memory(
     kept: dict | None = None,
     attention: str | None = None,
     releasing: float = 0.0,
+    kv_window: bool = False,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
     ``view``: the model this step (:func:`dtree.plan.model_view.model_view`); ``stack``: the stacks the runtime holds now (their bytes are already allocated);
@@ -144,6 +88,7 @@ def plan_memory(
     plan keep checkpointed layers' attention outputs).
     ``releasing``: bytes allocated now that are free before the step starts (planned ahead,
     while the step before it still holds them: :mod:`dtree.engine.micro_batches`).
+    ``kv_window``: plans with every layer checkpointed run leaf calls in a KV window (scored so).
     ``kept`` (deterministic mode): the last plan per forest shape, which a step over that
     shape keeps while it is predicted to fit, whatever else the memory free at the call
     would allow: call sizes, checkpointing and head chunks set the order of the gradient's
@@ -164,7 +109,7 @@ def plan_memory(
             expandable_segments=memory_policy.expandable_segments(),
             stack_held=float(stack.nbytes()) if stack is not None and stack.device == device else 0.0,
             step_grads=memory_policy.step_grad_bytes(view.parameters, config.grad_guard in (True, "device")),
-            fused_head=fused_head_kernel(head, dtype, device),
+            fused_head=fused_head_kernel(head, dtype, device), kv_window=kv_window,
         )
     offload = offloads_checkpoints(config, device, view)
     shape = planning_shape(forest, config, spec, device, attention)
@@ -204,6 +149,16 @@ def plan_memory(
     return plan
 
 
+def model_state_key(view: ModelView, placement: Placement, attention: str, recurrence: str | None) -> tuple:
+    """What a probe of the model depends on: its placement, backends, HF checkpointing, its modules
+    and which of them have a patched ``forward``, and which parameters are frozen."""
+    return (
+        placement, attention, recurrence, view.hf_checkpointing,
+        tuple((type(m).__name__, "forward" in vars(m)) for m in view.modules),
+        tuple(p.requires_grad for p in view.parameters),
+    )
+
+
 def measured_call_bytes(
     module: torch.nn.Module, view: ModelView, model: TreeModule, spec: ModelSpec, placement: Placement, attention: str,
     cache: dict, recurrence: str | None = None,
@@ -215,11 +170,7 @@ def measured_call_bytes(
     ``torch.inference_mode()`` before a first measurement (no graph to measure there)."""
     if placement[0].type != "cuda":
         return None
-    key = (
-        placement, attention, recurrence, view.hf_checkpointing,
-        tuple((type(m).__name__, "forward" in vars(m)) for m in view.modules),
-        tuple(p.requires_grad for p in view.parameters),
-    )
+    key = model_state_key(view, placement, attention, recurrence)
     if key not in cache and not torch.is_inference_mode_enabled():
         cache[key] = measure_call_bytes(model, spec, placement, attention, checkpoint_root(module, view), recurrence)
     return cache.get(key)
@@ -297,6 +248,7 @@ class StepPlan:
     progress: bool
     deterministic: bool
     state_grads: tuple[bool, ...] | None
+    kv_window: bool = False  # leaf calls run in the stacks' KV window (dtree.ops.stack_ops.kv_window)
 
 
 class StepPlanner:
@@ -314,6 +266,8 @@ class StepPlanner:
         self.stack: StepStacks | None = None
         self.memory_plan: memory_policy.MemoryPlan | None = None  # the last planned step's
         self._call_bytes: dict = {}
+        self._plain: dict = {}  # per model state: its layers attend with no score options
+        self._can_window = False  # the last planned step's leaf calls may run in a KV window
         self._kept_plans: dict = {}  # deterministic mode: the last plan per forest shape (plan_memory)
         # the last step's memory plan, schedule and state slots (the two-pass path reuses them)
         self._last: tuple[memory_policy.MemoryPlan, Schedule, StatePlan | None] | None = None
@@ -363,9 +317,10 @@ class StepPlanner:
             self.module, view, self.model, self.spec, self.placement, self.attention, self._call_bytes, self.recurrence
         )
         kept = self._kept_plans if self.deterministic else None
+        self._can_window = self._leaf_calls_can_window(view)
         memory = plan_memory(
             view, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept,
-            self.attention, releasing,
+            self.attention, releasing, self._can_window,
         )
         sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
         check_stack_capacity(sched, forest, self.config.stack_capacity)
@@ -374,17 +329,30 @@ class StepPlanner:
         states = plan_states(sched) if self.spec.recurrent_states else None
         held = (self.stack.capacity, self.stack.state_slots) if self.stack is not None else (0, 0)
         retain_tokens = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
-        slots, grads = self._stack_sizes(sched)
+        sizes = self._stack_sizes(sched, memory, training=weights is not None)
         memory = refine(memory, sched, retain_tokens, held, states.capacity if states is not None else 0,
-                        stack_slots=slots, grad_slots=grads,
-                        held_grads=self.stack.grad_tokens if self.stack is not None else 0)
+                        stack_slots=sizes.kv, grad_slots=sizes.grads,
+                        held_grads=self.stack.grad_tokens if self.stack is not None else 0,
+                        window_slots=sizes.window, held_window=self.stack.window_tokens if self.stack is not None else 0)
         self.memory_plan, self._last = memory, (memory, sched, states)
         return memory, sched, terms, states
 
-    def _stack_sizes(self, sched: Schedule) -> tuple[int, int]:
-        """(KV slots, KV gradient slots) of a step over ``sched`` with this backend."""
-        return (stack_slots(sched, self.attention in OWN_KV_IN_STACK),
-                grad_slots(sched, leaf_slots_take_grads(self.attention, self.deterministic)))
+    def _leaf_calls_can_window(self, view: ModelView) -> bool:
+        """Whether this step's leaf calls may run in a KV window (with every layer checkpointed,
+        or without grad): the backend allows it, the model's layers attend plainly (probed once
+        per model state) and no fixed ``stack_capacity`` is asked for."""
+        if self.config.stack_capacity is not None or not leaf_calls_can_window(self.attention, self.deterministic):
+            return False
+        key = model_state_key(view, self.placement, self.attention, self.recurrence)
+        if key not in self._plain:
+            self._plain[key] = attention_is_plain(self.model, self.spec, self.placement, self.attention, self.recurrence)
+        return self._plain[key]
+
+    def _stack_sizes(self, sched: Schedule, memory: memory_policy.MemoryPlan, training: bool) -> StackSizes:
+        """The stacks of a step over ``sched`` with this backend: leaf calls in a window where
+        they may run there and every layer is checkpointed (a training step) or none takes grad."""
+        windowed = self._can_window and (not training or memory.checkpoint_layers >= self.spec.num_layers)
+        return stack_sizes(sched, self.attention, self.deterministic, windowed)
 
     def make_plan(
         self, forest: Forest, weights: np.ndarray | None = None, field_names: Sequence[str] = (),
@@ -410,12 +378,13 @@ class StepPlanner:
         )
         w = floats.pop(0) if training else None
         arrays = StepArrays(*ints[:6], weights=w, fields=dict(zip(field_names, floats)), stack_starts=ints[6])
-        slots, grad_tokens = self._stack_sizes(sched)
-        capacity = max(slots, self.config.stack_capacity or 0, 1)
-        grad_tokens = capacity if self.config.stack_capacity else grad_tokens
+        sizes = self._stack_sizes(sched, memory, training)
+        capacity = max(sizes.kv, self.config.stack_capacity or 0, 1)
+        grad_tokens = capacity if self.config.stack_capacity else sizes.grads
         state_slots = states.capacity if states is not None else 0
         if self.stack is None or not self.stack.fits(
-            self.spec, capacity, state_slots, dtype, device, training, grad_tokens=grad_tokens
+            self.spec, capacity, state_slots, dtype, device, training, grad_tokens=grad_tokens,
+            window_tokens=sizes.window,
         ):
             self.stack = None  # free the old buffers before allocating new ones
             # Normal tensors even under torch.inference_mode(): an inference-mode stack, kept for
@@ -423,7 +392,7 @@ class StepPlanner:
             with torch.inference_mode(False):
                 self.stack = StepStacks(
                     self.spec, capacity, state_slots, dtype=dtype, device=device, with_grad=training,
-                    grad_tokens=grad_tokens,
+                    grad_tokens=grad_tokens, window_tokens=sizes.window,
                 )
         root = checkpoint_root(self.module, view) if training else None
         grads = getattr(self.model, "dtree_state_grads", None) if states is not None else None
@@ -440,6 +409,6 @@ class StepPlanner:
             path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
             keep_attention_outputs=memory.keep_attention_outputs and root is not None,
             offload_checkpoints=memory.offload_checkpoints and root is not None,
-            progress=self.config.progress, deterministic=self.deterministic,
+            progress=self.config.progress, deterministic=self.deterministic, kv_window=sizes.window > 0,
             state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )

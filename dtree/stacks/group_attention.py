@@ -56,7 +56,9 @@ class GroupAttention:
     ``deterministic``: the attention's backward sums in a fixed order
     (:mod:`dtree.ops.determinism`). Recurrent layers get their :class:`LayerStates` from
     :meth:`states` (``state_layout``: the call's segments' state slots). ``grad_pattern``:
-    the step's :class:`GradPattern`, checked at every layer that attends with grad on."""
+    the step's :class:`GradPattern`, checked at every layer that attends with grad on.
+    ``window``: a leaf call of a step whose every layer is checkpointed: each layer binds its
+    stack's window (:meth:`StepStacks.window_of`) and the call pushes and attends there."""
 
     def __init__(
         self,
@@ -73,13 +75,15 @@ class GroupAttention:
         recurrence: str | None = None,
         state_grads: tuple[bool, ...] | None = None,
         grad_pattern: GradPattern | None = None,
+        window: bool = False,
     ):
         self.stacks, self.lo, self.hi, self.layout, self.backend = stacks, lo, hi, layout, backend
         self.push, self.grad_seed, self.device_lo, self.deterministic = push, grad_seed, device_lo, deterministic
         self.state_layout, self.recurrence, self.state_grads = state_layout, recurrence, state_grads
-        self.grad_pattern = grad_pattern
+        self.grad_pattern, self.window = grad_pattern, window
         num_layers = stacks.spec.num_layers
         self.called = [False] * num_layers
+        self.plain = True  # every layer so far attended with no score options
         self.recurred = [False] * num_layers
 
     def __call__(
@@ -88,7 +92,7 @@ class GroupAttention:
         """``options``: the per-layer ``softcap``, ``sinks``, ``alibi_slopes``, ``window``
         of :func:`dtree.ops.stack_attention.stack_attention`."""
         self.called[layer] = True
-        stack, local = self.stacks.kv_of(layer)
+        stack, local = self.stacks.window_of(layer, self.lo) if self.window else self.stacks.kv_of(layer)
         if self.push:
             stack.push(local, self.lo, k.detach(), v.detach(), device_lo=self.device_lo)
         if torch.is_grad_enabled():
@@ -97,6 +101,7 @@ class GroupAttention:
             if self.grad_seed:
                 k, v = seed_from_stack(k, v, stack, local, self.lo, self.hi, device_lo=self.device_lo)
         options = AttentionOptions(scale=scale, deterministic=self.deterministic, **options)
+        self.plain = self.plain and options.plain
         slots = StackSlots(stack, local, self.layout, own_in_stack=self.push)
         return stack_attention(q, k, v, slots, options, self.backend)
 

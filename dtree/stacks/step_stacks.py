@@ -4,7 +4,9 @@
   head_dim, v_head_dim)``, holding the layers of that shape: a plain model has one
   stack of all its layers; Gemma 4 (global layers with another head dim) has two; a
   hybrid model's stacks hold only its attention layers;
-* one :class:`~dtree.stacks.state_stack.StateStack` when the model has recurrent layers.
+* one :class:`~dtree.stacks.state_stack.StateStack` when the model has recurrent layers;
+* with ``window_tokens``, one :class:`~dtree.ops.stack_ops.kv_window.KVWindow` per KV stack: one
+  layer's slots, where leaf calls run when every layer is checkpointed (:meth:`StepStacks.window_of`).
 
 The attention ops take a KVStack and a layer index inside it: :meth:`StepStacks.kv_of`
 maps a decoder layer to both.
@@ -19,6 +21,7 @@ import torch
 from ..ops.linear_recurrence import state_dtype
 from ..ops.logprobs import compute_dtype
 from ..ops.stack_ops.kv_stack import KVStack
+from ..ops.stack_ops.kv_window import KVWindow, WindowedLayer
 from .state_stack import StateStack
 
 __all__ = ["StackShapes", "StepStacks"]
@@ -58,14 +61,17 @@ class StepStacks:
         device: where the buffers live.
         with_grad: allocate gradient buffers.
         grad_tokens: KV gradient slots (None: ``tokens``; :attr:`KVStack.grad_slots`).
+        window_tokens: slots of each KV stack's window (0: none).
     """
 
     def __init__(
         self, spec: StackShapes, tokens: int, state_slots: int, *, dtype: torch.dtype, device, with_grad: bool,
-        grad_tokens: int | None = None,
+        grad_tokens: int | None = None, window_tokens: int = 0,
     ) -> None:
         self.spec, self.tokens, self.state_slots, self.dtype = spec, tokens, state_slots, dtype
+        self.window_tokens = window_tokens
         self.kv: list[KVStack] = []
+        self.windows: list[KVWindow] = []
         self._where: dict[int, tuple[int, int]] = {}
         for (heads, dim, v_dim), layers in kv_groups(spec).items():
             for local, layer in enumerate(layers):
@@ -76,6 +82,8 @@ class StepStacks:
                     grad_dtype=compute_dtype(dtype), with_grad=with_grad, grad_slots=grad_tokens,
                 )
             )
+            if window_tokens:
+                self.windows.append(KVWindow(window_tokens, heads, dim, v_head_dim=v_dim, dtype=dtype, device=device))
         self.states = (
             StateStack(spec.recurrent_states, state_slots, device=device, with_grad=with_grad, dtype=state_dtype(dtype))
             if spec.recurrent_states
@@ -101,23 +109,33 @@ class StepStacks:
         stack, local = self._where[layer]
         return self.kv[stack], local
 
+    def window_of(self, layer: int, base: int) -> tuple[WindowedLayer, int]:
+        """(the window of ``layer``'s KV stack bound to that layer for a leaf call whose slots
+        start at ``base`` (:meth:`KVWindow.bind`), its layer index: 0)."""
+        if not self.windows:
+            raise ValueError("these stacks have no KV window (window_tokens=0)")
+        stack, local = self.kv_of(layer)
+        return self.windows[self._where[layer][0]].bind(stack, local, base), 0
+
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer: K/V values and gradients of each KV stack, states and their gradients."""
         out = [t for s in self.kv for t in (s.k, s.v, s.grad_k, s.grad_v) if t is not None]
+        out += [t for w in self.windows for t in (w.k, w.v)]
         if self.states is not None:
             out += list(self.states.value.values()) + list((self.states.grad or {}).values())
         return out
 
     def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.kv) + (self.states.nbytes() if self.states is not None else 0)
+        states = self.states.nbytes() if self.states is not None else 0
+        return sum(s.nbytes() for s in self.kv) + sum(w.nbytes() for w in self.windows) + states
 
     def release(self) -> None:
         """Drop every buffer now, whoever still holds this object: the step's plan is
         alive in the runtime's frame (or a failed step's traceback) when the runtime
         releases memory after a call, and ``torch.cuda.empty_cache`` can only return
         blocks nothing references. An empty shell afterwards: it fits no step."""
-        self.kv, self._where, self.states = [], {}, None
-        self.tokens = self.state_slots = 0
+        self.kv, self.windows, self._where, self.states = [], [], {}, None
+        self.tokens = self.state_slots = self.window_tokens = 0
         self.released = True
 
     @property
@@ -127,12 +145,13 @@ class StepStacks:
 
     def fits(
         self, spec: StackShapes, tokens: int, state_slots: int, dtype: torch.dtype, device, with_grad: bool,
-        grad_tokens: int | None = None,
+        grad_tokens: int | None = None, window_tokens: int = 0,
     ) -> bool:
         """Whether these stacks serve a step needing ``tokens`` KV slots, ``grad_tokens``
-        of them with gradient slots (None: all) and ``state_slots``."""
+        of them with gradient slots (None: all), ``state_slots`` and a window of ``window_tokens``."""
         return (
             not self.released
+            and self.window_tokens >= window_tokens
             and (not with_grad or not self.kv or self.grad_tokens >= (tokens if grad_tokens is None else grad_tokens))
             and self.spec.attention_layers == spec.attention_layers
             and all(self.spec.kv_shape(i) == spec.kv_shape(i) for i in spec.attention_layers)

@@ -86,13 +86,13 @@ PREFERS_FLASH_ATTN = True
 
 # Backends that read a call's own K/V from its stack slots (the flash-attn backend's one-call
 # path, dtree.ops.stack_attention.masked_call, which writes them there): the plan sizes the
-# stack for every call's slots, leaf calls included (dtree.plan.step_plan.stack_slots).
+# stack for every call's slots, leaf calls included (dtree.plan.stack_sizes.stack_slots).
 OWN_KV_IN_STACK = frozenset({"flash-attn"})
 
 # Backends whose call returns the gradients of its own K/V whole, its in-call descendants'
 # terms included (the flash-attn backend's one-call path, masked_call): no leaf call's slots
 # ever collect gradients, so the stack's gradient slots stop at the groups with children
-# (dtree.plan.step_plan.grad_slots). A call that takes another path inside the backend grows
+# (dtree.plan.stack_sizes.grad_slots). A call that takes another path inside the backend grows
 # them (KVStack.grad_slots_through) and stays exact.
 OWN_GRADS_IN_CALL = frozenset({"flash-attn"})
 
