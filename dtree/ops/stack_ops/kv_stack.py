@@ -22,7 +22,9 @@ call's; the K/V of the leaf calls above them need no float32 twin (on the 64k ag
 at 16k-token calls, ~22k K/V slots and ~7k gradient slots: 0.8 GiB less on qwen2.5-1.5b).
 The slots past ``grad_slots`` read as zero; an op that adds into them grows the gradient
 buffers first (:meth:`KVStack.grad_slots_through`), so a call that takes another path
-(a fallback inside the backend) stays exact.
+(a fallback inside the backend) stays exact. With every layer checkpointed, the same backends
+run leaf calls in a one-layer window instead (:mod:`dtree.ops.stack_ops.kv_window`), and the
+stack's K/V slots stop at the groups with children too.
 
 Life of a slot range ``[lo, hi)`` (one group of the schedule):
     push      the walk clears the range's gradient slots (``zero_grad``, a separate
