@@ -39,7 +39,7 @@ from dtree.bench.measure import emit_report, script_model, sync_device  # noqa: 
 from dtree.losses import ppo_clip  # noqa: E402
 from dtree.models import adapt  # noqa: E402
 from dtree.ops.stack_ops.kv_stack import KVStack  # noqa: E402
-from dtree.plan import step_plan  # noqa: E402
+from dtree.plan import stack_sizes  # noqa: E402
 from dtree.workloads import make_workload  # noqa: E402
 
 
@@ -49,12 +49,12 @@ def all_gradient_slots(on: bool):
     if not on:
         yield
         return
-    original = step_plan.leaf_slots_take_grads
-    step_plan.leaf_slots_take_grads = lambda *a, **k: True
+    original = stack_sizes.leaf_slots_take_grads
+    stack_sizes.leaf_slots_take_grads = lambda *a, **k: True
     try:
         yield
     finally:
-        step_plan.leaf_slots_take_grads = original
+        stack_sizes.leaf_slots_take_grads = original
 
 
 def count_growths() -> list[int]:
