@@ -111,6 +111,36 @@ def assert_model_flash_rule(
         assert_flash_rule([p.grad], [b.grad], [e.grad], f"{label} {name}", outputs=0)
 
 
+
+def assert_flash_attn_steps(window: int | None, label: str, check=None, **rt_kw) -> None:
+    """bf16 steps through the flash-attn backend (flash-attn-4, a CUDA device) on a head-dim-64
+    Mistral (``window``: its sliding window, None for plain attention), with calls of every size
+    (one segment, packed subtrees, the whole forest): every gradient by the flash-attention rule
+    against the float32 model per path. ``check(out)`` inspects each step's output."""
+    from test_runtime_exact import EDGE_CASES
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(0)
+    seqs = [s for case in EDGE_CASES.values() for s in case]
+    seqs += [torch.randint(0, 97, (300,)).tolist()]
+    seqs += [seqs[-1][:150] + torch.randint(0, 97, (90,)).tolist(), seqs[-1][:200] + [5, 6, 7]]
+    cfg = MistralConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=window,
+                        tie_word_embeddings=True, attn_implementation="eager")
+    base = AutoModelForCausalLM.from_config(cfg).cuda()
+    exact, bf16_ref = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
+    exact_loss, _ = linearized_step(exact, seqs)
+    bf16_loss, _ = linearized_step(bf16_ref, seqs)
+    for group_tokens in (0, 64, 4096):
+        model = copy.deepcopy(base).to(torch.bfloat16)
+        rt = dtree.TreeRuntime(model, attention="flash-attn", chunk_size=16, group_tokens=group_tokens, **rt_kw)
+        out = rt.forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll())
+        assert out.metrics["attention"] == "flash-attn"
+        if check is not None:
+            check(out)
+        assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss,
+                                f"{label} window={window} group_tokens={group_tokens}")
+
 @contextlib.contextmanager
 def grads_when_first_reached(model):
     """Yields ``{name: param.grad}`` as each parameter's ``.grad`` was when the block's first

@@ -160,38 +160,18 @@ def test_gpu_flash_attn_steps_with_every_layer_checkpointed(monkeypatch, mode, w
     binds it in the forward and in its re-run), a sliding-window one (whose calls take the
     Triton kernel inside the backend) keeps them in the stack. Every gradient by the
     flash-attention rule against the float32 model per path, with calls of every size."""
-    import copy
-
-    from reference import linearized_step
-    from setups import assert_model_flash_rule
-    from test_runtime_exact import EDGE_CASES
+    from setups import assert_flash_attn_steps
     from test_stack_attention_regions import _flash4
-    from transformers import AutoModelForCausalLM, MistralConfig
 
-    import dtree
     from dtree.ops.stack_ops.kv_window import KVWindow as Window
 
     _flash4()  # skips without flash-attn-4 on a Hopper GPU
     bound, bind = [], Window.bind
     monkeypatch.setattr(Window, "bind", lambda self, *a: bound.append(a[2]) or bind(self, *a))
-    torch.manual_seed(0)
-    seqs = [s for case in EDGE_CASES.values() for s in case]
-    seqs += [torch.randint(0, 97, (300,)).tolist()]
-    seqs += [seqs[-1][:150] + torch.randint(0, 97, (90,)).tolist(), seqs[-1][:200] + [5, 6, 7]]
-    cfg = MistralConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=window,
-                        tie_word_embeddings=True, attn_implementation="eager")
-    base = AutoModelForCausalLM.from_config(cfg).cuda()
-    exact, bf16_ref = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
-    exact_loss, _ = linearized_step(exact, seqs)
-    bf16_loss, _ = linearized_step(bf16_ref, seqs)
-    for group_tokens in (0, 64, 4096):
-        model = copy.deepcopy(base).to(torch.bfloat16)
-        rt = dtree.TreeRuntime(model, mode=mode, attention="flash-attn", chunk_size=16, group_tokens=group_tokens,
-                               checkpoint_layers=True)
-        out = rt.forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll())
-        assert out.metrics["attention"] == "flash-attn" and out.metrics["memory_plan"]["checkpoint_layers"] == 2
-        assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss,
-                                f"{mode} window={window} group_tokens={group_tokens}")
+
+    def every_layer_checkpointed(out):
+        assert out.metrics["memory_plan"]["checkpoint_layers"] == 2
+
+    assert_flash_attn_steps(window, mode, every_layer_checkpointed, mode=mode, checkpoint_layers=True)
     assert bool(bound) == (window is None), len(bound)
     assert window is not None or any(lo > 0 for lo in bound), "no windowed call had ancestors in the stack"

@@ -98,32 +98,13 @@ def test_flash_attn_runtime_with_gradient_slots_for_the_path(monkeypatch, mode, 
     of every size (one segment, packed subtrees, the whole forest); with a sliding window every
     call takes the Triton kernel inside the backend, which adds in-call ancestors' dK/dV into
     the leaf's own slots: the stack grows its gradient slots there and stays within the rule."""
-    from setups import assert_model_flash_rule
+    from setups import assert_flash_attn_steps
     from test_masked_call import _stack_sizes
     from test_stack_attention_regions import _flash4
-    from transformers import AutoModelForCausalLM, MistralConfig
 
     _flash4()  # skips without flash-attn-4 on a Hopper GPU
-    torch.manual_seed(0)
-    seqs = [s for case in EDGE_CASES.values() for s in case]
-    seqs += [torch.randint(0, 97, (300,)).tolist()]
-    seqs += [seqs[-1][:150] + torch.randint(0, 97, (90,)).tolist(), seqs[-1][:200] + [5, 6, 7]]
-    cfg = MistralConfig(vocab_size=97, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=window,
-                        tie_word_embeddings=True, attn_implementation="eager")
-    base = AutoModelForCausalLM.from_config(cfg).cuda()
-    exact, bf16_ref = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16)
-    exact_loss, _ = linearized_step(exact, seqs)
-    bf16_loss, _ = linearized_step(bf16_ref, seqs)
     sizes, grown = _stack_sizes(monkeypatch)
-    for group_tokens in (0, 64, 4096):
-        model = copy.deepcopy(base).to(torch.bfloat16)
-        rt = dtree.TreeRuntime(model, mode=mode, attention="flash-attn", chunk_size=16, group_tokens=group_tokens,
-                               free_after_step=False)
-        out = rt.forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll())
-        assert out.metrics["attention"] == "flash-attn"
-        assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss,
-                                f"{mode} window={window} group_tokens={group_tokens}")
+    assert_flash_attn_steps(window, mode, mode=mode, free_after_step=False)
     assert sizes and all(grads < tokens for tokens, grads in sizes), sizes
     assert (grown[0] > 0) if window else (grown[0] == 0), (window, grown)
 

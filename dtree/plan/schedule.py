@@ -30,6 +30,7 @@ them to the device in a few copies.
 
 from __future__ import annotations
 
+import functools
 from collections import deque
 from dataclasses import dataclass
 
@@ -134,9 +135,10 @@ class Schedule:
     def num_groups(self) -> int:
         return len(self.groups)
 
-    @property
+    @functools.cached_property
     def extents(self) -> SlotExtents:
-        """How far this schedule's groups reach into the KV stack."""
+        """How far this schedule's groups reach into the KV stack (the planner and the walk each
+        ask; computed once)."""
         return SlotExtents(
             self.group_tokens, max((g.stack_start + g.num_tokens for g in self.groups), default=0), self.stack_tokens,
             max((g.stack_start + g.num_tokens for g in self.groups if not g.is_leaf), default=0),
