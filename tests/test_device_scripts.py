@@ -75,6 +75,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
                  marks=pytest.mark.slow),
     pytest.param("session_y_gpu.sh", {"PART": "check"}, ("check64k", "case1"), marks=pytest.mark.slow),
     ("session_z_gpu.sh", {"PART": "low"}, ("low_first", "low_second")),
+    pytest.param("session_z_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),
