@@ -114,8 +114,8 @@ class StepStacks:
         start at ``base`` (:meth:`KVWindow.bind`), its layer index: 0)."""
         if not self.windows:
             raise ValueError("these stacks have no KV window (window_tokens=0)")
-        stack, local = self.kv_of(layer)
-        return self.windows[self._where[layer][0]].bind(stack, local, base), 0
+        stack, local = self._where[layer]
+        return self.windows[stack].bind(self.kv[stack], local, base), 0
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer: K/V values and gradients of each KV stack, states and their gradients."""
