@@ -44,11 +44,14 @@ from dtree.workloads import make_workload  # noqa: E402
 WORKLOADS = {
     "case1": ("grpo", {"num_prompts": 1, "prompt_len": 2048, "group_size": 8, "answer_len": 512}),
     "agentic64k": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}),
+    "agentic256k": ("agentic", {"num_trees": 1, "target_unique_tokens": 262144}),
 }
 SMOKE = {
     "case1": ("grpo", {"num_prompts": 1, "prompt_len": 64, "group_size": 4, "answer_len": 16}),
     "agentic64k": ("agentic", {"num_trees": 1, "system_prompt_len": 64, "trajectories": 2, "turn_len": (4, 40),
                                "target_unique_tokens": 400}),
+    "agentic256k": ("agentic", {"num_trees": 1, "system_prompt_len": 64, "trajectories": 3, "turn_len": (4, 40),
+                                "target_unique_tokens": 800}),
 }
 
 

@@ -24,7 +24,9 @@ from dtree.ops.stack_attention.call_mask import call_mask
 
 
 def _script(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the checkout first, then what the caller's path has (flash-attn-4 from carried wheels lives there)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = dict(os.environ, PYTHONPATH=path)
     return subprocess.run([sys.executable, "benchmarks/flash4_bwd_tiles.py", *args], check=False, cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=900)
 

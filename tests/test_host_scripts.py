@@ -98,3 +98,19 @@ def test_grad_slots_ab_runs_each_variant_on_cpu(tmp_path):
     for variant in ("low: as is", "low: all gradient slots", "low: 1,024-row head chunks"):
         assert f"| {variant} |" in report, report
     assert "the kernels whose time differs most" in report
+
+
+def test_every_workload_has_a_smoke_form_and_its_size():
+    """``benchmarks/host_profile.py``'s workloads: each has a ``--smoke`` form, and the agentic
+    trees' full forms hold about the unique tokens their names say."""
+    from benchmarks.host_profile import SMOKE, WORKLOADS
+    from dtree.workloads import make_workload
+
+    assert set(SMOKE) == set(WORKLOADS)
+    for name, (kind, params) in SMOKE.items():
+        assert kind == WORKLOADS[name][0]
+        assert make_workload(kind, seed=0, vocab_size=1000, **params).num_nodes > 1
+    for name, tokens in (("agentic64k", 65536), ("agentic256k", 262144)):
+        kind, params = WORKLOADS[name]
+        forest = make_workload(kind, seed=0, vocab_size=151936, **params)
+        assert abs(forest.num_unique_tokens - tokens) <= 0.1 * tokens, (name, forest.num_unique_tokens)
