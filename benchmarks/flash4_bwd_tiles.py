@@ -9,7 +9,7 @@ shared memory, S/dP computed transposed). Those were tuned on dense causal atten
 stack-attention call runs the masked-call kernel (block sparsity and a two-table mask
 function, grouped-query attention) on trees. This script times each candidate
 configuration of ``--configs`` (overrides of the default one; ``CONFIGS``) on the masked
-call of each layout, in one process: the interface is called directly (no launch replay),
+call of each layout, in one process: dtree's call with its launch replay off,
 so each configuration compiles its own kernel and the GPU time of its kernels is what is
 compared (torch.profiler, per backward). Every configuration's dq, dk, dv are checked
 against the default configuration's (the largest difference relative to the largest
@@ -79,8 +79,8 @@ def patched(interface, overrides: dict):
 
 def masked_call_inputs(case: Case, hq: int, hkv: int, d: int):
     """q [T, Hq, D], the stack's K/V slots [0, base + T) (own K/V pushed), out, lse, dout of
-    the flash-attn-4 masked call, and the call's device tables."""
-    from dtree.ops.stack_attention.flash4_masked_call import FLASH4_MASKED_CALL, device_tables
+    the flash-attn-4 masked call, and the call's mask."""
+    from dtree.ops.stack_attention.flash4_masked_call import FLASH4_MASKED_CALL
 
     stack, q, _, _ = stack_inputs(case, hq, hkv, d, torch.bfloat16)
     mask = call_mask(case.layout)
@@ -91,23 +91,18 @@ def masked_call_inputs(case: Case, hq: int, hkv: int, d: int):
     q = q.detach()
     out, lse = FLASH4_MASKED_CALL.forward(q, k, v, mask, case.layout, scale)
     dout = torch.randn_like(out)
-    return {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "tables": device_tables(mask, case.layout, q.device),
-                "scale": scale, "pairs": case.pairs(), "mask": mask, "layout": case.layout}
+    return {"q": q, "k": k, "v": v, "out": out, "lse": lse, "dout": dout, "scale": scale, "pairs": case.pairs(),
+            "mask": mask, "layout": case.layout}
 
 
-def backward_call(interface, x: dict):
-    """One masked-call backward through the interface (compiles on its first call)."""
-    from dtree.ops.stack_attention.flash4_masked_call import _mask_function
-
-    ins = tuple(t[None] for t in (x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"]))
-    grads = tuple(torch.empty_like(t) for t in ins[:3])
+def backward_call(x: dict):
+    """One masked-call backward: dtree's own flash-attn-4 call (``FLASH4_MASKED_CALL``), which
+    goes through the interface on every call while its launch replay is off (:func:`run`)."""
+    from dtree.ops.stack_attention.flash4_masked_call import FLASH4_MASKED_CALL
 
     def call():
-        interface._flash_attn_bwd(
-            *ins, softmax_scale=x["scale"], causal=False, mask_mod=_mask_function(), aux_tensors=x["tables"]["aux"],
-            block_sparse_tensors=x["tables"]["bwd"], dq=grads[0], dk=grads[1], dv=grads[2],
-        )
-        return grads
+        return FLASH4_MASKED_CALL.backward(x["q"], x["k"], x["v"], x["out"], x["dout"], x["lse"], x["mask"],
+                                           x["layout"], x["scale"])
 
     return call
 
@@ -134,9 +129,13 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def run(args) -> list[dict]:
-    """Each configuration over every layout (one compile per configuration), the default first."""
+    """Each configuration over every layout (one compile per configuration), the default first.
+    dtree's launch replay is off: it would relaunch the first configuration's recorded kernels."""
     from flash_attn.cute import interface
 
+    from dtree.ops.stack_attention.flash4_masked_call import _launcher
+
+    _launcher().enabled = False
     inputs = []
     for case in layouts(args.layouts.split(",")):
         x = masked_call_inputs(case, args.heads, args.kv_heads, args.head_dim)
@@ -151,7 +150,7 @@ def run(args) -> list[dict]:
             for case, x, fwd in inputs:
                 row = {"layout": case.name, "note": case.note, "config": name, "overrides": CONFIGS[name], "fwd_ms": fwd}
                 try:
-                    rows.append(_time_backward(interface, x, row, reference, args))
+                    rows.append(_time_backward(x, row, reference, args))
                 except Exception as e:  # noqa: BLE001 (a configuration the interface or compiler refuses: report it)
                     row["failed"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
                     rows.append(row)
@@ -161,10 +160,10 @@ def run(args) -> list[dict]:
     return rows
 
 
-def _time_backward(interface, x: dict, row: dict, reference: dict, args) -> dict:
-    call = backward_call(interface, x)
+def _time_backward(x: dict, row: dict, reference: dict, args) -> dict:
+    call = backward_call(x)
     t0 = time.perf_counter()
-    grads = [g[0].clone() for g in call()]
+    grads = [g.clone() for g in call()]
     torch.cuda.synchronize()
     row["compile_s"] = time.perf_counter() - t0
     row["bwd_ms"] = sum(kernel_ms(call).values())
