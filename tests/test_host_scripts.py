@@ -87,6 +87,19 @@ def test_head_chunk_cost_times_every_policy_chunk_on_cpu(tmp_path):
     assert "Fitted penalty" in report and "in the policy now" in report
 
 
+def test_bench_swiglu_rerun_times_the_chunked_backward_on_cpu(tmp_path):
+    """``benchmarks/bench_swiglu_rerun.py --smoke``: the re-run backward in chunks, its weight
+    gradient's error against the float64 sum within bf16 rounding (CPU: the float32-add variant only)."""
+    r = subprocess.run([sys.executable, "benchmarks/bench_swiglu_rerun.py", "--smoke", "--reps", "2"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)}, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    row = next(line for line in (tmp_path / "swiglu_rerun.md").read_text().splitlines() if line.startswith("| 300 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[1] == "3" and cells[2] == "-", row
+    err, scale = (float(x) for x in cells[5].replace("- / ", "").replace(")", "").split(" (of "))
+    assert 0 < err < 2**-7 * scale, row  # bf16 dW: one rounding of the float32 sum
+
+
 def test_grad_slots_ab_runs_each_variant_on_cpu(tmp_path):
     """``benchmarks/grad_slots_ab.py --smoke``: each variant of each memory setting gets a row,
     and the profiled comparison its table."""

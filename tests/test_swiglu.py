@@ -210,3 +210,21 @@ def test_gpu_bf16_flash_rule(shape, h):
     consumed, seen = _consumed_grads(*half, None, dy.bfloat16())  # 4099 rows: two chunks
     assert seen["dgate"] == seen["gate"]
     assert_flash_rule([got[0], *consumed[:3]], base, exact, f"swiglu_down re-run backward {shape}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_sum_chunk_in_matmul(dtype):
+    # the re-run backward's float32 sum of its chunks' weight gradients, accumulated in the matmul,
+    # against the float64 sum of the same half-precision products: closer than summing rounded parts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    chunks = [(torch.randn(1536, 4096, device="cuda", generator=gen).to(dtype),
+               torch.randn(4096, 8960, device="cuda", generator=gen).to(dtype)) for _ in range(3)]
+    summed = torch.full((1536, 8960), float("nan"), device="cuda")  # the first chunk overwrites it
+    for i, (a, b) in enumerate(chunks):
+        sw.sum_chunk_in_matmul(summed, a, b, first=i == 0)
+    exact = sum(a.double() @ b.double() for a, b in chunks)
+    rounded = sum((a @ b).float() for a, b in chunks)  # the sum it replaces: each part rounded first
+    err, old_err = (summed.double() - exact).abs().max().item(), (rounded.double() - exact).abs().max().item()
+    assert err <= 1e-5 * exact.abs().max().item(), err
+    assert err < old_err, (err, old_err)
