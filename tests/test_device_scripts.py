@@ -7,7 +7,7 @@
 ``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
 ``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
 ``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, ``benchmarks/session_x_gpu.sh``,
-``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, sharing
+``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, ``benchmarks/session_ab_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -76,6 +76,8 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_y_gpu.sh", {"PART": "check"}, ("check64k", "case1"), marks=pytest.mark.slow),
     ("session_z_gpu.sh", {"PART": "low"}, ("low_first", "low_second")),
     pytest.param("session_z_gpu.sh", {"PART": "final"}, ("final64k", "case1"), marks=pytest.mark.slow),
+    ("session_ab_gpu.sh", {"PART": "diag"}, ()),
+    pytest.param("session_ab_gpu.sh", {"PART": "final"}, ("half256k", "low64k"), marks=pytest.mark.slow),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),
