@@ -6,6 +6,8 @@
 #   PART=diag    the 256k tree under memory=19.9: the GPU's idle time charged to the step's phases
 #                (benchmarks/gpu_idle.py), the plan's host time (benchmarks/plan_profile.py); the 64k tree
 #                under memory=14.5: which code launches each kernel (benchmarks/kernel_origins.py);
+#   PART=plans   the memory policy's candidates faster than the plan it runs (benchmarks/plan_candidates.py):
+#                the 256k tree under memory=19.9, the 64k tree under memory=12.5 (the mask's memory) and low;
 #   PART=final   the GPU tests of the SwiGLU op and the re-run (not with SKIP_TESTS=1); the re-run's SwiGLU
 #                backward with its chunk sum in the matmul and after it (benchmarks/bench_swiglu_rerun.py); the
 #                256k tree: memory=19.9 and the mask in one process; the 64k tree: low and the mask likewise.
@@ -36,6 +38,14 @@ case "$PART" in
     script plan_profile 240 --workload agentic256k --opt memory=$AT_HALF --steps 2
     script kernel_origins 200 --workload agentic64k --opt memory=14.5 --tag capped
     ;;
+  plans)
+    script plan_candidates 300 --workload agentic256k --opt memory=$AT_HALF
+    mv "$OUT/plan_candidates.log" "$OUT/plan_candidates_256k.log"
+    script plan_candidates 200 --workload agentic64k --opt memory=12.5
+    mv "$OUT/plan_candidates_agentic64k.md" "$OUT/plan_candidates_agentic64k_at_mask.md"
+    script plan_candidates 200 --workload agentic64k --opt memory=low
+    mv "$OUT/plan_candidates_agentic64k.md" "$OUT/plan_candidates_agentic64k_low.md"
+    ;;
   final)
     [ -n "${SKIP_TESTS:-}" ] || gpu_tests gpu_tests_final.txt 240 "swiglu or sum_chunk or recompute or checkpoint or memory" \
       tests/test_swiglu.py tests/test_layer_recompute.py tests/test_checkpoint_layers.py tests/test_runtime_gpu.py
@@ -43,6 +53,6 @@ case "$PART" in
     bench half256k 420 $AGENTIC256K --steps 3 --configs "dtree:memory=$AT_HALF,tree-mask:whole+ckpt"
     bench low64k 300 $AGENTIC64K --steps 5 --configs "dtree:low,tree-mask:whole+ckpt"
     ;;
-  *) echo "PART must be diag or final"; exit 2 ;;
+  *) echo "PART must be diag, plans or final"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

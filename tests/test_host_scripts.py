@@ -127,3 +127,47 @@ def test_every_workload_has_a_smoke_form_and_its_size():
         kind, params = WORKLOADS[name]
         forest = make_workload(kind, seed=0, vocab_size=151936, **params)
         assert abs(forest.num_unique_tokens - tokens) <= 0.1 * tokens, (name, forest.num_unique_tokens)
+
+
+def test_plan_candidates_lists_the_frontier_above_the_plan_run():
+    """``benchmarks/plan_candidates.py``: for a capped plan scored as on CUDA, the candidates listed
+    are each faster and leaner-first (every one beats all leaner ones), and the plan run is the
+    fastest that fits."""
+    import dataclasses
+
+    from benchmarks import plan_candidates as pc
+    from benchmarks.host_profile import script_parts
+    from dtree.models import adapt
+    from dtree.plan import memory_policy, stack_sizes
+    from dtree.workloads import make_workload
+
+    model = script_parts(True, "agentic64k", [])[0]
+    spec = adapt(model).dtree_spec()
+    forest = make_workload("agentic", seed=0, vocab_size=spec.vocab_size, num_trees=1, target_unique_tokens=20000)
+    shape = stack_sizes.step_shape(forest, 2048)
+    budgets = memory_policy.call_budgets(None, shape.unique_tokens)
+    shape = dataclasses.replace(shape, stack_needs=stack_sizes.stack_needs(forest, 2048, budgets, True, True))
+    seen = []
+    original = memory_policy.choose_index
+
+    def recording(peaks, costs, grid, budget, keep=None):
+        chosen, reason = original(peaks, costs, grid, budget, keep)
+        seen.append({"peaks": peaks, "costs": costs, "grid": grid, "budget": budget, "chosen": chosen, "reason": reason})
+        return chosen, reason
+
+    memory_policy.choose_index = recording
+    try:
+        memory_policy.plan_step(spec, 2, shape, on_cuda=True, available=80 * 2**30, expandable_segments=True,
+                                setting=0.2, kv_window=True, can_keep_attention=True)
+    finally:
+        memory_policy.choose_index = original
+    s = seen[0]
+    peaks, costs, chosen = s["peaks"], s["costs"], s["chosen"]
+    frontier = pc._frontier(peaks, costs, chosen)
+    assert frontier and peaks[chosen] <= s["budget"]
+    assert all(peaks[i] > s["budget"] for i in frontier)  # the plan run was the fastest that fits
+    assert all(costs[b] < costs[a] and peaks[b] >= peaks[a] for a, b in zip([chosen] + frontier, frontier))
+    for i in frontier:  # nothing leaner is as fast
+        assert not ((peaks < peaks[i]) & (costs <= costs[i])).any()
+    rows = pc._table(s, 5)
+    assert rows[2].startswith("| plan |") and "**ran**" in rows[4] and len(rows) == 4 + 1 + min(5, len(frontier))
