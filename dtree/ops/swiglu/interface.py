@@ -177,8 +177,10 @@ def _consuming_backward(
 def _sums_in_matmul(dy2: torch.Tensor, acc: torch.dtype) -> bool:
     """Whether the chunks' weight gradients add into their float32 sum inside the matmul
     (:func:`sum_chunk_in_matmul`): half-precision inputs on CUDA, where torch's matmuls take
-    ``out_dtype`` (the CPU has no such kernel; float32 and float64 inputs sum in their own dtype)."""
-    return dy2.is_cuda and acc == torch.float32 and dy2.dtype in (torch.bfloat16, torch.float16)
+    ``out_dtype`` (the CPU has no such kernel; float32 and float64 inputs sum in their own dtype; ROCm
+    builds, where it was never run, keep the add)."""
+    return (dy2.is_cuda and torch.version.hip is None and acc == torch.float32
+            and dy2.dtype in (torch.bfloat16, torch.float16))
 
 
 def sum_chunk_in_matmul(summed: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
