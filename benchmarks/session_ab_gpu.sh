@@ -9,6 +9,7 @@
 #   PART=plans   the memory policy's candidates faster than the plan it runs (benchmarks/plan_candidates.py):
 #                the 256k tree under memory=19.9, the 64k tree under memory=12.5 (the mask's memory) and low;
 #   PART=lowpeak what makes up `low`'s peak on the 64k tree with 12k- and 16k-token calls (profile_memory.py);
+#   PART=low8    the 64k tree: the mask, then low, 8 fresh forests each in one process (the order of PART=final reversed);
 #   PART=final   the GPU tests of the SwiGLU op and the re-run (not with SKIP_TESTS=1); the re-run's SwiGLU
 #                backward with its chunk sum in the matmul and after it (benchmarks/bench_swiglu_rerun.py); the
 #                256k tree: memory=19.9 and the mask in one process; the 64k tree: low and the mask likewise.
@@ -50,6 +51,9 @@ case "$PART" in
   lowpeak)
     memory_profile lowpeak 400 "dtree:low,dtree:memory=low+group_tokens=16384" 80
     ;;
+  low8)
+    bench low64k_rotated 360 $AGENTIC64K --steps 8 --configs "tree-mask:whole+ckpt,dtree:low"
+    ;;
   final)
     [ -n "${SKIP_TESTS:-}" ] || gpu_tests gpu_tests_final.txt 240 "swiglu or sum_chunk or recompute or checkpoint or memory" \
       tests/test_swiglu.py tests/test_layer_recompute.py tests/test_checkpoint_layers.py tests/test_runtime_gpu.py
@@ -57,6 +61,6 @@ case "$PART" in
     bench half256k 420 $AGENTIC256K --steps 3 --configs "dtree:memory=$AT_HALF,tree-mask:whole+ckpt"
     bench low64k 300 $AGENTIC64K --steps 5 --configs "dtree:low,tree-mask:whole+ckpt"
     ;;
-  *) echo "PART must be diag, plans, lowpeak or final"; exit 2 ;;
+  *) echo "PART must be diag, plans, lowpeak, low8 or final"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -79,6 +79,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     ("session_ab_gpu.sh", {"PART": "diag"}, ()),
     ("session_ab_gpu.sh", {"PART": "plans"}, ()),
     pytest.param("session_ab_gpu.sh", {"PART": "lowpeak"}, ("lowpeak",), marks=pytest.mark.slow),
+    pytest.param("session_ab_gpu.sh", {"PART": "low8"}, ("low64k_rotated",), marks=pytest.mark.slow),
     pytest.param("session_ab_gpu.sh", {"PART": "final"}, ("half256k", "low64k"), marks=pytest.mark.slow),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
