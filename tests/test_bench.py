@@ -179,6 +179,38 @@ def test_wording_and_of_ideal():
     assert "tree-mask reached 160% of the ideal speedup" in lines and "1.60x as fast as the best linearized" in lines
 
 
+def test_steady_steps_leave_out_a_recompiled_step_on_both_sides():
+    """A steady step over OUTLIER_FACTOR x the median of steps 3..N (session AB: the mask's
+    FlexAttention recompiled on the sixth of eight forests, 12.1 s against ~2.7 s) is left out of
+    that configuration's steady figures, and the speedup counts only the steps both kept; the
+    report names it. Two steady steps are too few to call one an outlier."""
+    from dtree.bench.measure import MethodResult, StepForest, _summarize_steps
+    from dtree.bench.steady import outlier_note, steady_ratio, steady_split
+    from dtree.workloads import make_workload
+
+    mask_times = [22.0, 13.873, 2.584, 2.734, 2.713, 12.112, 2.661, 2.675]
+    low_times = [22.598, 2.608, 2.297, 2.237, 2.375, 2.163, 2.116, 2.109]
+    assert steady_split(mask_times) == ([2, 3, 4, 6, 7], [5])
+    assert steady_split(low_times) == ([2, 3, 4, 5, 6, 7], [])
+    assert steady_split([9.0, 5.0, 1.0, 3.0]) == ([2, 3], [])  # too few steady steps to judge
+    forests = [StepForest(i, make_workload("grpo", seed=i, vocab_size=64, num_prompts=1, prompt_len=8, group_size=2,
+                                           answer_len=4), 1.0, 2.0) for i in range(len(mask_times))]
+    rows = {}
+    for name, times in (("mask", mask_times), ("low", low_times)):
+        r = MethodResult(method=name, status="ok", step_times_s=times, step_losses=[0.0] * len(times),
+                         step_calls=[1] * len(times), step_peak_mem_gib=[1.0] * len(times))
+        _summarize_steps(r, forests, None)
+        rows[name] = r.as_dict()
+    mask = rows["mask"]
+    assert mask["steady_outliers"] == [5] and mask["steady_max_s"] == 2.734
+    assert mask["step_time_s"] == pytest.approx(sum(mask_times[i] for i in (2, 3, 4, 6, 7)) / 5)
+    kept = (2, 3, 4, 6, 7)  # the low side's sixth step goes too: the same forests on both sides
+    want = sum(mask_times[i] for i in kept) / sum(low_times[i] for i in kept)
+    assert steady_ratio(mask, rows["low"]) == pytest.approx(want) and 1.19 < want < 1.21
+    (note,) = [line for line in outlier_note(list(rows.values())) if line]
+    assert "`mask`: step 6 (12.112 s)" in note and "`low`" not in note
+
+
 def test_default_output_is_git_ignored():
     """dtree bench (and examples/grpo.py) write to ./dtree-results by default, which the
     checkout's .gitignore lists: a default run never overwrites committed reports."""

@@ -5,7 +5,10 @@ Two protocols:
 * :func:`measure_steps` (the default of ``dtree bench``): a fresh forest every step, as
   RL trains. The first and second steps are reported on their own (compilation,
   autotuning, allocator growth, the call sizes dtree adapts after its first step);
-  the steady figures are over steps 3..N, each with its own unique-token FLOPs.
+  the steady figures are over steps 3..N, each with its own unique-token FLOPs, but a step
+  over :data:`dtree.bench.steady.OUTLIER_FACTOR` times their median (a recompilation for a
+  new shape, a stalled host), listed in ``steady_outliers`` and left out of every speedup on
+  both sides (:mod:`dtree.bench.steady`).
 * :func:`measure_method` (``--same-forest``, for kernel work): warm-up steps, then the
   median of repeats on one forest.
 
@@ -27,6 +30,8 @@ from typing import Any, Callable
 
 import torch
 
+from .steady import steady_split
+
 __all__ = [
     "MethodResult",
     "StepForest",
@@ -36,7 +41,6 @@ __all__ = [
     "device_name",
     "limit_memory",
     "free_memory",
-    "steady_ratio",
     "is_out_of_memory",
     "use_expandable_segments",
 ]
@@ -152,6 +156,7 @@ class MethodResult:
     second_step_s: float | None = None
     steady_max_s: float | None = None
     steady_steps: list[int] = field(default_factory=list)  # 0-based indices of steps 3..N that ran
+    steady_outliers: list[int] = field(default_factory=list)  # of steps 3..N, those left out (dtree.bench.steady)
     step_losses: list[float] = field(default_factory=list)
     step_peak_mem_gib: list[float | None] = field(default_factory=list)
     step_calls: list[int | None] = field(default_factory=list)
@@ -422,7 +427,7 @@ def _summarize_steps(result: MethodResult, forests: list[StepForest], peak: floa
     result.model_calls = result.step_calls[-1]
     mems = [m for m in result.step_peak_mem_gib if m is not None]
     result.peak_mem_gib = max(mems) if mems else None
-    result.steady_steps = list(range(2, len(times)))
+    result.steady_steps, result.steady_outliers = steady_split(times)
     if not result.steady_steps:
         return
     steady = [times[i] for i in result.steady_steps]
@@ -434,13 +439,3 @@ def _summarize_steps(result: MethodResult, forests: list[StepForest], peak: floa
     result.ideal_speedup = statistics.fmean(forests[i].flop_ratio for i in result.steady_steps)
     if peak:
         result.mfu = sum(forests[i].unique_flops for i in result.steady_steps) / total / (peak * 1e12)
-
-
-def steady_ratio(slow: dict, fast: dict) -> float | None:
-    """How many times faster ``fast`` ran than ``slow`` (result rows, ``as_dict()``):
-    the ratio of their summed steady step times over the steady steps both ran, so both
-    sides saw the same forests. None when they share none."""
-    common = sorted(set(slow.get("steady_steps") or ()) & set(fast.get("steady_steps") or ()))
-    if not common:
-        return None
-    return sum(slow["step_times_s"][i] for i in common) / sum(fast["step_times_s"][i] for i in common)

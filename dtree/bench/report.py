@@ -15,7 +15,7 @@ import statistics
 from typing import Any
 
 from .configs import best_per_method
-from .measure import steady_ratio
+from .steady import OUTLIER_FACTOR, outlier_note, steady_ratio
 
 __all__ = ["environment", "faster_or_slower", "finish_report", "format_table", "write_reports", "report_stem"]
 
@@ -288,7 +288,8 @@ def _markdown(report: dict) -> str:
     fresh = _fresh(report)
     protocol = (
         f"{report['steps']} steps per configuration, a fresh forest each; first and second steps apart, steady = "
-        "mean of steps 3..N (tokens/s and MFU over those steps, each with its own unique-token FLOPs); the "
+        f"mean of steps 3..N but any over {OUTLIER_FACTOR:g}x their median (tokens/s and MFU over those steps, each "
+        "with its own unique-token FLOPs); the "
         "configurations run one after the other in one process, so compilation and autotuning land in the first "
         "step of the first configuration that needs them (benchmarks/profile_warmup.py measures fresh processes), "
         "and the first configuration of a method to meet each fresh forest pays that forest's once-per-shape costs "
@@ -341,7 +342,7 @@ def _markdown(report: dict) -> str:
     if report.get("summary_lines"):
         lines += [""] + [f"- {s}" for s in report["summary_lines"]]
     if fresh:
-        lines += ["", "## Step times (s)", "", _steps_table(report)]
+        lines += ["", "## Step times (s)", "", _steps_table(report)] + outlier_note(report["results"])
         memory = _memory_table(report)
         if memory:
             lines += ["", "## Memory: the plan's predicted peak against the measured one, and what a step leaves",
