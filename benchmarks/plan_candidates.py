@@ -20,6 +20,7 @@ Prints Markdown, also written to ``$OUT/plan_candidates_<workload>.md`` when OUT
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -35,8 +36,10 @@ from dtree.plan import memory_policy
 GIB = 2.0**30
 
 
-def _scorings(rt, model, forest, loss, device) -> list[dict]:
-    """Every ``choose_index`` call of one step: its peaks, costs, grid, budget and pick."""
+@contextlib.contextmanager
+def recorded_scorings():
+    """While the block runs, every ``choose_index`` call of the memory policy is recorded into the
+    list it yields: its peaks, costs, grid, budget, pick and reason."""
     seen: list[dict] = []
     original = memory_policy.choose_index
 
@@ -48,9 +51,15 @@ def _scorings(rt, model, forest, loss, device) -> list[dict]:
 
     memory_policy.choose_index = recording
     try:
-        host_timed_step(rt, forest, loss, model, device)
+        yield seen
     finally:
         memory_policy.choose_index = original
+
+
+def _scorings(rt, model, forest, loss, device) -> list[dict]:
+    """Every scoring of one step (:func:`recorded_scorings`)."""
+    with recorded_scorings() as seen:
+        host_timed_step(rt, forest, loss, model, device)
     return seen
 
 

@@ -147,20 +147,9 @@ def test_plan_candidates_lists_the_frontier_above_the_plan_run():
     shape = stack_sizes.step_shape(forest, 2048)
     budgets = memory_policy.call_budgets(None, shape.unique_tokens)
     shape = dataclasses.replace(shape, stack_needs=stack_sizes.stack_needs(forest, 2048, budgets, True, True))
-    seen = []
-    original = memory_policy.choose_index
-
-    def recording(peaks, costs, grid, budget, keep=None):
-        chosen, reason = original(peaks, costs, grid, budget, keep)
-        seen.append({"peaks": peaks, "costs": costs, "grid": grid, "budget": budget, "chosen": chosen, "reason": reason})
-        return chosen, reason
-
-    memory_policy.choose_index = recording
-    try:
+    with pc.recorded_scorings() as seen:
         memory_policy.plan_step(spec, 2, shape, on_cuda=True, available=80 * 2**30, expandable_segments=True,
                                 setting=0.2, kv_window=True, can_keep_attention=True)
-    finally:
-        memory_policy.choose_index = original
     s = seen[0]
     peaks, costs, chosen = s["peaks"], s["costs"], s["chosen"]
     frontier = pc._frontier(peaks, costs, chosen)
