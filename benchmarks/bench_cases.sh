@@ -6,7 +6,7 @@
 # scripts), MASK_GIB (the mask's peak on the
 # 64k tree: the memory cap that compares dtree at the mask's memory), CAP (the same for the mask with
 # dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
-# $OUT/DIR, its report rows printed), memory_profile (benchmarks/profile_memory.py on the 64k tree), gpu_tests
+# $OUT/DIR, its report rows printed), script (one benchmarks/*.py diagnostic, its log in $OUT), memory_profile (benchmarks/profile_memory.py on the 64k tree), gpu_tests
 # (a selection of the GPU tests into $OUT) and micro (one benchmarks/micro_batches.py run, likewise).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -20,6 +20,13 @@ if [ "${SMOKE:-0}" = 1 ]; then
   AGENTIC64K="--workload agentic --set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set target_unique_tokens=400"
   MASK_GIB=4 STEPS=2 SMOKE_FLAG=--smoke CAP=4
 fi
+
+script() {  # script NAME TIMEOUT ARGS...: one of the benchmarks/*.py diagnostics, its Markdown into $OUT
+  local name=$1 limit=$2
+  shift 2
+  OUT="$OUT" timeout "$limit" python "benchmarks/$name.py" $SMOKE_FLAG "$@" >"$OUT/$name.log" 2>&1
+  echo "$name: exit $?"; tail -4 "$OUT/$name.log" | cut -c1-200
+}
 
 bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows printed
   local dir=$1 limit=$2

@@ -20,19 +20,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_ab}
 PART=${PART:-diag}
-source benchmarks/bench_cases.sh  # AGENTIC64K, bench, gpu_tests, SMOKE_FLAG
+source benchmarks/bench_cases.sh  # AGENTIC64K, bench, script, gpu_tests, SMOKE_FLAG
 AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
 AT_HALF=${AT_HALF:-19.9}
 if [ -n "$SMOKE_FLAG" ]; then
   AGENTIC256K=$AGENTIC64K AT_HALF=4
 fi
-
-script() {  # script NAME TIMEOUT ARGS...: one of the benchmarks/*.py diagnostics, its Markdown into $OUT
-  local name=$1 limit=$2
-  shift 2
-  OUT="$OUT" timeout "$limit" python "benchmarks/$name.py" $SMOKE_FLAG "$@" >"$OUT/$name.log" 2>&1
-  echo "$name: exit $?"; tail -4 "$OUT/$name.log" | cut -c1-200
-}
 
 case "$PART" in
   diag)

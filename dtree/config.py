@@ -107,8 +107,11 @@ class RuntimeConfig:
         keep_attention_outputs: True (default): the memory policy may have checkpointed layers
             keep their stack attention's output and log-sum-exp for their re-run
             (:mod:`dtree.ops.stack_attention.output_memo`: one attention forward less per
-            re-run), where the attention backend can and the plan predicts it pays. False: never
-            (every re-run runs its attention forward again), for comparison.
+            re-run), where the attention backend can and the plan predicts it pays; with the layer
+            inputs offloaded (``offload_checkpoints``) the outputs wait on the host with them, and
+            ``memory="low"`` keeps them (a call then holds two layers' outputs on the device;
+            the pinned host pages double). False: never (every re-run runs its attention forward
+            again), for comparison.
     """
 
     mode: Mode = "auto"

@@ -7,7 +7,8 @@
 ``benchmarks/session_p_gpu.sh``, ``benchmarks/session_q_gpu.sh``, ``benchmarks/session_r_gpu.sh``,
 ``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
 ``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, ``benchmarks/session_x_gpu.sh``,
-``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, ``benchmarks/session_ab_gpu.sh``, sharing
+``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, ``benchmarks/session_ab_gpu.sh``,
+``benchmarks/session_ac_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -81,6 +82,9 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_ab_gpu.sh", {"PART": "lowpeak"}, ("lowpeak",), marks=pytest.mark.slow),
     pytest.param("session_ab_gpu.sh", {"PART": "low8"}, ("low64k_rotated",), marks=pytest.mark.slow),
     pytest.param("session_ab_gpu.sh", {"PART": "final"}, ("half256k", "low64k"), marks=pytest.mark.slow),
+    pytest.param("session_ac_gpu.sh", {"PART": "diag"}, ("profile",), marks=pytest.mark.slow),
+    ("session_ac_gpu.sh", {"PART": "ab"}, ()),
+    pytest.param("session_ac_gpu.sh", {"PART": "final"}, ("low64k", "at_mask64k"), marks=pytest.mark.slow),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),

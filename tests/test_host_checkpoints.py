@@ -65,6 +65,21 @@ def test_the_group_gives_the_same_bits_back_from_a_copy():
         assert torch.equal(back, original)
 
 
+def test_puts_inside_a_unit_share_it_and_each_entry_comes_back_once():
+    """A layer's puts (its input, the attention outputs it keeps) share a unit, which the backward of
+    the layer above prefetches whole; a put outside a unit is a unit of its own; an entry taken twice
+    (a second backward through offloaded layers) is refused instead of returning stale bytes."""
+    group = HostCheckpoints()
+    alone = group.put(torch.ones(2))
+    with group.unit():
+        layer = [group.put(torch.full((3,), float(i))) for i in range(3)]
+    after = group.put(torch.zeros(4))
+    assert (alone.unit, after.unit) == (0, 2) and {e.unit for e in layer} == {1}
+    assert torch.equal(group.get(layer[2]), torch.full((3,), 2.0))
+    with pytest.raises(RuntimeError, match="asked for twice"):
+        group.get(layer[2])
+
+
 def test_a_call_whose_backward_never_runs_leaves_nothing_behind():
     """A forward under offloading whose graph is dropped (an error before the backward) frees its
     entries with it; the next step runs as usual."""

@@ -113,6 +113,26 @@ def test_grad_slots_ab_runs_each_variant_on_cpu(tmp_path):
     assert "the kernels whose time differs most" in report
 
 
+def test_options_ab_times_every_arm_on_every_forest_on_cpu(tmp_path):
+    """``benchmarks/options_ab.py --smoke``: one row per arm, a timed step per round, the first arm's
+    paired ratio 1, and the arms' own plans (here: the call size each was given)."""
+    r = subprocess.run([sys.executable, "benchmarks/options_ab.py", "--smoke", "--arm", "group_tokens=128",
+                        "--arm", "group_tokens=64", "--rounds", "3", "--warmup", "1", "--tag", "t"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600, check=False,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.count("round ") == 4, r.stdout
+    rows = [line for line in (tmp_path / "options_ab_agentic64k_t.md").read_text().splitlines()
+            if line.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 2, rows
+    assert rows[0].split(" | ")[3] == "1.000"
+    assert all(len(row.split(" | ")[6].split(", ")) == 3 for row in rows)  # three timed steps each
+    assert "group_tokens=128" in rows[0] and "group_tokens=64" in rows[1]
+    bad = subprocess.run([sys.executable, "benchmarks/options_ab.py", "--smoke", "--arm", "memory=low"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    assert bad.returncode == 2 and "give two or more --arm" in bad.stderr
+
+
 def test_every_workload_has_a_smoke_form_and_its_size():
     """``benchmarks/host_profile.py``'s workloads: each has a ``--smoke`` form, and the agentic
     trees' full forms hold about the unique tokens their names say."""

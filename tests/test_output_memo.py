@@ -100,7 +100,7 @@ def _case_checkpointed_attention_is_bitwise_and_runs_forward_once():
     mp_.undo()
 
 
-def _case_runtime_step_keeping_outputs_is_exact(arch: str):
+def _case_runtime_step_keeping_outputs_is_exact(arch: str, offload: bool = False):
     from hf_models import make_model
 
     from dtree.plan import memory_policy
@@ -112,13 +112,16 @@ def _case_runtime_step_keeping_outputs_is_exact(arch: str):
                 lambda *a, **kw: dataclasses.replace(cpu_plan(*a, **kw), keep_attention_outputs=True))
     model = make_model(arch)
     ref_model, ref_loss = reference(model)
-    out, tree_model = run_dtree(model, attention="triton", checkpoint_layers=True, group_tokens=8, mode="retain")
+    kw = {"attention": "triton", "checkpoint_layers": True, "group_tokens": 8, "mode": "retain",
+          "offload_checkpoints": offload}
+    out, tree_model = run_dtree(model, **kw)
     assert_exact(tree_model, ref_model, out, ref_loss)
     assert out.metrics["memory_plan"]["keep_attention_outputs"] is True
+    assert out.metrics["memory_plan"]["offload_checkpoints"] is offload
     kept = len(launches)
     launches.clear()
     mp_.setattr(memory_policy, "_cpu_plan", cpu_plan)
-    run_dtree(model, attention="triton", checkpoint_layers=True, group_tokens=8, mode="retain")
+    run_dtree(model, **kw)
     assert 0 < kept and len(launches) == 2 * kept, (kept, len(launches))  # every forward ran again in backward
     mp_.undo()
 
@@ -130,9 +133,10 @@ def test_checkpointed_attention_keeping_outputs_is_bitwise_and_runs_forward_once
     worker.run("checkpointed_attention_is_bitwise_and_runs_forward_once")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch):
-    worker.run("runtime_step_keeping_outputs_is_exact", arch=arch)
+@pytest.mark.parametrize("arch,offload", [("llama", False), ("qwen2", False), ("qwen2", True)])
+def test_runtime_step_keeping_attention_outputs_is_exact_per_path(worker, arch, offload):
+    """``offload``: the outputs wait in the layers' host groups with their inputs (clones on CPU)."""
+    worker.run("runtime_step_keeping_outputs_is_exact", arch=arch, offload=offload)
 
 
 # --------------------------------------------------------------------------- CPU
@@ -160,6 +164,46 @@ def test_a_replay_past_the_recorded_calls_is_refused():
             memo.take((3, 2, 4), (2, 3), torch.float32)
     with memo.replaying_scope(), pytest.raises(RuntimeError, match="asked for an attention output"):
         memo.take((4, 2, 4), (2, 4), torch.float32)
+
+
+def test_outputs_kept_on_the_host_come_back_once_and_the_same():
+    """With a host group the memo puts each output in the layer's unit and takes it back
+    through the group: the same bits, taken once (a second backward is refused)."""
+    from dtree.models.host_checkpoints import HostCheckpoints
+
+    group, memo = HostCheckpoints(), None
+    out, lse = torch.randn(3, 2, 4, dtype=torch.bfloat16), torch.randn(2, 3)
+    with group.unit():
+        group.put(torch.randn(3, 8))  # the layer's input
+        memo = OutputMemo(group)
+        with memo.recording():
+            memo.record(out, lse)
+    assert [len(unit) for unit in group._units] == [3]  # one prefetch brings the layer's three back
+    originals = out.clone(), lse.clone()
+    out.zero_(), lse.zero_()
+    with memo.replaying_scope():
+        back = memo.take((3, 2, 4), (2, 3), torch.bfloat16)
+    assert all(torch.equal(a, b) for a, b in zip(back, originals))
+    with memo.replaying_scope(), pytest.raises(RuntimeError, match="asked for twice"):
+        memo.take((3, 2, 4), (2, 3), torch.bfloat16)
+
+
+def test_the_low_recipe_keeps_outputs_with_its_inputs_on_the_host():
+    """Offloaded, the kept outputs cost two layers' worth on the device: `low`'s recipe keeps
+    them where the backend can, for a cheaper plan and ~0.07 GiB (12k-token calls)."""
+    shape = mp.StepShape(65_600, 9_836, 9_000, 0, 65_600 * 6_000.0)
+    kw = {"on_cuda": True, "available": 72 * 2**30, "expandable_segments": True, "allocated": 2.94 * 2**30,
+          "call_bytes": LEAN_H100, "fused_head": True, "setting": "low", "offload": True}
+    plain = mp.plan_step(QWEN_1_5B, 2, shape, can_keep_attention=False, **kw)
+    kept = mp.plan_step(QWEN_1_5B, 2, shape, can_keep_attention=True, **kw)
+    assert kept.keep_attention_outputs and not plain.keep_attention_outputs
+    assert kept.offload_checkpoints and kept.group_tokens == plain.group_tokens
+    assert kept.predicted_cost < 0.95 * plain.predicted_cost
+    per_token = kept_bytes_per_token(12, 128, 2)
+    extra = kept.predicted_peak_bytes - plain.predicted_peak_bytes
+    assert 0 < extra <= 2 * per_token * kept.group_tokens * 1.01, extra  # two layers' outputs, not 28
+    on_device = mp.plan_step(QWEN_1_5B, 2, shape, can_keep_attention=True, **{**kw, "offload": False})
+    assert not on_device.keep_attention_outputs  # the recipe keeps none on the device
 
 
 def test_the_policy_keeps_outputs_when_it_pays_and_counts_their_bytes():
@@ -207,9 +251,11 @@ def test_gpu_checkpointed_attention_keeping_outputs_is_bitwise(monkeypatch, back
 
 
 @pytest.mark.gpu
-def test_gpu_runtime_keeping_attention_outputs_by_the_flash_rule(monkeypatch):
-    """bf16 qwen2 with every layer checkpointed and outputs kept, against the float32
-    per-path reference by the flash-attention rule."""
+@pytest.mark.parametrize("offload", [False, True])
+def test_gpu_runtime_keeping_attention_outputs_by_the_flash_rule(monkeypatch, offload):
+    """bf16 qwen2 with every layer checkpointed and outputs kept (``offload``: in pinned host
+    memory with the layer inputs, through the side stream), against the float32 per-path
+    reference by the flash-attention rule."""
     import copy
 
     from reference import linearized_step
@@ -227,8 +273,10 @@ def test_gpu_runtime_keeping_attention_outputs_by_the_flash_rule(monkeypatch):
     exact, bf16_ref, model = copy.deepcopy(base), copy.deepcopy(base).to(torch.bfloat16), base.to(torch.bfloat16)
     exact_loss, _ = linearized_step(exact, SEQS)
     bf16_loss, _ = linearized_step(bf16_ref, SEQS)
-    rt = dtree.TreeRuntime(model, chunk_size=2, checkpoint_layers=True, attention="triton", mode="retain")
+    rt = dtree.TreeRuntime(model, chunk_size=2, checkpoint_layers=True, attention="triton", mode="retain",
+                           offload_checkpoints=offload)
     out = rt.forward_backward(dtree.Forest.from_sequences(SEQS), dtree.losses.nll())
     assert out.metrics["memory_plan"]["keep_attention_outputs"] is True
+    assert out.metrics["memory_plan"]["offload_checkpoints"] is offload
     assert launches and out.metrics["memory_plan"]["checkpoint_layers"] > 0
     assert_model_flash_rule(model, exact, bf16_ref, out.loss, exact_loss, bf16_loss, "qwen2 keeping outputs")

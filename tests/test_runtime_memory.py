@@ -14,6 +14,7 @@ from setups import SEQS
 from test_families import build
 
 import dtree
+from dtree.models.host_checkpoints import host_page_bytes
 from dtree.ops.rerun import in_rerun
 
 # a plain model, and a hybrid whose recurrent states go through the state stack (its
@@ -178,7 +179,7 @@ def test_after_step_releases_and_reports(monkeypatch):
     assert rt.stack is None
     assert out.metrics["memory"] == {
         "predicted_total_gib": None, "allocated_after_gib": 4.0, "reserved_after_gib": 4.0, "released_gib": 6.0,
-        "peak_since_reset_gib": 9.0, "freed_after_step": True,
+        "peak_since_reset_gib": 9.0, "freed_after_step": True, "host_pinned_gib": host_page_bytes() / gib,
     }
     state["reserved"] = 10 * gib
     kept = call(cuda, False)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..models.host_checkpoints import host_page_bytes
+
 __all__ = ["after_step", "drops_stack", "with_report"]
 
 _GIB = 2.0**30
@@ -32,7 +34,9 @@ def after_step(device: torch.device | None, free: bool) -> dict:
     stacks, :func:`drops_stack`) and report, on a CUDA ``device``: allocated and reserved
     GiB after the step, what was released, and the allocator's peak since its counters
     were last reset (``dtree bench`` resets them before every step, so there it is the
-    step's peak). Elsewhere nothing: ``{}``."""
+    step's peak), and the pinned host pages the process holds for offloaded checkpoints
+    (``host_pinned_gib``: they stay for later steps, see ``release_host_pages``). Elsewhere
+    nothing: ``{}``."""
     if device is None or device.type != "cuda":
         return {}
     reserved = torch.cuda.memory_reserved(device)
@@ -44,6 +48,7 @@ def after_step(device: torch.device | None, free: bool) -> dict:
         "released_gib": (reserved - torch.cuda.memory_reserved(device)) / _GIB,
         "peak_since_reset_gib": torch.cuda.max_memory_allocated(device) / _GIB,
         "freed_after_step": free,
+        "host_pinned_gib": host_page_bytes() / _GIB,
     }
 
 

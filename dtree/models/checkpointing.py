@@ -29,9 +29,10 @@ and log-sum-exp, and the re-run takes them back instead of running the attention
 again (:mod:`dtree.ops.stack_attention.output_memo`): 3 KB more per token and layer on
 qwen2.5-1.5b, one attention forward less per layer. The memory policy decides.
 
-With ``inputs_on_host`` the layers' inputs wait in pinned host memory from the forward to the
-re-run (:mod:`dtree.models.host_checkpoints`: one group per model call, so the backward's
-prefetch of the layer below stays inside its call); the runtime does so under a memory cap.
+With ``inputs_on_host`` the layers' inputs (and the attention outputs they keep) wait in pinned
+host memory from the forward to the re-run (:mod:`dtree.models.host_checkpoints`: one group per
+model call, so the backward's prefetch of the layer below stays inside its call; a layer's
+entries are one unit, prefetched together); the runtime does so under a memory cap.
 
 The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output value no backward
 of the layer reads may skip their work there (the lean MLP's down projection: its output
@@ -132,7 +133,7 @@ class CheckpointedLayer(torch.nn.Module):
         saved = [(config, config._attn_implementation) for config in self._configs]
         context = contextvars.copy_context()  # the active dtree model call, for the recompute
         layer = self.layer
-        memo = OutputMemo() if self._keep_attention_outputs else None
+        memo = OutputMemo(self.host) if self._keep_attention_outputs else None
         runs = [0]  # the first run is the forward, every later one a re-run
 
         def call(*a, **kw):
@@ -151,7 +152,8 @@ class CheckpointedLayer(torch.nn.Module):
             return layer(*args, **kwargs)
         if self._torch_checkpoint:
             return checkpoint(run, *args, use_reentrant=False, **kwargs)
-        with inputs_on_host(self.host):  # None: the inputs stay on the device
+        # None: on the device; else the input and the kept outputs share one unit (one prefetch)
+        with inputs_on_host(self.host), self.host.unit() if self.host is not None else contextlib.nullcontext():
             return recompute_in_backward(run, *args, **kwargs)
 
     def __getattr__(self, name: str):

@@ -27,6 +27,9 @@ bookkeeping, no streams.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 __all__ = ["PAGE_BYTES", "HostCheckpoints", "free_page_bytes", "host_page_bytes", "page_size", "release_host_pages"]
@@ -89,13 +92,15 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 
 class _Entry:
-    """One offloaded tensor: its place in its group, its pages (CUDA) or its clone (CPU), its
+    """One offloaded tensor: its unit in its group (the layer call that put it), its pages
+    (CUDA) or its clone (CPU), its
     shape and dtype, and its copy back to the device once asked for (with the event that ends it)."""
 
-    __slots__ = ("clone", "device", "dtype", "fetched", "nbytes", "pages", "place", "ready", "shape")
+    __slots__ = ("clone", "device", "dtype", "fetched", "nbytes", "pages", "ready", "shape", "taken", "unit")
 
-    def __init__(self, tensor: torch.Tensor, place: int) -> None:
-        self.place = place
+    def __init__(self, tensor: torch.Tensor, unit: int) -> None:
+        self.unit = unit
+        self.taken = False
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.nbytes = tensor.numel() * tensor.element_size()
         self.pages: list[torch.Tensor] = []
@@ -105,42 +110,67 @@ class _Entry:
 
 
 class HostCheckpoints:
-    """The offloaded layer inputs of one model call, in forward order.
+    """The offloaded tensors of one model call, in forward order, by unit (a layer call).
 
     :meth:`put` takes a tensor (``[T, H]``-like, any shape and dtype) and returns its entry;
-    :meth:`get` returns the tensor again (on its device, the same bits) and starts the copy of
-    the entry put before it, which a backward in reverse layer order asks for next.
+    :meth:`get` returns the tensor again (on its device, the same bits) and starts the copies of
+    the unit put before it, which a backward in reverse layer order asks for next. Every put is
+    its own unit, except inside :meth:`unit`, whose puts share one (a checkpointed layer's input
+    and the attention outputs it keeps, :mod:`dtree.ops.stack_attention.output_memo`: all of
+    them are read by the same re-run, so all are prefetched together).
     """
 
     def __init__(self) -> None:
-        self._entries: list[_Entry] = []
+        self._units: list[list[_Entry]] = []
+        self._open = False
 
     def __del__(self) -> None:  # a call whose backward never ran (an error): its pages go back
-        for entry in self._entries:
-            if entry.pages:
-                _give_pages(entry.pages)
-                entry.pages = []
+        for unit in self._units:
+            for entry in unit:
+                if entry.pages:
+                    _give_pages(entry.pages)
+                    entry.pages = []
+
+    @contextlib.contextmanager
+    def unit(self) -> Iterator[None]:
+        """While the block runs, every put joins one new unit."""
+        self._units.append([])
+        self._open = True
+        try:
+            yield
+        finally:
+            self._open = False
 
     def put(self, tensor: torch.Tensor) -> _Entry:
-        entry = _Entry(tensor, len(self._entries))
+        if not self._open:
+            self._units.append([])
+        entry = _Entry(tensor, len(self._units) - 1)
         if tensor.device.type == "cuda":
             self._to_host(entry, tensor)
         else:
             entry.clone = tensor.detach().clone()
-        self._entries.append(entry)
+        self._units[-1].append(entry)
         return entry
 
     def get(self, entry: _Entry) -> torch.Tensor:
-        """The tensor ``entry`` holds, ready on the current stream; the entry is done after."""
+        """The tensor ``entry`` holds, ready on the current stream; the entry is done after (a
+        RuntimeError if it was taken before: a graph backpropagated twice)."""
+        if entry.taken:
+            raise RuntimeError(
+                "an offloaded checkpoint was asked for twice: a checkpointed layer with its inputs on the host "
+                "(offload_checkpoints) backpropagates once; run backward(retain_graph=True) with "
+                "offload_checkpoints=False"
+            )
+        entry.taken = True
         if entry.clone is not None:
             out, entry.clone = entry.clone, None
             return out
         if entry.fetched is None:
             self._to_device(entry)
-        if entry.place:  # the layer below is the next one a backward re-runs
-            below = self._entries[entry.place - 1]
-            if below.fetched is None and below.pages:
-                self._to_device(below)
+        if entry.unit:  # the unit below is the next one a backward re-runs
+            for below in self._units[entry.unit - 1]:
+                if below.fetched is None and below.pages:
+                    self._to_device(below)
         torch.cuda.current_stream(entry.device).wait_event(entry.ready)
         out, entry.fetched = entry.fetched, None
         return out.view(entry.dtype).view(entry.shape)

@@ -266,10 +266,16 @@ class _Figures:
     call_bytes_keeping: CallBytes | None = None
 
 
-def _figures(spec: ModelSpec, itemsize: int, call_bytes: CallBytes, fused_head: bool, chunk: int) -> _Figures:
+def _figures(spec: ModelSpec, itemsize: int, call_bytes: CallBytes, fused_head: bool, chunk: int,
+             offload: bool = False) -> _Figures:
+    """The figures of ``call_bytes`` (kept on the device), with and without kept attention
+    outputs; with ``offload`` both wait on the host (:meth:`CallBytes.offloading`: the kept
+    outputs go with their layer's input)."""
     layers = list(spec.attention_layers)
     kept = sum(kept_bytes_per_token(spec.num_heads, spec.kv_shape(i)[2], itemsize) for i in layers)
     keeping = call_bytes.keeping_attention(kept / max(1, len(layers)), len(layers))
+    if offload:
+        call_bytes, keeping = call_bytes.offloading(), keeping.offloading()
     return _Figures(spec, itemsize, call_bytes, fused_head, chunk, keeping)
 
 
