@@ -109,9 +109,9 @@ class RuntimeConfig:
             (:mod:`dtree.ops.stack_attention.output_memo`: one attention forward less per
             re-run), where the attention backend can and the plan predicts it pays; with the layer
             inputs offloaded (``offload_checkpoints``) the outputs wait on the host with them, and
-            ``memory="low"`` keeps them (a call then holds two layers' outputs on the device;
-            the pinned host pages double). False: never (every re-run runs its attention forward
-            again), for comparison.
+            ``memory="low"`` keeps them (a call then holds two layers' outputs on the device, and
+            the pinned host pages about double: the outputs take as many bytes as the inputs).
+            False: never (every re-run runs its attention forward again), for comparison.
     """
 
     mode: Mode = "auto"
