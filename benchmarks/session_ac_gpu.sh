@@ -13,7 +13,8 @@
 #                one after the other, and the first to meet a forest pays its once-per-shape costs); memory=12.5 with
 #                the layer inputs (and kept outputs) on the host against the policy's choice;
 #   PART=held    after the offload's fetch buffers moved to the side stream's pool: the two `low` arms interleaved,
-#                the allocator's cache emptied before every step (the peak each holds), then low against the mask.
+#                the allocator's cache emptied before every step (the peak each holds), then low against the mask;
+#   PART=unit    a unit's fetches into one buffer (one block per layer, not per tensor): the held peak again.
 #
 #     PART=diag bash benchmarks/session_ac_gpu.sh           # reports in $OUT (default /tmp/dtree_session_ac)
 #     SMOKE=1 PART=diag bash benchmarks/session_ac_gpu.sh   # CPU, tiny model: plumbing only
@@ -56,6 +57,12 @@ case "$PART" in
       --rounds 5 --empty-cache --tag held
     bench low64k_held 300 $AGENTIC64K --steps 6 --configs "dtree:low,tree-mask:whole+ckpt"
     ;;
-  *) echo "PART must be diag, final, ab or held"; exit 2 ;;
+  unit)
+    [ -n "${SKIP_TESTS:-}" ] || gpu_tests gpu_tests_unit.txt 150 "flash_rule or offload" \
+      tests/test_output_memo.py tests/test_runtime_gpu.py
+    script options_ab 200 --workload agentic64k --arm memory=low --arm memory=low,keep_attention_outputs=false \
+      --rounds 4 --warmup 1 --empty-cache --tag unit
+    ;;
+  *) echo "PART must be diag, final, ab, held or unit"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -85,6 +85,8 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_ac_gpu.sh", {"PART": "diag"}, ("profile",), marks=pytest.mark.slow),
     ("session_ac_gpu.sh", {"PART": "ab"}, ()),
     pytest.param("session_ac_gpu.sh", {"PART": "final"}, ("low64k", "at_mask64k"), marks=pytest.mark.slow),
+    pytest.param("session_ac_gpu.sh", {"PART": "held"}, ("low64k_held",), marks=pytest.mark.slow),
+    pytest.param("session_ac_gpu.sh", {"PART": "unit"}, (), marks=pytest.mark.slow),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),

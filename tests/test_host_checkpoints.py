@@ -177,3 +177,22 @@ def test_page_sizes_are_powers_of_two_that_hold_the_tensor():
     for n in (3, 5 * 2**20 + 7, 40 * 2**20):
         size = page_size(n)
         assert size & (size - 1) == 0 and (size >= n or size == PAGE_BYTES) and (size < 2 * n or size == SMALLEST_PAGE)
+
+
+@pytest.mark.gpu
+def test_gpu_a_unit_comes_back_in_one_buffer_with_its_bits():
+    """On CUDA a unit's tensors come back from the pinned pages into one device buffer (one
+    allocator block per layer), each at an aligned offset, with the bits that were put."""
+    from dtree.models.host_checkpoints import FETCH_ALIGN
+
+    group = HostCheckpoints()
+    tensors = [torch.randn(5, 7, device="cuda", dtype=torch.bfloat16), torch.randn(3, device="cuda"),
+               torch.randn(11, 13, device="cuda", dtype=torch.bfloat16)]
+    with group.unit():
+        entries = [group.put(t) for t in tensors]
+    back = [group.get(e) for e in reversed(entries)][::-1]
+    torch.cuda.synchronize()
+    assert len({b.untyped_storage().data_ptr() for b in back}) == 1
+    assert all(b.data_ptr() % FETCH_ALIGN == 0 for b in back)
+    for b, t in zip(back, tensors):
+        assert b.dtype == t.dtype and torch.equal(b, t)

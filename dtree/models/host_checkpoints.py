@@ -36,6 +36,7 @@ __all__ = ["PAGE_BYTES", "HostCheckpoints", "free_page_bytes", "host_page_bytes"
 
 PAGE_BYTES = 64 * 2**20  # one copy per layer input up to 21k tokens of qwen2.5-1.5b (each copy costs host time)
 SMALLEST_PAGE = 2**20
+FETCH_ALIGN = 512  # each tensor's offset in a unit's fetch buffer: aligned for any dtype and for TMA loads
 
 _FREE_PAGES: dict[int, list[torch.Tensor]] = {}  # page bytes -> free pinned uint8 pages of that size
 _HELD = [0]  # bytes of pages this process pinned and still holds (free or in use)
@@ -166,11 +167,9 @@ class HostCheckpoints:
             out, entry.clone = entry.clone, None
             return out
         if entry.fetched is None:
-            self._to_device(entry)
+            self._to_device([e for e in self._units[entry.unit] if e.fetched is None and e.pages])
         if entry.unit:  # the unit below is the next one a backward re-runs
-            for below in self._units[entry.unit - 1]:
-                if below.fetched is None and below.pages:
-                    self._to_device(below)
+            self._to_device([e for e in self._units[entry.unit - 1] if e.fetched is None and e.pages])
         torch.cuda.current_stream(entry.device).wait_event(entry.ready)
         out, entry.fetched = entry.fetched, None
         return out.view(entry.dtype).view(entry.shape)
@@ -188,19 +187,30 @@ class HostCheckpoints:
                 entry.pages.append(page)
         flat.record_stream(side)  # its memory is not handed out again before the copies ran
 
-    def _to_device(self, entry: _Entry) -> None:
-        current, side = torch.cuda.current_stream(entry.device), _side_stream(entry.device)
-        out = torch.empty(entry.nbytes, dtype=torch.uint8, device=entry.device)
+    def _to_device(self, entries: list[_Entry]) -> None:
+        """Start the copies of ``entries`` (a unit's, still on the host) back to the device, into
+        one buffer: a unit's tensors live and die together (one layer's re-run and backward), and
+        one block per unit leaves the compute stream's pool fewer holes than one per tensor."""
+        if not entries:
+            return
+        device = entries[0].device
+        current, side = torch.cuda.current_stream(device), _side_stream(device)
+        spans = [-(-e.nbytes // FETCH_ALIGN) * FETCH_ALIGN for e in entries]
+        buffer = torch.empty(sum(spans), dtype=torch.uint8, device=device)
         side.wait_stream(current)  # the block's earlier users on the current stream are done
+        ready = torch.cuda.Event()
         with torch.cuda.stream(side):
-            start = 0
-            for page in entry.pages:
-                n = min(page.numel(), entry.nbytes - start)
-                out[start:start + n].copy_(page[:n], non_blocking=True)
-                start += n
-            entry.ready = torch.cuda.Event()
-            entry.ready.record(side)
-        out.record_stream(side)
-        _give_pages(entry.pages)  # later copies into them queue behind this one on the same stream
-        entry.pages = []
-        entry.fetched = out
+            offset = 0
+            for entry, span in zip(entries, spans):
+                out, start = buffer[offset:offset + entry.nbytes], 0
+                for page in entry.pages:
+                    n = min(page.numel(), entry.nbytes - start)
+                    out[start:start + n].copy_(page[:n], non_blocking=True)
+                    start += n
+                entry.fetched, offset = out, offset + span
+            ready.record(side)
+        buffer.record_stream(side)
+        for entry in entries:
+            entry.ready = ready
+            _give_pages(entry.pages)  # later copies into them queue behind this one on the same stream
+            entry.pages = []
