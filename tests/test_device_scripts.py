@@ -83,7 +83,7 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_ab_gpu.sh", {"PART": "low8"}, ("low64k_rotated",), marks=pytest.mark.slow),
     pytest.param("session_ab_gpu.sh", {"PART": "final"}, ("half256k", "low64k"), marks=pytest.mark.slow),
     pytest.param("session_ac_gpu.sh", {"PART": "diag"}, ("profile",), marks=pytest.mark.slow),
-    ("session_ac_gpu.sh", {"PART": "ab"}, ()),
+    pytest.param("session_ac_gpu.sh", {"PART": "ab"}, (), marks=pytest.mark.slow),  # options_ab's own smoke runs
     pytest.param("session_ac_gpu.sh", {"PART": "final"}, ("low64k", "at_mask64k"), marks=pytest.mark.slow),
     pytest.param("session_ac_gpu.sh", {"PART": "held"}, ("low64k_held",), marks=pytest.mark.slow),
     pytest.param("session_ac_gpu.sh", {"PART": "unit"}, (), marks=pytest.mark.slow),
