@@ -12,8 +12,9 @@
 #   PART=ab      the same two `low` arms interleaved on fresh forests (benchmarks/options_ab.py: `dtree bench` runs them
 #                one after the other, and the first to meet a forest pays its once-per-shape costs); memory=12.5 with
 #                the layer inputs (and kept outputs) on the host against the policy's choice;
-#   PART=held    after the offload's fetch buffers moved to the side stream's pool: the two `low` arms interleaved,
-#                the allocator's cache emptied before every step (the peak each holds), then low against the mask;
+#   PART=held    the two `low` arms interleaved, the allocator's cache emptied before every step (the peak each holds),
+#                then low against the mask (session AC ran it on a variant, since reverted, that allocated the
+#                offload's fetch buffers from the side stream's pool);
 #   PART=unit    a unit's fetches into one buffer (one block per layer, not per tensor): the held peak again.
 #
 #     PART=diag bash benchmarks/session_ac_gpu.sh           # reports in $OUT (default /tmp/dtree_session_ac)

@@ -94,8 +94,8 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream:
 
 class _Entry:
     """One offloaded tensor: its unit in its group (the layer call that put it), its pages
-    (CUDA) or its clone (CPU), its
-    shape and dtype, and its copy back to the device once asked for (with the event that ends it)."""
+    (CUDA) or its clone (CPU), its shape and dtype, and its copy back to the device once asked
+    for (with the event that ends it)."""
 
     __slots__ = ("clone", "device", "dtype", "fetched", "nbytes", "pages", "ready", "shape", "taken", "unit")
 
@@ -167,9 +167,9 @@ class HostCheckpoints:
             out, entry.clone = entry.clone, None
             return out
         if entry.fetched is None:
-            self._to_device([e for e in self._units[entry.unit] if e.fetched is None and e.pages])
+            self._to_device(entry.unit)
         if entry.unit:  # the unit below is the next one a backward re-runs
-            self._to_device([e for e in self._units[entry.unit - 1] if e.fetched is None and e.pages])
+            self._to_device(entry.unit - 1)
         torch.cuda.current_stream(entry.device).wait_event(entry.ready)
         out, entry.fetched = entry.fetched, None
         return out.view(entry.dtype).view(entry.shape)
@@ -187,10 +187,11 @@ class HostCheckpoints:
                 entry.pages.append(page)
         flat.record_stream(side)  # its memory is not handed out again before the copies ran
 
-    def _to_device(self, entries: list[_Entry]) -> None:
-        """Start the copies of ``entries`` (a unit's, still on the host) back to the device, into
-        one buffer: a unit's tensors live and die together (one layer's re-run and backward), and
+    def _to_device(self, unit: int) -> None:
+        """Start the copies of ``unit``'s entries still on the host back to the device, into one
+        buffer: a unit's tensors live and die together (one layer's re-run and backward), and
         one block per unit leaves the compute stream's pool fewer holes than one per tensor."""
+        entries = [e for e in self._units[unit] if e.fetched is None and e.pages]
         if not entries:
             return
         device = entries[0].device
