@@ -16,6 +16,7 @@ from dtree.plan import memory_model as mm
 from dtree.plan import memory_policy as mp
 from dtree.plan import plan_candidates as pc
 from dtree.plan.memory_probe import CallBytes
+from dtree.plan.schedule import SlotExtents
 
 GIB = 2.0**30
 
@@ -34,7 +35,15 @@ def cases(draw):
         if draw(st.booleans()):
             kv = draw(st.integers(0, unique))
             needs.append((budget, kv, draw(st.integers(0, kv))))
-    shape = mm.StepShape(unique, longest, draw(st.integers(0, unique)), stack_needs=tuple(needs))
+    packings = []  # what some call budgets' schedules pack (schedule.slot_extents), the bound for the rest
+    for budget in mp.GROUP_TOKENS:
+        if draw(st.booleans()):
+            calls, inner = draw(st.integers(1, 200)), draw(st.integers(0, 50))
+            packings.append(SlotExtents(budget, unique, unique, draw(st.integers(0, longest)), calls,
+                                        draw(st.integers(1, min(unique, max(1, budget)))), inner,
+                                        draw(st.integers(0, unique)) if inner else 0))
+    shape = mm.StepShape(unique, longest, draw(st.integers(0, unique)), stack_needs=tuple(needs),
+                         packings=tuple(packings))
     full = draw(st.floats(1e4, 3e6))
     measured = draw(st.booleans())
     cb = CallBytes(full, full * draw(st.floats(0.01, 1.0)), layers, draw(st.integers(64, 40_000)),
@@ -159,3 +168,25 @@ def test_plans_the_model_cannot_tell_apart_go_to_the_leanest():
         (_, _, _, kn), reason = pc.choose(plans, 10.0)
         index, reason_fast = pc.choose_index(peaks, costs, grid, 10.0)
         assert index == want and (knobs[index], reason_fast) == (kn, reason)
+
+
+def test_a_budget_is_scored_on_what_its_schedule_packs():
+    """With the packing of a call budget's schedule (the 64k agentic tree's 32k budget: 3 calls, the
+    largest 30,645 tokens, one group with children of 5,902 tokens reaching 5,902 slots) the plan is
+    scored on those figures; without it on the bound (calls of the budget, the trie's 25,524 tokens of
+    nodes with children as the re-run path, the longest path as the retained one)."""
+    spec = ModelSpec(num_layers=28, num_heads=12, num_kv_heads=2, head_dim=128, hidden_size=1536,
+                     vocab_size=151936, intermediate_size=8960)
+    bound = mm.StepShape(65_606, 8_499, 25_524)
+    shape = dataclasses.replace(bound, packings=(SlotExtents(32768, 36_547, 36_547, 5_902, 3, 30_645, 1, 5_902),))
+    assert pc.packed(shape, 32768) == pc.Packed(30_645, 3.0, 5_902, 5_902, 1.0, 5_902.0)
+    assert pc.packed(bound, 32768) == pc.Packed(32_768, mm.call_count(65_606, 32_768), 8_499, 25_524, 1.0, 25_524)
+    assert pc.packed(shape, 16384) == pc.packed(bound, 16384)  # no packing for that budget: the bound
+    fig = mm._figures(spec, 2, CallBytes(1_527_852, 92_692, 28, 3072), True, 4096)
+    fixed = mp._shared_figures(spec, 2, shape, 0.0, 0.0)
+    recompute, retain = pc.Knobs(32768, 28, mm.RECOMPUTE, 4096), pc.Knobs(32768, 28, 0, 4096)
+    (_, cost, parts), (_, cost_b, parts_b) = (pc.candidate(s, recompute, fig, spec, fixed) for s in (shape, bound))
+    assert parts["call_activations"] == 30_645 * fig.call_bytes.call(28) < parts_b["call_activations"]
+    assert cost < cost_b  # 5.9k tokens re-run, not 25.5k
+    kept, kept_b = (pc.candidate(s, retain, fig, spec, fixed)[2]["path_graphs"] for s in (shape, bound))
+    assert kept == 5_902 * fig.call_bytes.call(0) and kept_b == 8_499 * fig.call_bytes.call(0)

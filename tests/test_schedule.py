@@ -195,6 +195,23 @@ def test_stack_needs_are_the_schedules_slots(seqs, chunk, budgets):
                 assert (kv, grads) == (stack_slots(sched, own), grad_slots(sched, leaf_grads)), (g, own, leaf_grads)
 
 
+@given(sequence_batches(max_sequences=9, max_len=20), st.integers(1, 9),
+       st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True))
+def test_slot_extents_are_the_schedules_packing(seqs, chunk, budgets):
+    """What the memory policy scores a call budget on before any schedule exists (``slot_extents``,
+    from the packing alone: the calls, the largest, the groups with children and their tokens and
+    reach) is what that budget's schedule then runs."""
+    from dtree.plan.schedule import slot_extents
+
+    forest = Forest.from_sequences(seqs)
+    for extents, g in zip(slot_extents(forest, chunk, tuple(budgets)), budgets):
+        sched = build_schedule(forest, chunk, g)
+        assert extents == sched.extents
+        inner = [p.num_tokens for p in sched.groups if not p.is_leaf]
+        assert (extents.calls, extents.largest_call) == (sched.num_groups, max(p.num_tokens for p in sched.groups))
+        assert (extents.calls_with_children, extents.tokens_with_children) == (len(inner), sum(inner))
+
+
 def test_stack_needs_on_the_64k_agentic_tree():
     # large calls: far fewer gradient slots than the bound the policy had (the longest path plus a call)
     from dtree.plan.stack_sizes import stack_needs, step_shape

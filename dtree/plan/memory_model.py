@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from ..models.protocol import ModelSpec
 from ..ops.stack_attention.output_memo import kept_bytes_per_token
 from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
-from .schedule import FORWARD, Schedule
+from .schedule import FORWARD, Schedule, SlotExtents
 
 SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 
@@ -82,7 +82,10 @@ class StepShape:
     (what re-running a checkpointed layer's attention costs); ``stack_needs``: per call budget
     the KV-stack slots its schedule takes, ``(group_tokens, KV slots, gradient slots)``
     (:func:`dtree.plan.stack_sizes.stack_needs`; without an entry, a plan is scored on the bound:
-    the longest path plus a call, gradients in every slot)."""
+    the longest path plus a call, gradients in every slot); ``packings``: per call budget what its
+    schedule packs (:class:`~dtree.plan.schedule.SlotExtents`: its calls, the largest, the groups with
+    children; without an entry, a plan is scored on calls as large as the budget and the trie's
+    nodes with children as the path)."""
 
     unique_tokens: int
     longest_path: int
@@ -90,6 +93,7 @@ class StepShape:
     state_slots: int = 0
     attention_keys: float = 0.0  # keys the unique tokens attend to, summed (a token at depth p sees p + 1)
     stack_needs: tuple[tuple[int, int, int], ...] = ()
+    packings: tuple[SlotExtents, ...] = ()
 
     def stack_need(self, group_tokens: int) -> tuple[int, int] | None:
         """(KV slots, gradient slots) of the schedule of ``group_tokens``-token calls; None: not known."""
@@ -97,6 +101,10 @@ class StepShape:
             if budget == group_tokens:
                 return kv, grads
         return None
+
+    def packing(self, group_tokens: int) -> SlotExtents | None:
+        """What the schedule of ``group_tokens``-token calls packs; None: not known."""
+        return next((p for p in self.packings if p.group_tokens == group_tokens), None)
 
 
 def stack_slot_bytes(spec: ModelSpec, itemsize: int) -> float:

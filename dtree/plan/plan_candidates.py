@@ -35,8 +35,8 @@ from .memory_model import (
     head_bytes,
 )
 
-__all__ = ["HEAD_CHUNK_PENALTY", "KnobGrid", "Knobs", "LEANER", "SLACK", "TIE", "candidate", "candidate_scores", "choose",
-           "choose_index", "fit_reason", "knob_grid", "kv_stack_bytes"]
+__all__ = ["HEAD_CHUNK_PENALTY", "LEANER", "SLACK", "TIE", "KnobGrid", "Knobs", "Packed", "candidate", "candidate_scores",
+           "choose", "choose_index", "fit_reason", "knob_grid", "kv_stack_bytes", "packed"]
 
 # Plans within this fraction of the fastest predicted one count as equally fast; the
 # one with the least memory among them is taken when it saves at least LEANER of the
@@ -92,25 +92,55 @@ def kv_stack_bytes(shape: StepShape, group_tokens: int, call: int, fixed: dict, 
     return kv * (fixed["slot_bytes"] - fixed["grad_slot_bytes"]) + grads * fixed["grad_slot_bytes"]
 
 
+@dataclass(frozen=True)
+class Packed:
+    """What a plan of ``group_tokens``-token calls is scored on: the largest call's tokens, the
+    calls, the tokens of the path its walk retains at most, the tokens of the groups with children
+    and their calls (what the path's retention keeps or its recompute runs again). From the
+    budget's packing where the shape has it (:attr:`StepShape.packings`); else the bound: calls as
+    large as the budget (:func:`call_count` of them), the longest path, the trie's nodes with
+    children re-run in calls of the budget. On the 64k agentic tree's 32k-token schedule the
+    groups with children hold 5.9k tokens where the trie's nodes with children hold 25.5k: the
+    bound priced a recomputed path 4x and a retained one's memory 1.4x."""
+
+    call: int
+    calls: float
+    path: int
+    shared: int
+    shared_calls: float
+    shared_call: float  # tokens per call of the groups with children
+
+
+def packed(shape: StepShape, group_tokens: int) -> Packed:
+    """:class:`Packed` for ``shape``'s schedule of ``group_tokens``-token calls."""
+    u, p = shape.unique_tokens, shape.packing(group_tokens)
+    if p is not None:
+        inner = p.calls_with_children
+        return Packed(p.largest_call, float(p.calls), p.with_children, p.tokens_with_children, float(inner),
+                      p.tokens_with_children / inner if inner else 0.0)
+    call, shared = _call_tokens(group_tokens, u), min(shape.shared_tokens, u)
+    reruns = float(math.ceil(shared / max(call, 1)))
+    return Packed(call, call_count(u, call), min(shape.longest_path, shared), shared, reruns, min(call, shared))
+
+
 def _windowed(fixed: dict, checkpoint, layers: int):
     """Whether plans checkpointing ``checkpoint`` of ``layers`` layers run leaf calls in a KV window."""
     return fixed.get("window", False) and checkpoint >= layers
 
 
 def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fixed: dict) -> tuple[float, float, dict]:
-    """(predicted peak bytes the step adds, predicted cost, parts) of one plan, from bounds:
-    the call as large as its budget, the path as long as the longest one; the KV stack from the
-    budget's packing where the shape has it (:func:`kv_stack_bytes`). ``fixed``: the
+    """(predicted peak bytes the step adds, predicted cost, parts) of one plan: its calls and path
+    from the budget's packing where the shape has it, else from bounds (:func:`packed`); the KV
+    stack likewise (:func:`kv_stack_bytes`). ``fixed``: the
     figures every candidate of the step shares (``memory_policy._shared_figures``)."""
     u = shape.unique_tokens
-    call = _call_tokens(knobs.group_tokens, u)
-    path = min(shape.longest_path, shape.shared_tokens, u)
+    pk = packed(shape, knobs.group_tokens)  # group_tokens=0 (one segment per call): calls of SMALL_CALL_TOKENS
+    call, calls = pk.call, pk.calls
     cb = fig.call_bytes if not knobs.keep else fig.call_bytes_keeping
-    retained = 0.0 if knobs.path == RECOMPUTE else path * cb.call(knobs.path)
+    retained = 0.0 if knobs.path == RECOMPUTE else pk.path * cb.call(knobs.path)
     kv = kv_stack_bytes(shape, knobs.group_tokens, call, fixed, _windowed(fixed, knobs.checkpoint, spec.num_layers))
     stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
-    calls = call_count(u, call)  # group_tokens=0 (one segment per call) planned as calls of SMALL_CALL_TOKENS
     parts = {
         "gradients": _grads_at_peak(fixed["step_grads"], calls),
         "kv_stack": stack,
@@ -122,12 +152,11 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
     # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
     attention = fixed["attention_rerun"]
     rerun = RERUN_MATMUL_SHARE * s + (0.0 if knobs.keep else attention)
-    shared = min(shape.shared_tokens, u)
+    shared = pk.shared
     cost = u + (u - shared) * rerun * knobs.checkpoint / L
     if knobs.path == RECOMPUTE:
-        reruns = math.ceil(shared / max(call, 1))
         cost += shared * (s + attention + rerun * knobs.checkpoint / L)
-        cost += reruns * call_overhead_at(scale, min(call, shared), knobs.checkpoint / L)
+        cost += pk.shared_calls * call_overhead_at(scale, pk.shared_call, knobs.checkpoint / L)
     else:
         cost += shared * rerun * knobs.path / L
     cost += calls * call_overhead_at(scale, u / calls, knobs.checkpoint / L)
@@ -191,7 +220,8 @@ def candidate_scores(
     """([n] predicted peak bytes, [n] predicted costs) of the candidates of ``grid``
     (``fig_of``: the figures per LM-head chunk), equal to :func:`candidate`'s one by one."""
     u = shape.unique_tokens
-    calls = _lookup(lambda g: _call_tokens(g, u), grid.group_tokens).astype(np.int64)
+    of = {int(g): packed(shape, int(g)) for g in np.unique(grid.group_tokens)}
+    calls = _lookup(lambda g: of[g].call, grid.group_tokens).astype(np.int64)  # a call's tokens
     call = calls.astype(np.float64)
     ckpt = grid.checkpoint.astype(np.float64)
     keep = grid.keep
@@ -201,7 +231,7 @@ def candidate_scores(
         fig = fig_of[chunk]
         return fig.call_bytes if not kept else fig.call_bytes_keeping
 
-    path = min(shape.longest_path, shape.shared_tokens, u)
+    path = _lookup(lambda g: of[g].path, grid.group_tokens)
     retained = np.where(recompute, 0.0, path * _lookup(
         lambda c, kp, p: cb(c, kp).call(p) if p != RECOMPUTE else 0.0, grid.chunk, keep, grid.path))
     kv = _lookup(lambda g, c, k: kv_stack_bytes(shape, g, c, fixed, _windowed(fixed, k, spec.num_layers)),
@@ -211,22 +241,22 @@ def candidate_scores(
                    grid.chunk, calls)
     per_token = _lookup(lambda c, kp, n: cb(c, kp).call(n), grid.chunk, keep, grid.checkpoint)
     backward = _lookup(lambda c, kp, n: cb(c, kp).backward(n), grid.chunk, keep, grid.checkpoint)
-    num_calls = _lookup(lambda c: call_count(u, c), calls)
+    num_calls = _lookup(lambda g: of[g].calls, grid.group_tokens)
     peak = 0 + _grads_at_peak(fixed["step_grads"], num_calls)  # summed in candidate's parts order
     peak = peak + stack + retained + call * per_token + np.maximum(head, call * backward)
 
     (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
     attention = fixed["attention_rerun"]
     rerun = RERUN_MATMUL_SHARE * s + np.where(keep, 0.0, attention)
-    shared = min(shape.shared_tokens, u)
+    shared = _lookup(lambda g: of[g].shared, grid.group_tokens)
     cost = u + (u - shared) * rerun * ckpt / L
-    reruns = np.ceil(shared / np.maximum(call, 1))
+    reruns = _lookup(lambda g: of[g].shared_calls, grid.group_tokens)
     recomputed = cost + shared * (s + attention + rerun * ckpt / L)
-    recomputed = recomputed + reruns * _lookup(lambda c, k: call_overhead_at(scale, min(c, shared), k / L),
-                                               calls, grid.checkpoint)
+    recomputed = recomputed + reruns * _lookup(lambda g, k: call_overhead_at(scale, of[g].shared_call, k / L),
+                                               grid.group_tokens, grid.checkpoint)
     cost = np.where(recompute, recomputed, cost + shared * rerun * np.where(recompute, 0, grid.path) / L)
-    cost = cost + num_calls * _lookup(lambda c, k: call_overhead_at(scale, u / call_count(u, c), k / L),
-                                      calls, grid.checkpoint)
+    cost = cost + num_calls * _lookup(lambda g, k: call_overhead_at(scale, u / of[g].calls, k / L),
+                                      grid.group_tokens, grid.checkpoint)
     penalty = _lookup(lambda c: HEAD_CHUNK_PENALTY.get(c, _OTHER_CHUNK_PENALTY), grid.chunk)
     cost = cost + u * head_share * penalty
     return peak, cost

@@ -90,12 +90,19 @@ class SlotExtents:
     """How far the groups of a schedule reach into the KV stack (slot counts), as
     :func:`build_schedule` packs them under one call budget: every group's (leaf calls'
     included), the groups' that write their K/V there (:attr:`Schedule.stack_tokens`), and
-    the groups' with a child group (whose slots collect gradients)."""
+    the groups' with a child group (whose slots collect gradients: the most of their tokens a
+    walk holds at once). And what the memory policy scores the budget's calls on: the groups
+    (model calls), the largest one's tokens, and the groups with children and their tokens
+    (what the path's retention keeps or its recompute runs again)."""
 
     group_tokens: int
     every: int
     writing: int
     with_children: int
+    calls: int = 0
+    largest_call: int = 0
+    calls_with_children: int = 0
+    tokens_with_children: int = 0
 
     def kv_slots(self, own_in_stack: bool) -> int:
         """The KV-stack capacity: the slots the groups write, or with ``own_in_stack`` (a backend
@@ -139,9 +146,11 @@ class Schedule:
     def extents(self) -> SlotExtents:
         """How far this schedule's groups reach into the KV stack (the planner and the walk each
         ask; computed once)."""
+        inner = [g.num_tokens for g in self.groups if not g.is_leaf]
         return SlotExtents(
             self.group_tokens, max((g.stack_start + g.num_tokens for g in self.groups), default=0), self.stack_tokens,
             max((g.stack_start + g.num_tokens for g in self.groups if not g.is_leaf), default=0),
+            len(self.groups), max((g.num_tokens for g in self.groups), default=0), len(inner), sum(inner),
         )
 
 
@@ -390,15 +399,18 @@ def slot_extents(forest: Forest, chunk_size: int, budgets: tuple[int, ...]) -> t
     out = []
     for budget in budgets:
         packer, _ = _walk_groups(segs, budget)
-        every = writing = with_children = 0
+        every = writing = with_children = largest = inner_calls = inner_tokens = 0
         for gid, g in enumerate(packer.groups):
-            top = g.stack_start + int(g.seg_q_offsets[-1])
-            every = max(every, top)
+            tokens = int(g.seg_q_offsets[-1])
+            top = g.stack_start + tokens
+            every, largest = max(every, top), max(largest, tokens)
             if g.num_children:
                 with_children = max(with_children, top)
+                inner_calls, inner_tokens = inner_calls + 1, inner_tokens + tokens
             if g.num_children or packer.holds_ancestors(gid):  # GroupPlan.writes_stack
                 writing = max(writing, top)
-        out.append(SlotExtents(budget, every, writing, with_children))
+        out.append(SlotExtents(budget, every, writing, with_children, len(packer.groups), largest, inner_calls,
+                               inner_tokens))
     return tuple(out)
 
 

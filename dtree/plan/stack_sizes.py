@@ -20,7 +20,7 @@ from ..forest.forest import Forest
 from ..models import ModelSpec
 from ..ops.stack_attention.interface import OWN_KV_IN_STACK, leaf_slots_take_grads
 from . import memory_policy
-from .schedule import Schedule, slot_extents
+from .schedule import Schedule, SlotExtents, slot_extents
 
 __all__ = ["StackSizes", "grad_slots", "leaf_calls_can_window", "planning_shape", "stack_needs", "stack_sizes",
            "stack_slots", "step_shape"]
@@ -94,8 +94,12 @@ def stack_needs(
     from its packing alone (:func:`~dtree.plan.schedule.slot_extents`). With a backend whose leaf
     calls can run in a window, the gradient slots are the groups with children's reach, the
     stack's KV slots in a windowed step (:func:`stack_sizes`)."""
-    return tuple((e.group_tokens, e.kv_slots(own_in_stack), e.grad_slots(leaf_grads))
-                 for e in slot_extents(forest, chunk_size, budgets))
+    return needs_of(slot_extents(forest, chunk_size, budgets), own_in_stack, leaf_grads)
+
+
+def needs_of(extents: tuple[SlotExtents, ...], own_in_stack: bool, leaf_grads: bool) -> tuple[tuple[int, int, int], ...]:
+    """:func:`stack_needs` from the budgets' extents."""
+    return tuple((e.group_tokens, e.kv_slots(own_in_stack), e.grad_slots(leaf_grads)) for e in extents)
 
 
 def planning_shape(
@@ -111,6 +115,6 @@ def planning_shape(
     if device.type != "cuda":  # the CPU plan is fixed (no memory model)
         return shape
     budgets = memory_policy.call_budgets(config.group_tokens, shape.unique_tokens)
-    needs = stack_needs(forest, config.chunk_size, budgets, attention in OWN_KV_IN_STACK,
-                        leaf_slots_take_grads(attention, config.deterministic))
-    return dataclasses.replace(shape, stack_needs=needs)
+    extents = slot_extents(forest, config.chunk_size, budgets)
+    needs = needs_of(extents, attention in OWN_KV_IN_STACK, leaf_slots_take_grads(attention, config.deterministic))
+    return dataclasses.replace(shape, stack_needs=needs, packings=extents)
