@@ -644,8 +644,9 @@ def test_keep_attention_outputs_false_keeps_none(monkeypatch, allowed):
 
 def test_the_offload_is_taken_where_it_is_faster_with_its_copies_priced():
     """The plan with the layer inputs on the device where it fits and is predicted no more than
-    OFFLOAD_COST slower; the offloaded plan where the device's does not fit, or is much slower
-    (session W: at memory=8 on the 64k tree the device's only fitting plan ran 3.6x slower)."""
+    OFFLOAD_COST slower; the offloaded plan where the device's does not fit, or is slower by more
+    (session W: at memory=8 on the 64k tree the device's only fitting plan ran 3.6x slower; session AD:
+    at memory=10 the device's 16k-call plan, predicted 6.9% slower, ran 6.5% slower)."""
     shape = mp.StepShape(65_600, 9_836, 9_000, 0, 65_600 * 6_000.0)
     base = mp.plan_step(ModelSpec(28, 12, 2, 128, 1536, 151936, 8960), 2, shape, on_cuda=True,
                         available=20 * GIB, setting=14.5, offload=True)
@@ -655,7 +656,9 @@ def test_the_offload_is_taken_where_it_is_faster_with_its_copies_priced():
         return dataclasses.replace(offloaded, offload_checkpoints=False, predicted_cost=cost,
                                    predicted_peak_bytes=peak_gib * GIB)
 
-    assert mp.cheaper_than_offload(offloaded, device_plan(111.0, 7.5)).offload_checkpoints is False
+    assert mp.cheaper_than_offload(offloaded, device_plan(100.0, 7.5)).offload_checkpoints is False  # a tie: the device
+    assert mp.cheaper_than_offload(offloaded, device_plan(100.0 * (1 + mp.OFFLOAD_COST) - 1, 7.5)).offload_checkpoints \
+        is False
     assert mp.cheaper_than_offload(offloaded, device_plan(100.0 * (1 + mp.OFFLOAD_COST) + 1, 7.5)) is offloaded
     assert mp.cheaper_than_offload(offloaded, device_plan(90.0, 8.5)) is offloaded  # does not fit
 
