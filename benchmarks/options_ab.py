@@ -83,7 +83,8 @@ def interleaved(args) -> dict:
             "wall": statistics.median(s["wall"] for s in steps[a]),
             "ratio": statistics.median(s["wall"] / f["wall"] for s, f in zip(steps[a], steps[0])),
             "peak_gib": max(s["peak_gib"] for s in steps[a]), "reserved_gib": max(s["reserved_gib"] for s in steps[a]),
-            "plan": {k: plan.get(k) for k in PLAN_KEYS},
+            "plan": {"attention": "/".join(sorted({str(s["attention"]) for s in steps[a]})),
+                     **{k: plan.get(k) for k in PLAN_KEYS}},
         })
     return {"rows": rows, "device": device}
 

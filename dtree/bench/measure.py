@@ -215,14 +215,16 @@ def host_timed_step(runtime, forest, loss, model: torch.nn.Module, device: torch
     """One ``runtime.forward_backward(forest, loss)`` between device syncs (gradients
     cleared first): wall seconds, the calling thread's CPU seconds (``time.thread_time``:
     the forward, planning, the loss) and the process's (``time.process_time``: also the
-    autograd engine's device thread, which runs the backward), and the model calls."""
+    autograd engine's device thread, which runs the backward), the model calls and the
+    attention backend they ran."""
     model.zero_grad(set_to_none=True)
     sync_device(device)
     w0, t0, p0 = time.perf_counter(), time.thread_time(), time.process_time()
     out = runtime.forward_backward(forest, loss)
     sync_device(device)
     return {"wall": time.perf_counter() - w0, "main_cpu": time.thread_time() - t0,
-            "process_cpu": time.process_time() - p0, "calls": out.num_model_calls}
+            "process_cpu": time.process_time() - p0, "calls": out.num_model_calls,
+            "attention": out.metrics.get("attention")}
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:
