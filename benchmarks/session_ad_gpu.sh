@@ -10,6 +10,7 @@
 #   PART=calls256  the 256k tree the same way under memory=19.9 (half the mask's memory);
 #   PART=choices   where the new scoring and OFFLOAD_COST=0.02 change the plan, the new plan against the old knobs:
 #                  the 64k tree under memory=10 (now offloaded) and 14.5 (32k-token calls), the 256k tree under 30;
+#   PART=chunk     the 64k tree under memory=12.5: the new plan's 4096-row LM-head chunks against the 2048 it ran before;
 #   PART=mask      ARM64 (default memory=10) and ARM256 (memory=30), dtree bench configurations, against
 #                  tree-mask:whole+ckpt in one process, with the caps at the mask's memory and half of it.
 #
@@ -52,6 +53,10 @@ case "$PART" in
     script options_ab 240 --workload agentic256k --arm memory=30 --arm memory=30,group_tokens=32768,checkpoint_layers=true \
       --rounds $((ROUNDS - 1 > 0 ? ROUNDS - 1 : 1)) --warmup 1 --tag choices
     ;;
-  *) echo "PART must be calls64, calls256, choices or mask"; exit 2 ;;
+  chunk)
+    script options_ab 200 --workload agentic64k --arm memory=$AT_MASK --arm memory=$AT_MASK,logprob_chunk=2048 \
+      --rounds 5 --warmup 1 --tag chunk
+    ;;
+  *) echo "PART must be calls64, calls256, choices, chunk or mask"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
