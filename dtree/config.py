@@ -99,9 +99,10 @@ class RuntimeConfig:
             backward), so a call holds two layer inputs on the device instead of one per layer
             (1 GiB for a 12k-token call of qwen2.5-1.5b). ``"auto"`` (default): on CUDA under
             ``memory="low"``, and under a cap in GiB where its plan is predicted faster than the best
-            one that fits with the inputs on the device, its copies priced at 5% of the step (they
-            made a capped 64k-token step 5% slower on an H200: session W); the policy plans with the
-            memory it frees. True: wherever layers are checkpointed (on CPU the inputs are
+            one that fits with the inputs on the device by more than a 2% margin
+            (:data:`dtree.plan.memory_policy.OFFLOAD_COST`: with the attention outputs kept on the host
+            beside the inputs the copies cost nothing an H200 run can see, session AD); the policy plans
+            with the memory it frees. True: wherever layers are checkpointed (on CPU the inputs are
             cloned: the same steps, for tests); False: never. The pinned pages stay with the
             process for later steps (:func:`dtree.models.host_checkpoints.release_host_pages`).
         keep_attention_outputs: True (default): the memory policy may have checkpointed layers
