@@ -35,7 +35,7 @@ from dtree.plan import memory_policy, step_plan  # noqa: E402
 # (owner, name) of the functions timed inside make_plan, as make_plan's module calls them
 PARTS = [(step_plan.StepPlanner, "sync"), (step_plan, "measured_call_bytes"), (step_plan, "plan_memory"),
          (memory_policy, "available_bytes"), (memory_policy, "step_grad_bytes"), (memory_policy, "plan_step"),
-         (step_plan, "build_schedule"), (step_plan, "check_stack_capacity"), (step_plan, "select_loss_terms"),
+         (step_plan, "build_schedule"), (step_plan, "check_stack_capacity"), (step_plan, "budget_packings"), (step_plan, "select_loss_terms"),
          (step_plan, "refine"), (step_plan, "stack_sizes"), (step_plan, "planning_shape"), (step_plan, "upload_arrays"),
          (step_plan, "StepStacks"), (step_plan, "checkpoint_root"), (step_plan, "model_view")]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 from strategies import sequence_batches
@@ -210,6 +211,30 @@ def test_slot_extents_are_the_schedules_packing(seqs, chunk, budgets):
         inner = [p.num_tokens for p in sched.groups if not p.is_leaf]
         assert (extents.calls, extents.largest_call) == (sched.num_groups, max(p.num_tokens for p in sched.groups))
         assert (extents.calls_with_children, extents.tokens_with_children) == (len(inner), sum(inner))
+
+
+@given(sequence_batches(max_sequences=9, max_len=20), st.integers(1, 9),
+       st.lists(st.integers(0, 40), min_size=1, max_size=4, unique=True))
+def test_a_schedule_frozen_from_the_policys_packing_is_the_one_packed_again(seqs, chunk, budgets):
+    """The planner packs every call budget once for the policy (``pack_budgets``) and freezes the
+    chosen budget's packing into the schedule: the same groups, events, slots, rows and predictions
+    as packing that budget again; a packing of another budget or chunk size is refused."""
+    from dtree.plan.schedule import pack_budgets
+
+    forest = Forest.from_sequences(seqs)
+    packings = pack_budgets(forest, chunk, tuple(budgets))
+    for g in budgets:
+        frozen, again = build_schedule(forest, chunk, g, packings[g]), build_schedule(forest, chunk, g)
+        assert frozen.events == again.events and frozen.stack_tokens == again.stack_tokens
+        assert [(p.parent, p.stack_start, p.num_tokens, p.segments, p.seg_prefix_ranges, p.num_children)
+                for p in frozen.groups] == [(p.parent, p.stack_start, p.num_tokens, p.segments, p.seg_prefix_ranges,
+                                             p.num_children) for p in again.groups]
+        for a, b in ((frozen.row_unique, again.row_unique), (frozen.row_offsets, again.row_offsets),
+                     (frozen.predictions.pred_unique, again.predictions.pred_unique),
+                     (frozen.predictions.pred_hidden_row, again.predictions.pred_hidden_row)):
+            np.testing.assert_array_equal(a, b)
+        with pytest.raises(ValueError, match="cannot schedule"):
+            build_schedule(forest, chunk + 1, g, packings[g])
 
 
 def test_stack_needs_on_the_64k_agentic_tree():

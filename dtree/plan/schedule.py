@@ -39,8 +39,8 @@ import numpy as np
 from ..forest.forest import Forest
 from .loss_terms import Predictions, every_prediction
 
-__all__ = ["BACKWARD", "FORWARD", "GroupPlan", "Schedule", "SlotExtents", "build_schedule", "check_stack_capacity",
-           "slot_extents"]
+__all__ = ["BACKWARD", "FORWARD", "GroupPlan", "Packing", "Schedule", "SlotExtents", "build_schedule",
+           "pack_budgets", "slot_extents"]
 
 FORWARD, BACKWARD = 0, 1
 
@@ -368,22 +368,72 @@ def _rows(segs: _Segments, groups: list[GroupPlan]) -> tuple[np.ndarray, np.ndar
     return row_unique, row_offsets
 
 
-def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0) -> Schedule:
+@dataclass(frozen=True)
+class Packing:
+    """How one call budget packs a forest (phases 1 and 2 of :func:`build_schedule`): the memory
+    policy scores every budget's :attr:`extents`, and the schedule it runs freezes the chosen
+    budget's packing instead of packing again."""
+
+    chunk_size: int
+    group_tokens: int
+    segs: _Segments
+    packer: _GroupPacker
+    events: list[tuple[int, int]]
+
+    @functools.cached_property
+    def extents(self) -> SlotExtents:
+        """The budget's :class:`SlotExtents`, from the packing alone (no rows or predictions)."""
+        every = writing = with_children = largest = inner_calls = inner_tokens = 0
+        for gid, g in enumerate(self.packer.groups):
+            tokens = int(g.seg_q_offsets[-1])
+            top = g.stack_start + tokens
+            every, largest = max(every, top), max(largest, tokens)
+            if g.num_children:
+                with_children = max(with_children, top)
+                inner_calls, inner_tokens = inner_calls + 1, inner_tokens + tokens
+            if g.num_children or self.packer.holds_ancestors(gid):  # GroupPlan.writes_stack
+                writing = max(writing, top)
+        return SlotExtents(self.group_tokens, every, writing, with_children, len(self.packer.groups), largest,
+                           inner_calls, inner_tokens)
+
+
+def _check_sizes(chunk_size: int, group_tokens: int) -> None:
+    if chunk_size < 1 or group_tokens < 0:
+        raise ValueError(f"chunk_size must be >= 1 and group_tokens >= 0, got {chunk_size} and {group_tokens}")
+
+
+def pack_budgets(forest: Forest, chunk_size: int, budgets: tuple[int, ...]) -> dict[int, Packing]:
+    """The :class:`Packing` of each call budget of ``budgets`` over one cut of ``forest`` into
+    segments: ~0.5-1.3 ms a budget on a 64k-token agentic tree, where a whole
+    :func:`build_schedule` takes ~7 ms."""
+    for budget in budgets:
+        _check_sizes(chunk_size, budget)
+    segs = _split_segments(forest, chunk_size)
+    return {budget: Packing(chunk_size, budget, segs, *_walk_groups(segs, budget)) for budget in budgets}
+
+
+def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0, packing: Packing | None = None
+                   ) -> Schedule:
     """Plan the DFS over ``forest``: segments, groups and events, stack slots, rows, predictions.
 
     Args:
         chunk_size: longest segment; longer nodes are split into chains.
         group_tokens: token budget of one model call; 0 runs one segment per call.
+        packing: this forest's packing under ``chunk_size`` and ``group_tokens``
+            (:func:`pack_budgets`), when the caller has it: it is frozen, not packed again.
     """
-    if chunk_size < 1 or group_tokens < 0:
-        raise ValueError(f"chunk_size must be >= 1 and group_tokens >= 0, got {chunk_size} and {group_tokens}")
-    segs = _split_segments(forest, chunk_size)
-    packer, events = _walk_groups(segs, group_tokens)
+    _check_sizes(chunk_size, group_tokens)
+    if packing is None:
+        packing = pack_budgets(forest, chunk_size, (group_tokens,))[group_tokens]
+    elif (packing.chunk_size, packing.group_tokens) != (chunk_size, group_tokens):
+        raise ValueError(f"a packing of chunk_size {packing.chunk_size} and group_tokens {packing.group_tokens} "
+                         f"cannot schedule chunk_size {chunk_size} and group_tokens {group_tokens}")
+    segs, packer = packing.segs, packing.packer
     seg_slot = np.array([packer.groups[g].stack_start for g in packer.seg_group], dtype=np.int64) + packer.seg_row
     groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
     row_unique, row_offsets = _rows(segs, groups)
     return Schedule(
-        groups=groups, events=events,
+        groups=groups, events=list(packing.events),
         stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
         chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
         predictions=every_prediction(forest, row_unique, row_offsets), num_segments=segs.num_segments,
@@ -392,35 +442,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
 
 
 def slot_extents(forest: Forest, chunk_size: int, budgets: tuple[int, ...]) -> tuple[SlotExtents, ...]:
-    """The :class:`SlotExtents` of the schedule each call budget of ``budgets`` would give,
-    from the packing alone (no rows or predictions): ~0.5-1.3 ms a budget on a 64k-token
-    agentic tree, where a whole :func:`build_schedule` takes ~7 ms."""
-    segs = _split_segments(forest, chunk_size)
-    out = []
-    for budget in budgets:
-        packer, _ = _walk_groups(segs, budget)
-        every = writing = with_children = largest = inner_calls = inner_tokens = 0
-        for gid, g in enumerate(packer.groups):
-            tokens = int(g.seg_q_offsets[-1])
-            top = g.stack_start + tokens
-            every, largest = max(every, top), max(largest, tokens)
-            if g.num_children:
-                with_children = max(with_children, top)
-                inner_calls, inner_tokens = inner_calls + 1, inner_tokens + tokens
-            if g.num_children or packer.holds_ancestors(gid):  # GroupPlan.writes_stack
-                writing = max(writing, top)
-        out.append(SlotExtents(budget, every, writing, with_children, len(packer.groups), largest, inner_calls,
-                               inner_tokens))
-    return tuple(out)
-
-
-def check_stack_capacity(sched: Schedule, forest: Forest, capacity: int | None) -> None:
-    """A ValueError, naming the fix, when ``sched`` writes more KV-stack slots than the
-    runtime's ``stack_capacity`` (None: no limit)."""
-    if capacity is None or sched.stack_tokens <= capacity:
-        return
-    lengths = forest.sequence_lengths()
-    s = int(np.argmax(lengths))
-    too_long = f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
-    hint = too_long if lengths[s] > capacity else "lower group_tokens or raise stack_capacity"
-    raise ValueError(f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}")
+    """The :class:`SlotExtents` of the schedule each call budget of ``budgets`` would give
+    (:attr:`Packing.extents`)."""
+    packings = pack_budgets(forest, chunk_size, budgets)
+    return tuple(packings[b].extents for b in budgets)

@@ -20,10 +20,10 @@ from ..forest.forest import Forest
 from ..models import ModelSpec
 from ..ops.stack_attention.interface import OWN_KV_IN_STACK, leaf_slots_take_grads
 from . import memory_policy
-from .schedule import Schedule, SlotExtents, slot_extents
+from .schedule import Packing, Schedule, SlotExtents, pack_budgets
 
-__all__ = ["StackSizes", "grad_slots", "leaf_calls_can_window", "planning_shape", "stack_needs", "stack_sizes",
-           "stack_slots", "step_shape"]
+__all__ = ["StackSizes", "budget_packings", "check_stack_capacity", "grad_slots", "leaf_calls_can_window",
+           "planning_shape", "stack_needs", "stack_sizes", "stack_slots", "step_shape"]
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def stack_needs(
     from its packing alone (:func:`~dtree.plan.schedule.slot_extents`). With a backend whose leaf
     calls can run in a window, the gradient slots are the groups with children's reach, the
     stack's KV slots in a windowed step (:func:`stack_sizes`)."""
-    return needs_of(slot_extents(forest, chunk_size, budgets), own_in_stack, leaf_grads)
+    packings = pack_budgets(forest, chunk_size, budgets)
+    return needs_of(tuple(packings[b].extents for b in budgets), own_in_stack, leaf_grads)
 
 
 def needs_of(extents: tuple[SlotExtents, ...], own_in_stack: bool, leaf_grads: bool) -> tuple[tuple[int, int, int], ...]:
@@ -102,19 +103,41 @@ def needs_of(extents: tuple[SlotExtents, ...], own_in_stack: bool, leaf_grads: b
     return tuple((e.group_tokens, e.kv_slots(own_in_stack), e.grad_slots(leaf_grads)) for e in extents)
 
 
+def budget_packings(forest: Forest, config: RuntimeConfig, device: torch.device) -> dict[int, Packing]:
+    """The packing of every call budget the memory policy scores for a step over ``forest``
+    (:func:`~dtree.plan.memory_policy.call_budgets`), on CUDA; none off it (the CPU plan is fixed)."""
+    if device.type != "cuda":
+        return {}
+    budgets = memory_policy.call_budgets(config.group_tokens, forest.num_unique_tokens)
+    return pack_budgets(forest, config.chunk_size, budgets)
+
+
 def planning_shape(
-    forest: Forest, config: RuntimeConfig, spec: ModelSpec, device: torch.device, attention: str | None
+    forest: Forest, config: RuntimeConfig, spec: ModelSpec, device: torch.device, attention: str | None,
+    packings: dict[int, Packing] | None = None,
 ) -> memory_policy.StepShape:
     """:func:`step_shape` and, on CUDA, the KV-stack slots each call budget the policy scores would
     take with this backend (``stack_needs``): with large calls the bound the policy has without them
     (the longest path plus a call, gradients in every slot) over-counts by GiBs. On the 64k agentic
     tree the 12k-token calls of ``memory="low"`` hold 18.9k K/V slots but 6.7k gradient slots, and
     a cap of 8 GiB ruled that plan out on the bound (0.8 GiB over) and ran 4k-token calls 1.9x slower
-    (``benchmarks/results/h200/session_x``)."""
+    (``benchmarks/results/h200/session_x``). ``packings``: :func:`budget_packings` (packed here when None)."""
     shape = step_shape(forest, config.chunk_size, bool(spec.recurrent_states))
     if device.type != "cuda":  # the CPU plan is fixed (no memory model)
         return shape
-    budgets = memory_policy.call_budgets(config.group_tokens, shape.unique_tokens)
-    extents = slot_extents(forest, config.chunk_size, budgets)
+    packings = budget_packings(forest, config, device) if packings is None else packings
+    extents = tuple(p.extents for p in packings.values())
     needs = needs_of(extents, attention in OWN_KV_IN_STACK, leaf_slots_take_grads(attention, config.deterministic))
     return dataclasses.replace(shape, stack_needs=needs, packings=extents)
+
+
+def check_stack_capacity(sched: Schedule, forest: Forest, capacity: int | None) -> None:
+    """A ValueError, naming the fix, when ``sched`` writes more KV-stack slots than the
+    runtime's ``stack_capacity`` (None: no limit)."""
+    if capacity is None or sched.stack_tokens <= capacity:
+        return
+    lengths = forest.sequence_lengths()
+    s = int(np.argmax(lengths))
+    too_long = f"the longest path (sequence {s}, {int(lengths[s])} tokens) alone exceeds it"
+    hint = too_long if lengths[s] > capacity else "lower group_tokens or raise stack_capacity"
+    raise ValueError(f"this forest needs {sched.stack_tokens} KV-stack slots but stack_capacity is {capacity}: {hint}")

@@ -36,8 +36,15 @@ from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .memory_model import refine
 from .memory_probe import CallBytes, attention_is_plain, measure_call_bytes
 from .model_view import ModelView, model_view
-from .schedule import Schedule, build_schedule, check_stack_capacity
-from .stack_sizes import StackSizes, leaf_calls_can_window, planning_shape, stack_sizes
+from .schedule import Packing, Schedule, build_schedule
+from .stack_sizes import (
+    StackSizes,
+    budget_packings,
+    check_stack_capacity,
+    leaf_calls_can_window,
+    planning_shape,
+    stack_sizes,
+)
 from .state_plan import StatePlan, plan_states
 
 __all__ = [
@@ -80,15 +87,15 @@ def plan_memory(
     attention: str | None = None,
     releasing: float = 0.0,
     kv_window: bool = False,
+    packings: dict[int, Packing] | None = None,
 ) -> memory_policy.MemoryPlan:
     """The memory policy's plan for a step over ``forest`` (see :mod:`dtree.plan.memory_policy`);
     ``view``: the model this step (:func:`dtree.plan.model_view.model_view`); ``stack``: the stacks the runtime holds now (their bytes are already allocated);
-    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate);
-    ``attention``: the stack-attention backend (one of ``KEEPING_BACKENDS`` lets the
-    plan keep checkpointed layers' attention outputs).
-    ``releasing``: bytes allocated now that are free before the step starts (planned ahead,
-    while the step before it still holds them: :mod:`dtree.engine.micro_batches`).
-    ``kv_window``: plans with every layer checkpointed run leaf calls in a KV window (scored so).
+    ``call_bytes``: the model's measured per-token figures (None: HF's eager estimate); ``attention``: the
+    stack-attention backend (one of ``KEEPING_BACKENDS`` lets the plan keep checkpointed layers' attention outputs).
+    ``releasing``: bytes allocated now that are free before the step starts (planned ahead, while the step
+    before it still holds them: :mod:`dtree.engine.micro_batches`). ``kv_window``: plans with every layer checkpointed run leaf calls in a KV window (scored so);
+    ``packings``: :func:`dtree.plan.stack_sizes.budget_packings` (packed here when None).
     ``kept`` (deterministic mode): the last plan per forest shape, which a step over that
     shape keeps while it is predicted to fit, whatever else the memory free at the call
     would allow: call sizes, checkpointing and head chunks set the order of the gradient's
@@ -112,7 +119,7 @@ def plan_memory(
             fused_head=fused_head_kernel(head, dtype, device), kv_window=kv_window,
         )
     offload = offloads_checkpoints(config, device, view)
-    shape = planning_shape(forest, config, spec, device, attention)
+    shape = planning_shape(forest, config, spec, device, attention, packings)
     last = kept.get(shape) if kept is not None else None
     keep = None if last is None else (
         last.group_tokens, last.checkpoint_layers, last.path_checkpoint_layers, last.logprob_chunk,
@@ -318,11 +325,12 @@ class StepPlanner:
         )
         kept = self._kept_plans if self.deterministic else None
         self._can_window = self._leaf_calls_can_window(view)
+        packings = budget_packings(forest, self.config, self.placement[0])  # scored by the policy, one frozen
         memory = plan_memory(
             view, self.spec, head, self.config, self.placement, self.stack, forest, call_bytes, kept,
-            self.attention, releasing, self._can_window,
+            self.attention, releasing, self._can_window, packings,
         )
-        sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens)
+        sched = build_schedule(forest, self.config.chunk_size, memory.group_tokens, packings.get(memory.group_tokens))
         check_stack_capacity(sched, forest, self.config.stack_capacity)
         terms = (select_loss_terms(sched.predictions, forest, weights) if weights is not None
                  else all_predictions(sched.predictions))
