@@ -109,7 +109,8 @@ def profiled_step(rt, model, forest, loss, device, **profile_options):
 
 
 def kernel_busy(rt, model, forest, loss, device) -> dict:
-    """One profiled step: kernel time, launches, and the step's time with no kernel running."""
+    """One profiled step: kernel time, launches (``memsets`` of them: the CUDA memsets, which cuBLAS issues
+    before some of its GEMMs), and the step's time with no kernel running."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     if device.type != "cuda":
@@ -123,9 +124,10 @@ def kernel_busy(rt, model, forest, loss, device) -> dict:
         sync_device(device)
         wall = time.perf_counter() - w0
     events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end) for e in events  # not the step's own GPU-side annotation
-                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
-                   and e.name != STEP_LABEL)
+    kernels = [e for e in events  # not the step's own GPU-side annotation
+               if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start
+               and e.name != STEP_LABEL]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
     host = [e.time_range.start for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     busy, end = 0.0, float("-inf")
     for a, b in spans:  # the union of the kernels' intervals (microseconds)
@@ -133,7 +135,8 @@ def kernel_busy(rt, model, forest, loss, device) -> dict:
             busy += b - max(a, end)
             end = b
     first, last = (spans[0][0], max(b for _, b in spans)) if spans else (0.0, 0.0)
-    return {"wall_s": wall, "launches": len(spans), "kernel_union_s": busy / 1e6,
+    return {"wall_s": wall, "launches": len(spans), "memsets": sum(e.name.startswith("Memset") for e in kernels),
+            "kernel_union_s": busy / 1e6,
             "kernel_sum_s": sum(b - a for a, b in spans) / 1e6, "first_to_last_kernel_s": (last - first) / 1e6,
             "host_before_first_kernel_s": (first - min(host)) / 1e6 if host and spans else None}
 

@@ -13,6 +13,12 @@ forest: above 1, the first arm is faster), the most allocated in any timed step,
 
     python benchmarks/options_ab.py --workload agentic64k --arm memory=low --arm memory=low,keep_attention_outputs=false
     python benchmarks/options_ab.py --smoke --arm memory=low --arm memory=low,group_tokens=64   # CPU, tiny model
+    python benchmarks/options_ab.py --arm blas=cublas --arm blas=cublaslt --kernels              # a process setting
+
+An arm's ``blas=cublas|cublaslt`` is not a runtime option but the process's BLAS library for its
+steps (``torch.backends.cuda.preferred_blas_library``, set before each of them; CUDA only).
+``--kernels``: after the rounds, one profiled step per arm on a fresh forest: its launches, the
+CUDA memsets among them, its kernels' busy time and the host time before its first kernel.
 
 Writes ``$OUT/options_ab_<workload>[_<tag>].md`` when OUT is set.
 """
@@ -29,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree
-from benchmarks.host_profile import add_setup_arguments, script_parts
+from benchmarks.host_profile import add_setup_arguments, kernel_busy, script_parts
 from dtree.bench.configs import parse_assignments
 from dtree.bench.measure import emit_report, host_timed_step
 from dtree.bench.report import environment
@@ -39,9 +45,23 @@ PLAN_KEYS = ("group_tokens", "checkpoint_layers", "path_checkpoint_layers", "kee
              "offload_checkpoints", "logprob_chunk", "predicted_total_gib")
 
 
+PROCESS_SETTINGS = ("blas",)  # arm keys that set the process up for the arm's steps (not runtime options)
+
+
 def parse_arm(text: str) -> dict:
-    """``"memory=low,keep_attention_outputs=false"`` -> the runtime options."""
+    """``"memory=low,keep_attention_outputs=false"`` -> the runtime options (and :data:`PROCESS_SETTINGS`)."""
     return parse_assignments([item for item in text.split(",") if item.strip()], "--arm")
+
+
+def runtime_options(arm: dict) -> dict:
+    return {k: v for k, v in arm.items() if k not in PROCESS_SETTINGS}
+
+
+def enter_arm(arm: dict, device: torch.device) -> None:
+    """Set the process up for one of ``arm``'s steps: its BLAS library (CUDA only)."""
+    blas = arm.get("blas")
+    if blas is not None and device.type == "cuda":
+        torch.backends.cuda.preferred_blas_library(str(blas))
 
 
 def timed(runtime, forest, loss, model, device, empty_cache: bool = False) -> dict:
@@ -63,13 +83,17 @@ def interleaved(args) -> dict:
     """``args.rounds`` rounds after ``args.warmup`` untimed ones (compiles, the memory probes)."""
     model, device, forest_of, base, loss = script_parts(args.smoke, args.workload, args.opt)
     arms = [{**base, **parse_arm(a)} for a in args.arm]
-    runtimes = [dtree.TreeRuntime(model, **options) for options in arms]
+    runtimes = [dtree.TreeRuntime(model, **runtime_options(options)) for options in arms]
     steps: list[list[dict]] = [[] for _ in arms]
     for i in range(args.warmup + args.rounds):
         forest = forest_of(i)
+        enter_arm(arms[i % len(arms)], device)
         timed(runtimes[i % len(arms)], forest, loss, model, device)  # this forest's once-per-shape costs
         order = [(i + j) % len(arms) for j in range(len(arms))]
-        results = {a: timed(runtimes[a], forest, loss, model, device, args.empty_cache) for a in order}
+        results = {}
+        for a in order:
+            enter_arm(arms[a], device)
+            results[a] = timed(runtimes[a], forest, loss, model, device, args.empty_cache)
         if i >= args.warmup:
             for a in range(len(arms)):
                 steps[a].append(results[a])
@@ -86,6 +110,13 @@ def interleaved(args) -> dict:
             "plan": {"attention": "/".join(sorted({str(s["attention"]) for s in steps[a]})),
                      **{k: plan.get(k) for k in PLAN_KEYS}},
         })
+    if args.kernels:
+        forest = forest_of(args.warmup + args.rounds)
+        enter_arm(arms[0], device)
+        timed(runtimes[0], forest, loss, model, device)  # the forest's once-per-shape costs
+        for a, row in enumerate(rows):
+            enter_arm(arms[a], device)
+            row["kernels"] = kernel_busy(runtimes[a], model, forest, loss, device)
     return {"rows": rows, "device": device}
 
 
@@ -107,6 +138,13 @@ def report(args, result: dict) -> str:
         plan = ", ".join(f"{k}={v:.2f}" if isinstance(v, float) else f"{k}={v}" for k, v in row["plan"].items())
         lines.append(f"| {a + 1} | `{row['options']}` | {row['wall']:.3f} | {row['ratio']:.3f} | "
                      f"{row['peak_gib']:.2f} | {row['reserved_gib']:.2f} | {walls} | {plan} |")
+    counted = [(a, row["kernels"]) for a, row in enumerate(result["rows"]) if row.get("kernels")]
+    if counted:
+        lines += ["", "One profiled step per arm on a fresh forest (CUDA activity; the profiler slows the host):", "",
+                  "| arm | launches | memsets | kernels busy (s) | host before the first kernel (s) | wall (s) |",
+                  "|---|---|---|---|---|---|"]
+        lines += [f"| {a + 1} | {k['launches']} | {k['memsets']} | {k['kernel_union_s']:.3f} | "
+                  f"{k['host_before_first_kernel_s'] or 0:.3f} | {k['wall_s']:.3f} |" for a, k in counted]
     return "\n".join(lines)
 
 
@@ -119,6 +157,7 @@ def main() -> int:
     p.add_argument("--tag", default="", help="appended to the report's file name")
     p.add_argument("--empty-cache", action="store_true",
                    help="empty the allocator's cache before every timed step (each step's peak held is its own)")
+    p.add_argument("--kernels", action="store_true", help="then one profiled step per arm: launches, memsets, busy time")
     args = p.parse_args()
     if len(args.arm) < 2:
         p.error("give two or more --arm")

@@ -8,7 +8,7 @@
 ``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
 ``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, ``benchmarks/session_x_gpu.sh``,
 ``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, ``benchmarks/session_ab_gpu.sh``,
-``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, sharing
+``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, ``benchmarks/session_ae_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -90,6 +90,9 @@ def _smoke(script: str, out: Path, **env) -> subprocess.CompletedProcess:
     pytest.param("session_ad_gpu.sh", {"PART": "calls64"}, (), marks=pytest.mark.slow),  # options_ab's own smoke runs
     pytest.param("session_ad_gpu.sh", {"PART": "choices"}, (), marks=pytest.mark.slow),
     pytest.param("session_ad_gpu.sh", {"PART": "mask"}, ("at_mask64k", "half256k"), marks=pytest.mark.slow),
+    pytest.param("session_ae_gpu.sh", {"PART": "blas"}, (), marks=pytest.mark.slow),  # options_ab with a process setting
+    ("session_ae_gpu.sh", {"PART": "plan"}, ()),
+    pytest.param("session_ae_gpu.sh", {"PART": "mask"}, ("at_mask64k", "half256k"), marks=pytest.mark.slow),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     pytest.param("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",), marks=pytest.mark.slow),
     pytest.param("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",), marks=pytest.mark.slow),
