@@ -4,6 +4,7 @@ differ, all three are pinned to the default's and the report says so."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import dtree
@@ -27,6 +28,7 @@ def _result(cost: dict) -> dict:
             "forests": {"case1": 48}, "cost": {"case1": cost}}
 
 
+@pytest.mark.slow  # an earlier session's timing harness: ~12 s of the suite on CI
 def test_configurations_that_plan_differently_are_pinned_to_the_default_plan():
     model, forest, loss = _setup()
     # the torch-ops configuration asks for smaller calls: its own plan differs from the default's

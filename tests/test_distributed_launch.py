@@ -71,6 +71,7 @@ def _single_process_loss() -> float:
     return rt.forward_backward(forest, dtree.losses.ppo_clip(reduction="token_mean")).loss
 
 
+@pytest.mark.slow  # three ranks of the distributed bench: ~23 s of the suite on CI
 @pytest.mark.distributed
 def test_bench_distributed_smoke(tmp_path):
     cmd = _torchrun(["--nproc-per-node", "3", "benchmarks/bench_distributed.py", "--smoke", "--ranks", "3,2",

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.gpu_gaps import step_gaps
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +102,7 @@ def test_bench_swiglu_rerun_times_the_chunked_backward_on_cpu(tmp_path):
     assert 0 < err < 2**-7 * scale, row  # bf16 dW: one rounding of the float32 sum
 
 
+@pytest.mark.slow  # an earlier session's A/B script: ~9 s of the suite on CI
 def test_grad_slots_ab_runs_each_variant_on_cpu(tmp_path):
     """``benchmarks/grad_slots_ab.py --smoke``: each variant of each memory setting gets a row,
     and the profiled comparison its table."""

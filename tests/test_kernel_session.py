@@ -23,6 +23,7 @@ def _run(tmp_path, *parts, timeout=600):
     return r, (tmp_path / "session.log").read_text()
 
 
+@pytest.mark.slow  # an earlier session's script: ~14 s of the suite on CI
 def test_env_tests_step_parts(tmp_path):
     r, log = _run(tmp_path, "env", "tests", "step", "nope")
     for part in ("env", "tests", "step"):
