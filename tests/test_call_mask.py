@@ -241,3 +241,66 @@ def test_cached_on_the_layout(monkeypatch):
     bad = _shifted_own()
     assert call_mask(bad) is None and call_mask(bad) is None
     assert len(builds) == 2
+
+
+# --------------------------------------------------------------------------- the builder against its reference
+def _same_mask(layout):
+    """call_mask's builder and its one-interval-at-a-time reference give the same tables and block lists (None
+    alike)."""
+    fast, slow = tree_mask_module._build(layout), tree_mask_module._build_reference(layout)
+    assert (fast is None) == (slow is None)
+    if fast is None:
+        return
+    assert (fast.base, fast.num_rows) == (slow.base, slow.num_rows)
+    for a, b in ((fast.slot_row_lo, slow.slot_row_lo), (fast.slot_row_hi, slow.slot_row_hi)):
+        np.testing.assert_array_equal(a, b)
+    for x, y in ((fast.by_row_tile, slow.by_row_tile), (fast.by_slot_tile, slow.by_slot_tile)):
+        for f in ("partial_cnt", "partial_idx", "full_cnt", "full_idx"):
+            np.testing.assert_array_equal(getattr(x, f), getattr(y, f))
+
+
+@st.composite
+def random_layouts(draw):
+    """Segments under a stack prefix: as a tree laid out depth first (expressible), or with ranges drawn at random
+    over the slots below each segment (mostly inexpressible: partial segments, gaps, overlaps, reordered runs)."""
+    lens = draw(st.lists(st.integers(0, 150), min_size=1, max_size=7))
+    base = draw(st.integers(0, 300))
+    if draw(st.booleans()):
+        parent = [-1] + [draw(st.integers(-1, i - 1)) for i in range(1, len(lens))]
+        return _in_call(lens, parent, base)
+    own = base + np.concatenate([[0], np.cumsum(lens)])
+    prefixes = []
+    for i in range(len(lens)):
+        ranges = []
+        for _ in range(draw(st.integers(0, 3))):
+            top = int(own[i])
+            lo = draw(st.integers(0, top))
+            ranges.append((lo, draw(st.integers(lo, top))))
+        prefixes.append(ranges)
+    return layout_of(lens, prefixes, base)
+
+
+@settings(max_examples=200, deadline=None)
+@given(random_layouts())
+def test_builder_matches_its_reference_on_random_layouts(layout):
+    _same_mask(layout)
+
+
+@pytest.mark.parametrize("case", sorted(EDGE) + sorted(NONE))
+def test_builder_matches_its_reference_on_the_edge_cases(case):
+    _same_mask({**EDGE, **NONE}[case]())
+
+
+@settings(max_examples=10, deadline=None)
+@given(st.sampled_from(sorted(WORKLOADS)), st.integers(0, 10_000), st.sampled_from([256, 700, 4096]))
+def test_builder_matches_its_reference_on_real_calls(name, seed, group_tokens):
+    for layout in call_layouts(name, seed, group_tokens):
+        _same_mask(layout)
+
+
+def test_builder_matches_its_reference_on_the_256k_trees_calls():
+    """The calls the builder was made faster for: 32k-token calls of the 256k agentic tree."""
+    forest = make_workload("agentic", seed=0, num_trees=1, target_unique_tokens=262144)
+    sched = build_schedule(forest, 2048, 32768)
+    for plan in sched.groups[:4]:
+        _same_mask(SegmentLayout(plan.seg_q_offsets, plan.stack_start + plan.seg_q_offsets[:-1], plan.seg_prefix_ranges))
