@@ -422,8 +422,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
         packing: this forest's packing under ``chunk_size`` and ``group_tokens``
             (:func:`pack_budgets`), when the caller has it: it is frozen, not packed again.
     """
-    _check_sizes(chunk_size, group_tokens)
-    if packing is None:
+    if packing is None:  # pack_budgets checks the sizes (a given packing's were checked when it was packed)
         packing = pack_budgets(forest, chunk_size, (group_tokens,))[group_tokens]
     elif (packing.chunk_size, packing.group_tokens) != (chunk_size, group_tokens):
         raise ValueError(f"a packing of chunk_size {packing.chunk_size} and group_tokens {packing.group_tokens} "

@@ -91,7 +91,7 @@ def _coalesce(ranges) -> list[list[int]]:
     return out
 
 
-class _Segments(NamedTuple):
+class _CallSegments(NamedTuple):
     """A call's non-empty segments (``S``), in row order: [S] first row ``q0``, ``length``, one past the last row
     ``q1``, first own slot ``start`` and one past the last ``end``; the call's ``rows`` and first own slot ``base``."""
 
@@ -104,7 +104,7 @@ class _Segments(NamedTuple):
     base: int
 
 
-def _call_segments(layout: SegmentLayout) -> tuple[_Segments, np.ndarray] | None:
+def _call_segments(layout: SegmentLayout) -> tuple[_CallSegments, np.ndarray] | None:
     """(the call's segments, [S] their indices in ``layout``), or None: no rows, or own slots that are not the rows
     shifted by one base."""
     q_off = np.asarray(layout.q_offsets, dtype=np.int64)
@@ -118,10 +118,10 @@ def _call_segments(layout: SegmentLayout) -> tuple[_Segments, np.ndarray] | None
     start = own[seg]
     if base < 0 or np.any(start != base + q0):
         return None
-    return _Segments(q0, length, q0 + length, start, start + length, rows, base), seg
+    return _CallSegments(q0, length, q0 + length, start, start + length, rows, base), seg
 
 
-def _tables(s: _Segments, read, first_row, last_row, ancestors, owner, lo, hi) -> CallMask | None:
+def _tables(s: _CallSegments, read, first_row, last_row, ancestors, owner, lo, hi) -> CallMask | None:
     """The mask from the slots below the call (``read``: [base] rows reading each, ``first_row``, ``last_row``: the
     run they form), the segments' in-call ancestors ([S, S]) and every range they read (``owner``, ``lo``, ``hi``);
     None when those rows are not one run or the segments are not laid out depth first."""
