@@ -247,3 +247,15 @@ def test_stack_needs_on_the_64k_agentic_tree():
     (_, kv, grads), = stack_needs(forest, 8192, (12288,), own_in_stack=True, leaf_grads=False)
     # seed 0: 18,899 K/V slots, 6,679 gradient slots, a longest path of 8,499: the bound 20,787 of each
     assert grads < shape.longest_path < kv <= shape.longest_path + 12288
+
+
+@pytest.mark.parametrize(("chunk", "budget"), [(0, 8), (-1, 0), (4, -1)])
+def test_sizes_out_of_range_are_refused_before_packing(chunk, budget):
+    """A chunk size under 1 or a negative call budget is refused by name, whether the schedule packs the
+    forest itself or the planner packs every budget first."""
+    from dtree.plan.schedule import pack_budgets
+
+    forest = Forest.from_sequences([[1, 2, 3], [1, 2, 4]])
+    for build in (lambda: build_schedule(forest, chunk, budget), lambda: pack_budgets(forest, chunk, (16, budget))):
+        with pytest.raises(ValueError, match="chunk_size must be >= 1 and group_tokens >= 0"):
+            build()
