@@ -64,10 +64,10 @@ def _node(event) -> str:
     return ""
 
 
-def origins(prof, device: torch.device) -> collections.Counter:
-    """(kernel kind, launching op and autograd node) -> kernels, from one profiled step (on CPU, which has
-    no kernels: the aten ops, for the plumbing)."""
-    counts = collections.Counter()
+def origins(prof, device: torch.device) -> tuple[collections.Counter, collections.Counter]:
+    """(kernels, GPU microseconds), each keyed by (kernel kind, launching op and autograd node), from one
+    profiled step (on CPU, which has no kernels: the aten ops, for the plumbing, and no times)."""
+    counts, micros = collections.Counter(), collections.Counter()
     for e in prof.events():
         if e.device_type != torch.autograd.DeviceType.CPU:
             continue
@@ -77,8 +77,10 @@ def origins(prof, device: torch.device) -> collections.Counter:
             continue
         op = _op(e)
         for k in e.kernels:
-            counts[(_kind(k.name), (op.name if op is not None else "?") + _node(e))] += 1
-    return counts
+            key = (_kind(k.name), (op.name if op is not None else "?") + _node(e))
+            counts[key] += 1
+            micros[key] += k.duration
+    return counts, micros
 
 
 def main() -> int:
@@ -89,18 +91,24 @@ def main() -> int:
     args = p.parse_args()
     model, device, rt, loss, forests, _, options = script_setup(args, 5)
     prof, out = profiled_step(rt, model, forests[4], loss, device)
-    counts = origins(prof, device)
+    counts, micros = origins(prof, device)
     calls = max(1, int(out.metrics.get("groups", 1)))
     layers = max(1, len(getattr(model.config, "layer_types", None) or range(model.config.num_hidden_layers)))
     total = sum(counts.values())
-    glue = sum(n for (kind, op), n in counts.items() if _is_glue(kind, op))
+    glue = [key for key in counts if _is_glue(*key)]
     summary = (f"torch {torch.__version__}; runtime options {options or 'default'}; {calls} model call(s), "
                f"{layers} decoder layers; **{total} kernels** ({total / calls / layers:.1f} per layer and call), "
-               f"{glue} of them copies, fills, memsets, elementwise adds and multiplies, reductions and concatenations")
+               f"{sum(micros.values()) / 1e3:.1f} ms of kernel time; {sum(counts[k] for k in glue)} of them "
+               f"({sum(micros[k] for k in glue) / 1e3:.1f} ms) copies, fills, memsets, elementwise adds and "
+               "multiplies, reductions and concatenations")
+    order = micros.most_common() if micros else counts.most_common()  # GPU time first where there is one
     lines = [f"# Kernels of one dtree step by origin: {args.workload}, {device.type}", "", summary, "",
-             "| kernel | launched by (in the autograd node) | kernels | per layer and call |", "|---|---|---|---|"]
-    for (kind, op), n in counts.most_common(args.top):
-        lines.append(f"| `{kind}` | `{op}` | {n} | {n / calls / layers:.2f} |")
+             "| kernel | launched by (in the autograd node) | kernels | per layer and call | GPU ms |",
+             "|---|---|---|---|---|"]
+    for key, _ in order[: args.top]:
+        kind, op = key
+        n = counts[key]
+        lines.append(f"| `{kind}` | `{op}` | {n} | {n / calls / layers:.2f} | {micros[key] / 1e3:.2f} |")
     tag = f"_{args.tag}" if args.tag else ""
     emit_report("\n".join(lines), f"kernel_origins_{args.workload}{tag}.md")
     return 0

@@ -8,7 +8,8 @@
 ``benchmarks/session_s_gpu.sh``, ``benchmarks/session_t_gpu.sh``, ``benchmarks/session_u_gpu.sh``,
 ``benchmarks/session_v_gpu.sh``, ``benchmarks/session_w_gpu.sh``, ``benchmarks/session_x_gpu.sh``,
 ``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, ``benchmarks/session_ab_gpu.sh``,
-``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, ``benchmarks/session_ae_gpu.sh``, sharing
+``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, ``benchmarks/session_ae_gpu.sh``,
+``benchmarks/session_af_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -90,6 +91,7 @@ RUNS = [
     ("session_ae_gpu.sh", {"PART": "blas"}, ()),  # options_ab with a process setting
     ("session_ae_gpu.sh", {"PART": "plan"}, ()),
     ("session_ae_gpu.sh", {"PART": "mask"}, ("at_mask64k", "half256k")),
+    ("session_af_gpu.sh", {"PART": "origins"}, ()),  # kernel_origins, three runs
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -100,7 +102,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_ae_gpu.sh", "plan")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_af_gpu.sh", "origins")}
 SAMPLED = 2
 
 
