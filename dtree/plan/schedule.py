@@ -137,21 +137,17 @@ class Schedule:
     predictions: Predictions
     num_segments: int
     segment_parent: np.ndarray
+    packing: Packing
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
 
-    @functools.cached_property
+    @property
     def extents(self) -> SlotExtents:
-        """How far this schedule's groups reach into the KV stack (the planner and the walk each
-        ask; computed once)."""
-        inner = [g.num_tokens for g in self.groups if not g.is_leaf]
-        return SlotExtents(
-            self.group_tokens, max((g.stack_start + g.num_tokens for g in self.groups), default=0), self.stack_tokens,
-            max((g.stack_start + g.num_tokens for g in self.groups if not g.is_leaf), default=0),
-            len(self.groups), max((g.num_tokens for g in self.groups), default=0), len(inner), sum(inner),
-        )
+        """How far this schedule's groups reach into the KV stack: its packing's
+        (:attr:`Packing.extents`, computed once)."""
+        return self.packing.extents
 
 
 @dataclass(frozen=True)
@@ -432,11 +428,10 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
     row_unique, row_offsets = _rows(segs, groups)
     return Schedule(
-        groups=groups, events=list(packing.events),
-        stack_tokens=max((g.stack_start + g.num_tokens for g in groups if g.writes_stack), default=0),
+        groups=groups, events=list(packing.events), stack_tokens=packing.extents.writing,
         chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
         predictions=every_prediction(forest, row_unique, row_offsets), num_segments=segs.num_segments,
-        segment_parent=segs.parent,
+        segment_parent=segs.parent, packing=packing,
     )
 
 
