@@ -136,6 +136,26 @@ def test_options_ab_times_every_arm_on_every_forest_on_cpu(tmp_path):
     assert bad.returncode == 2 and "give two or more --arm" in bad.stderr
 
 
+def test_an_arms_process_settings_hold_for_its_steps_only():
+    """``options_ab.enter_arm``: an arm's ``swiglu_rows`` sets the re-run's SwiGLU chunk rows for its steps,
+    and the next arm, which names none, runs the process's own again (not the last arm's); the arm's
+    runtime options leave the process settings out."""
+    import torch
+
+    from benchmarks.options_ab import enter_arm, parse_arm, runtime_options
+    from dtree.ops.swiglu import interface
+
+    own = interface.CONSUMING_CHUNK_ROWS
+    try:
+        arm = parse_arm("memory=low,swiglu_rows=64")
+        assert runtime_options(arm) == {"memory": "low"}
+        enter_arm(arm, torch.device("cpu"))
+        assert interface.CONSUMING_CHUNK_ROWS == 64
+        enter_arm(parse_arm("memory=low"), torch.device("cpu"))
+        assert interface.CONSUMING_CHUNK_ROWS == own
+    finally:
+        interface.CONSUMING_CHUNK_ROWS = own
+
 def test_every_workload_has_a_smoke_form_and_its_size():
     """``benchmarks/host_profile.py``'s workloads: each has a ``--smoke`` form, and the agentic
     trees' full forms hold about the unique tokens their names say."""
