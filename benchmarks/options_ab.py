@@ -16,9 +16,8 @@ forest: above 1, the first arm is faster), the most allocated in any timed step,
     python benchmarks/options_ab.py --arm blas=cublas --arm blas=cublaslt --kernels              # a process setting
 
 An arm's ``blas=cublas|cublaslt`` is not a runtime option but the process's BLAS library for its
-steps (``torch.backends.cuda.preferred_blas_library``, set before each of them; CUDA only), and
-``swiglu_rows=N`` the rows of each chunk of a checkpointed layer's SwiGLU backward
-(``dtree.ops.swiglu.interface.CONSUMING_CHUNK_ROWS``); an arm that names neither runs the process's own.
+steps (``torch.backends.cuda.preferred_blas_library``, set before each of them; CUDA only); an arm
+that names none runs the process's own.
 ``--kernels``: after the rounds, one profiled step per arm on a fresh forest: its launches, the
 CUDA memsets among them, its kernels' busy time and the host time before its first kernel.
 
@@ -41,15 +40,14 @@ from benchmarks.host_profile import add_setup_arguments, kernel_busy, script_par
 from dtree.bench.configs import parse_assignments
 from dtree.bench.measure import emit_report, host_timed_step
 from dtree.bench.report import environment
-from dtree.ops.swiglu import interface as swiglu_interface
 
 GIB = 2.0**30
 PLAN_KEYS = ("group_tokens", "checkpoint_layers", "path_checkpoint_layers", "keep_attention_outputs",
              "offload_checkpoints", "logprob_chunk", "predicted_total_gib")
 
 
-PROCESS_SETTINGS = ("blas", "swiglu_rows")  # arm keys that set the process up for the arm's steps (not runtime options)
-_DEFAULTS: dict = {"swiglu_rows": swiglu_interface.CONSUMING_CHUNK_ROWS}  # the process's own, for arms that name none
+PROCESS_SETTINGS = ("blas",)  # arm keys that set the process up for the arm's steps (not runtime options)
+_DEFAULTS: dict = {}  # the process's own settings, for arms that name none
 
 
 def parse_arm(text: str) -> dict:
@@ -62,13 +60,12 @@ def runtime_options(arm: dict) -> dict:
 
 
 def enter_arm(arm: dict, device: torch.device) -> None:
-    """Set the process up for one of ``arm``'s steps: its BLAS library (CUDA only) and the rows of a
-    re-run's SwiGLU backward chunks. A setting the arm does not name goes back to the process's own
-    (not the last arm's: session AE's arms without ``blas=`` ran on whichever library the arm before set)."""
+    """Set the process up for one of ``arm``'s steps: its BLAS library (CUDA only). An arm that names
+    none runs the process's own (not the last arm's: session AE's arms without ``blas=`` ran on
+    whichever library the arm before had set)."""
     if device.type == "cuda":
         _DEFAULTS.setdefault("blas", torch.backends.cuda.preferred_blas_library())
         torch.backends.cuda.preferred_blas_library(arm.get("blas", _DEFAULTS["blas"]))
-    swiglu_interface.CONSUMING_CHUNK_ROWS = int(arm.get("swiglu_rows", _DEFAULTS["swiglu_rows"]))
 
 
 def timed(runtime, forest, loss, model, device, empty_cache: bool = False) -> dict:
@@ -115,6 +112,7 @@ def interleaved(args) -> dict:
             "ratio": statistics.median(s["wall"] / f["wall"] for s, f in zip(steps[a], steps[0])),
             "peak_gib": max(s["peak_gib"] for s in steps[a]), "reserved_gib": max(s["reserved_gib"] for s in steps[a]),
             "plan": {"attention": "/".join(sorted({str(s["attention"]) for s in steps[a]})),
+                     "rerun_chunk_rows": "/".join(sorted({str(s.get("rerun_chunk_rows")) for s in steps[a]})),
                      **{k: plan.get(k) for k in PLAN_KEYS}},
         })
     if args.kernels:

@@ -6,12 +6,13 @@
 #
 #   PART=origins  benchmarks/kernel_origins.py (kernels and GPU time by kernel kind, launching op and autograd
 #                 node) on the 256k tree under memory=19.9 and by default, and on the 64k tree under memory=12.5;
-#   PART=swiglu   a checkpointed layer's SwiGLU backward in fewer, larger row chunks (4,096 rows now: ~5.7 chunks a
-#                 layer on the 256k tree's calls, each a dp matmul, a SiLU kernel, a weight-gradient matmul and
-#                 cuBLAS' memsets), interleaved on fresh forests (benchmarks/options_ab.py, arm key swiglu_rows):
-#                 the 256k tree under memory=19.9, the 64k tree under memory=12.5 and low; then session AE's cuBLAS
-#                 against cuBLASLt comparison again, its arms each naming their library (AE's arms without one
-#                 inherited the arm before's).
+#   PART=swiglu   (ran at d76b8b0, where options_ab's arm key swiglu_rows set the op's chunk rows; results in
+#                 swiglu/) a checkpointed layer's SwiGLU backward in fewer, larger row chunks;
+#   PART=rows     the re-run's chunk rows as the plan now sets them (rerun_chunk_rows: each call in one chunk, but
+#                 `low` in 4,096-row chunks): the GPU tests of the SwiGLU op and of checkpointed layers; on the 64k
+#                 tree interleaved (options_ab) memory=12.5 and low each with the other rows; then in one process
+#                 (dtree bench) tree-mask:whole+ckpt with its 4,096-row chunks and with 32,768-row ones against
+#                 memory=12.5 and low (PART=rows256: the same on the 256k tree against memory=19.9).
 #
 #     PART=origins bash benchmarks/session_af_gpu.sh           # reports in $OUT (default /tmp/dtree_session_af)
 #     SMOKE=1 PART=origins bash benchmarks/session_af_gpu.sh   # CPU, tiny model: plumbing only
@@ -19,9 +20,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_af}
 PART=${PART:-origins}
-source benchmarks/bench_cases.sh  # script, SMOKE_FLAG
+source benchmarks/bench_cases.sh  # AGENTIC64K, bench, script, gpu_tests, SMOKE_FLAG
 AT_MASK=${AT_MASK:-12.5} HALF=${HALF:-19.9}
 [ -n "$SMOKE_FLAG" ] && AT_MASK=4 HALF=4
+AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
+[ -n "$SMOKE_FLAG" ] && AGENTIC256K=$AGENTIC64K
 
 case "$PART" in
   origins)
@@ -29,16 +32,18 @@ case "$PART" in
     script kernel_origins 200 --workload agentic256k --tag default --top 80
     script kernel_origins 120 --workload agentic64k --opt memory=$AT_MASK --tag at_mask --top 80
     ;;
-  swiglu)
-    BIG=16384 BIGGER=32768
-    [ -n "$SMOKE_FLAG" ] && BIG=64 BIGGER=128
-    script options_ab 330 --workload agentic256k --arm memory=$HALF --arm memory=$HALF,swiglu_rows=$BIG \
-      --arm memory=$HALF,swiglu_rows=$BIGGER --rounds 3 --warmup 1 --tag swiglu256
-    script options_ab 240 --workload agentic64k --arm memory=$AT_MASK --arm memory=$AT_MASK,swiglu_rows=$BIG \
-      --arm memory=low --arm memory=low,swiglu_rows=$BIG --rounds 4 --warmup 1 --tag swiglu64
-    script options_ab 240 --workload agentic64k --arm memory=$AT_MASK,blas=cublas --arm memory=$AT_MASK,blas=cublaslt \
-      --rounds 4 --warmup 1 --kernels --tag blas
+  rows)
+    [ -n "${SKIP_TESTS:-}" ] || gpu_tests gpu_tests_rows.txt 200 "swiglu or rerun or chunk" \
+      tests/test_swiglu.py tests/test_checkpoint_layers.py tests/test_baselines.py
+    script options_ab 240 --workload agentic64k --arm memory=$AT_MASK --arm memory=$AT_MASK,rerun_chunk_rows=4096 \
+      --arm memory=low --arm memory=low,rerun_chunk_rows=0 --rounds 4 --warmup 1 --tag rows64
+    bench at_mask64k 300 $AGENTIC64K --steps 5 --configs \
+      "tree-mask:whole+ckpt,tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$AT_MASK,dtree:low"
     ;;
-  *) echo "PART must be origins or swiglu"; exit 2 ;;
+  rows256)
+    bench half256k 560 $AGENTIC256K --steps 4 --configs \
+      "tree-mask:whole+ckpt,tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$HALF"
+    ;;
+  *) echo "PART must be origins, rows or rows256"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -142,6 +142,37 @@ def test_random_forests(batch, data):
 
 
 # ----------------------------------------------------------------------------- micro-batch plans
+@pytest.mark.parametrize("rows", [None, 0, 3])
+def test_checkpointed_baselines_run_the_rerun_in_their_chunk_rows(monkeypatch, rows):
+    """``checkpoint=True`` with ``rerun_chunk_rows``: the re-run's SwiGLU backward takes the rows given
+    (None: the op's own, monkeypatched to 4 here; 0: each micro-batch in one chunk) and the gradients
+    stay exact."""
+    from dtree.ops.swiglu import interface as swiglu
+
+    monkeypatch.setattr(swiglu, "CONSUMING_CHUNK_ROWS", 4)
+    chunks = []
+    original = swiglu._backward_in_place
+    monkeypatch.setattr(swiglu, "_backward_in_place", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
+    from dtree.models.lean_layers import apply_lean_layers
+
+    model = make_model("qwen2")
+    ref_model = copy.deepcopy(model)  # HF's own layers
+    ref_loss, _ = linearized_step(ref_model, ALL_EDGE_SEQS, None, "nll", "token_mean")
+    forest = dtree.Forest.from_sequences(ALL_EDGE_SEQS)
+    results = {}
+    for name in ("tree-mask", "linearized"):
+        m = copy.deepcopy(model)
+        apply_lean_layers(m)
+        method = make_method(name, m, checkpoint=True, rerun_chunk_rows=rows)
+        out = method.forward_backward(forest, make_loss("nll", "token_mean"))
+        results[name] = (out, grad_errors(m, ref_model))
+    assert_all_exact(ref_loss, results)
+    if rows is None or rows:
+        assert chunks and max(chunks) == (rows or 4)
+    else:
+        assert chunks and max(chunks) > 4  # whole micro-batches
+
+
 def test_pack_in_order():
     assert pack_in_order(np.array([4, 3, 5, 2]), 7) == [(0, 2), (2, 4)]
     assert pack_in_order(np.array([4, 3, 5, 2]), 3) == [(0, 1), (1, 2), (2, 3), (3, 4)]  # 4 and 5 run alone
@@ -249,6 +280,9 @@ def test_bad_arguments():
         LinearizedTrainer(model, max_tokens_per_batch=0)
     with pytest.raises(ValueError, match="max_tokens_per_batch must be None or >= 1"):
         TreeMaskTrainer(model, max_tokens_per_batch=0)
+    for bad in (-1, True):
+        with pytest.raises(ValueError, match="rerun_chunk_rows must be None or >= 0"):
+            TreeMaskTrainer(model, checkpoint=True, rerun_chunk_rows=bad)
     with pytest.raises(ValueError, match="attention must be 'auto' or one of"):
         LinearizedTrainer(model, attention="flex")
     with pytest.raises(ValueError, match="attention must be 'auto' or one of"):

@@ -252,19 +252,45 @@ def test_the_rerun_skips_the_mlp_down_projection_and_stays_exact(monkeypatch, ar
     assert in_reruns > 0 and len(products[False]) - len(products[True]) == in_reruns
 
 
-@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("rows", [1, 5, 0])
 def test_the_rerun_backward_in_row_chunks_stays_exact(monkeypatch, rows):
     """The re-run's MLP backward in row chunks (gradients written over the re-run's gate
     and up, the down projection's weight gradient summed over chunks) gives HF's gradients
-    per path; every call here is longer than a chunk."""
+    per path; every call here is longer than a chunk. ``rerun_chunk_rows=0``: each call's in one."""
     from dtree.ops.swiglu import interface as swiglu
 
     chunks = []
     original = swiglu._backward_in_place
-    monkeypatch.setattr(swiglu, "CONSUMING_CHUNK_ROWS", rows)
     monkeypatch.setattr(swiglu, "_backward_in_place", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
     model = make_model("qwen2", tied=True)
     ref_model, ref_loss = reference(model)
-    out, tree_model = run_dtree(model, checkpoint_layers=True, mode="recompute", group_tokens=16)
+    out, tree_model = run_dtree(model, checkpoint_layers=True, mode="recompute", group_tokens=16, rerun_chunk_rows=rows)
     assert_exact(tree_model, ref_model, out, ref_loss)
-    assert chunks and max(chunks) == rows
+    assert out.metrics["rerun_chunk_rows"] == rows
+    if rows:
+        assert chunks and max(chunks) == rows
+        return
+    from setups import CHUNK
+
+    from dtree.plan.schedule import build_schedule
+
+    calls = {g.num_tokens for g in build_schedule(dtree.Forest.from_sequences(SEQS), CHUNK, 16).groups}
+    assert chunks and set(chunks) <= calls and max(chunks) == max(calls) > 5  # each call in one chunk
+
+
+def test_the_rerun_chunk_rows_follow_the_memory_setting():
+    """A re-run's SwiGLU backward runs each call in one chunk, as the memory probe prices it, but under
+    ``memory="low"`` in :data:`~dtree.plan.memory_policy.LOW_RERUN_CHUNK_ROWS`-row chunks; the
+    runtime's ``rerun_chunk_rows`` overrides both, and a bad value is refused by name."""
+    from dtree.plan.memory_policy import LOW_RERUN_CHUNK_ROWS, rerun_chunk_rows
+
+    assert (rerun_chunk_rows("auto", None), rerun_chunk_rows(12.5, None)) == (0, 0)
+    assert rerun_chunk_rows("low", None) == LOW_RERUN_CHUNK_ROWS == 4096
+    assert (rerun_chunk_rows("low", 0), rerun_chunk_rows("auto", 512)) == (0, 512)
+    model = make_model("qwen2")
+    for options, want in (({}, 0), ({"memory": "low"}, 4096), ({"memory": "low", "rerun_chunk_rows": 7}, 7)):
+        out, _ = run_dtree(model, checkpoint_layers=True, group_tokens=16, **options)
+        assert out.metrics["rerun_chunk_rows"] == want, options
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match="rerun_chunk_rows"):
+            dtree.TreeRuntime(model, rerun_chunk_rows=bad)

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from benchmarks.gpu_gaps import step_gaps
 
@@ -136,25 +137,26 @@ def test_options_ab_times_every_arm_on_every_forest_on_cpu(tmp_path):
     assert bad.returncode == 2 and "give two or more --arm" in bad.stderr
 
 
-def test_an_arms_process_settings_hold_for_its_steps_only():
-    """``options_ab.enter_arm``: an arm's ``swiglu_rows`` sets the re-run's SwiGLU chunk rows for its steps,
-    and the next arm, which names none, runs the process's own again (not the last arm's); the arm's
-    runtime options leave the process settings out."""
-    import torch
-
+def test_an_arm_that_names_no_blas_library_runs_the_processs_own():
+    """``options_ab.enter_arm``: an arm's ``blas`` sets the library for its steps, and the next arm,
+    which names none, runs the process's own again (not the last arm's); an arm's runtime options
+    leave the process settings out."""
     from benchmarks.options_ab import enter_arm, parse_arm, runtime_options
-    from dtree.ops.swiglu import interface
 
-    own = interface.CONSUMING_CHUNK_ROWS
+    arm = parse_arm("memory=low,blas=cublaslt,rerun_chunk_rows=0")
+    assert runtime_options(arm) == {"memory": "low", "rerun_chunk_rows": 0}
+    if not torch.cuda.is_available():
+        enter_arm(arm, torch.device("cpu"))  # no library to set off CUDA
+        return
+    own = torch.backends.cuda.preferred_blas_library()
     try:
-        arm = parse_arm("memory=low,swiglu_rows=64")
-        assert runtime_options(arm) == {"memory": "low"}
-        enter_arm(arm, torch.device("cpu"))
-        assert interface.CONSUMING_CHUNK_ROWS == 64
-        enter_arm(parse_arm("memory=low"), torch.device("cpu"))
-        assert interface.CONSUMING_CHUNK_ROWS == own
+        enter_arm(arm, torch.device("cuda"))
+        assert torch.backends.cuda.preferred_blas_library() == torch._C._BlasBackend.Cublaslt
+        enter_arm(parse_arm("memory=low"), torch.device("cuda"))
+        assert torch.backends.cuda.preferred_blas_library() == own
     finally:
-        interface.CONSUMING_CHUNK_ROWS = own
+        torch.backends.cuda.preferred_blas_library(own)
+
 
 def test_every_workload_has_a_smoke_form_and_its_size():
     """``benchmarks/host_profile.py``'s workloads: each has a ``--smoke`` form, and the agentic

@@ -105,7 +105,7 @@ def test_keeps_gate_up_and_weight_only():
     assert sum(t.numel() for t in hf if t.shape == gate.shape) == 4 * gate.numel()
 
 
-def _consumed_grads(gate, up, w, b, dy):
+def _consumed_grads(gate, up, w, b, dy, chunk_rows=None):
     """Grads through ``swiglu_down(output_unused=True)`` (a re-run's form, whose backward
     writes over its gate and up: they are made here, as a re-run makes them) and the
     addresses of the gate and up it was given and of their gradients."""
@@ -114,7 +114,7 @@ def _consumed_grads(gate, up, w, b, dy):
     seen = {"gate": g_in.data_ptr(), "up": u_in.data_ptr()}
     g_in.register_hook(lambda g: seen.__setitem__("dgate", g.data_ptr()))
     u_in.register_hook(lambda g: seen.__setitem__("dup", g.data_ptr()))
-    y = sw.swiglu_down(g_in, u_in, leaves[2], leaves[3], output_unused=True)
+    y = sw.swiglu_down(g_in, u_in, leaves[2], leaves[3], output_unused=True, chunk_rows=chunk_rows)
     assert not y.any()
     y.backward(dy)
     return [t.grad if t is not None else None for t in leaves], seen
@@ -138,6 +138,28 @@ def test_consuming_backward_matches(rows, dtype, monkeypatch):
     gate, up, w, _, dy = _inputs((0, 8), 4, dtype)
     got, _ = _consumed_grads(gate, up, w, None, dy)
     assert got[0].shape == gate.shape and got[2].shape == w.shape and not got[2].any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_consuming_backward_takes_the_callers_chunk_rows(dtype, monkeypatch):
+    """``chunk_rows`` (a re-run's, :func:`dtree.ops.rerun.rerun_chunk_rows`) over the op's own rows:
+    0 runs every row in one chunk (the same bits as the backward that consumes nothing), 5 in chunks
+    of 5; a negative count is refused by name."""
+    monkeypatch.setattr(sw, "CONSUMING_CHUNK_ROWS", 3)
+    chunks = []
+    original = sw._backward_in_place
+    monkeypatch.setattr(sw, "_backward_in_place", lambda *a: chunks.append(a[0].shape[0]) or original(*a))
+    gate, up, w, b, dy = _inputs((2, 19, 60), 24, dtype)
+    want = _grads(sw.swiglu_down, gate, up, w, b, dy=dy)[1:]
+    got, _ = _consumed_grads(gate, up, w, b, dy, chunk_rows=0)
+    assert chunks == [38] and all(torch.equal(a, e) for a, e in zip(got, want))
+    chunks.clear()
+    got, _ = _consumed_grads(gate, up, w, b, dy, chunk_rows=5)
+    assert chunks == [5] * 7 + [3]
+    for a, e in zip(got, want):
+        torch.testing.assert_close(a, e, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="chunk_rows must be None or >= 0"):
+        sw.swiglu_down(gate, up, w, b, output_unused=True, chunk_rows=-1)
 
 
 def test_bad_shapes():

@@ -149,14 +149,17 @@ class MicroBatchTrainer:
     """
 
     def __init__(self, model: torch.nn.Module, logprob_chunk: int, checkpoint: bool = False,
-                 grad_guard: bool | str = True) -> None:
+                 grad_guard: bool | str = True, rerun_chunk_rows: int | None = None) -> None:
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
+        if rerun_chunk_rows is not None and (isinstance(rerun_chunk_rows, bool) or rerun_chunk_rows < 0):
+            raise ValueError(f"rerun_chunk_rows must be None or >= 0, got {rerun_chunk_rows!r}")
         self.module = model
         self.model: TreeModule = adapt(model)
         self.spec = self.model.dtree_spec()
         self.logprob_chunk = logprob_chunk
         self.checkpoint = bool(checkpoint)
+        self.rerun_chunk_rows = rerun_chunk_rows
         check_grad_guard(grad_guard)
         self.grad_guard = grad_guard
         if self.checkpoint:
@@ -270,7 +273,8 @@ class MicroBatchTrainer:
         for call, dev in zip(calls, uploaded):
             with torch.enable_grad(), scope() if scope is not None else contextlib.nullcontext():
                 attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
-                with checkpointed_layers(self.module) if self.checkpoint else contextlib.nullcontext():
+                with (checkpointed_layers(self.module, rerun_chunk_rows=self.rerun_chunk_rows) if self.checkpoint
+                      else contextlib.nullcontext()):
                     hidden = self.model.dtree_hidden_states(dev["input_ids"], dev["position_ids"], attend)  # [T, H]
                 split = HeadSplit(hidden, dev["pred_hidden_row"])
                 del hidden  # [T, H]: the head reads the gathered rows; not held through backward

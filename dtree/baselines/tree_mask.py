@@ -108,6 +108,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
             :mod:`dtree.models.checkpointing`): activation memory falls to one
             ``[T, hidden]`` input per layer plus one layer's internals, for about one
             extra forward.
+        rerun_chunk_rows: with ``checkpoint``, the rows per chunk of a re-run layer's SwiGLU
+            backward (:func:`dtree.ops.swiglu.swiglu_down`; 0: the whole micro-batch at once,
+            None: the op's own, 4,096).
         grad_guard: a failed step leaves ``param.grad`` as it was (as the runtime's
             option, :mod:`dtree.engine.grad_guard`; ``"host"``: the old gradients kept in
             pinned host memory); False accumulates in place, as the
@@ -123,8 +126,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
         logprob_chunk: int = 4096,
         checkpoint: bool = False,
         grad_guard: bool | str = True,
+        rerun_chunk_rows: int | None = None,
     ) -> None:
-        super().__init__(model, logprob_chunk, checkpoint, grad_guard)
+        super().__init__(model, logprob_chunk, checkpoint, grad_guard, rerun_chunk_rows)
         if self.spec.recurrent_states:
             raise ValueError(
                 f"{self.spec.name} has recurrent layers (layers {list(self.spec.recurrent_layers)}): tree-mask training "

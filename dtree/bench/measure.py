@@ -224,7 +224,8 @@ def host_timed_step(runtime, forest, loss, model: torch.nn.Module, device: torch
     sync_device(device)
     return {"wall": time.perf_counter() - w0, "main_cpu": time.thread_time() - t0,
             "process_cpu": time.process_time() - p0, "calls": out.num_model_calls,
-            "attention": out.metrics.get("attention")}
+            "attention": out.metrics.get("attention"),
+            "rerun_chunk_rows": out.metrics.get("rerun_chunk_rows")}
 
 
 def median_ms(fn, device: torch.device, reps: int) -> float:

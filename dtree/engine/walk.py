@@ -134,7 +134,8 @@ class TreeWalk:
         """The step's checkpointed layer wrappers (built at the first call that checkpoints)."""
         if self._layer_checkpointing is None:
             self._layer_checkpointing = LayerCheckpointing(
-                self.plan.checkpoint_root, self.plan.keep_attention_outputs, self.plan.offload_checkpoints)
+                self.plan.checkpoint_root, self.plan.keep_attention_outputs, self.plan.offload_checkpoints,
+                self.plan.rerun_chunk_rows)
         return self._layer_checkpointing
 
     def events(self):
@@ -277,7 +278,8 @@ class TreeWalk:
         metrics = {
             "mode": plan.mode, "attention": plan.attention, "recurrence": plan.recurrence,
             "groups": self.sched.num_groups, "group_tokens": self.sched.group_tokens,
-            "recomputed_tokens": recomputed, "kv_window": plan.kv_window, "memory_plan": plan.memory.describe(),
+            "recomputed_tokens": recomputed, "kv_window": plan.kv_window, "rerun_chunk_rows": plan.rerun_chunk_rows,
+            "memory_plan": plan.memory.describe(),
         }
         return WalkOutput(total, term_log, calls, peak, self.sched.stack_tokens, metrics)
 

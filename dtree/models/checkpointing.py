@@ -118,28 +118,31 @@ class CheckpointedLayer(torch.nn.Module):
     its own checkpoints re-run inside ours, which that form nests). ``host``: the
     :class:`~dtree.models.host_checkpoints.HostCheckpoints` group the layer's input waits in
     (None: on the device); :class:`LayerCheckpointing` sets one per model call.
+    ``rerun_chunk_rows``: the rows per chunk of the re-run's SwiGLU backward
+    (:func:`dtree.ops.rerun.rerun_chunk_rows`; 0: the whole call at once, None: the op's own).
     """
 
     def __init__(self, layer: torch.nn.Module, configs: list[Any], keep_attention_outputs: bool = False,
-                 torch_checkpoint: bool = False) -> None:
+                 torch_checkpoint: bool = False, rerun_chunk_rows: int | None = None) -> None:
         super().__init__()
         self.layer = layer
         self._configs = configs
         self._keep_attention_outputs = keep_attention_outputs
         self._torch_checkpoint = torch_checkpoint
+        self._rerun_chunk_rows = rerun_chunk_rows
         self.host: HostCheckpoints | None = None
 
     def forward(self, *args, **kwargs):
         saved = [(config, config._attn_implementation) for config in self._configs]
         context = contextvars.copy_context()  # the active dtree model call, for the recompute
-        layer = self.layer
+        layer, rows = self.layer, self._rerun_chunk_rows
         memo = OutputMemo(self.host) if self._keep_attention_outputs else None
         runs = [0]  # the first run is the forward, every later one a re-run
 
         def call(*a, **kw):
             rerun = runs[0] > 0
             runs[0] += 1
-            with _attention_implementations(saved), rerun_scope() if rerun else contextlib.nullcontext():
+            with _attention_implementations(saved), rerun_scope(rows) if rerun else contextlib.nullcontext():
                 if memo is None:
                     return layer(*a, **kw)
                 with memo.replaying_scope() if rerun else memo.recording():
@@ -171,15 +174,17 @@ class LayerCheckpointing:
     module per layer) cost ~2.5 ms of host time per call on an H100 host."""
 
     def __init__(self, model: torch.nn.Module, keep_attention_outputs: bool = False,
-                 inputs_on_host: bool = False) -> None:
+                 inputs_on_host: bool = False, rerun_chunk_rows: int | None = None) -> None:
         self.layers = decoder_layers(model)
         self._model, self._keep, self._on_host = model, keep_attention_outputs, inputs_on_host
+        self._rows = rerun_chunk_rows
         self._wrappers: list[CheckpointedLayer] | None = None
 
     def _built(self) -> list[CheckpointedLayer]:
         if self._wrappers is None:
             configs, hf_checkpointing = _attention_configs(self._model)
-            self._wrappers = [CheckpointedLayer(layer, configs, self._keep, hf_checkpointing) for layer in self.layers]
+            self._wrappers = [CheckpointedLayer(layer, configs, self._keep, hf_checkpointing, self._rows)
+                              for layer in self.layers]
         return self._wrappers
 
     @contextlib.contextmanager
@@ -208,7 +213,8 @@ class LayerCheckpointing:
 
 @contextlib.contextmanager
 def checkpointed_layers(
-    model: torch.nn.Module, count: int | None = None, keep_attention_outputs: bool = False
+    model: torch.nn.Module, count: int | None = None, keep_attention_outputs: bool = False,
+    rerun_chunk_rows: int | None = None,
 ) -> Iterator[None]:
     """While the block runs, the first ``count`` decoder layers of ``model`` (see
     :func:`decoder_layers`; None: all of them) are checkpointed: their forward keeps
@@ -219,6 +225,8 @@ def checkpointed_layers(
     good as any. One :class:`LayerCheckpointing` for this block (a caller that swaps the
     layers per call keeps one instead).
 
+    ``rerun_chunk_rows``: the re-runs' SwiGLU backward chunks (:class:`CheckpointedLayer`).
+
     Nested use is a no-op (the layers are wrapped once)."""
-    with LayerCheckpointing(model, keep_attention_outputs).applied(count):
+    with LayerCheckpointing(model, keep_attention_outputs, rerun_chunk_rows=rerun_chunk_rows).applied(count):
         yield

@@ -58,7 +58,7 @@ import torch
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import RotaryFunction
 from ..ops.rotary.interface import rotary_supported
-from ..ops.rerun import in_rerun
+from ..ops.rerun import in_rerun, rerun_chunk_rows
 from ..ops.shared_input_linear import shared_input_linear
 from ..ops.swiglu import silu_mul, swiglu_down
 from .plain_linear import is_plain_linear
@@ -108,7 +108,8 @@ def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
     if is_plain_linear(down):
-        return swiglu_down(gate, up, down.weight, down.bias, output_unused=in_rerun())  # only the residual add reads it
+        # in a re-run only the residual add reads the output
+        return swiglu_down(gate, up, down.weight, down.bias, output_unused=in_rerun(), chunk_rows=rerun_chunk_rows())
     return down(silu_mul(gate, up))
 
 

@@ -96,6 +96,7 @@ import torch
 
 from ..config import MEMORY_SETTINGS as SETTINGS
 from ..models.protocol import ModelSpec
+from ..ops.swiglu.interface import CONSUMING_CHUNK_ROWS
 from .memory_model import (
     RECOMPUTE,
     MemoryPlan,
@@ -117,7 +118,8 @@ from .plan_candidates import KnobGrid, Knobs, candidate, candidate_scores, choos
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "StepShape", "SETTINGS", "available_bytes", "call_budgets", "cheaper_than_offload",
     "head_bytes",
-    "layer_activation_bytes", "layer_input_bytes", "step_grad_bytes", "plan_step", "stack_slot_bytes",
+    "layer_activation_bytes", "layer_input_bytes", "rerun_chunk_rows", "step_grad_bytes", "plan_step",
+    "stack_slot_bytes",
     "state_slot_bytes",
 ]
 
@@ -136,6 +138,9 @@ DEFAULT_LOGPROB_CHUNK = 4096
 LOW_GROUP_TOKENS = 8192
 LOW_GROUP_TOKENS_OFFLOADED = 12288  # with the layer inputs on the host a call's size costs little memory
 LOW_LOGPROB_CHUNK = 512
+# memory="low": a re-run's SwiGLU backward in chunks of this many rows (its leanest); other plans run
+# each call's in one chunk, as the memory probe measures it (its 128- and 384-token calls are one chunk)
+LOW_RERUN_CHUNK_ROWS = CONSUMING_CHUNK_ROWS
 # What the offload's copies cost a capped step, as a share of its predicted time (the time model
 # itself prices them at nothing): a margin, not a measured cost. Session W fitted 0.12 when the
 # outputs' copies were not yet overlapped and the time model priced a recomputed path on the trie's
@@ -333,6 +338,17 @@ def _setting_label(setting: str | float) -> str:
 def _options(fixed, choices) -> tuple:
     """What the planner tries for one knob: the user's value, or every choice."""
     return (fixed,) if fixed is not None else choices
+
+
+def rerun_chunk_rows(setting: str | float, fixed: int | None) -> int:
+    """The rows per chunk of a checkpointed layer's SwiGLU backward in its re-run: ``fixed``
+    (``RuntimeConfig.rerun_chunk_rows``) when given; else the whole call (0), what the memory probe
+    prices per token; under ``memory="low"``, :data:`LOW_RERUN_CHUNK_ROWS`. With 4,096-row chunks
+    the capped 64k step ran 2.5% slower at the same peak (session AF): each chunk's weight
+    gradient is a matmul of 4,096-deep sums whose float32 total is read and written per chunk."""
+    if fixed is not None:
+        return fixed
+    return LOW_RERUN_CHUNK_ROWS if setting == "low" else 0
 
 
 def call_budgets(fixed: int | None, unique_tokens: int) -> tuple[int, ...]:

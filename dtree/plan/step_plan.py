@@ -226,7 +226,8 @@ class StepPlan:
     without children and in recomputed groups' re-runs, ``path_checkpoint_layers`` in
     retained groups with children, ``keep_attention_outputs``: whether those
     checkpointed layers keep their attention outputs for the re-run, ``offload_checkpoints``:
-    whether their inputs wait in pinned host memory; ``randomness``: every group runs under its own RNG
+    whether their inputs wait in pinned host memory, ``rerun_chunk_rows``: the rows per chunk of their
+    re-runs' SwiGLU backward (0: the whole call); ``randomness``: every group runs under its own RNG
     seed (a module is in training mode, :mod:`dtree.device.rng`); ``state_grads``: per layer,
     whether its states' stack reads take gradients (None: all)."""
 
@@ -256,6 +257,7 @@ class StepPlan:
     deterministic: bool
     state_grads: tuple[bool, ...] | None
     kv_window: bool = False  # leaf calls run in the stacks' KV window (dtree.ops.stack_ops.kv_window)
+    rerun_chunk_rows: int = 0
 
 
 class StepPlanner:
@@ -417,6 +419,7 @@ class StepPlanner:
             path_checkpoint_layers=max(0, memory.path_checkpoint_layers) if root is not None else 0,
             keep_attention_outputs=memory.keep_attention_outputs and root is not None,
             offload_checkpoints=memory.offload_checkpoints and root is not None,
+            rerun_chunk_rows=memory_policy.rerun_chunk_rows(self.config.memory, self.config.rerun_chunk_rows),
             progress=self.config.progress, deterministic=self.deterministic, kv_window=sizes.window > 0,
             state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )

@@ -142,12 +142,15 @@ def _consumable(dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool
 
 
 def _consuming_backward(
-    dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, need_w: bool
+    dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, need_w: bool,
+    chunk_rows: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dgate, dup, dweight) with dgate and dup written over ``gate`` and ``up``
-    (contiguous, [..., I]); ``dy2`` [T, H]. Rows in chunks (see the module docstring)."""
+    (contiguous, [..., I]); ``dy2`` [T, H]. Rows in chunks of ``chunk_rows`` (0: one chunk;
+    None: :data:`CONSUMING_CHUNK_ROWS`; see the module docstring)."""
     g2, u2 = gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
-    rows, total = CONSUMING_CHUNK_ROWS, g2.shape[0]
+    total = g2.shape[0]
+    rows = CONSUMING_CHUNK_ROWS if chunk_rows is None else (chunk_rows or max(1, total))
     w = weight.to(dy2.dtype)
     buffer = g2.new_empty((min(rows, total), g2.shape[1]))
     dw = None
@@ -215,10 +218,11 @@ class SwiGLUDownFunction(torch.autograd.Function):
     the product is recomputed in backward (for ``weight``'s gradient)."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, output_unused: bool = False):
+    def forward(ctx, gate, up, weight, bias, output_unused: bool = False, chunk_rows: int | None = None):
         ctx.save_for_backward(gate, up, weight)
         ctx.has_bias = bias is not None
         ctx.consume_inputs = output_unused  # a re-run's gate and up: only this backward reads them
+        ctx.chunk_rows = chunk_rows
         if output_unused:  # a checkpointed layer's re-run (dtree.ops.rerun): only the saved tensors count
             return gate.new_zeros(()).expand(*gate.shape[:-1], weight.shape[0])
         return F.linear(_forward(gate, up), weight, bias)
@@ -232,8 +236,8 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if need_b and ctx.has_bias:
             db = dy2.sum(0)
         if ctx.consume_inputs and (need_gate or need_up) and _consumable(dy2, gate, up):
-            dgate, dup, dw = _consuming_backward(dy2, gate, up, weight, need_w)
-            return (dgate if need_gate else None), (dup if need_up else None), dw, db, None
+            dgate, dup, dw = _consuming_backward(dy2, gate, up, weight, need_w, ctx.chunk_rows)
+            return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None
         product = None
         if need_w:
             product = _forward(gate, up)
@@ -241,7 +245,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)
-        return (dgate if need_gate else None), (dup if need_up else None), dw, db, None
+        return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -253,16 +257,19 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_down(
     gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    output_unused: bool = False,
+    output_unused: bool = False, chunk_rows: int | None = None,
 ) -> torch.Tensor:
     """``linear(silu(gate) * up, weight, bias)``: gate, up [..., I], weight [H, I], bias
     [H] or None -> [..., H]; keeps gate, up and the weight only. ``output_unused``: the
     caller drops the output (a checkpointed layer's re-run, :mod:`dtree.ops.rerun`):
     the same saved tensors, a zero view returned, no matmul; and ``gate`` and ``up``
     belong to this op's backward, which writes their gradients over them (pass no
-    tensor anything else reads later)."""
+    tensor anything else reads later), ``chunk_rows`` rows at a time (0: all at once;
+    None: :data:`CONSUMING_CHUNK_ROWS`)."""
+    if chunk_rows is not None and chunk_rows < 0:
+        raise ValueError(f"swiglu_down: chunk_rows must be None or >= 0, got {chunk_rows}")
     if gate.shape != up.shape or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
         raise ValueError(
             f"swiglu_down: gate {tuple(gate.shape)}, up {tuple(up.shape)} and weight {tuple(weight.shape)} do not match"
         )
-    return SwiGLUDownFunction.apply(gate, up, weight, bias, output_unused)
+    return SwiGLUDownFunction.apply(gate, up, weight, bias, output_unused, chunk_rows)
