@@ -32,6 +32,7 @@ node shorter than the convolution windows), a seeded subset by default, all unde
 from __future__ import annotations
 
 import copy
+import os
 import random
 import re
 import warnings
@@ -259,15 +260,25 @@ def test_named_family_one_segment_per_call(name):
     run_family(name, group_tokens=0)
 
 
-@pytest.mark.slow
+SWEEP_SETTINGS = {
+    "default": {}, "calls": {"group_tokens": 0}, "recompute": {"mode": "recompute"},
+    "checkpoint_layers": {"checkpoint_layers": True, "group_tokens": 8},
+}
+_SWEEP_CASES = [(n, k) for n in sorted(n for n in EXPECTED if expected_outcome(n) == EXACT and n in FAMILIES)
+                for k in SWEEP_SETTINGS]
+# By default a seeded sample (DTREE_TEST_SEED, default 0) and the cases that once failed: Gemma 3n's KV-shared
+# layers under layer checkpointing lost the shared keys' and values' gradients from 813ed54 to session AF
+# (dtree's recompute ran the layer that stores them with grad off); `-m slow` runs them all.
+_SWEEP_DEFAULT = set(random.Random(int(os.environ.get("DTREE_TEST_SEED", "0"))).sample(_SWEEP_CASES, 6)) | {
+    ("gemma3n_text:kv_shared", "checkpoint_layers")}
+
+
 @pytest.mark.parametrize(
-    "settings",
-    [{}, {"group_tokens": 0}, {"mode": "recompute"}, {"checkpoint_layers": True, "group_tokens": 8}],
-    ids=["default", "calls", "recompute", "checkpoint_layers"],
+    ("name", "setting"),
+    [pytest.param(n, k, marks=() if (n, k) in _SWEEP_DEFAULT else pytest.mark.slow) for n, k in _SWEEP_CASES],
 )
-@pytest.mark.parametrize("name", sorted(n for n in EXPECTED if expected_outcome(n) == EXACT and n in FAMILIES))
-def test_exact_family_sweep(name, settings):
-    run_family(name, chunk_size=3, **settings)
+def test_exact_family_sweep(name, setting):
+    run_family(name, chunk_size=3, **SWEEP_SETTINGS[setting])
 
 
 # The recurrent hybrids in every memory plan, on branching_forest: node-by-node calls

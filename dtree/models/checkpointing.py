@@ -38,6 +38,12 @@ The re-run runs in :func:`dtree.ops.rerun.rerun_scope`: ops whose output value n
 of the layer reads may skip their work there (the lean MLP's down projection: its output
 only enters the residual add, whose backward reads no values).
 
+A model whose layers hand tensors to later layers outside their arguments (Gemma 3n's KV-shared
+layers read the keys and values an earlier layer left in ``shared_kv_states``) runs under
+``torch.utils.checkpoint``'s non-reentrant form instead: dtree's recompute runs a layer's forward
+with grad off, so what it leaves there carries no graph, and the later layers' gradients for those
+keys and values would not reach the earlier layer (:func:`_shares_tensors_across_layers`).
+
 The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
 for the duration of the block (the wrapper calls the layer itself, so a
 ``torch.compile``-d layer stays compiled inside the checkpoint), and restored after.
@@ -89,6 +95,13 @@ def _attention_configs(model: torch.nn.Module) -> tuple[list[Any], bool]:
         flag = module.__dict__.get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False))
         hf_checkpointing = hf_checkpointing or (flag is True and module.training)
     return list(found.values()), hf_checkpointing
+
+
+def _shares_tensors_across_layers(model: torch.nn.Module) -> bool:
+    """Whether a layer of ``model`` reads tensors an earlier layer computed, outside the layers'
+    arguments: a KV-shared attention layer (Gemma 3n's ``is_kv_shared_layer``, which reads the keys
+    and values the last layer of its type before the sharing point stored)."""
+    return any(module.__dict__.get("is_kv_shared_layer") is True for module in model.modules())
 
 
 @contextlib.contextmanager
@@ -183,7 +196,8 @@ class LayerCheckpointing:
     def _built(self) -> list[CheckpointedLayer]:
         if self._wrappers is None:
             configs, hf_checkpointing = _attention_configs(self._model)
-            self._wrappers = [CheckpointedLayer(layer, configs, self._keep, hf_checkpointing, self._rows)
+            graph_in_forward = hf_checkpointing or _shares_tensors_across_layers(self._model)
+            self._wrappers = [CheckpointedLayer(layer, configs, self._keep, graph_in_forward, self._rows)
                               for layer in self.layers]
         return self._wrappers
 
