@@ -175,6 +175,15 @@ def mutated_batches(draw, first: str) -> Case:
     return case
 
 
+def _ndim(seq) -> int | None:
+    """``np.ndim`` of a sequence, or None for a ragged one (a junk token an earlier mutation put in:
+    ``[array([1, 2]), 0]``), which numpy cannot shape."""
+    try:
+        return np.ndim(seq)
+    except ValueError:
+        return None
+
+
 def _mutate(draw, case: Case, kind: str) -> None:
     seqs = case.sequences
     if "top" in case.broken or not isinstance(seqs, list) or not seqs:  # already a junk top-level value
@@ -182,7 +191,7 @@ def _mutate(draw, case: Case, kind: str) -> None:
     i = draw(st.integers(0, len(seqs) - 1))
     if kind == "token":
         seq = seqs[i]
-        if not isinstance(seq, (list, tuple, np.ndarray, torch.Tensor)) or np.ndim(seq) != 1 or not len(seq):
+        if not isinstance(seq, (list, tuple, np.ndarray, torch.Tensor)) or _ndim(seq) != 1 or not len(seq):
             return  # already junk from an earlier mutation
         seq = list(seqs[i])
         seq[draw(st.integers(0, len(seq) - 1))] = draw(st.sampled_from(JUNK_TOKENS))

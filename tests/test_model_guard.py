@@ -199,13 +199,14 @@ def test_state_space_model_refused_at_construction():
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["gptj", "bloom"])
 def test_adapters_inside_compiled_layers(family):
-    """compile=True compiles the decoder layers around an adapter (its attention call
+    """``dtree.compile_layers`` compiles the decoder layers around an adapter (its attention call
     breaks the graph, as the registered function does): still exact."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(small_config(family)).eval()
     ref = copy.deepcopy(model)
     linearized_step(ref, SEQS)
-    dtree.TreeRuntime(model, compile=True).forward_backward(FOREST, dtree.losses.nll())
+    dtree.compile_layers(model)
+    dtree.TreeRuntime(model).forward_backward(FOREST, dtree.losses.nll())
     errors = grad_errors(model, ref)
     assert max(errors.values()) < 1e-5, max(errors, key=errors.get)
 
