@@ -6,8 +6,11 @@ the forest's call shapes: 0.3-0.5 s a step on the 64k agentic tree on an H200). 
 dtree settings that bias is larger than a change worth a few percent (session AC: `low` with
 and without its attention outputs kept, one after the other, came out 4% apart the wrong way).
 
-Here every round takes a fresh forest, runs one untimed step on it (the arm that does rotates),
-then one timed step of every arm, in an order that rotates. Reported per arm: the median wall
+Here every round takes a fresh forest, runs one untimed step of every arm on it, then one timed
+step of every arm, in an order that rotates. (Until session AF one untimed step of one arm warmed
+a forest: an arm with other call sizes than that arm's paid its own shapes' costs in its timed step
+whenever it came first among the arms sharing them; session AF's `low` arms show it, 2.3-3.0 s
+against 1.9-2.0.) Reported per arm: the median wall
 time, the median of the paired ratios (the arm's wall time over the first arm's on the same
 forest: above 1, the first arm is faster), the most allocated in any timed step, and the plan.
 
@@ -91,9 +94,10 @@ def interleaved(args) -> dict:
     steps: list[list[dict]] = [[] for _ in arms]
     for i in range(args.warmup + args.rounds):
         forest = forest_of(i)
-        enter_arm(arms[i % len(arms)], device)
-        timed(runtimes[i % len(arms)], forest, loss, model, device)  # this forest's once-per-shape costs
         order = [(i + j) % len(arms) for j in range(len(arms))]
+        for a in order:  # this forest's once-per-shape costs, for every arm's call sizes
+            enter_arm(arms[a], device)
+            timed(runtimes[a], forest, loss, model, device)
         results = {}
         for a in order:
             enter_arm(arms[a], device)
@@ -129,7 +133,7 @@ def report(args, result: dict) -> str:
     lines = [f"# dtree option sets, interleaved on fresh forests: {args.workload}", "",
              "; ".join(f"{k}: {v}" for k, v in environment(result["device"]).items()), "",
              (f"{args.rounds} rounds after {args.warmup} warm-up ones; each round: a fresh forest, one untimed step "
-              "on it (rotating arm), then one timed step per arm in a rotating order. ratio = the arm's wall time "
+              "of every arm on it, then one timed step per arm in a rotating order. ratio = the arm's wall time "
               "over the first arm's on the same forest (median; above 1: the first arm is faster)."), "",
              "peak held = the most the caching allocator reserved in a timed step"
              + (" (its cache emptied before each)." if args.empty_cache else
