@@ -12,7 +12,8 @@
 #                 `low` in 4,096-row chunks): the GPU tests of the SwiGLU op and of checkpointed layers; on the 64k
 #                 tree interleaved (options_ab) memory=12.5 and low each with the other rows; then in one process
 #                 (dtree bench) tree-mask:whole+ckpt with its 4,096-row chunks and with 32,768-row ones against
-#                 memory=12.5 and low (PART=rows256: the same on the 256k tree against memory=19.9).
+#                 memory=12.5 and low (PART=rows256: the same on the 256k tree against memory=19.9);
+#   PART=warm     the 64k A/B of PART=rows again with options_ab warming every arm on each forest.
 #
 #     PART=origins bash benchmarks/session_af_gpu.sh           # reports in $OUT (default /tmp/dtree_session_af)
 #     SMOKE=1 PART=origins bash benchmarks/session_af_gpu.sh   # CPU, tiny model: plumbing only
@@ -44,6 +45,10 @@ case "$PART" in
     bench half256k 560 $AGENTIC256K --steps 4 --configs \
       "tree-mask:whole+ckpt,tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$HALF"
     ;;
-  *) echo "PART must be origins, rows or rows256"; exit 2 ;;
+  warm)
+    script options_ab 280 --workload agentic64k --arm memory=$AT_MASK --arm memory=$AT_MASK,rerun_chunk_rows=4096 \
+      --arm memory=low --arm memory=low,rerun_chunk_rows=0 --rounds 5 --warmup 1 --tag warm64
+    ;;
+  *) echo "PART must be origins, rows, rows256 or warm"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
