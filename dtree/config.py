@@ -119,7 +119,7 @@ class RuntimeConfig:
             chunks (:data:`dtree.ops.swiglu.interface.CONSUMING_CHUNK_ROWS`), the leanest. Smaller
             chunks hold less (one ``[rows, intermediate]`` buffer) and take more, smaller matmuls whose
             weight gradients add up in float32 (session AF, H200: the 256k tree's capped step 1.3%
-            slower with 4,096-row chunks, +0.3 GiB with one; the 64k tree's the same).
+            slower with 4,096-row chunks, +0.3 GiB with one; the 64k tree's as fast either way).
     """
 
     mode: Mode = "auto"

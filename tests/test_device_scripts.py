@@ -94,6 +94,7 @@ RUNS = [
     ("session_af_gpu.sh", {"PART": "origins"}, ()),  # kernel_origins, three runs
     ("session_af_gpu.sh", {"PART": "rows", "SKIP_TESTS": "1"}, ("at_mask64k",)),
     ("session_af_gpu.sh", {"PART": "rows256"}, ("half256k",)),
+    ("session_af_gpu.sh", {"PART": "warm"}, ()),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),

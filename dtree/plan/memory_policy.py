@@ -344,7 +344,7 @@ def rerun_chunk_rows(setting: str | float, fixed: int | None) -> int:
     """The rows per chunk of a checkpointed layer's SwiGLU backward in its re-run: ``fixed``
     (``RuntimeConfig.rerun_chunk_rows``) when given; else the whole call (0), what the memory probe
     prices per token; under ``memory="low"``, :data:`LOW_RERUN_CHUNK_ROWS`. With 4,096-row chunks
-    the capped 256k step ran 1.3% slower (session AF; the 64k one the same): each chunk's
+    the capped 256k step ran 1.3% slower (session AF; the 64k one as fast either way): each chunk's
     weight gradient is a matmul of 4,096-deep sums whose float32 total is read and written per chunk."""
     if fixed is not None:
         return fixed
