@@ -149,12 +149,12 @@ class RuntimeConfig:
             raise ValueError(f"attention must be 'auto' or one of {BACKENDS.names()}, got {self.attention!r}")
         if self.recurrence not in RECURRENCES:
             raise ValueError(f"recurrence must be one of {RECURRENCES}, got {self.recurrence!r}")
-        _check_count("chunk_size", self.chunk_size, minimum=1, optional=False)
-        _check_count("group_tokens", self.group_tokens, minimum=0)
-        _check_count("logprob_chunk", self.logprob_chunk, minimum=1)
-        _check_count("stack_capacity", self.stack_capacity, minimum=1)
-        _check_count("retain_budget_tokens", self.retain_budget_tokens, minimum=0)
-        _check_count("rerun_chunk_rows", self.rerun_chunk_rows, minimum=0)
+        check_count("chunk_size", self.chunk_size, minimum=1, optional=False)
+        check_count("group_tokens", self.group_tokens, minimum=0)
+        check_count("logprob_chunk", self.logprob_chunk, minimum=1)
+        check_count("stack_capacity", self.stack_capacity, minimum=1)
+        check_count("retain_budget_tokens", self.retain_budget_tokens, minimum=0)
+        check_count("rerun_chunk_rows", self.rerun_chunk_rows, minimum=0)
         if not (self.memory in MEMORY_SETTINGS or (
             isinstance(self.memory, (int, float)) and not isinstance(self.memory, bool) and self.memory > 0
         )):
@@ -191,7 +191,7 @@ def check_grad_guard(value: Any) -> None:
         raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {value!r}")
 
 
-def _check_count(name: str, value: Any, *, minimum: int, optional: bool = True) -> None:
+def check_count(name: str, value: Any, *, minimum: int, optional: bool = True) -> None:
     if value is None and optional:
         return
     if not _is_int(value) or value < minimum:

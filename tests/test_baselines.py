@@ -281,7 +281,7 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match="max_tokens_per_batch must be None or >= 1"):
         TreeMaskTrainer(model, max_tokens_per_batch=0)
     for bad in (-1, True):
-        with pytest.raises(ValueError, match="rerun_chunk_rows must be None or >= 0"):
+        with pytest.raises(ValueError, match="rerun_chunk_rows must be an integer >= 0 or None"):
             TreeMaskTrainer(model, checkpoint=True, rerun_chunk_rows=bad)
     with pytest.raises(ValueError, match="attention must be 'auto' or one of"):
         LinearizedTrainer(model, attention="flex")

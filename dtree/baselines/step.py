@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..config import check_grad_guard
+from ..config import check_count, check_grad_guard
 from ..device.placement import model_placement
 from ..device.transfer import upload_arrays
 from ..engine.checks import (
@@ -152,8 +152,7 @@ class MicroBatchTrainer:
                  grad_guard: bool | str = True, rerun_chunk_rows: int | None = None) -> None:
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
-        if rerun_chunk_rows is not None and (isinstance(rerun_chunk_rows, bool) or rerun_chunk_rows < 0):
-            raise ValueError(f"rerun_chunk_rows must be None or >= 0, got {rerun_chunk_rows!r}")
+        check_count("rerun_chunk_rows", rerun_chunk_rows, minimum=0)
         self.module = model
         self.model: TreeModule = adapt(model)
         self.spec = self.model.dtree_spec()

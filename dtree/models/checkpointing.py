@@ -42,7 +42,7 @@ A model whose layers hand tensors to later layers outside their arguments (Gemma
 layers read the keys and values an earlier layer left in ``shared_kv_states``) runs under
 ``torch.utils.checkpoint``'s non-reentrant form instead: dtree's recompute runs a layer's forward
 with grad off, so what it leaves there carries no graph, and the later layers' gradients for those
-keys and values would not reach the earlier layer (:func:`_shares_tensors_across_layers`).
+keys and values would not reach the earlier layer (:func:`_attention_configs`).
 
 The layers are swapped for :class:`CheckpointedLayer` wrappers in their ``ModuleList``
 for the duration of the block (the wrapper calls the layer itself, so a
@@ -82,26 +82,23 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def _attention_configs(model: torch.nn.Module) -> tuple[list[Any], bool]:
     """Every distinct transformers config reachable from ``model``'s modules (the objects
-    whose ``_attn_implementation`` picks each layer's attention function), and whether HF
-    gradient checkpointing is on in any of them (a training module with
-    ``gradient_checkpointing=True``)."""
+    whose ``_attn_implementation`` picks each layer's attention function), and whether the
+    layers need the forward's graph built in the forward (torch's checkpoint): HF gradient
+    checkpointing is on in a module (a training one with ``gradient_checkpointing=True``), or
+    a layer reads tensors an earlier layer computed outside the layers' arguments (a KV-shared
+    attention layer: Gemma 3n's ``is_kv_shared_layer``, which reads the keys and values the
+    last layer of its type before the sharing point stored)."""
     found: dict[int, Any] = {}
-    hf_checkpointing = False
+    graph_in_forward = False
     for module in model.modules():
         # instance attributes (a missing one would go through nn.Module.__getattr__'s raise)
         config = module.__dict__.get("config")
         if config is not None and hasattr(config, "_attn_implementation"):
             found.setdefault(id(config), config)
         flag = module.__dict__.get("gradient_checkpointing", getattr(type(module), "gradient_checkpointing", False))
-        hf_checkpointing = hf_checkpointing or (flag is True and module.training)
-    return list(found.values()), hf_checkpointing
-
-
-def _shares_tensors_across_layers(model: torch.nn.Module) -> bool:
-    """Whether a layer of ``model`` reads tensors an earlier layer computed, outside the layers'
-    arguments: a KV-shared attention layer (Gemma 3n's ``is_kv_shared_layer``, which reads the keys
-    and values the last layer of its type before the sharing point stored)."""
-    return any(module.__dict__.get("is_kv_shared_layer") is True for module in model.modules())
+        graph_in_forward = (graph_in_forward or (flag is True and module.training)
+                            or module.__dict__.get("is_kv_shared_layer") is True)
+    return list(found.values()), graph_in_forward
 
 
 @contextlib.contextmanager
@@ -195,8 +192,7 @@ class LayerCheckpointing:
 
     def _built(self) -> list[CheckpointedLayer]:
         if self._wrappers is None:
-            configs, hf_checkpointing = _attention_configs(self._model)
-            graph_in_forward = hf_checkpointing or _shares_tensors_across_layers(self._model)
+            configs, graph_in_forward = _attention_configs(self._model)
             self._wrappers = [CheckpointedLayer(layer, configs, self._keep, graph_in_forward, self._rows)
                               for layer in self.layers]
         return self._wrappers

@@ -124,12 +124,11 @@ class Schedule:
         row_offsets: [G+1] group ``g``'s rows are ``[row_offsets[g], row_offsets[g+1])``
         predictions: every prediction, per group (:class:`Predictions`)
         segment_parent: [S] parent segment of every segment, -1 at a root
-    ``stack_tokens``: the KV-stack slots the step writes (its stack capacity).
+    ``packing``: the budget's packing the schedule froze (:func:`pack_budgets`).
     """
 
     groups: list[GroupPlan]
     events: list[tuple[int, int]]
-    stack_tokens: int
     chunk_size: int
     group_tokens: int
     row_unique: np.ndarray
@@ -142,6 +141,11 @@ class Schedule:
     @property
     def num_groups(self) -> int:
         return len(self.groups)
+
+    @property
+    def stack_tokens(self) -> int:
+        """The KV-stack slots the step writes (its stack capacity)."""
+        return self.packing.extents.writing
 
     @property
     def extents(self) -> SlotExtents:
@@ -428,8 +432,7 @@ def build_schedule(forest: Forest, chunk_size: int = 2048, group_tokens: int = 0
     groups = _group_plans(packer, _prefix_ranges(segs, seg_slot))
     row_unique, row_offsets = _rows(segs, groups)
     return Schedule(
-        groups=groups, events=list(packing.events), stack_tokens=packing.extents.writing,
-        chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
+        groups=groups, events=list(packing.events), chunk_size=chunk_size, group_tokens=group_tokens, row_unique=row_unique, row_offsets=row_offsets,
         predictions=every_prediction(forest, row_unique, row_offsets), num_segments=segs.num_segments,
         segment_parent=segs.parent, packing=packing,
     )
