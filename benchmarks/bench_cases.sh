@@ -2,7 +2,8 @@
 # step_defaults_gpu.sh, call_size_gpu.sh, host_cost_gpu.sh, gpu_idle_gpu.sh, vs_mask_gpu.sh, profile_gpu.sh,
 # scale_gpu.sh): dtree importable from this checkout, $OUT created,
 # the bench command and issue 17's two cases, or with SMOKE=1 their CPU stand-ins on the
-# tiny model (plumbing only). Sets BENCH, CASE1, AGENTIC64K, SMOKE_FLAG (--smoke for the Python
+# tiny model (plumbing only). Sets BENCH, CASE1, AGENTIC64K, AGENTIC256K, AT_MASK and HALF (the memory caps at
+# the mask's peak on the 64k tree and at half its peak on the 256k one), SMOKE_FLAG (--smoke for the Python
 # scripts), MASK_GIB (the mask's peak on the
 # 64k tree: the memory cap that compares dtree at the mask's memory), CAP (the same for the mask with
 # dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
@@ -14,12 +15,15 @@ BENCH="python -m dtree bench --model qwen2.5-1.5b"
 CASE1="--workload grpo --set num_prompts=1 --set prompt_len=2048 --set group_size=8 --set answer_len=512"
 AGENTIC64K="--workload agentic --set num_trees=1 --set target_unique_tokens=65536"
 MASK_GIB=17.6 STEPS=4 SMOKE_FLAG= CAP=14.5
+AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
 if [ "${SMOKE:-0}" = 1 ]; then
   BENCH="python -m dtree bench --model tiny --device cpu"
   CASE1="--workload grpo --set num_prompts=1 --set prompt_len=64 --set group_size=4 --set answer_len=16"
   AGENTIC64K="--workload agentic --set num_trees=1 --set system_prompt_len=64 --set trajectories=2 --set turn_len=4,40 --set target_unique_tokens=400"
   MASK_GIB=4 STEPS=2 SMOKE_FLAG=--smoke CAP=4
+  AGENTIC256K=$AGENTIC64K AT_MASK=${AT_MASK:-4} HALF=${HALF:-4}
 fi
+AT_MASK=${AT_MASK:-12.5} HALF=${HALF:-19.9}  # the mask's peak on the 64k tree (H200 sessions), half its 256k one
 
 script() {  # script NAME TIMEOUT ARGS...: one of the benchmarks/*.py diagnostics, its Markdown into $OUT
   local name=$1 limit=$2

@@ -21,11 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_af}
 PART=${PART:-origins}
-source benchmarks/bench_cases.sh  # AGENTIC64K, bench, script, gpu_tests, SMOKE_FLAG
-AT_MASK=${AT_MASK:-12.5} HALF=${HALF:-19.9}
-[ -n "$SMOKE_FLAG" ] && AT_MASK=4 HALF=4
-AGENTIC256K="--workload agentic --set num_trees=1 --set target_unique_tokens=262144"
-[ -n "$SMOKE_FLAG" ] && AGENTIC256K=$AGENTIC64K
+source benchmarks/bench_cases.sh  # AGENTIC64K, AGENTIC256K, AT_MASK, HALF, bench, script, gpu_tests, SMOKE_FLAG
 
 case "$PART" in
   origins)
