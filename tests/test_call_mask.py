@@ -19,7 +19,16 @@ from test_stack_attention import nested_layout
 
 from dtree.ops.stack_attention import call_mask as tree_mask_module
 from dtree.ops.stack_attention.segment_layout import SegmentLayout
-from dtree.ops.stack_attention.call_mask import BLOCK, dense_visibility, call_mask, visible_from_tables
+from dtree.ops.stack_attention.call_mask import (
+    BLOCK,
+    PACKED_MAX_ROWS,
+    CallMask,
+    call_mask,
+    dense_visibility,
+    packed_bounds,
+    visible_from_packed,
+    visible_from_tables,
+)
 from dtree.plan.schedule import build_schedule
 from dtree.workloads import make_workload
 
@@ -85,6 +94,9 @@ def check_mask(layout):
     assert mask.slot_row_lo.shape == mask.slot_row_hi.shape == (mask.num_keys,)
     dense = dense_visibility(layout, mask.num_keys)
     np.testing.assert_array_equal(visible_from_tables(mask), dense)
+    words = packed_bounds(mask)
+    assert words.dtype == np.int32 and words.shape == (mask.num_keys,)
+    np.testing.assert_array_equal(visible_from_packed(words, mask.num_rows), dense)
     partial, full = dense_tiles(dense)
     assert_lists(mask.by_row_tile, partial, full)
     assert_lists(mask.by_slot_tile, partial.T, full.T)
@@ -166,6 +178,25 @@ def test_hand_built_layouts_match_dense(case):
     the 128 tile, in-call chains, empty segments, roots reading different stack runs)
     give exact tables and block lists."""
     check_mask(EDGE[case]())
+
+
+def _bounds_only(lo, hi, rows: int) -> CallMask:
+    """A CallMask with just the two tables (packed_bounds reads nothing else)."""
+    return CallMask(0, rows, np.asarray(lo, dtype=np.int32), np.asarray(hi, dtype=np.int32), None, None)
+
+
+def test_packed_bounds_at_the_row_limit():
+    """A call of PACKED_MAX_ROWS rows packs (its last row, 32767, is the largest word half that fits an int32),
+    including a slot seen by every row, one seen by the last row alone and one no row reads; one row more gives
+    None (the backward then takes the two tables)."""
+    rows = PACKED_MAX_ROWS
+    mask = _bounds_only([0, rows - 1, 0, 5, 0], [rows, rows, 0, 6, 1], rows)
+    words = packed_bounds(mask)
+    assert words.dtype == np.int32 and np.all(words >= 0)
+    r = np.arange(rows)[:, None]
+    want = (mask.slot_row_lo[None, :] <= r) & (r < mask.slot_row_hi[None, :])
+    np.testing.assert_array_equal(visible_from_packed(words, rows), want)
+    assert packed_bounds(_bounds_only([0], [rows + 1], rows + 1)) is None
 
 
 @pytest.mark.parametrize("length", [1, 127, 128, 129, 256, 300])
