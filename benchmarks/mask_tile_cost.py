@@ -12,9 +12,10 @@ per call, flash-attn-4's forward and backward kernels (GPU time, torch.profiler)
 * ``two_tables``   the mask from the two tables ``slot_row_lo``, ``slot_row_hi`` (the forward as dtree runs it);
 * ``packed``       the same mask from one word per slot (``call_mask.packed_bounds``: ``lo + 65536 * last``,
                    decoded by floor division and modulo; the backward as dtree runs it);
-* ``packed_width``, ``packed_swapped``, ``lo_last``  other encodings of the same mask (one word ``lo + 65536 *
-                   width``; ``last + 65536 * lo``; two tables ``lo`` and ``last`` compared with ``<=``);
-* ``last_only``, ``hi_only``  one table, one compare (timing only: half the mask);
+* ``packed_width``, ``packed_swapped``, ``lo_last``, ``lo_last_mod``, ``packed_div``  other encodings of the same
+                   mask (one word ``lo + 65536 * width``; ``last + 65536 * lo``; two tables ``lo`` and ``last``
+                   compared with ``<=``, the same each taken ``% 65536``; ``packed`` decoded with one division);
+* ``last_only``, ``hi_only``, ``hi_mod``  one table, one compare (timing only: half the mask);
 * ``arithmetic``   a compare of the two indices, no table (timing only);
 * ``no_mask_fn``   the same tile lists, a mask function that reads nothing (timing only: wrong scores);
 * ``all_full``     the partial tiles listed as full (no mask function runs; timing only).
@@ -50,9 +51,9 @@ from dtree.plan.schedule import build_schedule
 from dtree.workloads import make_workload
 
 HQ, HKV, D = 12, 2, 128
-VARIANTS = ("two_tables", "packed", "packed_width", "packed_swapped", "lo_last", "last_only", "hi_only", "arithmetic",
-            "all_full")
-CHECKED = ("packed", "packed_width", "packed_swapped", "lo_last")  # correct masks: checked against two_tables
+VARIANTS = ("two_tables", "packed", "packed_width", "packed_swapped", "lo_last", "lo_last_mod", "packed_div", "hi_mod",
+            "last_only", "hi_only", "arithmetic", "all_full")
+CHECKED = ("packed", "packed_width", "packed_swapped", "lo_last", "lo_last_mod", "packed_div")  # checked against two_tables
 WORKLOADS = {"agentic256k": 262144, "agentic64k": 65536}
 
 
@@ -128,6 +129,22 @@ def mask_functions() -> dict:
         return (lo <= m_idx) & (m_idx <= last)
 
     @cute.jit
+    def lo_last_mod(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        lo = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
+        last = utils.scalar_to_ssa(aux_tensors[3][n_idx[0]], cutlass.Int32)
+        return (lo % 65536 <= m_idx) & (m_idx <= last % 65536)
+
+    @cute.jit
+    def packed_div(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        word = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
+        last = word // 65536
+        return (word - last * 65536 <= m_idx) & (m_idx <= last)
+
+    @cute.jit
+    def hi_mod(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        return m_idx < utils.scalar_to_ssa(aux_tensors[1][n_idx[0]], cutlass.Int32) % 65536
+
+    @cute.jit
     def last_only(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
         return m_idx <= utils.scalar_to_ssa(aux_tensors[3][n_idx[0]], cutlass.Int32)
 
@@ -147,7 +164,8 @@ def mask_functions() -> dict:
 
     return {"two_tables": two_tables, "packed": _packed_mask_function(), "packed_width": packed_width,
             "packed_swapped": packed_swapped,
-            "lo_last": lo_last, "last_only": last_only, "hi_only": hi_only,
+            "lo_last": lo_last, "lo_last_mod": lo_last_mod, "packed_div": packed_div, "hi_mod": hi_mod,
+            "last_only": last_only, "hi_only": hi_only,
             "arithmetic": arithmetic, "no_mask_fn": no_mask_fn, "all_full": two_tables}
 
 
@@ -165,7 +183,7 @@ def sparse(b: BlockLists, device):
         block_size=(BLOCK, BLOCK))
 
 
-def run_call(name: str, layout, device) -> dict:
+def run_call(name: str, layout, device, variants=VARIANTS) -> dict:
 
     mask = call_mask(layout)
     if mask is None:
@@ -183,15 +201,15 @@ def run_call(name: str, layout, device) -> dict:
     lo1, last = np.where(unread, 1, lo_np), np.where(unread, 0, hi_np - 1)
     extra = [torch.as_tensor(x.astype(np.int32), device=device)
              for x in (lo1 + 65536 * (last + 1 - lo1).clip(min=0), last + 65536 * lo1, last)]
-    aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word]}
-    for name_ in ("packed_width", "packed_swapped", "lo_last", "last_only"):
+    aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word], "packed_div": [word]}
+    for name_ in ("packed_width", "packed_swapped", "lo_last", "lo_last_mod", "last_only"):
         aux[name_] = [torch.as_tensor(lo1.astype(np.int32), device=device), *extra]
     lists = {"fwd": (mask.by_row_tile, merged(mask.by_row_tile)), "bwd": (mask.by_slot_tile, merged(mask.by_slot_tile))}
     scale = D**-0.5
     flops_fwd = 4 * D * HQ * row["pairs"]
     dout = torch.randn_like(q)
     results = {}
-    for variant in VARIANTS:
+    for variant in variants:
         which = 1 if variant == "all_full" else 0
         t0 = time.time()
         try:
@@ -292,6 +310,7 @@ def main() -> None:
     p.add_argument("--calls", default="agentic256k:32768:2,agentic64k:16384:2",
                    help="comma-separated workload:call budget:largest n[:seed]")
     p.add_argument("--out", default=os.environ.get("OUT", "/tmp/dtree_mask_tile_cost"))
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     p.add_argument("--smoke", action="store_true", help="tiny trees: the plumbing (needs a GPU with flash-attn-4)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -305,7 +324,7 @@ def main() -> None:
     rows = []
     for spec in args.calls.split(","):
         for name, layout in real_calls(spec, args.smoke):
-            rows.append(run_call(name, layout, torch.device("cuda")))
+            rows.append(run_call(name, layout, torch.device("cuda"), args.variants.split(",")))
     text = report(rows, env)
     with open(os.path.join(args.out, "mask_tile_cost.md"), "w") as f:
         f.write(text)

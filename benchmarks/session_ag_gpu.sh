@@ -11,7 +11,8 @@
 #                GPU tests of the one-call path and of flash-attn-4's call against the reference (flash-attn rule),
 #                then in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and
 #                the default;
-#   PART=packed256  the same on the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9;
+#   PART=packed256  the same on the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9
+#                   (STEPS256 steps each, default 4);
 #   PART=origins    benchmarks/kernel_origins.py on the 256k tree under memory=19.9 (session AF's PART=origins
 #                   ran it with the two-table backward).
 #
@@ -33,7 +34,7 @@ case "$PART" in
     bench at_mask64k 300 $AGENTIC64K --steps 5 --configs "tree-mask:whole+ckpt,dtree:memory=$AT_MASK,dtree:low,dtree"
     ;;
   packed256)
-    bench half256k 500 $AGENTIC256K --steps 4 --configs \
+    bench half256k 500 $AGENTIC256K --steps ${STEPS256:-4} --configs \
       "tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$HALF"
     ;;
   origins)

@@ -328,7 +328,7 @@ def packed_bounds(mask: CallMask) -> np.ndarray | None:
     last 0). None for a call of more than :data:`PACKED_MAX_ROWS` rows.
 
     Why one word: flash-attn-4 evaluates the mask function on every score of a partially visible tile, and
-    its Hopper backward ran 11-14% faster on the 256k and 64k agentic trees' calls with the bounds decoded
+    its Hopper backward ran 9-14% faster on the 256k and 64k agentic trees' calls with the bounds decoded
     from one load (floor division and modulo by 65536) than from two (``benchmarks/mask_tile_cost.py``)."""
     if mask.num_rows > PACKED_MAX_ROWS:
         return None
