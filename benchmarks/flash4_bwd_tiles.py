@@ -37,7 +37,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from stack_attention_cases import Case, environment, kernel_ms, stack_inputs
+from stack_attention_cases import Case, environment, kernel_ms, relative_error, stack_inputs
 
 from dtree.ops.stack_attention.call_mask import call_mask
 
@@ -122,10 +122,6 @@ def forget_compiled(interface) -> None:
     there would run the previous one's kernel."""
     for fn in (interface._flash_attn_bwd, interface._bwd_preprocess, interface._bwd_postprocess_convert):
         fn.compile_cache.clear()
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def run(args) -> list[dict]:

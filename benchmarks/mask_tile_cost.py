@@ -43,10 +43,17 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from stack_attention_cases import environment, kernel_ms, table
+from stack_attention_cases import environment, kernel_ms, relative_error, table
 
 from dtree.engine.walk import _group_layout
-from dtree.ops.stack_attention.call_mask import BLOCK, BlockLists, CallMask, call_mask, packed_bounds
+from dtree.ops.stack_attention.call_mask import (
+    BLOCK,
+    BlockLists,
+    CallMask,
+    call_mask,
+    inclusive_bounds,
+    packed_bounds,
+)
 from dtree.plan.schedule import build_schedule
 from dtree.workloads import make_workload
 
@@ -80,10 +87,6 @@ def tile_counts(mask: CallMask) -> dict:
     full, partial = int(mask.by_row_tile.full_cnt.sum()), int(mask.by_row_tile.partial_cnt.sum())
     return {"rows": mask.num_rows, "base": mask.base, "pairs": pairs, "full": full, "partial": partial,
             "tile_efficiency": pairs / ((full + partial) * BLOCK * BLOCK)}
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def merged(b: BlockLists) -> BlockLists:
@@ -196,9 +199,7 @@ def run_call(name: str, layout, device, variants=VARIANTS) -> dict:
     lo = torch.as_tensor(mask.slot_row_lo, device=device)
     hi = torch.as_tensor(mask.slot_row_hi, device=device)
     word = torch.as_tensor(packed_bounds(mask), device=device)
-    lo_np, hi_np = mask.slot_row_lo.astype(np.int64), mask.slot_row_hi.astype(np.int64)
-    unread = hi_np <= lo_np
-    lo1, last = np.where(unread, 1, lo_np), np.where(unread, 0, hi_np - 1)
+    lo1, last = inclusive_bounds(mask)
     extra = [torch.as_tensor(x.astype(np.int32), device=device)
              for x in (lo1 + 65536 * (last + 1 - lo1).clip(min=0), last + 65536 * lo1, last)]
     aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word], "packed_div": [word]}

@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from dtree.ops.stack_attention import AttentionOptions, SegmentLayout, StackSlots
 from dtree.ops.stack_ops.kv_stack import KVStack
 
-__all__ = ["Case", "bench_ms", "cases", "dense_inputs", "environment", "flash", "kernel_ms", "stack_inputs", "table"]
+__all__ = ["Case", "bench_ms", "cases", "dense_inputs", "environment", "flash", "kernel_ms", "relative_error",
+           "stack_inputs", "table"]
 
 
 class Case:
@@ -161,6 +162,11 @@ def kernel_ms(fn, iters: int = 10) -> dict[str, float]:
         if getattr(event, "device_type", None) == DeviceType.CUDA and event.self_device_time_total:
             out[event.key] = out.get(event.key, 0.0) + event.self_device_time_total / iters / 1e3
     return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The largest |a - b| relative to the largest |b| (two kernels' bf16 results of float32 sums)."""
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-30))
 
 
 def short_kernel_name(name: str, width: int = 48) -> str:

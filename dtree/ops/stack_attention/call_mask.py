@@ -35,8 +35,8 @@ import numpy as np
 
 from .segment_layout import SegmentLayout
 
-__all__ = ["BLOCK", "PACKED_MAX_ROWS", "CallMask", "call_mask", "dense_visibility", "packed_bounds",
-           "visible_from_packed", "visible_from_tables"]
+__all__ = ["BLOCK", "PACKED_MAX_ROWS", "CallMask", "call_mask", "dense_visibility", "inclusive_bounds",
+           "packed_bounds", "visible_from_packed", "visible_from_tables"]
 
 BLOCK = 128  # rows and slots per tile of the block tables (flash-attn-4's sparse block on Hopper)
 PACKED_MAX_ROWS = 1 << 15  # a packed bound's last row stays under 2**15: lo + 65536 * last fits an int32
@@ -332,10 +332,16 @@ def packed_bounds(mask: CallMask) -> np.ndarray | None:
     from one load (floor division and modulo by 65536) than from two (``benchmarks/mask_tile_cost.py``)."""
     if mask.num_rows > PACKED_MAX_ROWS:
         return None
+    lo, last = inclusive_bounds(mask)
+    return (lo + 65536 * last).astype(np.int32)
+
+
+def inclusive_bounds(mask: CallMask) -> tuple[np.ndarray, np.ndarray]:
+    """([num_keys] lo, [num_keys] last) int64: slot ``n`` is seen by rows ``lo <= m <= last`` (``last`` = hi - 1;
+    a slot no row reads gets lo 1, last 0)."""
     lo, hi = mask.slot_row_lo.astype(np.int64), mask.slot_row_hi.astype(np.int64)
     unread = hi <= lo
-    lo, last = np.where(unread, 1, lo), np.where(unread, 0, hi - 1)
-    return (lo + 65536 * last).astype(np.int32)
+    return np.where(unread, 1, lo), np.where(unread, 0, hi - 1)
 
 
 def visible_from_packed(words: np.ndarray, num_rows: int) -> np.ndarray:
