@@ -15,6 +15,9 @@ per call, flash-attn-4's forward and backward kernels (GPU time, torch.profiler)
 * ``packed_width``, ``packed_swapped``, ``lo_last``, ``lo_last_mod``, ``packed_div``  other encodings of the same
                    mask (one word ``lo + 65536 * width``; ``last + 65536 * lo``; two tables ``lo`` and ``last``
                    compared with ``<=``, the same each taken ``% 65536``; ``packed`` decoded with one division);
+* ``slot_two_tables``, ``slot_packed``  the two tables and the packed word, each key's bounds read once per thread
+                   and tile (``flash4_slot_bounds``: no per-score load, index wrap or bound check; the tables padded
+                   past the call, ``call_mask.kernel_tables``): the forward and the backward as dtree now runs them;
 * ``last_only``, ``hi_only``, ``hi_mod``  one table, one compare (timing only: half the mask);
 * ``arithmetic``   a compare of the two indices, no table (timing only);
 * ``no_mask_fn``   the same tile lists, a mask function that reads nothing (timing only: wrong scores);
@@ -52,15 +55,17 @@ from dtree.ops.stack_attention.call_mask import (
     CallMask,
     call_mask,
     inclusive_bounds,
+    kernel_tables,
     packed_bounds,
 )
 from dtree.plan.schedule import build_schedule
 from dtree.workloads import make_workload
 
 HQ, HKV, D = 12, 2, 128
-VARIANTS = ("two_tables", "packed", "packed_width", "packed_swapped", "lo_last", "lo_last_mod", "packed_div", "hi_mod",
-            "last_only", "hi_only", "arithmetic", "all_full")
-CHECKED = ("packed", "packed_width", "packed_swapped", "lo_last", "lo_last_mod", "packed_div")  # checked against two_tables
+VARIANTS = ("two_tables", "packed", "slot_two_tables", "slot_packed", "packed_width", "packed_swapped", "lo_last",
+            "lo_last_mod", "packed_div", "hi_mod", "last_only", "hi_only", "arithmetic", "all_full")
+CHECKED = ("packed", "slot_two_tables", "slot_packed", "packed_width", "packed_swapped", "lo_last", "lo_last_mod",
+           "packed_div")  # checked against two_tables
 WORKLOADS = {"agentic256k": 262144, "agentic64k": 65536}
 
 
@@ -107,12 +112,6 @@ def mask_functions() -> dict:
     import cutlass
     from cutlass import cute
     from flash_attn.cute import utils
-
-    @cute.jit
-    def two_tables(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        lo = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
-        hi = utils.scalar_to_ssa(aux_tensors[1][n_idx[0]], cutlass.Int32)
-        return (lo <= m_idx) & (m_idx < hi)
 
     @cute.jit
     def packed_width(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
@@ -163,9 +162,14 @@ def mask_functions() -> dict:
     def no_mask_fn(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
         return m_idx >= 0
 
-    from dtree.ops.stack_attention.flash4_masked_call import _packed_mask_function
+    from dtree.ops.stack_attention.flash4_masked_call import _mask_function, _packed_mask_function
+    from dtree.ops.stack_attention.flash4_slot_bounds import install, slot_bounds_mask
 
+    if not install():
+        raise SystemExit("flash4_slot_bounds is not installed (flash-attn-4 version, or DTREE_FLASH4_SLOT_BOUNDS=0)")
+    two_tables = _mask_function()
     return {"two_tables": two_tables, "packed": _packed_mask_function(), "packed_width": packed_width,
+            "slot_two_tables": slot_bounds_mask("two_tables"), "slot_packed": slot_bounds_mask("packed"),
             "packed_swapped": packed_swapped,
             "lo_last": lo_last, "lo_last_mod": lo_last_mod, "packed_div": packed_div, "hi_mod": hi_mod,
             "last_only": last_only, "hi_only": hi_only,
@@ -202,7 +206,9 @@ def run_call(name: str, layout, device, variants=VARIANTS) -> dict:
     lo1, last = inclusive_bounds(mask)
     extra = [torch.as_tensor(x.astype(np.int32), device=device)
              for x in (lo1 + 65536 * (last + 1 - lo1).clip(min=0), last + 65536 * lo1, last)]
-    aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word], "packed_div": [word]}
+    lo_k, hi_k, word_k = (torch.as_tensor(x, device=device) for x in kernel_tables(mask))
+    aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word], "packed_div": [word],
+                                                     "slot_two_tables": [lo_k, hi_k], "slot_packed": [word_k]}
     for name_ in ("packed_width", "packed_swapped", "lo_last", "lo_last_mod", "last_only"):
         aux[name_] = [torch.as_tensor(lo1.astype(np.int32), device=device), *extra]
     lists = {"fwd": (mask.by_row_tile, merged(mask.by_row_tile)), "bwd": (mask.by_slot_tile, merged(mask.by_slot_tile))}

@@ -25,7 +25,9 @@ from dtree.ops.stack_attention.call_mask import (
     CallMask,
     call_mask,
     dense_visibility,
+    kernel_tables,
     packed_bounds,
+    table_length,
     visible_from_packed,
     visible_from_tables,
 )
@@ -97,10 +99,27 @@ def check_mask(layout):
     words = packed_bounds(mask)
     assert words.dtype == np.int32 and words.shape == (mask.num_keys,)
     np.testing.assert_array_equal(visible_from_packed(words, mask.num_rows), dense)
+    check_kernel_tables(mask, dense)
     partial, full = dense_tiles(dense)
     assert_lists(mask.by_row_tile, partial, full)
     assert_lists(mask.by_slot_tile, partial.T, full.T)
     return mask
+
+
+def check_kernel_tables(mask: CallMask, dense: np.ndarray) -> None:
+    """The tables as the kernel reads them cover every key tile and one more, and give the layout's visibility
+    on the call's rows and keys and none past them: not to the rows of the last row tile past the call, nor to
+    the padding's keys (the per-key path reads those without a check against the call's length)."""
+    lo, hi, words = kernel_tables(mask)
+    n = table_length(mask.num_keys)
+    assert n >= -(-mask.num_keys // BLOCK) * BLOCK + BLOCK and n % BLOCK == 0
+    assert lo.shape == hi.shape == words.shape == (n,) and lo.dtype == hi.dtype == words.dtype == np.int32
+    rows = -(-mask.num_rows // BLOCK) * BLOCK
+    want = np.zeros((rows, n), dtype=bool)
+    want[: mask.num_rows, : mask.num_keys] = dense
+    r = np.arange(rows)[:, None]
+    np.testing.assert_array_equal((lo[None, :] <= r) & (r < hi[None, :]), want)
+    np.testing.assert_array_equal(visible_from_packed(words, rows), want)
 
 
 def expressible(layout):

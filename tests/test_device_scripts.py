@@ -99,6 +99,10 @@ RUNS = [
     ("session_ag_gpu.sh", {"PART": "packed", "SKIP_TESTS": "1"}, ("at_mask64k",)),
     ("session_ag_gpu.sh", {"PART": "packed256"}, ("half256k",)),
     ("session_ag_gpu.sh", {"PART": "origins"}, ()),
+    ("session_ah_gpu.sh", {"PART": "check"}, ()),  # mask_tile_cost: tile counts only on a CPU
+    ("session_ah_gpu.sh", {"PART": "steps", "SKIP_TESTS": "1"}, ("at_mask64k",)),
+    ("session_ah_gpu.sh", {"PART": "half256"}, ("half256k",)),
+    ("session_ah_gpu.sh", {"PART": "origins"}, ()),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -109,7 +113,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_ag_gpu.sh", "packed")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_ah_gpu.sh", "steps")}
 SAMPLED = 2
 
 

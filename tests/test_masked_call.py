@@ -259,10 +259,10 @@ def test_gpu_flash4_replayed_calls_match_the_interface():
         out, lse = fm.FLASH4_MASKED_CALL.forward(q, k, v, mask, layout, scale)
         grads = fm.FLASH4_MASKED_CALL.backward(q, k, v, out, dout, lse, mask, layout, scale)
         want_out, want_lse = launcher.fi._flash_attn_fwd(
-            q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=fm._mask_function(),
+            q[None], k[None], v[None], softmax_scale=scale, causal=False, mask_mod=tables["fwd_mask"],
             aux_tensors=tables["aux"], block_sparse_tensors=tables["fwd"], return_lse=True)[:2]
         want = launcher.fi._flash_attn_bwd(q[None], k[None], v[None], out[None], dout[None], lse[None],
-                                           softmax_scale=scale, causal=False, mask_mod=tables["bwd_mask"](),
+                                           softmax_scale=scale, causal=False, mask_mod=tables["bwd_mask"],
                                            aux_tensors=tables["bwd_aux"], block_sparse_tensors=tables["bwd"])[:3]
         assert torch.equal(out, want_out[0]) and torch.equal(lse, want_lse[0])
         for name, got, ref in zip(("dq", "dk", "dv"), grads, want):
@@ -270,42 +270,64 @@ def test_gpu_flash4_replayed_calls_match_the_interface():
     assert launcher.replays - replays == 4
 
 
-@pytest.mark.gpu
-def test_gpu_flash4_packed_backward_matches_the_two_tables():
-    """The backward's packed mask (call_mask.packed_bounds, one load per score) gives the two-table mask's
-    dq, dk, dv on a real call (the 64k agentic tree's largest 16k-token call: partial tiles of every kind),
-    within the spread of the two-table backward against itself (flash-attn-4's dQ and GQA dK/dV atomics)."""
-    from test_stack_attention_regions import _flash4
-
-    _flash4()  # skips without flash-attn-4 on a Hopper GPU
+def _real_call_layout():
+    """The 64k agentic tree's largest 16k-token call: partial tiles of every kind."""
     from dtree.engine.walk import _group_layout
-    from dtree.ops.stack_attention import flash4_masked_call as fm
     from dtree.plan.schedule import build_schedule
     from dtree.workloads import make_workload
 
     forest = make_workload("agentic", seed=0, vocab_size=1000, num_trees=1, target_unique_tokens=65536)
     sched = build_schedule(forest, 256, 16384)
-    layout = _group_layout(sched, max(range(len(sched.groups)), key=lambda g: sched.groups[g].num_tokens))
+    return _group_layout(sched, max(range(len(sched.groups)), key=lambda g: sched.groups[g].num_tokens))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("which", ["real", "odd"])
+def test_gpu_flash4_masks_match_flash_attn_4s_own_evaluation(which):
+    """The masks the calls run (two tables forward, one packed word backward, each key's bounds read once per
+    thread and tile: flash4_slot_bounds) give what flash-attn-4's own per-score evaluation of the two tables
+    gives: the forward bitwise, dq, dk, dv within the spread of that backward against itself (its dQ and GQA
+    dK/dV atomics). On a real 16k-token call, and on a call whose rows and keys end inside a tile (the keys
+    past the call read the tables' padding)."""
+    from test_stack_attention_regions import _flash4
+    from test_stack_attention_triton import layout_of
+
+    _flash4()  # skips without flash-attn-4 on a Hopper GPU
+    from dtree.ops.stack_attention import flash4_masked_call as fm
+    from dtree.ops.stack_attention import flash4_slot_bounds
+
+    if which == "real":
+        layout = _real_call_layout()
+    else:
+        layout = layout_of([77, 300, 5, 190, 41], [[(0, 333)], [(0, 333)], [(0, 200)], [(0, 100)], []], 333)[0]
     mask = call_mask(layout)
     tables = fm.device_tables(mask, layout, torch.device("cuda"))
-    assert tables["bwd_mask"] is fm._packed_mask_function and mask.num_rows > 8192
+    assert flash4_slot_bounds.install() and tables["bwd_mask"] is flash4_slot_bounds.slot_bounds_mask("packed")
+    assert mask.num_keys % 128 and (mask.num_rows > 8192) == (which == "real")
     gen, scale, n, t = torch.Generator().manual_seed(0), 128**-0.5, mask.num_keys, mask.num_rows
     q, k, v, dout = (torch.randn(*shape, generator=gen).to("cuda", torch.bfloat16)[None]
                      for shape in ((t, 12, 128), (n, 2, 128), (n, 2, 128), (t, 12, 128)))
     fi = fm._launcher().fi
-    out, lse = fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, mask_mod=fm._mask_function(),
+
+    def forward(mask_mod):
+        return fi._flash_attn_fwd(q, k, v, softmax_scale=scale, causal=False, mask_mod=mask_mod,
                                   aux_tensors=tables["aux"], block_sparse_tensors=tables["fwd"], return_lse=True)[:2]
+
+    out, lse = forward(fm._mask_function())
+    got_out, got_lse = forward(tables["fwd_mask"])
+    assert torch.equal(got_out, out) and torch.equal(got_lse, lse)
 
     def backward(mask_mod, aux):
         return fi._flash_attn_bwd(q, k, v, out, dout, lse, softmax_scale=scale, causal=False, mask_mod=mask_mod,
                                   aux_tensors=aux, block_sparse_tensors=tables["bwd"])[:3]
 
     two, again = backward(fm._mask_function(), tables["aux"]), backward(fm._mask_function(), tables["aux"])
-    packed = backward(fm._packed_mask_function(), tables["bwd_aux"])
-    for name, a, b, c in zip(("dq", "dk", "dv"), packed, two, again):
-        spread = float((c.float() - b.float()).abs().max())
-        err = float((a.float() - b.float()).abs().max())
-        assert err <= 2 * spread + 1e-3 * float(b.float().abs().max()), f"{name}: {err} against a spread of {spread}"
+    for variant, aux in ((fm._packed_mask_function(), tables["bwd_aux"]), (tables["bwd_mask"], tables["bwd_aux"]),
+                         (flash4_slot_bounds.slot_bounds_mask("two_tables"), tables["aux"])):
+        for name, a, b, c in zip(("dq", "dk", "dv"), backward(variant, aux), two, again):
+            spread = float((c.float() - b.float()).abs().max())
+            err = float((a.float() - b.float()).abs().max())
+            assert err <= 2 * spread + 1e-3 * float(b.float().abs().max()), f"{name}: {err} against {spread}"
 
 
 @pytest.mark.gpu

@@ -36,7 +36,7 @@ import numpy as np
 from .segment_layout import SegmentLayout
 
 __all__ = ["BLOCK", "PACKED_MAX_ROWS", "CallMask", "call_mask", "dense_visibility", "inclusive_bounds",
-           "packed_bounds", "visible_from_packed", "visible_from_tables"]
+           "kernel_tables", "packed_bounds", "table_length", "visible_from_packed", "visible_from_tables"]
 
 BLOCK = 128  # rows and slots per tile of the block tables (flash-attn-4's sparse block on Hopper)
 PACKED_MAX_ROWS = 1 << 15  # a packed bound's last row stays under 2**15: lo + 65536 * last fits an int32
@@ -342,6 +342,30 @@ def inclusive_bounds(mask: CallMask) -> tuple[np.ndarray, np.ndarray]:
     lo, hi = mask.slot_row_lo.astype(np.int64), mask.slot_row_hi.astype(np.int64)
     unread = hi <= lo
     return np.where(unread, 1, lo), np.where(unread, 0, hi - 1)
+
+
+def table_length(num_keys: int) -> int:
+    """Entries of a kernel table for a call of ``num_keys`` slots: every key tile's whole width (a kernel
+    that reads each key's bounds once per tile reads the last tile's keys past the call too), and one
+    tile more, so a tile size that is not :data:`BLOCK` stays inside."""
+    return -(-num_keys // BLOCK) * BLOCK + BLOCK
+
+
+def kernel_tables(mask: CallMask) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """(slot_row_lo, slot_row_hi, packed_bounds or None) as the kernel reads them: [table_length(num_keys)]
+    int32, each padded past the call's keys with bounds no row is in (lo 0, hi 0; the word 1: lo 1, last 0),
+    so those keys come out masked without a check against the call's length
+    (:mod:`dtree.ops.stack_attention.flash4_slot_bounds`)."""
+    n = table_length(mask.num_keys)
+
+    def padded(table: np.ndarray, fill: int) -> np.ndarray:
+        out = np.full(n, fill, dtype=np.int32)
+        out[: len(table)] = table
+        return out
+
+    packed = packed_bounds(mask)
+    return (padded(mask.slot_row_lo, 0), padded(mask.slot_row_hi, 0),
+            None if packed is None else padded(packed, 1))
 
 
 def visible_from_packed(words: np.ndarray, num_rows: int) -> np.ndarray:

@@ -1,8 +1,10 @@
 """The one-call path's kernel on Hopper (:mod:`dtree.ops.stack_attention.masked_call`):
 flash-attn-4's forward and backward over stack slots ``[0, base + T)`` under the call's tree
 mask (:mod:`dtree.ops.stack_attention.call_mask`): block sparsity skips the tiles no row sees
-and runs the fully visible ones unmasked; the rest evaluate a mask function, from two tables in the
-forward and from one packed table in the backward (:func:`~.call_mask.packed_bounds`). One
+and runs the fully visible ones unmasked; the rest are masked from two tables in the forward and from
+one packed table in the backward (:func:`~.call_mask.packed_bounds`), each key's bounds read once per
+thread and tile (:mod:`.flash4_slot_bounds`; flash-attn-4's own evaluation, once per score, where that
+is not installed). One
 forward and one backward kernel per layer and call, where the region path
 (:mod:`dtree.ops.stack_attention.regions`) runs one pair per prefix level plus a log-sum-exp
 merge, per-level dq adds and fills (5 to 13 levels on 64k agentic calls).
@@ -23,61 +25,45 @@ import numpy as np
 import torch
 
 from ...device.transfer import upload
-from .call_mask import BLOCK, BlockLists, CallMask, packed_bounds
+from .call_mask import BLOCK, BlockLists, CallMask, kernel_tables
 from .flash4_launch_replay import Flash4LaunchReplay, tensor_key
+from .flash4_slot_bounds import install, slot_bounds_mask
 from .segment_layout import SegmentLayout
 
 __all__ = ["FLASH4_MASKED_CALL", "device_tables"]
 
 
-@functools.lru_cache(maxsize=None)
 def _mask_function():
-    """The mask function flash-attn-4 compiles in: row ``m`` sees key ``n`` iff
-    ``slot_row_lo[n] <= m < slot_row_hi[n]`` (its two auxiliary tensors). Built once,
-    so its hash (part of flash-attn-4's compile key) stays the same."""
-    import cutlass
-    import cutlass.cute as cute
-    from flash_attn.cute import utils
+    """The forward's mask as flash-attn-4 evaluates it itself, once per score: row ``m`` sees key ``n`` iff
+    ``slot_row_lo[n] <= m < slot_row_hi[n]`` (its two auxiliary tensors). The reference of the per-key path
+    (:mod:`.flash4_slot_bounds`), and what runs where that is not installed."""
+    from .flash4_slot_bounds_kernel import per_score_mask
 
-    @cute.jit
-    def stack_call_mask(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        row_lo = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
-        row_hi = utils.scalar_to_ssa(aux_tensors[1][n_idx[0]], cutlass.Int32)
-        return (row_lo <= m_idx) & (m_idx < row_hi)
-
-    return stack_call_mask
+    return per_score_mask("two_tables", marked=False)
 
 
-@functools.cache
 def _packed_mask_function():
-    """The backward's mask function: row ``m`` sees key ``n`` iff ``lo <= m <= last`` for the word
-    ``lo + 65536 * last`` of its one auxiliary tensor (:func:`~.call_mask.packed_bounds`; the same mask as
-    :func:`_mask_function`'s, 11-14% faster in the Hopper backward on agentic calls, not faster in the
-    forward). Built once, as :func:`_mask_function`."""
-    import cutlass
-    from cutlass import cute
-    from flash_attn.cute import utils
+    """The backward's mask as flash-attn-4 evaluates it itself: row ``m`` sees key ``n`` iff ``lo <= m <= last``
+    for the word ``lo + 65536 * last`` of its one auxiliary tensor (:func:`~.call_mask.packed_bounds`; the same
+    mask as :func:`_mask_function`'s, 9-14% faster than it in the Hopper backward on agentic calls evaluated per
+    score, not faster in the forward). The reference of the per-key path, as :func:`_mask_function`."""
+    from .flash4_slot_bounds_kernel import per_score_mask
 
-    @cute.jit
-    def stack_call_mask_packed(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
-        word = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
-        return (word % 65536 <= m_idx) & (m_idx <= word // 65536)
-
-    return stack_call_mask_packed
+    return per_score_mask("packed", marked=False)
 
 
 def device_tables(mask: CallMask, layout: SegmentLayout, device: torch.device) -> dict:
-    """The mask tables and both block-sparsity structures on ``device`` (one upload, each part 16-byte
-    aligned; cached on the layout): ``aux`` the forward's two tables, ``bwd_aux`` and ``bwd_mask`` the
-    backward's (the packed table and its function when the call has at most ``PACKED_MAX_ROWS`` rows, else
-    the forward's)."""
+    """The mask tables (:func:`~.call_mask.kernel_tables`) and both block-sparsity structures on ``device``
+    (one upload, each part 16-byte aligned; cached on the layout): ``aux`` and ``fwd_mask`` the forward's two
+    tables and their mask function, ``bwd_aux`` and ``bwd_mask`` the backward's (the packed table and its
+    function when the call has at most ``PACKED_MAX_ROWS`` rows, else the forward's)."""
 
     def build():
         from flash_attn.cute.block_sparsity import BlockSparseTensorsTorch
 
         lists = (mask.by_row_tile, mask.by_slot_tile)
-        packed = packed_bounds(mask)
-        parts = [mask.slot_row_lo, mask.slot_row_hi] + ([] if packed is None else [packed])
+        lo, hi, packed = kernel_tables(mask)
+        parts = [lo, hi] + ([] if packed is None else [packed])
         at = len(parts)
         for b in lists:
             parts += [b.partial_cnt, b.partial_idx.ravel(), b.full_cnt, b.full_idx.ravel()]
@@ -96,11 +82,21 @@ def device_tables(mask: CallMask, layout: SegmentLayout, device: torch.device) -
                 full_block_cnt=fcnt.view(1, 1, n), full_block_idx=fidx.view(1, 1, n, -1), block_size=(BLOCK, BLOCK),
             )
 
-        bwd_aux, bwd_mask = (views[:2], _mask_function) if packed is None else (views[2:3], _packed_mask_function)
+        two_tables, one_table = mask_functions()
+        bwd_aux, bwd_mask = (views[:2], two_tables) if packed is None else (views[2:3], one_table)
         return {"aux": views[:2], "fwd": sparse(lists[0], at), "bwd": sparse(lists[1], at + 4), "bwd_aux": bwd_aux,
-                "bwd_mask": bwd_mask}
+                "bwd_mask": bwd_mask, "fwd_mask": two_tables}
 
     return layout.cached(("flash4_masked_call", device), build)
+
+
+def mask_functions() -> tuple:
+    """(two tables, packed) mask functions the calls run: the per-key path's
+    (:func:`~.flash4_slot_bounds.slot_bounds_mask`) where :func:`~.flash4_slot_bounds.install` put it
+    in place, else flash-attn-4's per-score evaluation of :func:`_mask_function` and :func:`_packed_mask_function`."""
+    if install():
+        return slot_bounds_mask("two_tables"), slot_bounds_mask("packed")
+    return _mask_function(), _packed_mask_function()
 
 
 @functools.cache
@@ -131,7 +127,7 @@ class _Flash4MaskedCall:
 
         def call():
             launcher.fi._flash_attn_fwd(
-                qb, kb, vb, softmax_scale=scale, causal=False, mask_mod=_mask_function(), aux_tensors=tables["aux"],
+                qb, kb, vb, softmax_scale=scale, causal=False, mask_mod=tables["fwd_mask"], aux_tensors=tables["aux"],
                 block_sparse_tensors=tables["fwd"], return_lse=True, out=out, lse=lse,
             )
 
@@ -147,7 +143,7 @@ class _Flash4MaskedCall:
 
         def call():
             launcher.fi._flash_attn_bwd(
-                *ins, softmax_scale=scale, causal=False, mask_mod=tables["bwd_mask"](), aux_tensors=tables["bwd_aux"],
+                *ins, softmax_scale=scale, causal=False, mask_mod=tables["bwd_mask"], aux_tensors=tables["bwd_aux"],
                 block_sparse_tensors=tables["bwd"], dq=grads[0], dk=grads[1], dv=grads[2],
             )
 
