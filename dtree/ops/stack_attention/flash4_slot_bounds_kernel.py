@@ -3,11 +3,13 @@
 flash-attn-4 is installed (by :func:`~dtree.ops.stack_attention.flash4_slot_bounds.install`).
 
 Every name the traced functions use is a module global: the CuTe DSL re-executes a function's
-transformed source in its module's namespace (a default argument or a closure of an enclosing
-function is not found there)."""
+transformed source in its module's namespace, where a default argument's class imported inside an
+enclosing function was not found (session AH's first device run)."""
 
 import functools
+import hashlib
 from collections.abc import Callable
+from pathlib import Path
 
 import cutlass
 from cutlass import Float32, const_expr, cute
@@ -19,6 +21,9 @@ __all__ = ["BOUNDS_ATTR", "STOCK_APPLY_MASK", "apply_mask", "bounds_mask", "per_
 
 BOUNDS_ATTR = "dtree_slot_bounds"  # on a mask function: "packed" (one word per slot) or "two_tables"
 STOCK_APPLY_MASK = None  # flash-attn-4's own apply_mask, set by install() before it puts apply_mask in its place
+# in the marked functions' hash: a kernel flash-attn-4 cached on disk (FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1)
+# under an older form of this file is not loaded for this one
+_SOURCE_HASH = hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
 
 
 def _per_score(kind: str):
@@ -51,7 +56,7 @@ def per_score_mask(kind: str, marked: bool):
     fn = _per_score(kind)
     if marked:
         setattr(fn, BOUNDS_ATTR, kind)
-        fn.__cute_hash__ = f"dtree-slot-bounds-{kind}"
+        fn.__cute_hash__ = f"dtree-slot-bounds-{kind}-{_SOURCE_HASH}"
     return fn
 
 
