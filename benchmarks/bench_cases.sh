@@ -7,7 +7,8 @@
 # scripts), MASK_GIB (the mask's peak on the
 # 64k tree: the memory cap that compares dtree at the mask's memory), CAP (the same for the mask with
 # dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
-# $OUT/DIR, its report rows printed), script (one benchmarks/*.py diagnostic, its log in $OUT), memory_profile (benchmarks/profile_memory.py on the 64k tree), gpu_tests
+# $OUT/DIR, its report rows printed), vs_mask64k, half256k and capped256k_origins (the comparisons against the mask and
+# the capped 256k step's kernels, as sessions AG and AH ran them), script (one benchmarks/*.py diagnostic, its log in $OUT), memory_profile (benchmarks/profile_memory.py on the 64k tree), gpu_tests
 # (a selection of the GPU tests into $OUT) and micro (one benchmarks/micro_batches.py run, likewise).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
@@ -38,6 +39,19 @@ bench() {  # bench DIR TIMEOUT ARGS...: one `dtree bench` run, its report rows p
   mkdir -p "$OUT/$dir"
   timeout "$limit" $BENCH "$@" --out "$OUT/$dir" >"$OUT/$dir.log" 2>&1
   grep -hE "^\| \`(dtree|tree-mask)[^|]*\` \| ok \|" "$OUT/$dir"/*.md | cut -d'|' -f2,6,8,12
+}
+
+vs_mask64k() {  # vs_mask64k: the 64k tree against tree-mask:whole+ckpt in one process: memory=$AT_MASK, low, the default
+  bench at_mask64k 300 $AGENTIC64K --steps 5 --configs "tree-mask:whole+ckpt,dtree:memory=$AT_MASK,dtree:low,dtree"
+}
+
+half256k() {  # half256k: the 256k tree, the mask with 32,768-row re-run chunks against memory=$HALF (STEPS256, default 4)
+  bench half256k 500 $AGENTIC256K --steps ${STEPS256:-4} --configs \
+    "tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$HALF"
+}
+
+capped256k_origins() {  # capped256k_origins: benchmarks/kernel_origins.py on the 256k tree under memory=$HALF
+  script kernel_origins 240 --workload agentic256k --opt memory=$HALF --tag capped --top 40
 }
 
 memory_profile() {  # memory_profile DIR TIMEOUT CONFIGS [LINES]: benchmarks/profile_memory.py on the 64k tree, its rows printed

@@ -56,7 +56,6 @@ from dtree.ops.stack_attention.call_mask import (
     call_mask,
     inclusive_bounds,
     kernel_tables,
-    packed_bounds,
 )
 from dtree.plan.schedule import build_schedule
 from dtree.workloads import make_workload
@@ -200,15 +199,12 @@ def run_call(name: str, layout, device, variants=VARIANTS) -> dict:
     gen = torch.Generator(device=device).manual_seed(0)
     q = torch.randn(1, t, HQ, D, device=device, dtype=torch.bfloat16, generator=gen)
     k, v = (torch.randn(1, keys, HKV, D, device=device, dtype=torch.bfloat16, generator=gen) for _ in range(2))
-    lo = torch.as_tensor(mask.slot_row_lo, device=device)
-    hi = torch.as_tensor(mask.slot_row_hi, device=device)
-    word = torch.as_tensor(packed_bounds(mask), device=device)
+    # the tables the calls run (padded past the call's keys; a per-score mask function never reads the padding)
+    lo, hi, word = (torch.as_tensor(x, device=device) for x in kernel_tables(mask))
     lo1, last = inclusive_bounds(mask)
     extra = [torch.as_tensor(x.astype(np.int32), device=device)
              for x in (lo1 + 65536 * (last + 1 - lo1).clip(min=0), last + 65536 * lo1, last)]
-    lo_k, hi_k, word_k = (torch.as_tensor(x, device=device) for x in kernel_tables(mask))
-    aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word], "packed_div": [word],
-                                                     "slot_two_tables": [lo_k, hi_k], "slot_packed": [word_k]}
+    aux = {name_: [lo, hi] for name_ in VARIANTS} | {"packed": [word], "packed_div": [word], "slot_packed": [word]}
     for name_ in ("packed_width", "packed_swapped", "lo_last", "lo_last_mod", "last_only"):
         aux[name_] = [torch.as_tensor(lo1.astype(np.int32), device=device), *extra]
     lists = {"fwd": (mask.by_row_tile, merged(mask.by_row_tile)), "bwd": (mask.by_slot_tile, merged(mask.by_slot_tile))}

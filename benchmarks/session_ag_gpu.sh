@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_ag}
 PART=${PART:-tiles}
-source benchmarks/bench_cases.sh  # AGENTIC64K, AGENTIC256K, AT_MASK, HALF, bench, script, gpu_tests, SMOKE_FLAG
+source benchmarks/bench_cases.sh  # vs_mask64k, half256k, capped256k_origins, script, gpu_tests, SMOKE_FLAG
 
 case "$PART" in
   tiles)
@@ -31,14 +31,13 @@ case "$PART" in
   packed)
     [ -n "${SKIP_TESTS:-}" ] || gpu_tests gpu_tests_packed.txt 240 "gpu and (flash or packed or replayed)" \
       tests/test_masked_call.py tests/test_stack_attention_regions.py tests/test_call_mask.py
-    bench at_mask64k 300 $AGENTIC64K --steps 5 --configs "tree-mask:whole+ckpt,dtree:memory=$AT_MASK,dtree:low,dtree"
+    vs_mask64k
     ;;
   packed256)
-    bench half256k 500 $AGENTIC256K --steps ${STEPS256:-4} --configs \
-      "tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$HALF"
+    half256k
     ;;
   origins)
-    script kernel_origins 240 --workload agentic256k --opt memory=$HALF --tag capped --top 40
+    capped256k_origins
     ;;
   *) echo "PART must be tiles, packed, packed256 or origins"; exit 2 ;;
 esac

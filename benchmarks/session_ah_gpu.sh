@@ -22,7 +22,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_ah}
 PART=${PART:-check}
-source benchmarks/bench_cases.sh  # AGENTIC64K, AGENTIC256K, AT_MASK, HALF, bench, script, gpu_tests, SMOKE_FLAG
+source benchmarks/bench_cases.sh  # vs_mask64k, half256k, capped256k_origins, script, gpu_tests, SMOKE_FLAG
 
 case "$PART" in
   check)
@@ -33,14 +33,13 @@ case "$PART" in
   steps)
     [ -n "${SKIP_TESTS:-}" ] || gpu_tests gpu_tests_steps.txt 300 "flash or window or keeping" \
       tests/test_runtime_gpu.py tests/test_kv_window.py tests/test_output_memo.py tests/test_stack_attention_regions.py
-    bench at_mask64k 300 $AGENTIC64K --steps 5 --configs "tree-mask:whole+ckpt,dtree:memory=$AT_MASK,dtree:low,dtree"
+    vs_mask64k
     ;;
   half256)
-    bench half256k 500 $AGENTIC256K --steps ${STEPS256:-4} --configs \
-      "tree-mask:whole+ckpt+rerun_chunk_rows=32768,dtree:memory=$HALF"
+    half256k
     ;;
   origins)
-    script kernel_origins 240 --workload agentic256k --opt memory=$HALF --tag capped --top 40
+    capped256k_origins
     ;;
   *) echo "PART must be check, steps, half256 or origins"; exit 2 ;;
 esac
