@@ -120,6 +120,11 @@ class RuntimeConfig:
             chunks hold less (one ``[rows, intermediate]`` buffer) and take more, smaller matmuls whose
             weight gradients add up in float32 (session AF, H200: the 256k tree's capped step 1.3%
             slower with 4,096-row chunks, +0.3 GiB with one; the 64k tree's as fast either way).
+        weight_grads_in_matmul: True (default): during a step, the lean layers' projections (q, k, v,
+            gate, up, down) add each call's weight gradient into ``param.grad`` inside the matmul that
+            computes it (:mod:`dtree.ops.weight_grads`) instead of handing it to autograd, which adds it
+            with a kernel of its own per parameter and call; only for plain leaf parameters without
+            hooks, in a plain ``.backward()``. False: autograd accumulates every gradient.
     """
 
     mode: Mode = "auto"
@@ -141,6 +146,7 @@ class RuntimeConfig:
     offload_checkpoints: bool | str = "auto"
     keep_attention_outputs: bool = True
     rerun_chunk_rows: int | None = None
+    weight_grads_in_matmul: bool = True
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -171,7 +177,8 @@ class RuntimeConfig:
         check_grad_guard(self.grad_guard)
         if not (isinstance(self.offload_checkpoints, bool) or self.offload_checkpoints == "auto"):
             raise ValueError(f"offload_checkpoints must be True, False or 'auto', got {self.offload_checkpoints!r}")
-        flags = ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc", "keep_attention_outputs")
+        flags = ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc", "keep_attention_outputs",
+                 "weight_grads_in_matmul")
         for name in flags:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")

@@ -51,6 +51,9 @@ class LinearizedTrainer(MicroBatchTrainer):
             option, :mod:`dtree.engine.grad_guard`; ``"host"``: the old gradients kept in
             pinned host memory); False accumulates in place, as the
             trainers this baseline stands for do.
+        weight_grads_in_matmul: as the runtime's option (:mod:`dtree.ops.weight_grads`): the lean
+            layers' projections add each micro-batch's weight gradients into ``param.grad`` in their
+            matmuls.
     """
 
     def __init__(
@@ -63,8 +66,9 @@ class LinearizedTrainer(MicroBatchTrainer):
         checkpoint: bool = False,
         grad_guard: bool | str = True,
         rerun_chunk_rows: int | None = None,
+        weight_grads_in_matmul: bool = True,
     ) -> None:
-        super().__init__(model, logprob_chunk, checkpoint, grad_guard, rerun_chunk_rows)
+        super().__init__(model, logprob_chunk, checkpoint, grad_guard, rerun_chunk_rows, weight_grads_in_matmul)
         if max_tokens_per_batch < 1:
             raise ValueError(f"max_tokens_per_batch must be >= 1, got {max_tokens_per_batch}")
         self.max_tokens_per_batch = max_tokens_per_batch

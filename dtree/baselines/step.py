@@ -145,11 +145,13 @@ class MicroBatchTrainer:
 
     Subclasses set ``self.attention`` and implement ``plan`` and ``_attend``. ``grad_guard``:
     as the runtime's (:mod:`dtree.engine.grad_guard`); False is how mask-based and
-    linearized trainers accumulate (into ``param.grad`` in place).
+    linearized trainers accumulate (into ``param.grad`` in place). ``weight_grads_in_matmul``: as the
+    runtime's (:mod:`dtree.ops.weight_grads`).
     """
 
     def __init__(self, model: torch.nn.Module, logprob_chunk: int, checkpoint: bool = False,
-                 grad_guard: bool | str = True, rerun_chunk_rows: int | None = None) -> None:
+                 grad_guard: bool | str = True, rerun_chunk_rows: int | None = None,
+                 weight_grads_in_matmul: bool = True) -> None:
         if logprob_chunk < 1:
             raise ValueError(f"logprob_chunk must be >= 1, got {logprob_chunk}")
         check_count("rerun_chunk_rows", rerun_chunk_rows, minimum=0)
@@ -161,6 +163,9 @@ class MicroBatchTrainer:
         self.rerun_chunk_rows = rerun_chunk_rows
         check_grad_guard(grad_guard)
         self.grad_guard = grad_guard
+        if not isinstance(weight_grads_in_matmul, bool):
+            raise TypeError(f"weight_grads_in_matmul must be True or False, got {weight_grads_in_matmul!r}")
+        self.weight_grads_in_matmul = weight_grads_in_matmul
         if self.checkpoint:
             decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found
 
@@ -228,7 +233,7 @@ class MicroBatchTrainer:
         lin = np.concatenate([c.term_lin for c in calls]) if calls else np.zeros(0, dtype=np.int64)
 
         with TokenStep(self.module.parameters(), forest, loss, lin, self.device, self.dtype, started=t0,
-                       grad_guard=self.grad_guard) as step:
+                       grad_guard=self.grad_guard, weight_grads_in_matmul=self.weight_grads_in_matmul) as step:
             total, term_log = self._run(calls, forest, weights, loss, step.per_token)
             walked = WalkOutput(
                 total, term_log, num_model_calls=len(calls),

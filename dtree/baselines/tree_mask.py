@@ -115,6 +115,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
             option, :mod:`dtree.engine.grad_guard`; ``"host"``: the old gradients kept in
             pinned host memory); False accumulates in place, as the
             trainers this baseline stands for do.
+        weight_grads_in_matmul: as the runtime's option (:mod:`dtree.ops.weight_grads`): the lean
+            layers' projections add each micro-batch's weight gradients into ``param.grad`` in their
+            matmuls.
     """
 
     def __init__(
@@ -127,8 +130,9 @@ class TreeMaskTrainer(MicroBatchTrainer):
         checkpoint: bool = False,
         grad_guard: bool | str = True,
         rerun_chunk_rows: int | None = None,
+        weight_grads_in_matmul: bool = True,
     ) -> None:
-        super().__init__(model, logprob_chunk, checkpoint, grad_guard, rerun_chunk_rows)
+        super().__init__(model, logprob_chunk, checkpoint, grad_guard, rerun_chunk_rows, weight_grads_in_matmul)
         if self.spec.recurrent_states:
             raise ValueError(
                 f"{self.spec.name} has recurrent layers (layers {list(self.spec.recurrent_layers)}): tree-mask training "

@@ -31,6 +31,7 @@ from typing import Iterable, Self
 import torch
 
 from ..config import check_grad_guard
+from ..ops.weight_grads import WAIT_BEFORE_WRITE
 
 __all__ = ["KEPT_NOTE", "PARTIAL_NOTE", "GradHostCopy", "GradInPlace", "GradStash", "grad_guard", "release_host_buffer"]
 
@@ -206,6 +207,7 @@ class GradHostCopy(_Guard):
             if stream != compute:
                 compute.wait_event(done)
             self._hooks[k].remove()
+        setattr(wait, WAIT_BEFORE_WRITE, True)  # ops adding into .grad themselves run it first (dtree.ops.weight_grads)
         return wait
 
     def releasing_bytes(self) -> float:

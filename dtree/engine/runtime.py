@@ -367,7 +367,7 @@ class TreeRuntime:
         runtime's options."""
         plan, loss = planned
         return train_step(plan, loss, view.parameters, self._scope(), return_logprobs, self.config.pause_gc,
-                          plan.memory.grad_guard, before_sync)
+                          plan.memory.grad_guard, before_sync, self.config.weight_grads_in_matmul)
 
     def backward_from_logprob_grads(
         self,
@@ -397,7 +397,8 @@ class TreeRuntime:
             forest, loss, weights = surrogate(forest, grads)
             plan = self._planner.make_plan(forest, weights, loss.field_names, view=view)
             out = train_step(plan, loss, view.parameters, self._scope(), pause_gc=self.config.pause_gc,
-                             grad_guard=plan.memory.grad_guard)
+                             grad_guard=plan.memory.grad_guard,
+                             weight_grads_in_matmul=self.config.weight_grads_in_matmul)
             out.loss = grads.value
         return with_report(out, after, self.memory_plan)
 

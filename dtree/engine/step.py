@@ -29,6 +29,7 @@ from ..device.transfer import upload
 from ..forest.forest import Forest
 from ..losses import Normalization, PerTokenFn, TokenLoss, add_metric_sums, masked_metric_sums, means_of_sums
 from ..ops.logprobs import compute_dtype
+from ..ops.weight_grads import in_place_weight_grads
 from ..plan.loss_terms import prediction_lin
 from .checks import check_forest, check_loss_argument, check_normalization, raise_non_finite
 from .collector import CollectorPause
@@ -196,7 +197,9 @@ class TokenStep:
     On entering, ``param.grad`` is moved aside (a failed step loses nothing: it is
     restored when the block raises; ``grad_guard="host"``: kept in pinned host memory;
     ``grad_guard=False``: the step accumulates into it in place, :mod:`dtree.engine.grad_guard`), and Python's automatic garbage collection is paused
-    until the step ends (``pause_gc``: :mod:`dtree.engine.collector`). ``per_token`` is the
+    until the step ends (``pause_gc``: :mod:`dtree.engine.collector`); the lean layers' projections
+    add their weight gradients into ``param.grad`` inside their matmuls (``weight_grads_in_matmul``:
+    :mod:`dtree.ops.weight_grads`; every method runs its steps in this class, so all do alike). ``per_token`` is the
     loss's function whose fields are :class:`LossFields` and whose results are checked
     (:func:`checked_loss`); it records the loss's metrics, and keeps the log-probs the loss saw when
     ``return_logprobs``. ``loss_lin``: [E] linearized index of each of the step's terms,
@@ -206,7 +209,7 @@ class TokenStep:
     def __init__(
         self, parameters: Iterable[torch.nn.Parameter], forest: Forest, loss: TokenLoss, loss_lin: np.ndarray,
         device: torch.device, dtype: torch.dtype, return_logprobs: bool = False, started: float | None = None,
-        pause_gc: bool = True, grad_guard: bool | str = True,
+        pause_gc: bool = True, grad_guard: bool | str = True, weight_grads_in_matmul: bool = True,
     ) -> None:
         self.started = time.perf_counter() if started is None else started
         self._stash = guard_grads(parameters, grad_guard)
@@ -216,13 +219,16 @@ class TokenStep:
         per_token = checked_loss(loss, forest, self._stash.note).recording(self.recorded)
         self.per_token: PerTokenFn = per_token if self.kept is None else self.kept.wrap(per_token)
         self._collector = CollectorPause(pause_gc)
+        self._weight_grads = in_place_weight_grads(weight_grads_in_matmul)
 
     def __enter__(self) -> "TokenStep":
         self._stash.__enter__()
         self._collector.__enter__()
+        self._weight_grads.__enter__()
         return self
 
     def __exit__(self, *exc) -> bool | None:
+        self._weight_grads.__exit__(*exc)
         self._collector.__exit__(*exc)
         return self._stash.__exit__(*exc)
 

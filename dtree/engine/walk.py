@@ -337,7 +337,7 @@ def _finish_group(state: _GroupState, total: torch.Tensor) -> torch.Tensor:
 def train_step(
     plan: StepPlan, loss: TokenLoss, parameters: Iterable[torch.nn.Parameter], scope: Callable | None = None,
     return_logprobs: bool = False, pause_gc: bool = True, grad_guard: bool | str = True,
-    before_sync: Callable[[float], None] | None = None,
+    before_sync: Callable[[float], None] | None = None, weight_grads_in_matmul: bool = True,
 ) -> StepOutput:
     """The training walk of ``plan`` for ``loss`` between the two ends of a step
     (:class:`dtree.engine.step.TokenStep`: ``param.grad`` kept aside until it succeeds when
@@ -345,9 +345,10 @@ def train_step(
     end). ``scope``: the
     model adapter's attention scope (:meth:`TreeWalk.train`). ``before_sync(releasing)`` runs once
     every kernel of the step is queued, before its sync (the GPU still busy), with the bytes the
-    step frees when it succeeds (:mod:`dtree.engine.micro_batches` prepares the next step there)."""
+    step frees when it succeeds (:mod:`dtree.engine.micro_batches` prepares the next step there).
+    ``weight_grads_in_matmul``: :class:`TokenStep`'s."""
     with TokenStep(parameters, plan.forest, loss, plan.terms.loss_lin, plan.device, plan.dtype, return_logprobs,
-                   pause_gc=pause_gc, grad_guard=grad_guard) as step:
+                   pause_gc=pause_gc, grad_guard=grad_guard, weight_grads_in_matmul=weight_grads_in_matmul) as step:
         per_token = PerToken(step.per_token, loss.temperature, loss.needs_entropy)
         walked = TreeWalk(plan).train(per_token, scope)
         if before_sync is not None:

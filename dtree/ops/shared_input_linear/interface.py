@@ -8,7 +8,8 @@ Contract, for ``x`` [..., H] and projections ``(weight_i [N_i, H], bias_i [N_i] 
 Backward, with ``dy_i`` the outputs' gradients (rows flattened to ``[M, N_i]``)::
 
     dx       = dy_0 @ weight_0  (+)  dy_1 @ weight_1  (+) ...   chained matmuls, beta = 1
-    dweight_i = dy_i.T @ x
+    dweight_i = dy_i.T @ x                              added into weight_i.grad by the matmul
+                                                        inside a step (dtree.ops.weight_grads)
     dbias_i  = sum over rows of dy_i                    float32 accumulation
 
 Why one op: called as separate ``nn.Linear`` modules, each projection's backward hands
@@ -32,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import triton_kernels_for
+from ..weight_grads import accumulates_in_place, add_product
 
 __all__ = [
     "SharedInputLinearFunction",
@@ -64,6 +66,15 @@ def _bias_grads(grads: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[to
     return bias_grads_torch(grads, dtypes)
 
 
+def _weight_grad(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``dy.T @ x`` ([N, H]) for autograd, or added into ``weight.grad`` in the matmul and None
+    (:mod:`dtree.ops.weight_grads`)."""
+    if accumulates_in_place(weight):
+        add_product(weight, dy.t(), x2.to(dy.dtype))
+        return None
+    return dy.t().mm(x2.to(dy.dtype)).to(weight.dtype)
+
+
 class SharedInputLinearFunction(torch.autograd.Function):
     """``F.linear(x, weight_i, bias_i)`` for each projection; keeps ``x`` and the weights.
     Arguments after ``x``: the weights, then the biases (None where absent)."""
@@ -89,8 +100,7 @@ class SharedInputLinearFunction(torch.autograd.Function):
             for dy, w in zip(dy2[1:], weights[1:]):
                 dx.addmm_(dy, w.to(dy.dtype))  # accumulates in the matmul: no separate add kernel
             dx = dx.view(x.shape)
-        dweights = [dy.t().mm(x2.to(dy.dtype)).to(w.dtype) if need[1 + i] else None
-                    for i, (dy, w) in enumerate(zip(dy2, weights))]
+        dweights = [_weight_grad(dy, x2, w) if need[1 + i] else None for i, (dy, w) in enumerate(zip(dy2, weights))]
         wanted = [i for i, dtype in enumerate(ctx.bias_dtypes) if dtype is not None and need[1 + count + i]]
         dbiases: list[torch.Tensor | None] = [None] * count
         if wanted:

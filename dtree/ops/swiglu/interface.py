@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import triton_kernels_for
+from ..weight_grads import accumulates_in_place, add_product, add_sum
 
 __all__ = [
     "CONSUMING_CHUNK_ROWS",
@@ -169,12 +170,24 @@ def _consuming_backward(
         if in_matmul:
             sum_chunk_in_matmul(summed, dy2[start:stop].t(), dp, first=start == 0)
         elif summed is None:
-            dw = dy2[start:stop].t().mm(dp).to(weight.dtype)
+            dw = _weight_grad(dy2[start:stop].t(), dp, weight)
         else:
             summed += dy2[start:stop].t().mm(dp)
-    if summed is not None:
-        dw = summed.to(weight.dtype)
-    return gate, up, dw
+    if summed is None:
+        return gate, up, dw
+    if accumulates_in_place(weight):
+        add_sum(weight, summed)
+        return gate, up, None
+    return gate, up, summed.to(weight.dtype)
+
+
+def _weight_grad(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``a @ b`` ([H, I]) for autograd, or added into ``weight.grad`` in the matmul and None
+    (:mod:`dtree.ops.weight_grads`)."""
+    if accumulates_in_place(weight):
+        add_product(weight, a, b)
+        return None
+    return a.mm(b).to(weight.dtype)
 
 
 def _sums_in_matmul(dy2: torch.Tensor, acc: torch.dtype) -> bool:
@@ -241,7 +254,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         product = None
         if need_w:
             product = _forward(gate, up)
-            dw = dy2.t().mm(product.reshape(-1, product.shape[-1])).to(weight.dtype)
+            dw = _weight_grad(dy2.t(), product.reshape(-1, product.shape[-1]), weight)
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)

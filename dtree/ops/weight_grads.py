@@ -1,0 +1,113 @@
+"""A weight's gradient added into ``param.grad`` by the matmul that computes it.
+
+A dtree step runs a backward per model call, and every call's backward hands each weight
+its gradient through autograd's ``AccumulateGrad`` node, which adds it into ``param.grad``
+with a kernel of its own: the capped 64k agentic step launched 1,696 such adds, the most
+launched kernel of the step (``benchmarks/results/h200/session_af/origins``), each with its
+node's host work and a fresh ``[N, K]`` product allocated first. Where an op computes a
+weight gradient as one matmul (:mod:`dtree.ops.shared_input_linear`, :mod:`dtree.ops.swiglu`),
+:func:`add_product` has the matmul add into ``param.grad`` itself (cuBLAS with beta = 1: one
+rounding where the product and the add made one each), as Megatron-LM's gradient-accumulation
+fusion does, and the op returns no gradient for that weight. The first call of a step, whose
+``param.grad`` is None, assigns the product as ``AccumulateGrad`` would.
+
+Contract, for a weight ``w`` and ``a`` [N, M], ``b`` [M, K] (``w`` is [N, K])::
+
+    w.grad = a @ b            (w.grad None)       in w's dtype
+    w.grad += a @ b           (otherwise)         summed in the matmul
+
+Only where autograd would have added into ``param.grad`` the same way and nothing could tell
+the difference (:func:`accumulates_in_place`): inside :func:`in_place_weight_grads` (entered by
+each training step, :class:`dtree.engine.step.TokenStep`, for every method), in a plain
+``.backward()`` (not ``torch.autograd.grad`` or ``.backward(inputs=...)``, which only return
+gradients), without ``create_graph``, for a leaf ``nn.Parameter`` or tensor of no subclass
+with no hook of its own on it and a ``.grad`` that is None or a plain tensor of its shape,
+dtype and device, contiguous. Hooks dtree marks with :data:`WAIT_BEFORE_WRITE` (the host
+gradient guard's wait for its copy, :mod:`dtree.engine.grad_guard`) are run before the write
+instead. Everywhere else the op returns the gradient to autograd as before.
+
+Tiers: returning the product to autograd is the reference (what every op does outside the
+scope, and what ``RuntimeConfig(weight_grads_in_matmul=False)`` runs); :func:`add_product`
+is the fused path; ``tests/test_weight_grads.py`` compares the two.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+__all__ = ["WAIT_BEFORE_WRITE", "accumulates_in_place", "add_product", "add_sum", "in_place_weight_grads"]
+
+WAIT_BEFORE_WRITE = "dtree_wait_before_write"  # a tensor hook with this attribute only waits, then removes itself
+_PLAIN = (torch.nn.Parameter, torch.Tensor)
+_depth = 0  # a plain global, not thread-local: backward runs on autograd's device threads
+
+
+@contextlib.contextmanager
+def in_place_weight_grads(enabled: bool = True) -> Iterator[None]:
+    """Within the block, ops may add weight gradients into ``param.grad`` themselves
+    (see the module docstring); ``enabled=False`` leaves them to autograd."""
+    global _depth
+    if not enabled:
+        yield
+        return
+    _depth += 1
+    try:
+        yield
+    finally:
+        _depth -= 1
+
+
+def _hooks_allow(weight: torch.Tensor) -> bool:
+    if getattr(weight, "_post_accumulate_grad_hooks", None):
+        return False
+    hooks = weight._backward_hooks
+    return not hooks or all(getattr(h, WAIT_BEFORE_WRITE, False) for h in hooks.values())
+
+
+def accumulates_in_place(weight: torch.Tensor) -> bool:
+    """Whether an op's backward should add ``weight``'s gradient into ``weight.grad`` itself
+    (:func:`add_product`) instead of returning it (the conditions: the module docstring)."""
+    if not _depth or torch.is_grad_enabled() or not torch.autograd._is_checkpoint_valid():
+        return False
+    if type(weight) not in _PLAIN or not (weight.is_leaf and weight.requires_grad) or not _hooks_allow(weight):
+        return False
+    grad = weight.grad
+    return grad is None or (
+        type(grad) is torch.Tensor and grad.shape == weight.shape and grad.dtype == weight.dtype
+        and grad.device == weight.device and grad.is_contiguous() and not grad.requires_grad
+    )
+
+
+def _wait_for_writes(weight: torch.Tensor) -> None:
+    hooks = weight._backward_hooks
+    for hook in list(hooks.values()) if hooks else ():
+        hook(weight)
+
+
+def add_product(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``weight.grad`` set to (None before) or increased by ``a @ b`` (``a`` [N, M], ``b``
+    [M, K], ``weight`` [N, K]), the sum inside the matmul. Call only where
+    :func:`accumulates_in_place` said so."""
+    _wait_for_writes(weight)
+    grad = weight.grad
+    if grad is None:
+        product = a.mm(b)
+        weight.grad = product if product.dtype == weight.dtype else product.to(weight.dtype)
+    elif a.dtype == grad.dtype:
+        grad.addmm_(a, b)
+    else:  # the weight's dtype differs from the activations' (float32 weights run in half precision)
+        grad.add_(a.mm(b))
+
+
+def add_sum(weight: torch.Tensor, summed: torch.Tensor) -> None:
+    """``weight.grad`` set to or increased by ``summed`` (a float32 sum of chunks' products,
+    [N, K]), rounded once into the gradient's dtype. Call only where
+    :func:`accumulates_in_place` said so."""
+    _wait_for_writes(weight)
+    if weight.grad is None:
+        weight.grad = summed.to(weight.dtype)
+    else:
+        weight.grad.add_(summed)
