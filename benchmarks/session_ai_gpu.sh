@@ -10,6 +10,8 @@
 #               weight_grads_in_matmul, interleaved on fresh forests, then one profiled step per arm (launches, busy);
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the default;
 #   PART=half256 the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9 (STEPS256 steps, default 4).
+#   PART=attn   benchmarks/bench_stack_attention.py on issue 17's grpo and agentic layouts at qwen2.5-1.5b's heads
+#               (12 q / 2 kv) and at the bench's default (32 / 8): the masked call with per-key bounds (session AH).
 #
 #     PART=ab bash benchmarks/session_ai_gpu.sh            # reports in $OUT (default /tmp/dtree_session_ai)
 #     SMOKE=1 PART=ab bash benchmarks/session_ai_gpu.sh    # tiny trees on the CPU: plumbing only
@@ -33,6 +35,17 @@ case "$PART" in
   half256)
     half256k
     ;;
-  *) echo "PART must be ab, steps or half256"; exit 2 ;;
+  attn)
+    mkdir -p "$OUT/attn"
+    for heads in "12 2" "32 8"; do
+      set -- $heads
+      timeout 250 python benchmarks/bench_stack_attention.py $SMOKE_FLAG --heads $1 --kv-heads $2 \
+        --layouts grpo,agentic --option-cases '' --out "$OUT/attn" --tag "${1}_$2" \
+        >"$OUT/attn/log_${1}_$2.txt" 2>&1
+      echo "bench_stack_attention $1/$2 heads: exit $?"
+    done
+    grep -h "^| flash-attn |\|^| fa4 dense\|^## " "$OUT"/attn/*.md | cut -c1-140
+    ;;
+  *) echo "PART must be ab, steps, half256 or attn"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

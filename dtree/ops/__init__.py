@@ -12,7 +12,9 @@ the fused files (``reference.py`` or a ``*_reference`` function), its entry poin
   runs, else the pure-torch path with the same contract and bits.
 - :mod:`dtree.ops.logprobs`: chunked log-probs and entropies through the LM head
   (:class:`OutputHead`), fused in Triton on CUDA.
-- :mod:`dtree.ops.rms_norm`, :mod:`dtree.ops.swiglu`: the lean layers' RMSNorm and SwiGLU.
+- :mod:`dtree.ops.rms_norm`, :mod:`dtree.ops.swiglu`: the lean layers' RMSNorm and SwiGLU;
+  :mod:`dtree.ops.weight_grads`: their projections' weight gradients added into ``param.grad``
+  inside the matmul during a step.
 - :mod:`dtree.ops.linear_recurrence` (torch and flash-linear-attention) and
   :mod:`dtree.ops.short_conv`: the recurrent layers of hybrid models, over the states of
   :mod:`dtree.ops.segment_states`.

@@ -27,7 +27,9 @@ In a checkpointed layer's re-run (``output_unused``, :mod:`dtree.ops.rerun`) the
 the backward then writes ``dgate`` and ``dup`` over them and takes the rows in chunks of
 :data:`CONSUMING_CHUNK_ROWS`, each chunk's ``dp`` in one reused ``[rows, I]`` buffer
 that then holds its product for the weight gradient (summed over chunks in float32: on
-CUDA inside the matmul, :func:`sum_chunk_in_matmul`).
+CUDA inside the matmul, :func:`sum_chunk_in_matmul`). During a step the down projection's weight gradient
+is added into ``param.grad`` inside its matmul, or the chunks' sum rounded into it once
+(:mod:`dtree.ops.weight_grads`).
 Its peak is ``gate``, ``up``, one chunk and (past one chunk) the float32 sum, where the
 other backward holds four ``[T, I]`` tensors: ``memory="low"`` peaks in the top layer's
 re-run of a 12k-token call on qwen2.5-1.5b, and peaked 0.26 GiB lower with this
