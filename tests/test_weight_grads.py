@@ -73,6 +73,26 @@ def test_fused_weight_grads_equal_autograds_over_calls(chunk_rows):
     assert [counts[k][0] for k in ("gate", "up", "down", "gate_bias")] == [0, 0, 0, 3]
 
 
+@pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_checkpointed_ops_add_into_the_forwards_weights(reentrant):
+    """Under torch's checkpointing the backward's saved weights are other tensors (non-reentrant: the
+    recompute's detached aliases): the gradient still reaches the parameter the forward was given."""
+    grads = []
+    for fused in (False, True):
+        w = _weights()
+        counts = _accumulator_calls(w)
+        g = torch.Generator().manual_seed(3)
+        with in_place_weight_grads(fused):
+            for _ in range(2):
+                x = torch.randn(ROWS, H, generator=g, dtype=torch.float64, requires_grad=True)
+                y = torch.utils.checkpoint.checkpoint(_mlp, w, x, 0, False, use_reentrant=reentrant)
+                y.sum().backward()
+        grads.append({k: p.grad.clone() for k, p in w.items()})
+        assert counts["down"][0] == (0 if fused else 2)
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], rtol=1e-12, atol=1e-12, msg=k)
+
+
 def test_consumed_swiglu_backward_adds_in_place():
     """A re-run's SwiGLU backward (``output_unused``: gate and up written over) in one chunk and
     in several, the chunks' float32 sum added once."""
@@ -125,6 +145,16 @@ def test_hooks_and_outside_a_backward_go_through_autograd():
         _one_call(w)[1].backward()
         assert not accumulates_in_place(w["gate"])  # no backward running
     assert sorted(seen) == ["hook", "post"]
+
+
+def test_a_strided_weight_gets_autograds_gradient_of_its_strides():
+    w = _weights()
+    w["gate"] = torch.nn.Parameter(w["gate"].detach().t().contiguous().t())  # [I, H], column-major
+    counts = _accumulator_calls(w)
+    with in_place_weight_grads():
+        _one_call(w)[1].backward()
+    assert counts["gate"][0] == 1 and counts["down"][0] == 0
+    assert w["gate"].grad.stride() == w["gate"].stride()
 
 
 def test_a_weight_computed_from_a_parameter_gets_autograds_gradient():

@@ -17,12 +17,13 @@ Contract, for a weight ``w`` and ``a`` [N, M], ``b`` [M, K] (``w`` is [N, K])::
     w.grad += a @ b           (otherwise)         summed in the matmul
 
 Only where autograd would have added into ``param.grad`` the same way and nothing could tell
-the difference (:func:`accumulates_in_place`): inside :func:`in_place_weight_grads` (entered by
+the difference (:func:`accumulates_in_place`, on the tensor the op's forward received:
+:func:`grad_target`): inside :func:`in_place_weight_grads` (entered by
 each training step, :class:`dtree.engine.step.TokenStep`, for every method), in a plain
 ``.backward()`` (not ``torch.autograd.grad`` or ``.backward(inputs=...)``, which only return
 gradients), without ``create_graph``, for a leaf ``nn.Parameter`` or tensor of no subclass
-with no hook of its own on it and a ``.grad`` that is None or a plain tensor of its shape,
-dtype and device, contiguous. Hooks dtree marks with :data:`WAIT_BEFORE_WRITE` (the host
+contiguous, with no hook of its own on it and a ``.grad`` that is None or a plain tensor of its
+shape, dtype and device, contiguous. Hooks dtree marks with :data:`WAIT_BEFORE_WRITE` (the host
 gradient guard's wait for its copy, :mod:`dtree.engine.grad_guard`) are run before the write
 instead. Everywhere else the op returns the gradient to autograd as before.
 
@@ -38,7 +39,7 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["WAIT_BEFORE_WRITE", "accumulates_in_place", "add_product", "add_sum", "in_place_weight_grads"]
+__all__ = ["WAIT_BEFORE_WRITE", "accumulates_in_place", "add_product", "add_sum", "grad_target", "in_place_weight_grads"]
 
 WAIT_BEFORE_WRITE = "dtree_wait_before_write"  # a tensor hook with this attribute only waits, then removes itself
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
@@ -67,12 +68,23 @@ def _hooks_allow(weight: torch.Tensor) -> bool:
     return not hooks or all(getattr(h, WAIT_BEFORE_WRITE, False) for h in hooks.values())
 
 
-def accumulates_in_place(weight: torch.Tensor) -> bool:
-    """Whether an op's backward should add ``weight``'s gradient into ``weight.grad`` itself
-    (:func:`add_product`) instead of returning it (the conditions: the module docstring)."""
-    if not _depth or torch.is_grad_enabled() or not torch.autograd._is_checkpoint_valid():
+def grad_target(weight: torch.Tensor) -> torch.Tensor | None:
+    """At an op's forward: ``weight`` itself where its backward may add into its ``.grad``
+    (a plain leaf that requires grad, contiguous), else None. An op keeps this, not the tensor
+    its ``ctx.saved_tensors`` gives back: saved-tensor hooks (non-reentrant checkpointing,
+    ``save_on_cpu``) give back another tensor, whose ``.grad`` no one reads."""
+    if type(weight) not in _PLAIN or not (weight.is_leaf and weight.requires_grad and weight.is_contiguous()):
+        return None  # (AccumulateGrad gives a strided parameter a gradient of its own strides)
+    return weight
+
+
+def accumulates_in_place(weight: torch.Tensor | None) -> bool:
+    """Whether an op's backward should add the gradient of ``weight`` (its forward's
+    :func:`grad_target`) into ``weight.grad`` itself (:func:`add_product`) instead of
+    returning it (the conditions: the module docstring)."""
+    if weight is None or not _depth or torch.is_grad_enabled() or not torch.autograd._is_checkpoint_valid():
         return False
-    if type(weight) not in _PLAIN or not (weight.is_leaf and weight.requires_grad) or not _hooks_allow(weight):
+    if not _hooks_allow(weight):
         return False
     grad = weight.grad
     return grad is None or (

@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import triton_kernels_for
-from ..weight_grads import accumulates_in_place, add_product, add_sum
+from ..weight_grads import accumulates_in_place, add_product, add_sum, grad_target
 
 __all__ = [
     "CONSUMING_CHUNK_ROWS",
@@ -146,11 +146,13 @@ def _consumable(dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor) -> bool
 
 def _consuming_backward(
     dy2: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, need_w: bool,
-    chunk_rows: int | None = None,
+    chunk_rows: int | None = None, target: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(dgate, dup, dweight) with dgate and dup written over ``gate`` and ``up``
     (contiguous, [..., I]); ``dy2`` [T, H]. Rows in chunks of ``chunk_rows`` (0: one chunk;
-    None: :data:`CONSUMING_CHUNK_ROWS`; see the module docstring)."""
+    None: :data:`CONSUMING_CHUNK_ROWS`; see the module docstring). ``target``: the forward's
+    weight where its gradient may be added into its ``.grad`` (:mod:`dtree.ops.weight_grads`;
+    dweight is then None)."""
     g2, u2 = gate.view(-1, gate.shape[-1]), up.view(-1, up.shape[-1])
     total = g2.shape[0]
     rows = CONSUMING_CHUNK_ROWS if chunk_rows is None else (chunk_rows or max(1, total))
@@ -172,22 +174,23 @@ def _consuming_backward(
         if in_matmul:
             sum_chunk_in_matmul(summed, dy2[start:stop].t(), dp, first=start == 0)
         elif summed is None:
-            dw = _weight_grad(dy2[start:stop].t(), dp, weight)
+            dw = _weight_grad(dy2[start:stop].t(), dp, weight, target)
         else:
             summed += dy2[start:stop].t().mm(dp)
     if summed is None:
         return gate, up, dw
-    if accumulates_in_place(weight):
-        add_sum(weight, summed)
+    if accumulates_in_place(target):
+        add_sum(target, summed)
         return gate, up, None
     return gate, up, summed.to(weight.dtype)
 
 
-def _weight_grad(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """``a @ b`` ([H, I]) for autograd, or added into ``weight.grad`` in the matmul and None
-    (:mod:`dtree.ops.weight_grads`)."""
-    if accumulates_in_place(weight):
-        add_product(weight, a, b)
+def _weight_grad(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, target: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """``a @ b`` ([H, I]) for autograd, or added into ``target.grad`` (the forward's weight) in the
+    matmul and None (:mod:`dtree.ops.weight_grads`)."""
+    if accumulates_in_place(target):
+        add_product(target, a, b)
         return None
     return a.mm(b).to(weight.dtype)
 
@@ -235,6 +238,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, gate, up, weight, bias, output_unused: bool = False, chunk_rows: int | None = None):
         ctx.save_for_backward(gate, up, weight)
+        ctx.grad_target = grad_target(weight)
         ctx.has_bias = bias is not None
         ctx.consume_inputs = output_unused  # a re-run's gate and up: only this backward reads them
         ctx.chunk_rows = chunk_rows
@@ -251,12 +255,12 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if need_b and ctx.has_bias:
             db = dy2.sum(0)
         if ctx.consume_inputs and (need_gate or need_up) and _consumable(dy2, gate, up):
-            dgate, dup, dw = _consuming_backward(dy2, gate, up, weight, need_w, ctx.chunk_rows)
+            dgate, dup, dw = _consuming_backward(dy2, gate, up, weight, need_w, ctx.chunk_rows, ctx.grad_target)
             return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None
         product = None
         if need_w:
             product = _forward(gate, up)
-            dw = _weight_grad(dy2.t(), product.reshape(-1, product.shape[-1]), weight)
+            dw = _weight_grad(dy2.t(), product.reshape(-1, product.shape[-1]), weight, ctx.grad_target)
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)
