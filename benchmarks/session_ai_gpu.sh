@@ -10,6 +10,8 @@
 #               weight_grads_in_matmul, interleaved on fresh forests, then one profiled step per arm (launches, busy);
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the default;
 #   PART=half256 the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9 (STEPS256 steps, default 4).
+#   PART=check  the GPU tests again on the final code (the weights' targets taken at the forward): the weight gradients,
+#               the lean layers and whole steps by the flash-attention rule;
 #   PART=attn   benchmarks/bench_stack_attention.py on issue 17's grpo and agentic layouts at qwen2.5-1.5b's heads
 #               (12 q / 2 kv) and at the bench's default (32 / 8): the masked call with per-key bounds (session AH).
 #
@@ -32,6 +34,10 @@ case "$PART" in
   steps)
     vs_mask64k
     ;;
+  check)
+    gpu_tests gpu_tests_check.txt 400 "bf16 or flash" \
+      tests/test_weight_grads.py tests/test_lean_layers.py tests/test_runtime_gpu.py tests/test_checkpoint_layers.py
+    ;;
   half256)
     half256k
     ;;
@@ -46,6 +52,6 @@ case "$PART" in
     done
     grep -h "^| flash-attn |\|^| fa4 dense\|^## " "$OUT"/attn/*.md | cut -c1-140
     ;;
-  *) echo "PART must be ab, steps, half256 or attn"; exit 2 ;;
+  *) echo "PART must be ab, steps, check, half256 or attn"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
