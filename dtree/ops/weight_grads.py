@@ -21,11 +21,15 @@ the difference (:func:`accumulates_in_place`, on the tensor the op's forward rec
 :func:`grad_target`): inside :func:`in_place_weight_grads` (entered by
 each training step, :class:`dtree.engine.step.TokenStep`, for every method), in a plain
 ``.backward()`` (not ``torch.autograd.grad`` or ``.backward(inputs=...)``, which only return
-gradients), without ``create_graph``, for a leaf ``nn.Parameter`` or tensor of no subclass
-contiguous, with no hook of its own on it and a ``.grad`` that is None or a plain tensor of its
-shape, dtype and device, contiguous. Hooks dtree marks with :data:`WAIT_BEFORE_WRITE` (the host
+gradients), without ``create_graph``, for a contiguous leaf ``nn.Parameter`` or tensor of no
+subclass with no hook of its own on it and a ``.grad`` that is None or a plain contiguous tensor
+of its shape, dtype and device. Hooks dtree marks with :data:`WAIT_BEFORE_WRITE` (the host
 gradient guard's wait for its copy, :mod:`dtree.engine.grad_guard`) are run before the write
-instead. Everywhere else the op returns the gradient to autograd as before.
+instead. Everywhere else the op returns the gradient to autograd as before. The weight's
+``AccumulateGrad`` node still runs, with no gradient: a hook on that node (not on the tensor),
+the kind DDP's reducer registers, is called with none while ``param.grad`` already holds the sum;
+dtree runs DDP's walks under ``no_sync``, where the reducer does not read them
+(:mod:`dtree.distributed.sync`).
 
 Tiers: returning the product to autograd is the reference (what every op does outside the
 scope, and what ``RuntimeConfig(weight_grads_in_matmul=False)`` runs); :func:`add_product`
