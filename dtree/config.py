@@ -180,8 +180,7 @@ class RuntimeConfig:
         flags = ("progress", "deterministic", "lean_layers", "free_after_step", "pause_gc", "keep_attention_outputs",
                  "weight_grads_in_matmul")
         for name in flags:
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+            check_flag(name, getattr(self, name))
 
     def replace(self, **changes: Any) -> "RuntimeConfig":
         """A copy with ``changes`` applied (and checked)."""
@@ -196,6 +195,12 @@ def check_grad_guard(value: Any) -> None:
     """Raise unless ``value`` is one of :data:`GRAD_GUARDS` (True, not 1: the bools by type)."""
     if not (isinstance(value, bool) or value in ("device", "host")):
         raise ValueError(f"grad_guard must be True, False, 'device' or 'host', got {value!r}")
+
+
+def check_flag(name: str, value: Any) -> None:
+    """Raise unless ``value`` is True or False (by type: not 1 or None)."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
 
 
 def check_count(name: str, value: Any, *, minimum: int, optional: bool = True) -> None:

@@ -196,9 +196,7 @@ def test_steps_with_and_without_weight_grads_in_matmul_agree(name):
     the second step adding into the first's."""
     model = make_model("qwen2", dtype=torch.float64)
     twin = copy.deepcopy(model)
-    kw = {"chunk_size": 3, "group_tokens": 0} if name == "dtree" else {"max_tokens_per_batch": 8}
-    if name == "tree-mask":
-        kw = {}
+    kw = {"dtree": {"chunk_size": 3, "group_tokens": 0}, "linearized": {"max_tokens_per_batch": 8}}.get(name, {})
     fused = make_method(name, model, **kw)
     plain = make_method(name, twin, weight_grads_in_matmul=False, **kw)
     forest = dtree.Forest.from_sequences(SEQS)
@@ -213,6 +211,8 @@ def test_steps_with_and_without_weight_grads_in_matmul_agree(name):
 def test_the_option_is_checked():
     with pytest.raises(ValueError, match="weight_grads_in_matmul must be True or False"):
         dtree.RuntimeConfig(weight_grads_in_matmul="yes")
+    with pytest.raises(ValueError, match="weight_grads_in_matmul must be True or False"):
+        make_method("tree-mask", make_model("qwen2"), weight_grads_in_matmul=1)
 
 
 @pytest.mark.gpu

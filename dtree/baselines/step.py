@@ -38,7 +38,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from ..config import check_count, check_grad_guard
+from ..config import check_count, check_flag, check_grad_guard
 from ..device.placement import model_placement
 from ..device.transfer import upload_arrays
 from ..engine.checks import (
@@ -163,8 +163,7 @@ class MicroBatchTrainer:
         self.rerun_chunk_rows = rerun_chunk_rows
         check_grad_guard(grad_guard)
         self.grad_guard = grad_guard
-        if not isinstance(weight_grads_in_matmul, bool):
-            raise TypeError(f"weight_grads_in_matmul must be True or False, got {weight_grads_in_matmul!r}")
+        check_flag("weight_grads_in_matmul", weight_grads_in_matmul)
         self.weight_grads_in_matmul = weight_grads_in_matmul
         if self.checkpoint:
             decoder_layers(model)  # raises now, naming the fix, if the layers cannot be found

@@ -33,7 +33,8 @@ dtree runs DDP's walks under ``no_sync``, where the reducer does not read them
 
 Tiers: returning the product to autograd is the reference (what every op does outside the
 scope, and what ``RuntimeConfig(weight_grads_in_matmul=False)`` runs); :func:`add_product`
-is the fused path; ``tests/test_weight_grads.py`` compares the two.
+is the fused path; an op's backward calls :func:`product_grad` (or :func:`summed_grad`), which
+picks one; ``tests/test_weight_grads.py`` compares the two.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ from collections.abc import Iterator
 
 import torch
 
-__all__ = ["WAIT_BEFORE_WRITE", "accumulates_in_place", "add_product", "add_sum", "grad_target", "in_place_weight_grads"]
+__all__ = ["WAIT_BEFORE_WRITE", "accumulates_in_place", "add_product", "add_sum", "grad_target", "in_place_weight_grads",
+           "product_grad", "summed_grad"]
 
 WAIT_BEFORE_WRITE = "dtree_wait_before_write"  # a tensor hook with this attribute only waits, then removes itself
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
@@ -127,3 +129,22 @@ def add_sum(weight: torch.Tensor, summed: torch.Tensor) -> None:
         weight.grad = summed.to(weight.dtype)
     else:
         weight.grad.add_(summed)
+
+
+def product_grad(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, target: torch.Tensor | None
+                 ) -> torch.Tensor | None:
+    """An op's weight gradient ``a @ b`` ([N, K]): added into ``target.grad`` (``target``: the forward's
+    :func:`grad_target`) and None where :func:`accumulates_in_place` says so, else returned in ``dtype``
+    for autograd to accumulate."""
+    if accumulates_in_place(target):
+        add_product(target, a, b)
+        return None
+    return a.mm(b).to(dtype)
+
+
+def summed_grad(summed: torch.Tensor, dtype: torch.dtype, target: torch.Tensor | None) -> torch.Tensor | None:
+    """As :func:`product_grad`, for a weight gradient already summed (in float32, over chunks)."""
+    if accumulates_in_place(target):
+        add_sum(target, summed)
+        return None
+    return summed.to(dtype)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import triton_kernels_for
-from ..weight_grads import accumulates_in_place, add_product, grad_target
+from ..weight_grads import grad_target, product_grad
 
 __all__ = [
     "SharedInputLinearFunction",
@@ -66,16 +66,6 @@ def _bias_grads(grads: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[to
     return bias_grads_torch(grads, dtypes)
 
 
-def _weight_grad(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, target: torch.Tensor | None
-                 ) -> torch.Tensor | None:
-    """``dy.T @ x`` ([N, H]) for autograd, or added into ``target.grad`` (the forward's weight) in the
-    matmul and None (:mod:`dtree.ops.weight_grads`)."""
-    if accumulates_in_place(target):
-        add_product(target, dy.t(), x2.to(dy.dtype))
-        return None
-    return dy.t().mm(x2.to(dy.dtype)).to(weight.dtype)
-
-
 class SharedInputLinearFunction(torch.autograd.Function):
     """``F.linear(x, weight_i, bias_i)`` for each projection; keeps ``x`` and the weights.
     Arguments after ``x``: the weights, then the biases (None where absent)."""
@@ -102,7 +92,7 @@ class SharedInputLinearFunction(torch.autograd.Function):
             for dy, w in zip(dy2[1:], weights[1:]):
                 dx.addmm_(dy, w.to(dy.dtype))  # accumulates in the matmul: no separate add kernel
             dx = dx.view(x.shape)
-        dweights = [_weight_grad(dy, x2, w, ctx.grad_targets[i]) if need[1 + i] else None
+        dweights = [product_grad(dy.t(), x2.to(dy.dtype), w.dtype, ctx.grad_targets[i]) if need[1 + i] else None
                     for i, (dy, w) in enumerate(zip(dy2, weights))]
         wanted = [i for i, dtype in enumerate(ctx.bias_dtypes) if dtype is not None and need[1 + count + i]]
         dbiases: list[torch.Tensor | None] = [None] * count

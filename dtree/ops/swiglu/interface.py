@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import triton_kernels_for
-from ..weight_grads import accumulates_in_place, add_product, add_sum, grad_target
+from ..weight_grads import grad_target, product_grad, summed_grad
 
 __all__ = [
     "CONSUMING_CHUNK_ROWS",
@@ -174,25 +174,12 @@ def _consuming_backward(
         if in_matmul:
             sum_chunk_in_matmul(summed, dy2[start:stop].t(), dp, first=start == 0)
         elif summed is None:
-            dw = _weight_grad(dy2[start:stop].t(), dp, weight, target)
+            dw = product_grad(dy2[start:stop].t(), dp, weight.dtype, target)
         else:
             summed += dy2[start:stop].t().mm(dp)
-    if summed is None:
-        return gate, up, dw
-    if accumulates_in_place(target):
-        add_sum(target, summed)
-        return gate, up, None
-    return gate, up, summed.to(weight.dtype)
-
-
-def _weight_grad(a: torch.Tensor, b: torch.Tensor, weight: torch.Tensor, target: torch.Tensor | None
-                 ) -> torch.Tensor | None:
-    """``a @ b`` ([H, I]) for autograd, or added into ``target.grad`` (the forward's weight) in the
-    matmul and None (:mod:`dtree.ops.weight_grads`)."""
-    if accumulates_in_place(target):
-        add_product(target, a, b)
-        return None
-    return a.mm(b).to(weight.dtype)
+    if summed is not None:
+        dw = summed_grad(summed, weight.dtype, target)
+    return gate, up, dw
 
 
 def _sums_in_matmul(dy2: torch.Tensor, acc: torch.dtype) -> bool:
@@ -260,7 +247,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         product = None
         if need_w:
             product = _forward(gate, up)
-            dw = _weight_grad(dy2.t(), product.reshape(-1, product.shape[-1]), weight, ctx.grad_target)
+            dw = product_grad(dy2.t(), product.reshape(-1, product.shape[-1]), weight.dtype, ctx.grad_target)
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)
