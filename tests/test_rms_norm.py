@@ -14,6 +14,7 @@ import torch
 from interpreter_worker import worker_fixture
 
 from dtree.ops.rms_norm import interface as rn
+from dtree.ops.weight_grads import GradOutput
 
 SHAPES = [(63, 60), (1, 7, 3, 20), (5, 1536), (1, 1)]
 
@@ -111,6 +112,15 @@ def _case_triton_matches_torch_twins(dtype: str):
                 assert dw.dtype == w.dtype  # summed in float32, written in the weight's dtype
                 atol = 1e-4 if dt == torch.float32 else 2e-2 * tdw.abs().max().item()
                 torch.testing.assert_close(dw, tdw.to(w.dtype), rtol=1e-5, atol=atol)
+        # written into a weight's .grad (dtree.ops.weight_grads): added to what it holds, or filled
+        _, tdw = rn.rms_norm_backward_torch(dy, x, w, tr, True)
+        held = torch.randn(n).to(dt)
+        for into in (GradOutput(held.clone(), True), GradOutput(torch.full((n,), float("nan")).to(dt), False)):
+            dx, dw = rt.rms_norm_backward(dy, x, w, r, True, into)
+            assert dw is None
+            want = (tdw + held.float()) if into.accumulate else tdw
+            atol = 1e-4 if dt == torch.float32 else 2e-2 * max(1.0, want.abs().max().item())
+            torch.testing.assert_close(into.tensor.float(), want, rtol=1e-5, atol=atol)
     # the autograd function picks the kernels on CPU under the interpreter
     x, w, dy = _inputs((1, 7, 3, 20), dt)
     for got, want in zip(_grads(rn.rms_norm, x, w, dy), _grads(rn.rms_norm_reference, x, w, dy)):

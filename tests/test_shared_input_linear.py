@@ -24,6 +24,7 @@ from dtree.models import lean_layers, shared_projections
 from dtree.models.layer_recompute import graph_nodes
 from dtree.ops.shared_input_linear import shared_input_linear, shared_input_linear_reference
 from dtree.ops.shared_input_linear.interface import bias_grads_torch
+from dtree.ops.weight_grads import GradOutput
 
 
 def _projections(widths, biased, dtype=torch.float64, seed=0):
@@ -112,6 +113,18 @@ def _case_column_sums_match_torch_twin():
                 scale = max(1.0, b.abs().max().item()) if b.numel() else 1.0
                 tol = 1e-5 if out == torch.float32 else 2 ** -6  # the interpreter's bf16 cast: two ulps
                 torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol * scale)
+            # written into biases' .grad (dtree.ops.weight_grads): added to, filled, or returned
+            held = torch.randn(widths[0]).to(out)
+            into = [GradOutput(held.clone(), True), None, GradOutput(torch.full((widths[-1],), float("nan")).to(out), False)]
+            into = into[:len(grads)]
+            got = tk.column_sums(grads, [out] * len(grads), into)
+            for a, b, o in zip(got, want, into):
+                result = a if o is None else o.tensor
+                assert (a is None) == (o is not None) and result.dtype == out
+                expect = b.float() + (held.float() if o is not None and o.accumulate else 0.0)
+                scale = max(1.0, expect.abs().max().item()) if expect.numel() else 1.0
+                tol = 1e-5 if out == torch.float32 else 2 ** -6
+                torch.testing.assert_close(result.float(), expect, rtol=0, atol=tol * scale)
     with pytest.raises(ValueError, match="one to three"):
         tk.column_sums([torch.ones(2, 2)] * 4, [torch.float32] * 4)
 

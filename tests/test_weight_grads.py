@@ -2,8 +2,8 @@
 
 Against the reference (the same ops returning their weight gradients to autograd, whose
 ``AccumulateGrad`` adds them): equal gradients over several backward calls in float64, for the
-shared-input projections and the SwiGLU down projection (plain, consumed in one chunk and in
-several); the fused path really taken (autograd's accumulator never runs for those weights); and
+shared-input projections and their biases, the RMSNorm weight and the SwiGLU down projection (plain,
+consumed in one chunk and in several); the fused path really taken (autograd's accumulator never runs for those weights); and
 every case where autograd must keep the gradient: ``torch.autograd.grad``, ``.backward(inputs=)``,
 ``create_graph``, a hook of the user's on the weight, a non-leaf weight, outside a step.
 """
@@ -18,6 +18,7 @@ from hf_models import make_model
 
 import dtree
 from dtree.baselines import METHODS, make_method
+from dtree.ops.rms_norm import rms_norm
 from dtree.ops.shared_input_linear import shared_input_linear
 from dtree.ops.swiglu import swiglu_down
 from dtree.ops.weight_grads import WAIT_BEFORE_WRITE, accumulates_in_place, in_place_weight_grads
@@ -28,11 +29,12 @@ SEQS = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 8, 9], [1, 2, 10], [11, 12, 13, 14]]
 
 def _weights(seed: int = 0) -> dict[str, torch.nn.Parameter]:
     g = torch.Generator().manual_seed(seed)
-    shapes = {"gate": (I, H), "up": (I, H), "gate_bias": (I,), "down": (H, I)}
+    shapes = {"norm": (H,), "gate": (I, H), "up": (I, H), "gate_bias": (I,), "down": (H, I)}
     return {k: torch.nn.Parameter(torch.randn(*s, generator=g, dtype=torch.float64)) for k, s in shapes.items()}
 
 
 def _mlp(w: dict, x: torch.Tensor, chunk_rows: int | None, consumed: bool) -> torch.Tensor:
+    x = rms_norm(x, w["norm"], 1e-6) if "norm" in w else x
     gate, up = shared_input_linear(x, [(w["gate"], w["gate_bias"]), (w["up"], None)])
     if consumed:  # a re-run's gate and up: the backward writes over them (dtree.ops.rerun)
         gate, up = gate.clone(), up.clone()
@@ -69,8 +71,8 @@ def test_fused_weight_grads_equal_autograds_over_calls(chunk_rows):
     got = _train(w, fused=True, chunk_rows=chunk_rows)
     for k in ref:
         torch.testing.assert_close(got[k], ref[k], rtol=1e-12, atol=1e-12, msg=k)
-    # the matmul weights never went through autograd's accumulator; the bias did, every call
-    assert [counts[k][0] for k in ("gate", "up", "down", "gate_bias")] == [0, 0, 0, 3]
+    # no weight went through autograd's accumulator: the matmuls and the reductions wrote .grad
+    assert [counts[k][0] for k in ("gate", "up", "down", "gate_bias", "norm")] == [0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -103,7 +105,8 @@ def test_consumed_swiglu_backward_adds_in_place():
             x = torch.randn(ROWS, H, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
             with in_place_weight_grads(fused):
                 for _ in range(2):
-                    gate, up = shared_input_linear(x, [(w["gate"], w["gate_bias"]), (w["up"], None)])
+                    gate, up = shared_input_linear(rms_norm(x, w["norm"], 1e-6),
+                                                   [(w["gate"], w["gate_bias"]), (w["up"], None)])
                     gate, up = gate * 1.0, up * 1.0  # tensors only this backward reads
                     y = swiglu_down(gate, up, w["down"], None, output_unused=True, chunk_rows=chunk_rows)
                     torch.autograd.backward(y, torch.ones_like(y))
@@ -218,13 +221,15 @@ def test_the_option_is_checked():
 @pytest.mark.gpu
 @pytest.mark.parametrize("chunk_rows", [0, 64])
 def test_gpu_bf16_sums_in_the_matmul_are_no_further_from_float64(chunk_rows):
-    """bf16 on CUDA over four calls: each weight's gradient summed in the matmul (one rounding a
-    call) is at most as far from the float64 sum as autograd's (product rounded, then added),
-    within a slack of 1.25x for rounding luck; the bias, left to autograd, is the same bits."""
+    """bf16 on CUDA over four calls: each weight's gradient summed in the matmul or the reduction's
+    kernel (one rounding a call) is at most as far from the float64 sum as autograd's (product or sum
+    rounded, then added), within a slack of 1.25x for rounding luck."""
     torch.manual_seed(0)
     big_h, big_i, rows = 256, 512, 300
-    shapes = {"gate": (big_i, big_h), "up": (big_i, big_h), "gate_bias": (big_i,), "down": (big_h, big_i)}
+    shapes = {"norm": (big_h,), "gate": (big_i, big_h), "up": (big_i, big_h), "gate_bias": (big_i,),
+              "down": (big_h, big_i)}
     base = {k: torch.randn(*s, device="cuda", dtype=torch.float64) * 0.05 for k, s in shapes.items()}
+    base["norm"] += 1.0
     xs = [torch.randn(rows, big_h, device="cuda", dtype=torch.float64) for _ in range(4)]
     dys = [torch.randn(rows, big_h, device="cuda", dtype=torch.float64) for _ in range(4)]
     results = {}
@@ -236,7 +241,6 @@ def test_gpu_bf16_sums_in_the_matmul_are_no_further_from_float64(chunk_rows):
                 y = _mlp(w, x.to(dtype), chunk_rows, consumed=False)
                 y.backward(dy.to(dtype))
         results[label] = {k: p.grad.double() for k, p in w.items()}
-    for k in ("gate", "up", "down"):
+    for k in shapes:
         err = {m: float((results[m][k] - results["exact"][k]).abs().max()) for m in ("autograd", "fused")}
         assert err["fused"] <= 1.25 * err["autograd"], (k, err)
-    assert torch.equal(results["fused"]["gate_bias"], results["autograd"]["gate_bias"])

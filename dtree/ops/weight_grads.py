@@ -31,6 +31,10 @@ the kind DDP's reducer registers, is called with none while ``param.grad`` alrea
 dtree runs DDP's walks under ``no_sync``, where the reducer does not read them
 (:mod:`dtree.distributed.sync`).
 
+Reductions (an RMSNorm's weight, a projection's bias: a column sum per call) follow the same contract
+through :func:`grad_output`: their kernel writes ``param.grad`` itself, adding what it holds in float32
+before one rounding, where ``AccumulateGrad`` rounded the sum and then the add.
+
 Tiers: returning the product to autograd is the reference (what every op does outside the
 scope, and what ``RuntimeConfig(weight_grads_in_matmul=False)`` runs); :func:`add_product`
 is the fused path; an op's backward calls :func:`product_grad` (or :func:`summed_grad`), which
@@ -41,11 +45,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["WAIT_BEFORE_WRITE", "accumulates_in_place", "add_product", "add_sum", "grad_target", "in_place_weight_grads",
-           "product_grad", "summed_grad"]
+__all__ = ["WAIT_BEFORE_WRITE", "GradOutput", "accumulates_in_place", "add_product", "add_sum", "grad_output",
+           "grad_target", "in_place_weight_grads", "product_grad", "summed_grad"]
 
 WAIT_BEFORE_WRITE = "dtree_wait_before_write"  # a tensor hook with this attribute only waits, then removes itself
 _PLAIN = (torch.nn.Parameter, torch.Tensor)
@@ -129,6 +134,29 @@ def add_sum(weight: torch.Tensor, summed: torch.Tensor) -> None:
         weight.grad = summed.to(weight.dtype)
     else:
         weight.grad.add_(summed)
+
+
+class GradOutput(NamedTuple):
+    """Where a kernel writes a weight's gradient: ``tensor`` (the weight's ``.grad``), and whether it adds
+    what ``tensor`` holds (False: the step's first call, ``tensor`` new and unwritten)."""
+
+    tensor: torch.Tensor
+    accumulate: bool
+
+
+def grad_output(target: torch.Tensor | None) -> GradOutput | None:
+    """For an op whose kernel can write a weight gradient itself (a reduction's): ``target.grad`` to add
+    into, or a new tensor set as ``target.grad`` that the kernel must fill, where
+    :func:`accumulates_in_place` says so (``target``: the forward's :func:`grad_target`); else None, and
+    the op returns the gradient to autograd. The caller must write every element before anything reads
+    the gradient (kernels on the current stream do)."""
+    if not accumulates_in_place(target):
+        return None
+    _wait_for_writes(target)
+    if target.grad is None:
+        target.grad = torch.empty_like(target, memory_format=torch.contiguous_format)
+        return GradOutput(target.grad, False)
+    return GradOutput(target.grad, True)
 
 
 def product_grad(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype, target: torch.Tensor | None

@@ -11,7 +11,8 @@ multiply by ``r``), the normalized row in ``x.dtype`` (for ``weight``'s gradient
 hands its output to the next projection, which keeps it too: 14 bytes per element in
 bf16. :class:`RMSNormFunction` keeps ``x`` (2 bytes) and ``r`` (4 bytes per *row*) and
 recomputes the normalized row in backward; measured per layer and token in
-``benchmarks/activation_bytes.py``.
+``benchmarks/activation_bytes.py``. Inside a step, ``dweight`` is added into ``weight.grad`` by the
+kernel that sums it (:mod:`dtree.ops.weight_grads`) rather than returned to autograd.
 
 Backward, per row, with ``n = float32(x) * r`` and ``g = float32(dy * weight)``::
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import torch
 
 from ..backends import triton_kernels_for
+from ..weight_grads import grad_output, grad_target, summed_grad
 
 __all__ = [
     "RMSNormFunction",
@@ -87,6 +89,7 @@ class RMSNormFunction(torch.autograd.Function):
             y, r = rms_norm_forward_torch(x2, weight, eps)
         ctx.save_for_backward(x2, weight, r)
         ctx.shape = x.shape
+        ctx.grad_target = grad_target(weight)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -98,11 +101,13 @@ class RMSNormFunction(torch.autograd.Function):
         need_dw = ctx.needs_input_grad[1]
         kernels = load_triton_kernels(x2)
         if kernels is not None and weight.dtype == x2.dtype == dy2.dtype:
-            dx, dw = kernels.rms_norm_backward(dy2, x2, weight, r, need_dw)
+            into = grad_output(ctx.grad_target) if need_dw else None
+            dx, dw = kernels.rms_norm_backward(dy2, x2, weight, r, need_dw, into)
         else:
             dx, dw = rms_norm_backward_torch(dy2, x2, weight, r, need_dw)
+            dw = summed_grad(dw, weight.dtype, ctx.grad_target) if dw is not None else None
         dx = dx.view(ctx.shape) if ctx.needs_input_grad[0] else None
-        return dx, (dw.to(weight.dtype) if dw is not None else None), None
+        return dx, dw, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

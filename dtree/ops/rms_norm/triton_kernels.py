@@ -5,7 +5,8 @@ two): the row's float32 sum of squares gives ``r``, the normalized row is rounde
 the input dtype and multiplied by the weight (HF's two roundings). Backward: each
 program walks a contiguous block of rows, writes ``dx`` per row and keeps its share of
 ``dweight`` in float32 registers; a second kernel sums the shares (``[programs, N]``
-float32) column by column in float32 and writes ``dweight`` in the weight's dtype: one
+float32) column by column in float32 and writes ``dweight`` in the weight's dtype (or adds
+it into the weight's ``.grad`` inside a step, :mod:`dtree.ops.weight_grads`): one
 launch where torch's sum and cast took two (a norm's backward runs per layer and model
 call, and short calls are host-bound). ``M`` (rows) and the rows per program are not
 specialized, so calls of every size share one compiled kernel per row width and dtype.
@@ -25,6 +26,7 @@ import triton.language as tl
 
 from ..backends import sm_count, triton_runs_on as runs_on
 from ..fast_launch import cdiv, fast_launch, next_power_of_2
+from ..weight_grads import GradOutput
 
 __all__ = ["rms_norm_backward", "rms_norm_forward", "runs_on"]
 
@@ -78,7 +80,7 @@ def _rms_norm_bwd_kernel(
 
 
 @triton.jit(do_not_specialize=["programs"])
-def _dweight_sum_kernel(P, DW, programs, N, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr):
+def _dweight_sum_kernel(P, DW, programs, N, BLOCK_C: tl.constexpr, BLOCK_P: tl.constexpr, ACCUMULATE: tl.constexpr):
     cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = cols < N
     acc = tl.zeros([BLOCK_C], dtype=tl.float32)
@@ -86,6 +88,8 @@ def _dweight_sum_kernel(P, DW, programs, N, BLOCK_C: tl.constexpr, BLOCK_P: tl.c
         rows = start + tl.arange(0, BLOCK_P)
         mask = (rows[:, None] < programs) & cmask[None, :]
         acc += tl.sum(tl.load(P + rows[:, None].to(tl.int64) * N + cols[None, :], mask=mask, other=0.0), axis=0)
+    if ACCUMULATE:  # into the weight's .grad: its value joins the float32 sum, one rounding
+        acc += tl.load(DW + cols, mask=cmask, other=0.0).to(tl.float32)
     tl.store(DW + cols, acc.to(DW.dtype.element_ty), mask=cmask)
 
 
@@ -119,9 +123,12 @@ def _programs(m: int, device: torch.device) -> int:
 
 
 def rms_norm_backward(
-    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, need_dweight: bool
+    dy2: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, r: torch.Tensor, need_dweight: bool,
+    dweight_out: GradOutput | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """([M, N] dx in x's dtype, [N] dweight in the weight's dtype (summed in float32) or None)."""
+    """([M, N] dx in x's dtype, [N] dweight in the weight's dtype (summed in float32) or None).
+    ``dweight_out``: write dweight there instead (the weight's ``.grad``, added to where its
+    ``accumulate``; :func:`dtree.ops.weight_grads.grad_output`) and return None for it."""
     m, n = x2.shape
     dx = torch.empty_like(x2)
     programs = _programs(m, x2.device)
@@ -135,11 +142,14 @@ def rms_norm_backward(
         )
     if not need_dweight:
         return dx, None
+    dw = dweight_out.tensor if dweight_out is not None else torch.empty(n, dtype=weight.dtype, device=x2.device)
+    accumulate = dweight_out is not None and dweight_out.accumulate
     if not m:
-        return dx, torch.zeros(n, dtype=weight.dtype, device=x2.device)
-    dw = torch.empty(n, dtype=weight.dtype, device=x2.device)
-    fast_launch(
-        _dweight_sum_kernel, (cdiv(n, _SUM_COLUMNS),), partial, dw, programs, n, BLOCK_C=_SUM_COLUMNS,
-        BLOCK_P=_SUM_ROWS, num_warps=1 if _INTERPRET else 4,
-    )
-    return dx, dw
+        if not accumulate:
+            dw.zero_()
+    else:
+        fast_launch(
+            _dweight_sum_kernel, (cdiv(n, _SUM_COLUMNS),), partial, dw, programs, n, BLOCK_C=_SUM_COLUMNS,
+            BLOCK_P=_SUM_ROWS, ACCUMULATE=accumulate, num_warps=1 if _INTERPRET else 4,
+        )
+    return dx, (None if dweight_out is not None else dw)

@@ -10,7 +10,8 @@ Backward, with ``dy_i`` the outputs' gradients (rows flattened to ``[M, N_i]``):
     dx       = dy_0 @ weight_0  (+)  dy_1 @ weight_1  (+) ...   chained matmuls, beta = 1
     dweight_i = dy_i.T @ x                              added into weight_i.grad by the matmul
                                                         inside a step (dtree.ops.weight_grads)
-    dbias_i  = sum over rows of dy_i                    float32 accumulation
+    dbias_i  = sum over rows of dy_i                    float32 accumulation, added into bias_i.grad
+                                                        by the summing kernel inside a step
 
 Why one op: called as separate ``nn.Linear`` modules, each projection's backward hands
 autograd its own ``dx``, and autograd adds them (two add kernels for q, k, v; one for
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends import triton_kernels_for
-from ..weight_grads import grad_target, product_grad
+from ..weight_grads import grad_output, grad_target, product_grad, summed_grad
 
 __all__ = [
     "SharedInputLinearFunction",
@@ -51,19 +52,26 @@ def shared_input_linear_reference(x: torch.Tensor, projections: Sequence[Project
     return tuple(F.linear(x, w, b) for w, b in projections)
 
 
+def _column_sums_torch(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    return [g.sum(0, dtype=torch.promote_types(g.dtype, torch.float32)) for g in grads]
+
+
 def bias_grads_torch(grads: Sequence[torch.Tensor], dtypes: Sequence[torch.dtype]) -> list[torch.Tensor]:
     """``[M, N_i]`` gradients -> their column sums ``[N_i]`` in ``dtypes[i]``, summed in
     float32 (float64 for float64) and rounded once."""
-    return [g.sum(0, dtype=torch.promote_types(g.dtype, torch.float32)).to(dtype) for g, dtype in zip(grads, dtypes)]
+    return [s.to(dtype) for s, dtype in zip(_column_sums_torch(grads), dtypes)]
 
 
-def _bias_grads(grads: list[torch.Tensor], dtypes: list[torch.dtype]) -> list[torch.Tensor]:
+def _bias_grads(grads: list[torch.Tensor], dtypes: list[torch.dtype], targets: list[torch.Tensor | None]
+                ) -> list[torch.Tensor | None]:
+    """The biases' gradients for autograd, None for those added into ``.grad`` here (``targets``: the
+    forward's :func:`grad_target` of each bias)."""
     kernels = triton_kernels_for(grads[0], __package__)
     if kernels is not None and len(grads) <= MAX_BIASED and all(
         g.dtype == grads[0].dtype and g.stride(-1) == 1 for g in grads
     ):
-        return kernels.column_sums(grads, dtypes)
-    return bias_grads_torch(grads, dtypes)
+        return kernels.column_sums(grads, dtypes, [grad_output(t) for t in targets])
+    return [summed_grad(s, dtype, t) for s, dtype, t in zip(_column_sums_torch(grads), dtypes, targets)]
 
 
 class SharedInputLinearFunction(torch.autograd.Function):
@@ -77,6 +85,7 @@ class SharedInputLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(x, *weights)
         ctx.grad_targets = [grad_target(w) for w in weights]
         ctx.bias_dtypes = [None if b is None else b.dtype for b in biases]
+        ctx.bias_targets = [None if b is None else grad_target(b) for b in biases]
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
 
     @staticmethod
@@ -97,7 +106,8 @@ class SharedInputLinearFunction(torch.autograd.Function):
         wanted = [i for i, dtype in enumerate(ctx.bias_dtypes) if dtype is not None and need[1 + count + i]]
         dbiases: list[torch.Tensor | None] = [None] * count
         if wanted:
-            sums = _bias_grads([dy2[i] for i in wanted], [ctx.bias_dtypes[i] for i in wanted])
+            sums = _bias_grads([dy2[i] for i in wanted], [ctx.bias_dtypes[i] for i in wanted],
+                               [ctx.bias_targets[i] for i in wanted])
             for i, s in zip(wanted, sums):
                 dbiases[i] = s
         return (dx, *dweights, *dbiases)
