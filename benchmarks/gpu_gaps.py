@@ -43,20 +43,28 @@ def _marker() -> None:
     torch.cuda._sleep(1000)  # a ~1 us kernel marking the step's start on the GPU's clock
 
 
-def profiled_steps(rt, model, forests, loss, device) -> tuple[list[float], list[list[tuple]]]:
-    """(wall seconds per step, per step its kernels as (start us, end us, name), marker first)."""
+def _device_allocs(device) -> tuple[int, int]:
+    stats = torch.cuda.memory_stats(device)
+    return int(stats.get("num_device_alloc", 0)), int(stats.get("num_device_free", 0))
+
+
+def profiled_steps(rt, model, forests, loss, device) -> tuple[list[float], list[list[tuple]], list[tuple]]:
+    """(wall seconds per step, per step its kernels as (start us, end us, name), marker first, per step the
+    caching allocator's (device allocations, device frees): each maps or unmaps memory on the host's time)."""
     from torch.profiler import ProfilerActivity, profile
 
-    walls = []
+    walls, allocs = [], []
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for forest in forests:
             model.zero_grad(set_to_none=True)
             sync_device(device)
+            before = _device_allocs(device)
             t0 = time.perf_counter()
             _marker()
             rt.forward_backward(forest, loss)
             sync_device(device)
             walls.append(time.perf_counter() - t0)
+            allocs.append(tuple(b - a for a, b in zip(before, _device_allocs(device))))
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     steps: list[list[tuple]] = []
@@ -65,7 +73,7 @@ def profiled_steps(rt, model, forests, loss, device) -> tuple[list[float], list[
             steps.append([k])
         elif steps:
             steps[-1].append(k)
-    return walls, steps
+    return walls, steps, allocs
 
 
 def step_gaps(kernels: list[tuple]) -> dict:
@@ -91,16 +99,18 @@ def main() -> int:
     if device.type != "cuda":
         emit_report("# GPU gaps: no CUDA device, nothing to profile", f"gpu_gaps_{args.workload}.md")
         return 0
-    walls, steps = profiled_steps(rt, model, forests[3:], loss, device)
+    walls, steps, allocs = profiled_steps(rt, model, forests[3:], loss, device)
     rows = [step_gaps(k) for k in steps]
     lines = [f"# GPU gaps in steady dtree steps: {args.workload}, CUDA activity only", "",
              f"torch {torch.__version__}; options {options or 'default'}; {len(rows)} fresh forests", "",
-             "| step | wall ms | kernels | busy ms | idle ms | before the first kernel ms | gaps > 100 us (ms) |",
-             "|---|---|---|---|---|---|---|"]
-    for i, (wall, r) in enumerate(zip(walls, rows)):
+             ("| step | wall ms | kernels | busy ms | idle ms | before the first kernel ms | gaps > 100 us (ms) "
+              "| device allocs / frees |"),
+             "|---|---|---|---|---|---|---|---|"]
+    for i, (wall, r, (n_alloc, n_free)) in enumerate(zip(walls, rows, allocs)):
         big = sum(g for g, _, _ in r["gaps"] if g > 100) / 1e3
         lines.append(f"| {i} | {wall * 1e3:.1f} | {r['kernels']} | {r['busy_us'] / 1e3:.1f} | "
-                     f"{wall * 1e3 - r['busy_us'] / 1e3:.1f} | {r['first_us'] / 1e3:.2f} | {big:.2f} |")
+                     f"{wall * 1e3 - r['busy_us'] / 1e3:.1f} | {r['first_us'] / 1e3:.2f} | {big:.2f} "
+                     f"| {n_alloc} / {n_free} |")
     lines += ["", "Gaps between kernels by size (median step):", "", "| gap | count | ms |", "|---|---|---|"]
     mid = rows[sorted(range(len(rows)), key=lambda i: walls[i])[len(rows) // 2]]
     lo = 0.0

@@ -87,6 +87,7 @@ def report(args) -> int:
     ms_per_sample = 1e3 / args.rate
     own, inclusive, phases = collections.Counter(), collections.Counter(), collections.Counter()
     unphased = collections.Counter()  # outside the named phases: the innermost dtree frame
+    forward = collections.Counter()  # inclusive time inside the forward phase
     with open(args.stacks, encoding="utf-8", errors="replace") as f:
         for line in f:
             stack, _, count = line.rstrip("\n").rpartition(" ")
@@ -105,6 +106,8 @@ def report(args) -> int:
                 own[_short(body[-1])] += n
             for fr in set(body):
                 inclusive[_short(fr)] += n
+                if phase == "forward":
+                    forward[_short(fr)] += n
     total = sum(phases.values())
     name = os.path.basename(args.stacks)
     lines = [f"# Sampled host time per step ({args.steps} steps, {args.rate:g} samples/s, `{name}`)",
@@ -114,7 +117,9 @@ def report(args) -> int:
     lines += ["", "## Outside the named phases, by the innermost dtree function", "", "| function | ms per step |",
               "|---|---|"]
     lines += [f"| `{fn}` | {c * ms_per_sample / args.steps:.2f} |" for fn, c in unphased.most_common(args.top // 2)]
-    for title, table in (("own time", own), ("inclusive time", inclusive)):
+    for title, table in (("own time", own), ("inclusive time", inclusive),
+                         ("inclusive time in the forward phase (decoder layers' host work, or waits on a full queue)",
+                          forward)):
         lines += ["", f"## By {title}", "", "| function | ms per step |", "|---|---|"]
         lines += [f"| `{fn}` | {c * ms_per_sample / args.steps:.2f} |" for fn, c in table.most_common(args.top)]
     text = "\n".join(lines) + "\n"

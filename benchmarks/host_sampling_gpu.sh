@@ -2,8 +2,8 @@
 # Issue 17, host time sampled on the GPU machine (benchmarks/host_sampling.py under py-spy):
 # GRPO case 1, the 64k tree with memory="low" and by default. py-spy comes from a wheel
 # carried in .whl/ (pip download py-spy -d .whl); flash-attn-4 installed as in its header.
-# CASES picks among case1, agentic64k_low, agentic64k_cap (memory=14.5) and agentic64k (all
-# but the cap by default).
+# CASES picks among case1, agentic64k_low, agentic64k_cap (memory=14.5), agentic64k_at_mask (memory=$AT_MASK, the
+# mask's peak: bench_cases.sh) and agentic64k (all but the two caps by default).
 #
 #     bash benchmarks/host_sampling_gpu.sh    # reports in $OUT (default /tmp/dtree_host_sampling)
 #     CASES="agentic64k_low agentic64k_cap" bash benchmarks/host_sampling_gpu.sh
@@ -35,6 +35,7 @@ for case in ${CASES:-case1 agentic64k_low agentic64k}; do
     case1) sample case1 40 --workload case1 ;;
     agentic64k_low) sample agentic64k_low 4 --workload agentic64k --opt memory=low ;;
     agentic64k_cap) sample agentic64k_cap 4 --workload agentic64k --opt memory=14.5 ;;
+    agentic64k_at_mask) sample agentic64k_at_mask 4 --workload agentic64k --opt memory=$AT_MASK ;;
     agentic64k) sample agentic64k 4 --workload agentic64k ;;
     *) echo "unknown case $case" ;;
   esac

@@ -45,6 +45,9 @@ def test_sampling_report_counts_steady_steps_by_phase(tmp_path):
     for phase, ms in (("backward", "20.00"), ("forward", "15.00"), ("plan", "5.00"), ("other", "2.00")):
         assert f"| {phase} | {ms} |" in text
     assert "`GradStash.__init__ (dtree/engine/grad_guard.py)` | 2.00" in text
+    forward = text.split("in the forward phase")[1]  # only the forward's samples: 30 over 2 steps
+    assert "`Linear.forward (torch/nn/modules/linear.py)` | 15.00" in forward
+    assert "_engine_run_backward" not in forward and "make_plan" not in forward
 
 
 def test_gpu_gaps_of_one_step():
