@@ -122,8 +122,9 @@ class RuntimeConfig:
             slower with 4,096-row chunks, +0.3 GiB with one; the 64k tree's as fast either way).
         weight_grads_in_matmul: True (default): during a step, the lean layers' projections (q, k, v,
             gate, up, down) add each call's weight gradient into ``param.grad`` inside the matmul that
-            computes it (:mod:`dtree.ops.weight_grads`) instead of handing it to autograd, which adds it
-            with a kernel of its own per parameter and call; only for plain leaf parameters without
+            computes it (:mod:`dtree.ops.weight_grads`), and their RMSNorm weights and q/k/v biases
+            theirs inside the kernel that sums them, instead of handing them to autograd, which adds
+            each with a kernel of its own per parameter and call; only for plain leaf parameters without
             hooks, in a plain ``.backward()``. False: autograd accumulates every gradient.
     """
 
