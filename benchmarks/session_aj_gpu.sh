@@ -10,6 +10,8 @@
 #               weight_grads_in_matmul (now the matmuls and the reductions), interleaved on fresh forests, then one
 #               profiled step per arm (launches, busy);
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the default;
+#   PART=half256 the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9 (STEPS256 steps, default 4),
+#               that the half-memory target still holds with the reductions' in-place gradients;
 #   PART=gaps   where the capped 64k step (memory=12.5) waits: its kernels run within the 1.6x line (1.63 s against
 #               1.68), its wall does not (1.76 s). benchmarks/gpu_gaps.py (CUDA activity only) on fresh forests, with
 #               the caching allocator's device allocations and frees per step; then benchmarks/queue_depth.py on the
@@ -26,7 +28,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_aj}
 PART=${PART:-ab}
-source benchmarks/bench_cases.sh  # vs_mask64k, script, gpu_tests, AT_MASK
+source benchmarks/bench_cases.sh  # vs_mask64k, half256k, script, gpu_tests, AT_MASK
 
 case "$PART" in
   ab)
@@ -37,6 +39,9 @@ case "$PART" in
     ;;
   steps)
     vs_mask64k
+    ;;
+  half256)
+    half256k
     ;;
   gaps)
     script gpu_gaps 300 --workload agentic64k --opt memory=$AT_MASK --steps 5 --top 30 --tag at_mask
@@ -50,6 +55,6 @@ case "$PART" in
     gpu_tests gpu_tests_check.txt 400 "bf16 or flash" tests/test_weight_grads.py tests/test_rms_norm.py \
       tests/test_shared_input_linear.py tests/test_lean_layers.py tests/test_checkpoint_layers.py tests/test_runtime_gpu.py
     ;;
-  *) echo "PART must be ab, steps, gaps, sample or check"; exit 2 ;;
+  *) echo "PART must be ab, steps, half256, gaps, sample or check"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -111,6 +111,7 @@ RUNS = [
     ("session_ai_gpu.sh", {"PART": "attn"}, ("attn",)),  # the Triton interpreter: ~100 s
     ("session_aj_gpu.sh", {"PART": "ab"}, ()),  # options_ab's own smoke runs
     ("session_aj_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
+    ("session_aj_gpu.sh", {"PART": "half256"}, ("half256k",)),
     ("session_aj_gpu.sh", {"PART": "gaps"}, ()),  # gpu_gaps and queue_depth: plumbing only on a CPU
     ("session_aj_gpu.sh", {"PART": "check"}, ()),  # GPU tests only: nothing on a CPU
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
