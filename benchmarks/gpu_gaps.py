@@ -31,6 +31,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
+from benchmarks.queue_depth import _allocator_counts
 from dtree.bench.measure import emit_report, sync_device  # noqa: E402
 
 BINS_US = (5, 20, 100, 1000, float("inf"))
@@ -43,11 +44,6 @@ def _marker() -> None:
     torch.cuda._sleep(1000)  # a ~1 us kernel marking the step's start on the GPU's clock
 
 
-def _device_allocs(device) -> tuple[int, int]:
-    stats = torch.cuda.memory_stats(device)
-    return int(stats.get("num_device_alloc", 0)), int(stats.get("num_device_free", 0))
-
-
 def profiled_steps(rt, model, forests, loss, device) -> tuple[list[float], list[list[tuple]], list[tuple]]:
     """(wall seconds per step, per step its kernels as (start us, end us, name), marker first, per step the
     caching allocator's (device allocations, device frees): each maps or unmaps memory on the host's time)."""
@@ -58,13 +54,14 @@ def profiled_steps(rt, model, forests, loss, device) -> tuple[list[float], list[
         for forest in forests:
             model.zero_grad(set_to_none=True)
             sync_device(device)
-            before = _device_allocs(device)
+            before = _allocator_counts(device)
             t0 = time.perf_counter()
             _marker()
             rt.forward_backward(forest, loss)
             sync_device(device)
             walls.append(time.perf_counter() - t0)
-            allocs.append(tuple(b - a for a, b in zip(before, _device_allocs(device))))
+            after = _allocator_counts(device)
+            allocs.append(tuple(after[k] - before[k] for k in ("num_device_alloc", "num_device_free")))
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     steps: list[list[tuple]] = []

@@ -15,8 +15,7 @@
 #   PART=gaps   where the capped 64k step (memory=12.5) waits: its kernels run within the 1.6x line (1.63 s against
 #               1.68), its wall does not (1.76 s). benchmarks/gpu_gaps.py (CUDA activity only) on fresh forests, with
 #               the caching allocator's device allocations and frees per step; then benchmarks/queue_depth.py on the
-#               same setting: how far the host runs ahead at each group's phases, and the step's device syncs.
-#
+#               same setting: how far the host runs ahead at each group's phases, and the step's device syncs;
 #   PART=sample the capped 64k step's host time sampled (py-spy from a wheel in .whl/: benchmarks/host_sampling_gpu.sh):
 #               which host work outlasts the forwards' kernels in the groups where the queue drains;
 #   PART=check  the GPU tests again on the committed code: the weight gradients, the RMSNorm, the shared-input
