@@ -17,10 +17,12 @@ forest: above 1, the first arm is faster), the most allocated in any timed step,
     python benchmarks/options_ab.py --workload agentic64k --arm memory=low --arm memory=low,keep_attention_outputs=false
     python benchmarks/options_ab.py --smoke --arm memory=low --arm memory=low,group_tokens=64   # CPU, tiny model
     python benchmarks/options_ab.py --arm blas=cublas --arm blas=cublaslt --kernels              # a process setting
+    python benchmarks/options_ab.py --arm memory=12.5 --arm memory=12.5,packing=frontier_order --kernels
 
 An arm's ``blas=cublas|cublaslt`` is not a runtime option but the process's BLAS library for its
 steps (``torch.backends.cuda.preferred_blas_library``, set before each of them; CUDA only); an arm
-that names none runs the process's own.
+that names none runs the process's own. Likewise ``packing=frontier_order|first_fit_decreasing|fewest``:
+how the schedule packs sibling units into calls (``dtree.plan.unit_bins.PACK``; ``fewest`` is dtree's).
 ``--kernels``: after the rounds, one profiled step per arm on a fresh forest: its launches, the
 CUDA memsets among them, its kernels' busy time and the host time before its first kernel.
 
@@ -43,13 +45,14 @@ from benchmarks.host_profile import add_setup_arguments, kernel_busy, script_par
 from dtree.bench.configs import parse_assignments
 from dtree.bench.measure import emit_report, host_timed_step
 from dtree.bench.report import environment
+from dtree.plan import unit_bins
 
 GIB = 2.0**30
 PLAN_KEYS = ("group_tokens", "checkpoint_layers", "path_checkpoint_layers", "keep_attention_outputs",
              "offload_checkpoints", "logprob_chunk", "predicted_total_gib")
 
 
-PROCESS_SETTINGS = ("blas",)  # arm keys that set the process up for the arm's steps (not runtime options)
+PROCESS_SETTINGS = ("blas", "packing")  # arm keys that set the process up for the arm's steps (not runtime options)
 _DEFAULTS: dict = {}  # the process's own settings, for arms that name none
 
 
@@ -63,9 +66,15 @@ def runtime_options(arm: dict) -> dict:
 
 
 def enter_arm(arm: dict, device: torch.device) -> None:
-    """Set the process up for one of ``arm``'s steps: its BLAS library (CUDA only). An arm that names
-    none runs the process's own (not the last arm's: session AE's arms without ``blas=`` ran on
-    whichever library the arm before had set)."""
+    """Set the process up for one of ``arm``'s steps: its BLAS library (CUDA only) and how sibling
+    units share calls (``packing=``, a name of ``unit_bins.PACKERS``). An arm that names none runs
+    the process's own (not the last arm's: session AE's arms without ``blas=`` ran on whichever
+    library the arm before had set)."""
+    _DEFAULTS.setdefault("packing", unit_bins.PACK)
+    packing = arm.get("packing")
+    if packing is not None and packing not in unit_bins.PACKERS:
+        raise SystemExit(f"--arm packing={packing}: one of {sorted(unit_bins.PACKERS)}")
+    unit_bins.PACK = _DEFAULTS["packing"] if packing is None else unit_bins.PACKERS[packing]
     if device.type == "cuda":
         _DEFAULTS.setdefault("blas", torch.backends.cuda.preferred_blas_library())
         torch.backends.cuda.preferred_blas_library(arm.get("blas", _DEFAULTS["blas"]))
@@ -115,7 +124,8 @@ def interleaved(args) -> dict:
             "wall": statistics.median(s["wall"] for s in steps[a]),
             "ratio": statistics.median(s["wall"] / f["wall"] for s, f in zip(steps[a], steps[0])),
             "peak_gib": max(s["peak_gib"] for s in steps[a]), "reserved_gib": max(s["reserved_gib"] for s in steps[a]),
-            "plan": {"attention": "/".join(sorted({str(s["attention"]) for s in steps[a]})),
+            "plan": {"calls": "/".join(str(s["calls"]) for s in steps[a]),
+                     "attention": "/".join(sorted({str(s["attention"]) for s in steps[a]})),
                      "rerun_chunk_rows": "/".join(sorted({str(s.get("rerun_chunk_rows")) for s in steps[a]})),
                      **{k: plan.get(k) for k in PLAN_KEYS}},
         })

@@ -10,7 +10,7 @@
 ``benchmarks/session_y_gpu.sh``, ``benchmarks/session_z_gpu.sh``, ``benchmarks/session_ab_gpu.sh``,
 ``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, ``benchmarks/session_ae_gpu.sh``,
 ``benchmarks/session_af_gpu.sh``, ``benchmarks/session_ag_gpu.sh``, ``benchmarks/session_ah_gpu.sh``,
-``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, sharing
+``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, ``benchmarks/session_ak_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -114,6 +114,9 @@ RUNS = [
     ("session_aj_gpu.sh", {"PART": "half256"}, ("half256k",)),
     ("session_aj_gpu.sh", {"PART": "gaps"}, ()),  # gpu_gaps and queue_depth: plumbing only on a CPU
     ("session_aj_gpu.sh", {"PART": "check"}, ()),  # GPU tests only: nothing on a CPU
+    ("session_ak_gpu.sh", {"PART": "ab"}, ()),  # options_ab's own smoke runs
+    ("session_ak_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
+    ("session_ak_gpu.sh", {"PART": "half256"}, ("half256k",)),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -124,7 +127,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_aj_gpu.sh", "ab")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_ak_gpu.sh", "ab")}
 SAMPLED = 2
 
 

@@ -9,9 +9,9 @@ Terms (the glossary of docs/design.md section 3):
   Every segment's parent is in the same group or an ancestor group, so a group can
   run as soon as its parent group has pushed its K/V. With ``group_tokens=0`` every
   group holds one segment: plain node-by-node DFS. Otherwise the children of a
-  group's segments (its *frontier*) are packed greedily into child groups of at most
-  ``group_tokens`` tokens: siblings that share a prefix, and nodes of different
-  trees, run in one call, and a segment whose whole subtree fits comes with its
+  group's segments (its *frontier*) are packed into as few child groups of at most
+  ``group_tokens`` tokens as first fit finds (:mod:`dtree.plan.unit_bins`): siblings that
+  share a prefix, and nodes of different trees, run in one call, and a segment whose whole subtree fits comes with its
   subtree (small subtrees take one call, not one per level).
 * **events**: the depth-first walk over the group tree: ``forward(g)``, then all
   child groups, then ``backward(g)``. Built iteratively, so deep trees never hit
@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..forest.forest import Forest
+from . import unit_bins
 from .loss_terms import Predictions, every_prediction
 
 __all__ = ["BACKWARD", "FORWARD", "GroupPlan", "Packing", "Schedule", "SlotExtents", "build_schedule",
@@ -268,19 +269,15 @@ class _GroupPacker:
         return sorted(unit)  # depth first (segment ids are preorder): every subtree a run of rows
 
     def pack(self, frontier: list[int], parent: int, stack_start: int) -> list[int]:
-        """Greedy packing of ``frontier`` (in order), open units first; returns the new group ids."""
+        """Packs ``frontier``'s units into groups (:mod:`dtree.plan.unit_bins`), open units first;
+        returns the new group ids. Each group's segments are sorted, so every unit stays a run of
+        rows in preorder (the one-call mask's layout)."""
         open_units = [self._open_unit(s) for s in frontier if not self._closed(s)]
         closed_units = [list(range(s, s + self.segs.sub_count[s])) for s in frontier if self._closed(s)]
         bins: list[list[int]] = []
         for units in (open_units, closed_units):
-            size = 0
-            for i, unit in enumerate(units):
-                n = int(self.segs.length[unit].sum())
-                if i == 0 or self.budget == 0 or size + n > self.budget:
-                    bins.append([])
-                    size = 0
-                bins[-1].extend(unit)
-                size += n
+            sizes = [int(self.segs.length[u].sum()) for u in units]
+            bins += [sorted(s for i in b for s in units[i]) for b in unit_bins.PACK(sizes, self.budget)]
         return [self._add_group(b, parent, stack_start) for b in bins]
 
     def holds_ancestors(self, gid: int) -> bool:
