@@ -6,9 +6,9 @@
 # tokens), the largest call no larger. What does that buy?
 #
 #   PART=ab     the GPU tests of the one-call mask, the masked call and whole steps through the flash-attn backend,
-#               then benchmarks/options_ab.py on the 64k tree: memory=12.5 and low, each packed as now and in frontier order
-#               (packing=frontier_order), interleaved on fresh forests, then one profiled step per arm (launches, busy);
-#   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the default;
+#               then benchmarks/options_ab.py on the 64k tree: memory=12.5 and low, each packed as now and in
+#               frontier order (packing=frontier_order), interleaved on fresh forests, then one profiled step per arm;
+#   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low, the default;
 #   PART=half256 the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9 (STEPS256 steps, default 4).
 #
 #     PART=ab bash benchmarks/session_ak_gpu.sh            # reports in $OUT (default /tmp/dtree_session_ak)
