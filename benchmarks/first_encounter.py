@@ -40,19 +40,15 @@ import dtree
 from benchmarks.host_profile import WORKLOADS, script_parts
 from benchmarks.profile_warmup import _TritonCompiles
 from dtree.bench.layers import bench_layers
-from dtree.bench.measure import emit_report, sync_device
+from dtree.bench.measure import allocator_counts, counter_deltas, emit_report, sync_device
 from dtree.bench.report import environment
 
 GIB = 2.0**30
 RUNS = ("first", "second", "copy", "emptied")
 
 
-def allocator_counts(device) -> dict[str, int]:
-    """The caching allocator's cumulative counts: device mappings, bytes reserved, retries (a
-    retry frees the cache and waits for the device). Zeros off CUDA."""
-    keys = {"mappings": "num_device_alloc", "reserved": "reserved_bytes.all.allocated", "retries": "num_alloc_retries"}
-    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else {}
-    return {name: int(stats.get(key, 0)) for name, key in keys.items()}
+ALLOCATOR_KEYS = {"num_device_alloc": "mappings", "reserved_bytes.all.allocated": "reserved",
+                  "num_alloc_retries": "retries"}  # device mappings, bytes reserved, retries (a retry frees the cache)
 
 
 def timed_run(rt, forest, loss, model, device, triton: _TritonCompiles) -> dict:
@@ -60,14 +56,14 @@ def timed_run(rt, forest, loss, model, device, triton: _TritonCompiles) -> dict:
     model.zero_grad(set_to_none=True)
     sync_device(device)
     triton.take()
-    before = allocator_counts(device)
+    before = allocator_counts(device, ALLOCATOR_KEYS)
     t0 = time.perf_counter()
     rt.forward_backward(forest, loss)
     sync_device(device)
     seconds = time.perf_counter() - t0
-    after = allocator_counts(device)
-    return {"seconds": seconds, "mappings": after["mappings"] - before["mappings"],
-            "reserved_gib": (after["reserved"] - before["reserved"]) / GIB, "triton": len(triton.take())}
+    new = counter_deltas(before, allocator_counts(device, ALLOCATOR_KEYS))
+    return {"seconds": seconds, "mappings": new.get("mappings", 0),
+            "reserved_gib": new.get("reserved", 0) / GIB, "triton": len(triton.take())}
 
 
 def _run(name, rt, forest, loss, model, device, triton) -> dict:

@@ -31,10 +31,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
-from benchmarks.queue_depth import _allocator_counts
-from dtree.bench.measure import emit_report, sync_device  # noqa: E402
+from dtree.bench.measure import allocator_counts, counter_deltas, emit_report, sync_device  # noqa: E402
 
 BINS_US = (5, 20, 100, 1000, float("inf"))
+DEVICE_MAPS = {"num_device_alloc": "allocs", "num_device_free": "frees"}  # the caching allocator's device memory
 
 
 MARKER = "spin_kernel"  # torch.cuda._sleep's kernel: no step launches it
@@ -54,14 +54,14 @@ def profiled_steps(rt, model, forests, loss, device) -> tuple[list[float], list[
         for forest in forests:
             model.zero_grad(set_to_none=True)
             sync_device(device)
-            before = _allocator_counts(device)
+            before = allocator_counts(device, DEVICE_MAPS)
             t0 = time.perf_counter()
             _marker()
             rt.forward_backward(forest, loss)
             sync_device(device)
             walls.append(time.perf_counter() - t0)
-            after = _allocator_counts(device)
-            allocs.append(tuple(after[k] - before[k] for k in ("num_device_alloc", "num_device_free")))
+            new = counter_deltas(before, allocator_counts(device, DEVICE_MAPS))
+            allocs.append((new.get("allocs", 0), new.get("frees", 0)))
     kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                      if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
     steps: list[list[tuple]] = []

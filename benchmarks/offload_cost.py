@@ -29,10 +29,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import dtree
-from benchmarks.first_encounter import allocator_counts, compared, profiled
+from benchmarks.first_encounter import ALLOCATOR_KEYS, compared, profiled
 from benchmarks.host_profile import WORKLOADS, script_parts
 from dtree.bench.layers import bench_layers
-from dtree.bench.measure import emit_report, sync_device
+from dtree.bench.measure import allocator_counts, counter_deltas, emit_report, sync_device
 from dtree.bench.report import environment
 from dtree.models import host_checkpoints
 
@@ -86,15 +86,15 @@ def timed_step(rt, forest, loss, model, device, timers: HostTimers) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
     sync_device(device)
     held = host_checkpoints.host_page_bytes()
-    before = allocator_counts(device)
+    before = allocator_counts(device, ALLOCATOR_KEYS)
     timers.take()
     t0 = time.perf_counter()
     out = rt.forward_backward(forest, loss)
     sync_device(device)
     seconds = time.perf_counter() - t0
     host, calls = timers.take()
-    after = allocator_counts(device)
-    return {"mappings": after["mappings"] - before["mappings"], "retries": after["retries"] - before["retries"],"seconds": seconds, "peak": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+    new = counter_deltas(before, allocator_counts(device, ALLOCATOR_KEYS))
+    return {"mappings": new.get("mappings", 0), "retries": new.get("retries", 0), "seconds": seconds, "peak": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
             "pinned": (host_checkpoints.host_page_bytes() - held) / GIB, "held": host_checkpoints.host_page_bytes() / GIB,
             "put_ms": host["put"] * 1e3, "get_ms": host["get"] * 1e3, "puts": calls["put"],
             "plan": out.metrics.get("memory_plan", {})}

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.host_profile import add_setup_arguments, script_setup  # noqa: E402
-from dtree.bench.measure import emit_report, sync_device  # noqa: E402
+from dtree.bench.measure import allocator_counts, counter_deltas, emit_report, sync_device  # noqa: E402
 from dtree.engine import walk as walk_module  # noqa: E402
 
 
@@ -92,16 +92,14 @@ def _layer_marks(model, marks: _Marks, every: int):
     return handles
 
 
-_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
+COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams")
 
 
-def _allocator_counts(device) -> dict:
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    counts = {k: stats.get(k, 0) for k in _COUNTERS}
+def step_counts(device) -> dict:
+    """The allocator's :data:`COUNTERS` on ``device`` and the pinned host allocator's allocations and frees."""
+    counts = allocator_counts(device, {k: k for k in COUNTERS})
     host = getattr(torch.cuda, "host_memory_stats", None)
-    if host is not None:
+    if device.type == "cuda" and host is not None:
         h = host()
         counts.update({f"host {k}": h.get(k, 0) for k in ("num_host_alloc", "num_host_free")})
     return counts
@@ -135,7 +133,7 @@ def depth_table(rt, model, forest, loss, device, layer_every: int = 0) -> list[s
     marks = _Marks(device.type == "cuda")
     undo = _instrumented(marks)
     handles = _layer_marks(model, marks, layer_every) if layer_every else []
-    before = _allocator_counts(device)
+    before = step_counts(device)
     variants = compiled_variants()
     try:
         model.zero_grad(set_to_none=True)
@@ -148,7 +146,7 @@ def depth_table(rt, model, forest, loss, device, layer_every: int = 0) -> list[s
         undo()
         for h in handles:
             h.remove()
-    after = _allocator_counts(device)
+    after = step_counts(device)
     new = {k: n - variants.get(k, 0) for k, n in compiled_variants().items() if n != variants.get(k, 0)}
     label0, host0, event0 = marks.rows[0]
     lines = ["| mark | host ms | GPU ms | depth ms |", "|---|---|---|---|"]
@@ -156,7 +154,7 @@ def depth_table(rt, model, forest, loss, device, layer_every: int = 0) -> list[s
         h = (host - host0) * 1e3
         g = event0.elapsed_time(event) if event is not None else float("nan")
         lines.append(f"| {label} | {h:.1f} | {g:.1f} | {g - h:.1f} |")
-    deltas = {k: after[k] - before.get(k, 0) for k in after}
+    deltas = counter_deltas(before, after)
     return lines + ["", f"allocator counts in the step: {deltas}", "", f"kernel variants first used in the step: {new}"]
 
 

@@ -26,14 +26,17 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 
 from .steady import steady_split
 
 __all__ = [
+    "ALLOCATOR_COUNTERS",
     "MethodResult",
+    "allocator_counts",
+    "counter_deltas",
     "StepForest",
     "measure_method",
     "measure_steps",
@@ -274,14 +277,23 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-_ALLOCATOR_COUNTERS = {"num_device_alloc": "cuda_mallocs", "num_alloc_retries": "alloc_retries", "num_ooms": "ooms"}
+ALLOCATOR_COUNTERS = {"num_device_alloc": "cuda_mallocs", "num_alloc_retries": "alloc_retries", "num_ooms": "ooms"}
 
 
-def _allocator_counts(device: torch.device) -> dict[str, int]:
+def allocator_counts(device: torch.device, counters: Mapping[str, str] = ALLOCATOR_COUNTERS) -> dict[str, int]:
+    """The CUDA caching allocator's cumulative counters on ``device``: ``counters`` maps a
+    ``torch.cuda.memory_stats`` key to its name in the result. Empty off CUDA (no caching
+    allocator counts there); :func:`counter_deltas` reads a missing name as 0. The benchmarks'
+    one reader of these counters (``dtree bench``'s report, first_encounter, queue_depth, gpu_gaps)."""
     if device.type != "cuda":
         return {}
     stats = torch.cuda.memory_stats(device)
-    return {name: int(stats.get(key, 0)) for key, name in _ALLOCATOR_COUNTERS.items()}
+    return {name: int(stats.get(key, 0)) for key, name in counters.items()}
+
+
+def counter_deltas(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
+    """``after - before`` per name of either (a name missing from one counts 0 there)."""
+    return {k: after.get(k, 0) - before.get(k, 0) for k in {**before, **after}}
 
 
 def measure_method(
@@ -369,7 +381,7 @@ def measure_steps(
     result = MethodResult(method=method, status="ok", config=config, options=dict(options or {}))
     runner = out = None
     spent = 0.0
-    before = _allocator_counts(device)
+    before = allocator_counts(device)
     try:
         runner = make_runner()
         for i, sf in enumerate(forests):
@@ -401,8 +413,7 @@ def measure_steps(
         runner = out = None
         model.zero_grad(set_to_none=True)
         free_memory(device)
-    after = _allocator_counts(device)
-    result.allocator = {k: after[k] - before.get(k, 0) for k in after}
+    result.allocator = counter_deltas(before, allocator_counts(device))
     if result.status == "ok" and not result.step_times_s:
         result.status = "skipped"
     _summarize_steps(result, forests, peak)
