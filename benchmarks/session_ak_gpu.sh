@@ -9,7 +9,9 @@
 #               then benchmarks/options_ab.py on the 64k tree: memory=12.5 and low, each packed as now and in
 #               frontier order (packing=frontier_order), interleaved on fresh forests, then one profiled step per arm;
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low, the default;
-#   PART=half256 the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9 (STEPS256 steps, default 4).
+#   PART=half256 the 256k tree: the mask with 32,768-row re-run chunks against memory=19.9 (STEPS256 steps, default 4);
+#   PART=check  the GPU tests of every file whose steps go through the schedule on the committed code: whole steps,
+#               hybrids, offloaded and kept checkpoints, the KV window, determinism, the baselines.
 #
 #     PART=ab bash benchmarks/session_ak_gpu.sh            # reports in $OUT (default /tmp/dtree_session_ak)
 #     SMOKE=1 PART=ab bash benchmarks/session_ak_gpu.sh    # tiny trees on the CPU: plumbing only
@@ -31,6 +33,11 @@ case "${PART:-ab}" in
   half256)
     half256k
     ;;
-  *) echo "PART must be ab, steps or half256"; exit 2 ;;
+  check)
+    gpu_tests gpu_tests_check.txt 540 "" tests/test_runtime_gpu.py tests/test_hybrid.py tests/test_host_checkpoints.py \
+      tests/test_kv_window.py tests/test_output_memo.py tests/test_determinism.py tests/test_checkpointing.py \
+      tests/test_late_changes.py tests/test_runtime_attention_options.py tests/test_baselines.py
+    ;;
+  *) echo "PART must be ab, steps, half256 or check"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -117,6 +117,7 @@ RUNS = [
     ("session_ak_gpu.sh", {"PART": "ab"}, ()),  # options_ab's own smoke runs
     ("session_ak_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
     ("session_ak_gpu.sh", {"PART": "half256"}, ("half256k",)),
+    ("session_ak_gpu.sh", {"PART": "check"}, ()),  # GPU tests only: nothing on a CPU
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
