@@ -281,19 +281,14 @@ ALLOCATOR_COUNTERS = {"num_device_alloc": "cuda_mallocs", "num_alloc_retries": "
 
 
 def allocator_counts(device: torch.device, counters: Mapping[str, str] = ALLOCATOR_COUNTERS) -> dict[str, int]:
-    """The CUDA caching allocator's cumulative counters on ``device``: ``counters`` maps a
-    ``torch.cuda.memory_stats`` key to its name in the result. Empty off CUDA (no caching
-    allocator counts there); :func:`counter_deltas` reads a missing name as 0. The benchmarks'
-    one reader of these counters (``dtree bench``'s report, first_encounter, queue_depth, gpu_gaps)."""
-    if device.type != "cuda":
-        return {}
-    stats = torch.cuda.memory_stats(device)
-    return {name: int(stats.get(key, 0)) for key, name in counters.items()}
+    """The CUDA caching allocator's cumulative ``counters`` (``memory_stats`` key -> name) on ``device``;
+    empty off CUDA. Every benchmark reads them here; :func:`counter_deltas` takes a missing name as 0."""
+    stats = torch.cuda.memory_stats(device) if device.type == "cuda" else None
+    return {name: int(stats.get(key, 0)) for key, name in counters.items()} if stats is not None else {}
 
 
 def counter_deltas(before: Mapping[str, int], after: Mapping[str, int]) -> dict[str, int]:
-    """``after - before`` per name of either (a name missing from one counts 0 there)."""
-    return {k: after.get(k, 0) - before.get(k, 0) for k in {**before, **after}}
+    return {k: after.get(k, 0) - before.get(k, 0) for k in {**before, **after}}  # a missing name counts 0
 
 
 def measure_method(
