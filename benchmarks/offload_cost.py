@@ -94,8 +94,10 @@ def timed_step(rt, forest, loss, model, device, timers: HostTimers) -> dict:
     seconds = time.perf_counter() - t0
     host, calls = timers.take()
     new = counter_deltas(before, allocator_counts(device, ALLOCATOR_KEYS))
-    return {"mappings": new.get("mappings", 0), "retries": new.get("retries", 0), "seconds": seconds, "peak": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
-            "pinned": (host_checkpoints.host_page_bytes() - held) / GIB, "held": host_checkpoints.host_page_bytes() / GIB,
+    return {"mappings": new.get("mappings", 0), "retries": new.get("retries", 0), "seconds": seconds,
+            "peak": torch.cuda.max_memory_allocated(device) / GIB if device.type == "cuda" else None,
+            "pinned": (host_checkpoints.host_page_bytes() - held) / GIB,
+            "held": host_checkpoints.host_page_bytes() / GIB,
             "put_ms": host["put"] * 1e3, "get_ms": host["get"] * 1e3, "puts": calls["put"],
             "plan": out.metrics.get("memory_plan", {})}
 
