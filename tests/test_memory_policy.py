@@ -394,8 +394,8 @@ def test_the_policy_counts_the_step_gradients_when_accumulating(monkeypatch):
 
     several = plan_with(group_tokens=4)  # calls of 4 tokens: the later ones peak with the gradients
     assert several.step_grad_bytes == several.parts["gradients"] == want > 0
-    one = plan_with()
-    assert one.step_grad_bytes == want and one.parts["gradients"] == 0
+    one = plan_with()  # one call: at its bottom layer's backward, every gradient less what the call freed
+    assert one.step_grad_bytes == want and 0 < one.parts["gradients"] < want
     unguarded = plan_with(group_tokens=4, grad_guard=False)
     assert unguarded.step_grad_bytes == unguarded.parts["gradients"] == 0
     assert unguarded.predicted_peak_bytes < several.predicted_peak_bytes
@@ -434,8 +434,12 @@ def test_under_a_cap_the_old_gradients_wait_on_the_host_when_that_is_faster(monk
     low = plan_with(memory="low")  # its cap is its own recipe's peak: the device copy would only raise it
     assert low.grad_guard == "host" and low.step_grad_bytes == 0
     assert plan_with(memory="low", grad_guard="device").predicted_peak_bytes > low.predicted_peak_bytes
-    one_call = plan_with(memory="low", group_tokens=4096)  # peaks before its gradients exist: no PCIe copy
-    assert one_call.group_tokens >= forest.num_unique_tokens and one_call.grad_guard is True
+    # one call with its layer inputs on the host frees nothing on the device before its bottom layer's
+    # backward, which holds every gradient: the host copy is leaner there too
+    one_call = plan_with(memory="low", group_tokens=4096)
+    assert one_call.group_tokens >= forest.num_unique_tokens and one_call.grad_guard == "host"
+    assert plan_with(memory="low", group_tokens=4096, grad_guard="device").predicted_peak_bytes > \
+        one_call.predicted_peak_bytes
     sizes[False] = sizes[True]  # the first micro-batch: nothing to keep aside
     assert plan_with(memory=7.5).grad_guard is True and plan_with(memory="low").grad_guard is True
 
@@ -451,8 +455,44 @@ def test_the_refined_peak_counts_the_gradients_after_the_first_backward():
     alone, _ = mm.simulate_peak(sched, rows, 0, 0, 0, fig)
     with_grads, where = mm.simulate_peak(sched, rows, 0, 0, 0, fig, grads=1e9)
     assert with_grads == alone + 1e9 and where["group"] == 1 and where["gradients"] == 1e9
-    one = build_schedule(forest, 6, 12)  # one call: no gradient before its backward
+    one = build_schedule(forest, 6, 12)  # one call: its bottom layer's backward holds the gradients less its frees
+    freed = 12 * cb.freed_at_last_layer(0)
+    head_excess = mm.head_bytes(QWEN_7B, 2, 4096, 10, True) - 12 * cb.backward(0)  # its [V, H] float32 sum
+    assert head_excess > 1e9
     assert mm.simulate_peak(one, [10], 0, 0, 0, fig, grads=1e9)[1]["gradients"] == 0
+    many = 1e10
+    assert mm.simulate_peak(one, [10], 0, 0, 0, fig, grads=many)[1]["gradients"] == \
+        pytest.approx(many - freed - head_excess)
+
+
+def test_a_one_call_step_counts_the_gradients_its_frees_do_not_offset():
+    """A call's backward peaks as it starts or at its bottom layer, where every gradient of the step
+    exists and the layers above have freed what they kept: without checkpointing a large call frees
+    more than the gradients (GRPO case 1: none count), with its layer inputs on the host it frees
+    nothing on the device (the 64k tree in one call, session AL: all count)."""
+    cb = CallBytes(1000.0, 100.0, 4, 10.0, backward_full=50.0, backward_checkpointed=300.0)
+    assert cb.freed_at_last_layer(0) == pytest.approx(3 / 4 * 4 * cb.per_layer)
+    assert cb.freed_at_last_layer(4) == pytest.approx(3 / 4 * 4 * 10.0)
+    assert cb.offloading().freed_at_last_layer(4) == 0
+    tokens, grads = 10_000, 1e6
+    assert mm.grads_at_peak(grads, 1, tokens * cb.freed_at_last_layer(0), 0.0) == 0
+    assert mm.grads_at_peak(grads, 1, tokens * cb.offloading().freed_at_last_layer(4), 0.0) == grads
+    assert mm.grads_at_peak(grads, 1, 3e5, 2e5) == pytest.approx(5e5)  # the head's chunk tops the layers by 2e5
+    assert mm.grads_at_peak(grads, 2, 3e9, 0.0) == grads  # after the first backward: all of them
+    # the policy's figure and the schedule's simulation agree, one call of the forest
+    forest = dtree.Forest.from_sequences([list(range(1, 200))])
+    sched = build_schedule(forest, 64, 256)
+    assert len(sched.groups) == 1
+    spec = ModelSpec(num_layers=4, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11)
+    for ckpt, figures in ((4, cb.offloading()), (0, cb), (4, cb)):
+        fig = mm._Figures(spec, 2, figures, True, 4096)
+        fixed = {"step_grads": grads, "stack_held": 0.0, "state_bytes": 0.0, "slot_bytes": 0.0, "grad_slot_bytes": 0.0,
+                 "rates": (1.0, 0.1, 1.0), "attention_rerun": 0.0}
+        shape = mp.StepShape(199, 199, 0)
+        _, _, parts = pc.candidate(shape, pc.Knobs(256, ckpt, mm.RECOMPUTE, 4096), fig, spec, fixed)
+        rows = np.diff(sched.predictions.pred_offsets).tolist()
+        _, where = mm.simulate_peak(sched, rows, 0, ckpt, 0, fig, grads=grads)
+        assert parts["gradients"] == pytest.approx(where["gradients"], rel=1e-3)  # the bound prices a row per token
 
 
 def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
@@ -479,8 +519,9 @@ def test_runtime_passes_the_cuda_inputs_to_the_policy(monkeypatch):
     plan_ = plan_on_cuda(RuntimeConfig(chunk_size=3))
     assert seen["device"] == torch.device("cuda", 0)
     assert plan_.budget_bytes == pytest.approx((1 - mp.MARGIN_FRAGMENTED) * 5 * GIB)
-    # one call: its backward peaks before its gradients exist
-    assert plan_.step_grad_bytes == mp.step_grad_bytes(model.parameters()) > 0 and plan_.parts["gradients"] == 0
+    # one call of a tiny forest: its bottom layer's backward holds the gradients less the little it freed
+    want = mp.step_grad_bytes(model.parameters())
+    assert plan_.step_grad_bytes == want > 0 and 0 < plan_.parts["gradients"] < want
     assert plan_.predicted_peak_bytes <= plan_.budget_bytes and "fastest predicted plan" in plan_.reason
     assert plan_.call_bytes is cb and plan_.start_bytes == 1 * GIB
     cap = plan_on_cuda(RuntimeConfig(chunk_size=3, memory=1.5))

@@ -38,6 +38,8 @@ import functools
 import math
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from ..models.protocol import ModelSpec
 from ..ops.stack_attention.output_memo import kept_bytes_per_token
 from .memory_probe import CallBytes, layer_activation_bytes, layer_input_bytes
@@ -47,7 +49,7 @@ SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segmen
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "RERUN_MATMUL_SHARE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
-    "layer_activation_bytes", "layer_input_bytes", "peak_of", "refine", "simulate_peak", "stack_grad_slot_bytes",
+    "layer_activation_bytes", "layer_input_bytes", "backward_peak", "grads_at_peak", "refine", "simulate_peak", "stack_grad_slot_bytes",
     "stack_slot_bytes", "state_slot_bytes", "window_slot_bytes",
 ]
 
@@ -263,7 +265,7 @@ def call_overhead_at(scale: float, tokens: float, checkpointed: float = 0.0) -> 
 
 @dataclass(frozen=True)
 class _Figures:
-    """Everything :func:`peak_of` needs besides the plan's knobs; ``call_bytes_keeping``:
+    """Everything :func:`backward_peak` needs besides the plan's knobs; ``call_bytes_keeping``:
     the call figures when checkpointed layers keep their attention outputs."""
 
     spec: ModelSpec
@@ -297,12 +299,31 @@ def attention_rerun_rate(spec: ModelSpec, shape: StepShape) -> float:
     return keys_per_token * spec.forward_attention_flops_per_key() / (3 * spec.forward_flops_per_token())
 
 
-def peak_of(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: int) -> float:
-    """Live bytes at the backward of a call of ``tokens`` (``rows`` predictions) with
-    ``checkpoint`` layers checkpointed, on top of ``retained`` bytes of path graphs."""
-    call = tokens * fig.call_bytes.call(checkpoint)
+def grads_at_peak(step_grads, calls, freed, head_excess):
+    """The step's gradients counted at its peak (floats or [n] arrays). A call's backward peaks as
+    it starts (its LM-head chunk or its top layer's backward), or at its bottom layer, where it has
+    allocated every gradient of the step and freed what its upper layers kept (``freed`` bytes;
+    ``head_excess``: how far the head's chunk tops the layers' backward). So after the first call
+    every later one counts them all, and a one-call step counts what its frees do not offset: none
+    without checkpointing (GRPO case 1 measured 13.4 GiB where counting them all predicted 16.4),
+    nearly all with its layer inputs on the host (the 64k tree in one call measured 10.9 GiB, with
+    2.7 GiB of gradients, where counting none predicted 7.4: session AL)."""
+    one_call = np.maximum(0.0, step_grads - freed - head_excess)
+    return np.where(np.asarray(calls) > 1, step_grads, one_call)
+
+
+def backward_peak(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: int,
+                  alive: float = 0.0, grads: float = 0.0) -> tuple[float, float]:
+    """(live bytes at the peak of a call's backward, the gradients among them): a call of ``tokens``
+    (``rows`` predictions) with ``checkpoint`` layers checkpointed, on top of ``retained`` bytes of
+    path graphs; ``alive``: the step's gradients alive as it starts (``grads``, the step's
+    gradients, once an earlier backward allocated them). See :func:`grads_at_peak`."""
+    cb = fig.call_bytes
     head = head_bytes(fig.spec, fig.itemsize, fig.chunk, rows, fig.fused_head)
-    return retained + call + max(head, tokens * fig.call_bytes.backward(checkpoint))
+    layer = tokens * cb.backward(checkpoint)
+    counted = alive if alive >= grads else float(grads_at_peak(
+        grads, 1, tokens * cb.freed_at_last_layer(checkpoint), max(0.0, head - layer)))
+    return retained + tokens * cb.call(checkpoint) + max(head, layer) + counted, counted
 
 
 def simulate_peak(
@@ -313,8 +334,8 @@ def simulate_peak(
     groups with children retained outermost first while their tokens fit ``retain_budget``, the
     others recomputed at their backward) and where it is: ``(bytes, {"group", "tokens",
     "retained_tokens", "gradients"})``. ``rows``: predictions per group. ``grads``: the bytes of
-    the gradients the step allocates, alive from its first backward on (a backward peaks as it
-    starts, before its own gradients exist); ``"gradients"``: those counted at the peak."""
+    the gradients the step allocates, in its first backward (:func:`backward_peak`); ``"gradients"``:
+    those counted at the peak."""
     live_tokens, retained = 0, 0.0
     kept: dict[int, float] = {}
     best, where = 0.0, {}
@@ -323,9 +344,9 @@ def simulate_peak(
 
     def visit(g: int, tokens: int, k: int) -> None:
         nonlocal best, where, alive
-        peak = peak_of(fig, retained, tokens, rows[g], k) + alive
+        peak, counted = backward_peak(fig, retained, tokens, rows[g], k, alive, grads)
         if peak > best:
-            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": alive}
+            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": counted}
         alive = grads
 
     for kind, g in sched.events:

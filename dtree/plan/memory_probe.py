@@ -86,6 +86,14 @@ class CallBytes:
             return measured
         return (1.0 if checkpointed_layers > 0 else 0.5) * self.per_layer
 
+    def freed_at_last_layer(self, checkpointed_layers: int) -> float:
+        """Per token, what a call's backward has freed of what its layers kept when it reaches its
+        bottom layer: every layer's but that one's (a checkpointed layer's input, another layer's
+        activations; nothing on the device for an input waiting on the host, :meth:`offloading`)."""
+        k = min(max(0, checkpointed_layers), self.layers)
+        kept = k * self.layer_input + (self.layers - k) * self.per_layer
+        return kept * (self.layers - 1) / max(1, self.layers)
+
     def keeping_attention(self, kept: float, attention_layers: int) -> "CallBytes":
         """These figures when every checkpointed layer also keeps its attention output,
         ``kept`` bytes per token and attention layer

@@ -32,6 +32,7 @@ from .memory_model import (
     _Figures,
     call_count,
     call_overhead_at,
+    grads_at_peak,
     head_bytes,
 )
 
@@ -62,14 +63,6 @@ class Knobs:
     path: int  # layers checkpointed in retained groups with children, or RECOMPUTE
     chunk: int
     keep: bool = False  # checkpointed layers keep their attention outputs
-
-
-def _grads_at_peak(step_grads: float, calls):
-    """The step's gradients at its peak: a call peaks as its backward starts, so the gradients
-    that backward allocates come after the peak of the first call, and are alive at every later
-    one (a one-call step peaks without them: GRPO case 1 measured 13.4 GiB where counting them
-    predicted 16.4). ``calls``: a count, or [n] counts."""
-    return step_grads * (np.asarray(calls) > 1)
 
 
 def _call_tokens(group_tokens: int, unique: int) -> int:
@@ -141,12 +134,15 @@ def candidate(shape: StepShape, knobs: Knobs, fig: _Figures, spec: ModelSpec, fi
     kv = kv_stack_bytes(shape, knobs.group_tokens, call, fixed, _windowed(fixed, knobs.checkpoint, spec.num_layers))
     stack = max(0.0, kv + shape.state_slots * fixed["state_bytes"] - fixed["stack_held"])
     head = head_bytes(spec, fig.itemsize, knobs.chunk, call, fig.fused_head)
+    layer = call * cb.backward(knobs.checkpoint)
+    grads = grads_at_peak(fixed["step_grads"], calls, call * cb.freed_at_last_layer(knobs.checkpoint),
+                          max(0.0, head - layer))
     parts = {
-        "gradients": _grads_at_peak(fixed["step_grads"], calls),
+        "gradients": float(grads),
         "kv_stack": stack,
         "path_graphs": retained,
         "call_activations": call * cb.call(knobs.checkpoint),
-        "backward_transient": max(head, call * cb.backward(knobs.checkpoint)),
+        "backward_transient": max(head, layer),
     }
     (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
     # a re-run layer: its matmuls and its attention, unless a checkpointed layer's forward kept its outputs
@@ -242,8 +238,10 @@ def candidate_scores(
     per_token = _lookup(lambda c, kp, n: cb(c, kp).call(n), grid.chunk, keep, grid.checkpoint)
     backward = _lookup(lambda c, kp, n: cb(c, kp).backward(n), grid.chunk, keep, grid.checkpoint)
     num_calls = _lookup(lambda g: of[g].calls, grid.group_tokens)
-    peak = 0 + _grads_at_peak(fixed["step_grads"], num_calls)  # summed in candidate's parts order
-    peak = peak + stack + retained + call * per_token + np.maximum(head, call * backward)
+    freed = _lookup(lambda c, kp, n: cb(c, kp).freed_at_last_layer(n), grid.chunk, keep, grid.checkpoint)
+    layer = call * backward
+    peak = 0 + grads_at_peak(fixed["step_grads"], num_calls, call * freed, np.maximum(0.0, head - layer))
+    peak = peak + stack + retained + call * per_token + np.maximum(head, layer)  # candidate's parts order
 
     (s, head_share, scale), L = fixed["rates"], max(1, spec.num_layers)
     attention = fixed["attention_rerun"]

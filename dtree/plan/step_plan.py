@@ -104,7 +104,7 @@ def plan_memory(
     (``param.grad`` set) with the default guard: ``"host"`` (:class:`dtree.engine.grad_guard.GradHostCopy`)
     when the plan without the device copy of the old gradients is predicted faster, and under
     ``memory="low"`` when it is predicted leaner (that cap is its own recipe's peak, which the
-    copy raises in steps of several calls; a one-call step peaks before its gradients exist)."""
+    copy raises wherever the step peaks with its gradients: :func:`dtree.plan.memory_model.grads_at_peak`)."""
     device, dtype = placement
     itemsize = torch.empty((), dtype=dtype).element_size()
     kw = {}
