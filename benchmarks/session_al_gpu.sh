@@ -16,6 +16,8 @@
 #               GPU tests of the memory policy and of the offloaded checkpoints;
 #   PART=origins benchmarks/kernel_origins.py on the 64k tree: memory=12.5 as the policy plans it, in one call with
 #               the inputs on the host, and the default: what the capped step's kernels spend beyond the default's;
+#   PART=probe  benchmarks/probe_peaks.py: the memory probe's per-token figures in three fresh runtimes of one
+#               process (the first probe of a process read ~4 KB per token less before it warmed its short call);
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5 (ARM, the
 #               runtime options after memory=12.5, default none), low and the default.
 #
@@ -54,10 +56,13 @@ case "${PART:-calls}" in
     mv "$OUT/kernel_origins.log" "$OUT/kernel_origins_one_call.log"
     script kernel_origins 200 --workload agentic64k --tag default --top 40
     ;;
+  probe)
+    script probe_peaks 200
+    ;;
   steps)
     bench at_mask64k 300 $AGENTIC64K --steps 5 \
       --configs "tree-mask:whole+ckpt,dtree:memory=$AT_MASK${ARM:+$ARM},dtree:low,dtree"
     ;;
-  *) echo "PART must be calls, predict, origins or steps"; exit 2 ;;
+  *) echo "PART must be calls, predict, origins, probe or steps"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

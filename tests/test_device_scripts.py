@@ -122,6 +122,7 @@ RUNS = [
     ("session_al_gpu.sh", {"PART": "calls"}, ("memory_one_call",)),
     ("session_al_gpu.sh", {"PART": "predict"}, ("predict64k", "predict21k")),
     ("session_al_gpu.sh", {"PART": "origins"}, ()),  # kernel_origins counts CPU ops on a CPU: plumbing only
+    ("session_al_gpu.sh", {"PART": "probe"}, ()),
     ("session_al_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),

@@ -275,6 +275,24 @@ def test_probe_measures_what_a_call_keeps():
     assert eager.backward_full is not None and 0 < eager.backward(0) < eager.backward(2)
     no_ckpt = measure_call_bytes(adapter, spec, placement, "sdpa", None)
     assert no_ckpt.checkpointed == no_ckpt.full
+    # a backward holds its incoming gradient, the hidden states' [T, H]
+    assert lean.backward(0) >= spec.hidden_size * 2 and lean.backward(2) >= spec.hidden_size * 2
+
+
+def test_probe_warms_its_short_call_first(monkeypatch):
+    """Each figure's short call runs once before the two that are read: the first probe of a process
+    met one-time allocations that counted against the short call (a slope ~4 KB per token low on
+    an H200, session AL)."""
+    from dtree.plan import memory_probe
+
+    calls = []
+    monkeypatch.setattr(memory_probe, "_kept", lambda model, spec, placement, attention, tokens, root, recurrence=None:
+                        calls.append((tokens, root)) or (tokens * 10, tokens * 3))
+    spec = ModelSpec(num_layers=2, num_heads=2, num_kv_heads=1, head_dim=4, hidden_size=8, vocab_size=11)
+    root = torch.nn.Module()
+    cb = measure_call_bytes(None, spec, (torch.device("cpu"), torch.float32), "sdpa", root)
+    assert calls == [(128, None), (128, None), (384, None), (128, root), (128, root), (384, root)]
+    assert cb.full == 10 and cb.backward_full == 3
 
 
 @pytest.mark.parametrize("use_reentrant", [False, True])

@@ -94,7 +94,7 @@ class CallBytes:
         kept = k * self.layer_input + (self.layers - k) * self.per_layer
         return kept * (self.layers - 1) / max(1, self.layers)
 
-    def keeping_attention(self, kept: float, attention_layers: int) -> "CallBytes":
+    def keeping_attention(self, kept: float, attention_layers: int) -> CallBytes:
         """These figures when every checkpointed layer also keeps its attention output,
         ``kept`` bytes per token and attention layer
         (:mod:`dtree.ops.stack_attention.output_memo`): spread over the layers, a
@@ -242,11 +242,12 @@ def _probe_call(
 
 def _backward_peak(hidden: torch.Tensor, leaf: torch.Tensor, now) -> int | None:
     """The most bytes ``now()`` reads above its value before a backward from ``hidden`` to
-    ``leaf``, sampled before and after every autograd node of the graph; None where the
-    model's layers cannot run a backward to one input (HF's reentrant checkpointing): the
+    ``leaf``, its incoming gradient included (a step's layers hold the hidden states' gradient
+    through their backward), sampled before and after every autograd node of the graph; None where
+    the model's layers cannot run a backward to one input (HF's reentrant checkpointing): the
     policy then uses its estimate of the backward."""
-    grad = torch.randn_like(hidden)
     base = peak = now()
+    grad = torch.randn_like(hidden)
     handles = []
 
     def sample(*_):
@@ -317,7 +318,12 @@ def measure_call_bytes(
     ``reference``); ``checkpoint_root``: the module whose decoder layers
     :func:`dtree.models.checkpointing.checkpointed_layers` wraps (None: the layers cannot be
     checkpointed, and ``checkpointed`` is the full figure). The stacks are the policy's
-    to count, not the call's: a recurrent layer's probe chain starts from zeros."""
+    to count, not the call's: a recurrent layer's probe chain starts from zeros. Each figure's
+    shorter call runs twice and the second is read: the first probe of a process meets one-time
+    allocations (kernel scratch, library workspaces) that counted against the short call and took
+    ~4 KB per token off the slope on qwen2.5-1.5b on an H200 (56.4 against 60.5 KB in a
+    checkpointed call's backward, 0 against 6.1 without checkpointing: ``benchmarks/probe_peaks.py``,
+    session AL)."""
     device, dtype = placement
     t1, t2 = tokens
     if spec.max_positions is not None and t2 > spec.max_positions:
@@ -328,6 +334,7 @@ def measure_call_bytes(
     per = float(t2 - t1)
 
     def slopes(root):
+        _kept(model, spec, placement, attention, t1, root, recurrence)  # the process's one-time allocations
         (k1, b1), (k2, b2) = (_kept(model, spec, placement, attention, t, root, recurrence) for t in (t1, t2))
         return (k2 - k1) / per, (None if b1 is None or b2 is None else max(0.0, (b2 - b1) / per))
 
