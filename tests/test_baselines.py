@@ -5,6 +5,7 @@ micro-batch splits; their attention ops match a float64 dense computation."""
 from __future__ import annotations
 
 import copy
+import types
 import warnings
 
 import numpy as np
@@ -19,7 +20,12 @@ from test_runtime_exact import EDGE_CASES, FP32_TOL, assert_exact
 
 import dtree
 from dtree.baselines import METHODS, LinearizedTrainer, TreeMaskTrainer, make_method
-from dtree.baselines.kernels.tree_mask_attention import TreeMaskLayout, tree_mask_attention
+from dtree.baselines.kernels.tree_mask_attention import (
+    FlexRecompileLimitError,
+    TreeMaskLayout,
+    compiled_call,
+    tree_mask_attention,
+)
 from dtree.baselines.kernels.varlen_attention import VarlenLayout
 from dtree.baselines.kernels.varlen_interface import varlen_attention
 from dtree.baselines.step import pack_in_order
@@ -466,6 +472,39 @@ def test_flex_mask_mod_on_cpu():
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def _double(x):
+    return x * 2
+
+
+def _fresh_compiled(name):
+    """``_double`` under a code object of its own (dynamo counts recompiles per code object), compiled
+    with dynamo's eager backend (no inductor build): its recompiles count as flex_attention's do."""
+    fn = types.FunctionType(_double.__code__.replace(co_name=f"double_{name}"), globals())
+    return torch.compile(fn, backend="eager", dynamic=False)
+
+
+def test_compiled_call_refuses_to_run_past_the_recompile_limit():
+    """Past dynamo's recompile limit a compiled function runs as plain Python, which for FlexAttention is
+    the full score matrix; the tree-mask call raises a named error instead."""
+    fn = _fresh_compiled("refuses")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        assert torch.equal(compiled_call(fn, torch.ones(3), limit=1), torch.full((3,), 2.0))
+        with pytest.raises(FlexRecompileLimitError, match="torch._dynamo.reset"):
+            compiled_call(fn, torch.ones(5), limit=1)
+        # a bare call under the same limit silently runs the Python function: what the guard prevents
+        assert torch.equal(fn(torch.ones(7)), torch.full((7,), 2.0))
+
+
+def test_compiled_call_raises_the_limit_for_its_calls_only():
+    fn = _fresh_compiled("raises")
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for n in (2, 3, 4):  # three configurations under a process limit of one
+            assert torch.equal(compiled_call(fn, torch.ones(n), limit=3), torch.full((n,), 2.0))
+        assert torch._dynamo.config.recompile_limit == 1
+        with pytest.raises(FlexRecompileLimitError):
+            compiled_call(fn, torch.ones(5), limit=3)
+
+
 # ----------------------------------------------------------------------------- CUDA
 def assert_low_precision_close(got, want_lp, want_fp32, factor, name):
     """flash-attention's rule: error vs the fp32 reference at most ``factor`` times that of
@@ -525,10 +564,9 @@ def test_flex_peak_memory_is_not_quadratic():
     n = len(ends)
     assert n == 32768
     q, k, v = qkv(n, 4, 4, 64, torch.bfloat16, "cuda")
-    # The compiled path's memory: a process that compiled FlexAttention for 8 other configurations (head
-    # dims, GQA, dtypes: the GPU tests before this one) hits dynamo's recompile limit and runs it eagerly,
-    # on the full score matrix (106 GiB here, session AK's PART=check); compile it afresh.
-    torch._dynamo.reset()
+    # The compiled path's memory, in a process that compiled FlexAttention for other configurations (head
+    # dims, GQA, dtypes: the GPU tests before this one). Past dynamo's default limit of 8 it ran eagerly, on
+    # the full score matrix (106 GiB here, session AK's PART=check); compiled_call raises the limit for it.
     tree_mask_attention(q, k, v, TreeMaskLayout(ends), 0.125, "flex").sum().backward()  # compile outside the window
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()

@@ -11,7 +11,7 @@
 ``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, ``benchmarks/session_ae_gpu.sh``,
 ``benchmarks/session_af_gpu.sh``, ``benchmarks/session_ag_gpu.sh``, ``benchmarks/session_ah_gpu.sh``,
 ``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, ``benchmarks/session_ak_gpu.sh``,
-``benchmarks/session_al_gpu.sh``, sharing
+``benchmarks/session_al_gpu.sh``, ``benchmarks/session_am_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -124,6 +124,9 @@ RUNS = [
     ("session_al_gpu.sh", {"PART": "origins"}, ()),  # kernel_origins counts CPU ops on a CPU: plumbing only
     ("session_al_gpu.sh", {"PART": "probe"}, ()),
     ("session_al_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
+    ("session_am_gpu.sh", {"PART": "tests_a"}, ()),  # GPU tests only: nothing on a CPU
+    ("session_am_gpu.sh", {"PART": "tests_b"}, ()),
+    ("session_am_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -134,7 +137,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_al_gpu.sh", "predict")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_am_gpu.sh", "tests_b")}
 SAMPLED = 2
 
 

@@ -19,9 +19,13 @@ Backends, all with the signature of :func:`tree_mask_attention`:
   O((N/128)^2); no ``N x N`` tensor is ever built (``create_block_mask`` would evaluate
   the mask on the full grid unless compiled). The mask is still evaluated exactly,
   inside the kernel, on the blocks that are only partly visible. On CUDA the function
-  is ``torch.compile``-d once per process (as the FlexAttention docs recommend). On the
-  CPU it runs eagerly, forward only (torch has no CPU FlexAttention backward): tests use
-  it to check the mask.
+  is ``torch.compile``-d once per process (as the FlexAttention docs recommend) and
+  never runs uncompiled: dynamo falls back to eager code once a function has been compiled
+  for ``recompile_limit`` input configurations, which for FlexAttention means the full
+  ``[N, N]`` score matrix (106 GiB at N = 32k, session AK's GPU tests), so the calls
+  raise that limit for themselves and fail with :class:`FlexRecompileLimitError` past it
+  (:func:`compiled_call`). On the CPU it runs eagerly, forward only (torch has no CPU
+  FlexAttention backward): tests use it to check the mask.
 """
 
 from __future__ import annotations
@@ -38,7 +42,10 @@ from ...ops.stack_attention.options import check_packed_qkv
 
 __all__ = [
     "BACKENDS",
+    "FLEX_RECOMPILE_LIMIT",
+    "FlexRecompileLimitError",
     "TreeMaskLayout",
+    "compiled_call",
     "flex_unavailable",
     "tree_mask_attention",
     "tree_mask_attention_flex",
@@ -171,11 +178,45 @@ def tree_mask_attention_sdpa(
     return out.squeeze(0).transpose(0, 1)  # a view back (a select's backward zero-fills and copies)
 
 
+# Input configurations (head dims, GQA, dtypes, dynamic lengths) the compiled FlexAttention
+# may be compiled for in one process, against dynamo's default of 8: a process that benchmarks
+# several models or runs the GPU tests meets more than 8.
+FLEX_RECOMPILE_LIMIT = 64
+
+
+class FlexRecompileLimitError(RuntimeError):
+    """The compiled FlexAttention met more input configurations than its recompile limit;
+    dynamo would run the next one uncompiled, on the full score matrix."""
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
     return torch.compile(flex_attention)
+
+
+def compiled_call(fn, *args, limit: int = FLEX_RECOMPILE_LIMIT, what: str = "FlexAttention", **kwargs):
+    """``fn(*args, **kwargs)`` for a ``torch.compile``-d ``fn`` that must not run eagerly:
+    dynamo's recompile limit raised to ``limit`` for the call (never lowered), and a
+    :class:`FlexRecompileLimitError` naming the way out where dynamo would fall back to
+    eager code past it. Inside an outer ``torch.compile`` the call is left to it."""
+    from torch._dynamo import config as dynamo_config
+    from torch._dynamo.exc import FailOnRecompileLimitHit
+
+    if torch.compiler.is_compiling():
+        return fn(*args, **kwargs)
+    limit = max(limit, dynamo_config.recompile_limit)
+    with dynamo_config.patch(recompile_limit=limit, fail_on_recompile_limit_hit=True):
+        try:
+            return fn(*args, **kwargs)
+        except FailOnRecompileLimitHit as e:
+            raise FlexRecompileLimitError(
+                f"{what} has been compiled for {limit} input configurations in this process (head dims, "
+                "dtypes, GQA, lengths: torch._dynamo's recompile limit); dynamo would run the next one uncompiled, "
+                "which for FlexAttention builds the full [N, N] score matrix. Call torch._dynamo.reset() between "
+                "models or configurations, or raise torch._dynamo.config.recompile_limit."
+            ) from e
 
 
 def tree_mask_attention_flex(
@@ -184,18 +225,14 @@ def tree_mask_attention_flex(
     """Tree-mask attention through FlexAttention and the interval ``BlockMask``; shapes
     as :func:`tree_mask_attention_sdpa`. Peak memory O(N) plus O((N/128)^2) ints."""
     _check(q, k, v, layout)
+    args = (_heads_first(q), _heads_first(k), _heads_first(v))
+    kwargs = {"block_mask": layout.block_mask(q.device), "scale": scale, "enable_gqa": q.shape[1] != k.shape[1]}
     if q.device.type == "cuda":
-        flex = _compiled_flex()
+        out = compiled_call(_compiled_flex(), *args, **kwargs)
     else:
-        from torch.nn.attention.flex_attention import flex_attention as flex
-    out = flex(
-        _heads_first(q),
-        _heads_first(k),
-        _heads_first(v),
-        block_mask=layout.block_mask(q.device),
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+        from torch.nn.attention.flex_attention import flex_attention
+
+        out = flex_attention(*args, **kwargs)
     return out.squeeze(0).transpose(0, 1)  # a view back (a select's backward zero-fills and copies)
 
 
