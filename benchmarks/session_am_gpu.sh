@@ -8,7 +8,12 @@
 #   PART=tests_a  the GPU tests (pytest -m gpu) of the Triton stack attention, the stack ops and the fused log-probs;
 #   PART=tests_b  every other GPU test (whole steps, the flash-attn backend, the baselines, hybrids, memory);
 #   PART=steps    in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the
-#                 default (bench_cases.sh's vs_mask64k, as session AL ran it).
+#                 default (bench_cases.sh's vs_mask64k, as session AL ran it);
+#   PART=case1_7b GRPO case 1 (prompt 2048, G=8, answers 512): dtree's default against tree-mask:whole+ckpt and
+#                 linearized training (flash-attn-4), 10 steps; then qwen2.5-7b on one ~32k agentic tree, the default;
+#   PART=half256  the 256k tree: the mask (32,768-row re-run chunks) against memory=19.9, half its peak (half256k).
+#
+# With PART=steps, case1_7b and half256 on one machine these are issue 17's cases on today's code, in three calls.
 #
 #     PART=tests_a bash benchmarks/session_am_gpu.sh           # reports in $OUT (default /tmp/dtree_session_am)
 #     SMOKE=1 PART=steps bash benchmarks/session_am_gpu.sh     # tiny trees on the CPU: plumbing only
@@ -29,6 +34,16 @@ case "${PART:-tests_a}" in
   steps)
     vs_mask64k
     ;;
-  *) echo "PART must be tests_a, tests_b or steps"; exit 2 ;;
+  case1_7b)
+    bench case1 200 $CASE1 --steps ${CASE1_STEPS:-10} --configs "dtree,tree-mask:whole+ckpt,linearized"
+    MODEL7B=qwen2.5-7b T7B=32768
+    [ -n "$SMOKE_FLAG" ] && MODEL7B=tiny T7B=400
+    BENCH=${BENCH/qwen2.5-1.5b/$MODEL7B} bench agentic32k_7b 240 $AGENTIC64K --set target_unique_tokens=$T7B \
+      --steps 4 --configs dtree
+    ;;
+  half256)
+    half256k
+    ;;
+  *) echo "PART must be tests_a, tests_b, steps, case1_7b or half256"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
