@@ -11,7 +11,10 @@
 #                 default (bench_cases.sh's vs_mask64k, as session AL ran it);
 #   PART=case1_7b GRPO case 1 (prompt 2048, G=8, answers 512): dtree's default against tree-mask:whole+ckpt and
 #                 linearized training (flash-attn-4), 10 steps; then qwen2.5-7b on one ~32k agentic tree, the default;
-#   PART=half256  the 256k tree: the mask (32,768-row re-run chunks) against memory=19.9, half its peak (half256k).
+#   PART=half256  the 256k tree: the mask (32,768-row re-run chunks) against memory=19.9, half its peak (half256k);
+#   PART=host_ab  GRPO case 1's host time sampled by py-spy (benchmarks/host_sampling.py, py-spy from .whl/), this
+#                 checkout against the one in $OLD (dtree/ and benchmarks/ of an earlier commit), alternating, twice
+#                 each: what the step's host does before its first kernel and after its sync, where the GPU waits.
 #
 # With PART=steps, case1_7b and half256 on one machine these are issue 17's cases on today's code, in three calls.
 #
@@ -44,6 +47,24 @@ case "${PART:-tests_a}" in
   half256)
     half256k
     ;;
-  *) echo "PART must be tests_a, tests_b, steps, case1_7b or half256"; exit 2 ;;
+  host_ab)
+    if [ -n "$SMOKE_FLAG" ]; then  # no py-spy on CI: the sampled script's own plumbing
+      python benchmarks/host_sampling.py run --smoke --steps 2 >"$OUT/host_ab_smoke.log" 2>&1; echo "smoke: exit $?"
+    else
+      SPY=$(python -c "import glob, os, zipfile; w = sorted(glob.glob('.whl/py_spy-*.whl'))[-1]; d = os.path.expanduser('~/py-spy'); zipfile.ZipFile(w).extractall(d); p = glob.glob(d + '/*.data/scripts/py-spy')[0]; os.chmod(p, 0o755); print(p)")
+      here=$PWD
+      for round in 1 2; do
+        for arm in new old; do
+          dir=$here; [ $arm = old ] && dir=${OLD:?OLD: an earlier checkout}
+          (cd "$dir" && timeout 200 "$SPY" record --nonblocking -r 500 -f raw -o "$OUT/stacks_${arm}_$round.txt" -- \
+            python benchmarks/host_sampling.py run --steps 40 --workload case1 2>&1 | grep -v "^py-spy>" | tail -1)
+          python benchmarks/host_sampling.py report "$OUT/stacks_${arm}_$round.txt" --steps 40 --rate 500 \
+            --out "$OUT/host_sampling_${arm}_$round.md" | sed -n 5,12p
+          gzip -f "$OUT/stacks_${arm}_$round.txt"
+        done
+      done
+    fi
+    ;;
+  *) echo "PART must be tests_a, tests_b, steps, case1_7b, half256 or host_ab"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

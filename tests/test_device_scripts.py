@@ -129,6 +129,7 @@ RUNS = [
     ("session_am_gpu.sh", {"PART": "steps"}, ("at_mask64k",)),
     ("session_am_gpu.sh", {"PART": "case1_7b", "CASE1_STEPS": "2"}, ("case1", "agentic32k_7b")),
     ("session_am_gpu.sh", {"PART": "half256"}, ("half256k",)),
+    ("session_am_gpu.sh", {"PART": "host_ab"}, ()),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),

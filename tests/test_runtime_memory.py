@@ -157,9 +157,12 @@ def test_after_step_releases_and_reports(monkeypatch):
 
     gib = 2**30
     state = {"reserved": 10 * gib, "allocated": 4 * gib}
-    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda d=None: state["reserved"])
-    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d=None: state["allocated"])
-    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda d=None: 9 * gib)
+
+    def stats(device=None):  # the allocator's nested statistics, as torch.cuda reads them
+        return {"allocated_bytes": {"all": {"current": state["allocated"], "peak": 9 * gib}},
+                "reserved_bytes": {"all": {"current": state["reserved"], "peak": 10 * gib}}}
+
+    monkeypatch.setattr(torch.cuda, "memory_stats_as_nested_dict", stats)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: state.update(reserved=state["allocated"]))
     rt = dtree.TreeRuntime(make_model("qwen2"))
     released = []
@@ -257,3 +260,19 @@ def test_stack_sized_by_the_slots_written_saves_on_qwen_1_5b():
         saved = nbytes(every_call) - nbytes(sched.stack_tokens)
         assert saved == (every_call - 2048) * 86016
         assert round(saved / 1e9, 2) == {8192: 0.70, 16384: 1.41}[group_tokens]
+
+
+def test_allocator_bytes_reads_what_the_three_counters_read():
+    """One read of the allocator's statistics gives torch.cuda's allocated, reserved and peak counters
+    (zeros before CUDA is initialized, as those return); on a GPU, against them directly."""
+    from dtree.device.allocator import AllocatorBytes, allocator_bytes
+
+    if not torch.cuda.is_available():
+        assert allocator_bytes(torch.device("cuda", 0)) == AllocatorBytes(0, 0, 0)
+        return
+    device = torch.device("cuda", torch.cuda.current_device())
+    held = torch.empty(3 << 20, device=device)  # noqa: F841 (allocated while the counters are read)
+    got = allocator_bytes(device)
+    assert got == AllocatorBytes(torch.cuda.memory_allocated(device), torch.cuda.memory_reserved(device),
+                                 torch.cuda.max_memory_allocated(device))
+

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..device.allocator import allocator_bytes
 from ..models.host_checkpoints import host_page_bytes
 
 __all__ = ["after_step", "drops_stack", "with_report"]
@@ -39,14 +40,15 @@ def after_step(device: torch.device | None, free: bool) -> dict:
     nothing: ``{}``."""
     if device is None or device.type != "cuda":
         return {}
-    reserved = torch.cuda.memory_reserved(device)
+    before = now = allocator_bytes(device)
     if free:
         torch.cuda.empty_cache()
+        now = allocator_bytes(device)
     return {
-        "allocated_after_gib": torch.cuda.memory_allocated(device) / _GIB,
-        "reserved_after_gib": torch.cuda.memory_reserved(device) / _GIB,
-        "released_gib": (reserved - torch.cuda.memory_reserved(device)) / _GIB,
-        "peak_since_reset_gib": torch.cuda.max_memory_allocated(device) / _GIB,
+        "allocated_after_gib": now.allocated / _GIB,
+        "reserved_after_gib": now.reserved / _GIB,
+        "released_gib": (before.reserved - now.reserved) / _GIB,
+        "peak_since_reset_gib": now.peak_allocated / _GIB,
         "freed_after_step": free,
         "host_pinned_gib": host_page_bytes() / _GIB,
     }

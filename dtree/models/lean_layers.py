@@ -61,6 +61,7 @@ from ..ops.rotary.interface import rotary_supported
 from ..ops.rerun import in_rerun, rerun_chunk_rows
 from ..ops.shared_input_linear import shared_input_linear
 from ..ops.swiglu import silu_mul, swiglu_down
+from .instance_attrs import remove_instance_attrs, set_instance_attrs
 from .plain_linear import is_plain_linear
 from .shared_projections import is_shared_attention, restore_projections, swap_projections
 
@@ -264,11 +265,9 @@ def _swap(
     """Swap the modules' forwards; returns what changed and every module swapped."""
     norm_forward, mlp_forward = _forwards()
     for m in norms:
-        m.forward = types.MethodType(norm_forward, m)
-        m._dtree_lean = True
+        set_instance_attrs(m, forward=types.MethodType(norm_forward, m), _dtree_lean=True)
     for m in mlps:
-        m.forward = types.MethodType(mlp_forward, m)
-        m._dtree_lean = True
+        set_instance_attrs(m, forward=types.MethodType(mlp_forward, m), _dtree_lean=True)
     fused_down = sum(is_plain_linear(m.down_proj) for m in mlps)
     projections = swap_projections(attentions)
     return LeanLayers(model_type, len(norms), len(mlps), fused_down, qkv=len(attentions)), norms + mlps + projections
@@ -278,8 +277,7 @@ def _restore(modules: list[torch.nn.Module]) -> None:
     restore_projections([m for m in modules if hasattr(m, "_dtree_handover")])
     for m in modules:
         if "forward" in vars(m):  # the norms and MLPs (the projections are back already)
-            del m.forward
-            del m._dtree_lean
+            remove_instance_attrs(m, "forward", "_dtree_lean")
 
 
 def remove_lean_layers(model: torch.nn.Module) -> None:

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..ops.shared_input_linear import shared_input_linear
+from .instance_attrs import remove_instance_attrs, set_instance_attrs
 from .plain_linear import is_plain_linear
 
 __all__ = ["is_shared_attention", "restore_projections", "swap_projections"]
@@ -93,9 +94,8 @@ def swap_projections(attentions: list[torch.nn.Module]) -> list[torch.nn.Module]
         modules = tuple(getattr(attention, n) for n in _NAMES)
         handover = _Handover(modules)
         for i, m in enumerate(modules):
-            m._dtree_handover = handover
-            m.forward = types.MethodType(first if i == 0 else later, m)
-            m._dtree_lean = True
+            set_instance_attrs(m, _dtree_handover=handover, forward=types.MethodType(first if i == 0 else later, m),
+                               _dtree_lean=True)
         swapped.extend(modules)
     return swapped
 
@@ -104,6 +104,4 @@ def restore_projections(modules: list[torch.nn.Module]) -> None:
     """Undo :func:`swap_projections` on the modules it returned."""
     for m in modules:
         m._dtree_handover.clear()
-        del m._dtree_handover
-        del m.forward
-        del m._dtree_lean
+        remove_instance_attrs(m, "_dtree_handover", "forward", "_dtree_lean")

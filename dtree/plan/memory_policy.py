@@ -95,6 +95,7 @@ from typing import Iterable
 import torch
 
 from ..config import MEMORY_SETTINGS as SETTINGS
+from ..device.allocator import allocator_bytes
 from ..models.protocol import ModelSpec
 from ..ops.swiglu.interface import CONSUMING_CHUNK_ROWS
 from .memory_model import (
@@ -384,8 +385,9 @@ def available_bytes(device: torch.device) -> tuple[float, float]:
     processes hold is not free) plus what this process's allocator holds unused,
     capped by ``torch.cuda.set_per_process_memory_fraction``."""
     free, total = torch.cuda.mem_get_info(device)
-    allocated = torch.cuda.memory_allocated(device)
-    available = free + torch.cuda.memory_reserved(device) - allocated
+    counts = allocator_bytes(device)
+    allocated = counts.allocated
+    available = free + counts.reserved - allocated
     get_fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if get_fraction is not None:
         available = min(available, total * get_fraction(device) - allocated)

@@ -197,17 +197,31 @@ def knob_grid(budgets, checkpoints, paths, chunks, can_keep: bool) -> KnobGrid:
     return KnobGrid(g[valid], k[valid], p[valid], c[valid], kp[valid])
 
 
-def _lookup(fn, *columns: np.ndarray) -> np.ndarray:
-    """[n] ``fn`` of each row of ``columns`` (Python ints), computed once per distinct row
-    (the rows keyed as one integer: a sort of ~1,000 int64, not of structured rows)."""
-    key = np.zeros(len(columns[0]), dtype=np.int64)
-    for col in columns:
-        col = col.astype(np.int64)
-        low = int(col.min())
-        key = key * (int(col.max()) - low + 1) + (col - low)
-    _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
-    table = np.array([fn(*(int(col[i]) for col in columns)) for i in first], dtype=np.float64)
-    return table[inverse.reshape(-1)]
+class _Lookup:
+    """``lookup(fn, *columns)``: [n] ``fn`` of each row of ``columns`` (Python ints), computed once
+    per distinct row. The rows are keyed as one integer (a sort of ~1,000 int64, not of structured
+    rows), each set of columns once per scoring (several figures share one), and ``fn`` gets the
+    distinct rows as Python ints taken out in one ``tolist`` per column: per element, numpy's
+    scalar indexing and ``int`` cost more than ``fn`` (most of the policy's host time on GRPO
+    case 1 before session AM)."""
+
+    def __init__(self) -> None:
+        # by the columns' ids; each entry holds its columns, so no id is reused while the entry lives
+        self._rows: dict[tuple[int, ...], tuple[tuple, list, np.ndarray]] = {}
+
+    def __call__(self, fn, *columns: np.ndarray) -> np.ndarray:
+        ident = tuple(id(col) for col in columns)
+        if ident not in self._rows:
+            ints = [col.astype(np.int64) for col in columns]
+            key = np.zeros(len(columns[0]), dtype=np.int64)
+            for col in ints:
+                low = int(col.min())
+                key = key * (int(col.max()) - low + 1) + (col - low)
+            _, first, inverse = np.unique(key, return_index=True, return_inverse=True)
+            rows = list(zip(*(col[first].tolist() for col in ints)))
+            self._rows[ident] = (columns, rows, inverse.reshape(-1))
+        _, rows, inverse = self._rows[ident]
+        return np.array([fn(*row) for row in rows], dtype=np.float64)[inverse]
 
 
 def candidate_scores(
@@ -216,6 +230,7 @@ def candidate_scores(
     """([n] predicted peak bytes, [n] predicted costs) of the candidates of ``grid``
     (``fig_of``: the figures per LM-head chunk), equal to :func:`candidate`'s one by one."""
     u = shape.unique_tokens
+    _lookup = _Lookup()  # the columns it is given are not changed while it is used
     of = {int(g): packed(shape, int(g)) for g in np.unique(grid.group_tokens)}
     calls = _lookup(lambda g: of[g].call, grid.group_tokens).astype(np.int64)  # a call's tokens
     call = calls.astype(np.float64)
