@@ -196,7 +196,7 @@ def _compiled_flex():
     return torch.compile(flex_attention)
 
 
-def compiled_call(fn, *args, limit: int = FLEX_RECOMPILE_LIMIT, what: str = "FlexAttention", **kwargs):
+def compiled_call(fn, *args, limit: int = FLEX_RECOMPILE_LIMIT, **kwargs):
     """``fn(*args, **kwargs)`` for a ``torch.compile``-d ``fn`` that must not run eagerly:
     dynamo's recompile limit raised to ``limit`` for the call (never lowered), and a
     :class:`FlexRecompileLimitError` naming the way out where dynamo would fall back to
@@ -212,7 +212,7 @@ def compiled_call(fn, *args, limit: int = FLEX_RECOMPILE_LIMIT, what: str = "Fle
             return fn(*args, **kwargs)
         except FailOnRecompileLimitHit as e:
             raise FlexRecompileLimitError(
-                f"{what} has been compiled for {limit} input configurations in this process (head dims, "
+                f"FlexAttention has been compiled for {limit} input configurations in this process (head dims, "
                 "dtypes, GQA, lengths: torch._dynamo's recompile limit); dynamo would run the next one uncompiled, "
                 "which for FlexAttention builds the full [N, N] score matrix. Call torch._dynamo.reset() between "
                 "models or configurations, or raise torch._dynamo.config.recompile_limit."
