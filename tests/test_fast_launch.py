@@ -97,7 +97,7 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
         (wt, ["_silu_mul_fwd_kernel", "_silu_mul_bwd_kernel"]),
         (st, ["_push_kernel", "_fold_kernel"]),
         (lt, ["_row_stats_kernel", "_dlogits_kernel"]),
-        (bt, ["_column_sums_kernel"]),
+        (bt, ["_column_sums_kernel", "_column_sums_finish_kernel"]),
     ]:
         for name in names:
             monkeypatch.setattr(module, name, _Recorder(getattr(module, name), calls))
@@ -118,8 +118,10 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
     logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels, lt.LogitTransform(), True, 32, True)
     torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
     dq, dkv = torch.zeros(37, 1536, dtype=torch.bfloat16), torch.zeros(37, 256, dtype=torch.bfloat16)
-    bt.column_sums([dq, dkv, dkv], [torch.bfloat16] * 3)
-    assert len({k.fn.__name__ for k, _, _ in calls}) == 10
+    bt.column_sums([dq, dkv, dkv], [torch.bfloat16] * 3)  # one row split: the sums in one launch
+    long_dq, long_dkv = torch.zeros(1100, 1536, dtype=torch.bfloat16), torch.zeros(1100, 256, dtype=torch.bfloat16)
+    bt.column_sums([long_dq, long_dkv, long_dkv], [torch.bfloat16] * 3)  # three splits, then their sum
+    assert len({k.fn.__name__ for k, _, _ in calls}) == 11
     _classes_are_sound(calls)
 
 

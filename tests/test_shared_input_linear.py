@@ -102,7 +102,7 @@ def _case_column_sums_match_torch_twin():
     from dtree.ops.shared_input_linear import triton_kernels as tk
 
     assert tk._INTERPRET, "the worker must start with TRITON_INTERPRET=1"
-    for rows, widths in [(37, (96, 32, 40)), (1, (8,)), (0, (16, 4)), (130, (33, 1))]:
+    for rows, widths in [(37, (96, 32, 40)), (1, (8,)), (0, (16, 4)), (130, (33, 1)), (200, (40, 70))]:
         for dtype, out in [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                            (torch.bfloat16, torch.float32)]:
             grads = [torch.randn(rows, n).to(dtype) for n in widths]
