@@ -103,6 +103,28 @@ def _lean_seen(model) -> list[bool]:
     return seen
 
 
+def test_the_lean_mlp_hands_gate_and_up_to_its_backward_in_step_graphs_only(monkeypatch):
+    """In a step's graph (:mod:`dtree.ops.backward_once`: the runtime's training calls) the lean MLP's
+    down projection owns ``gate`` and ``up`` and writes their gradients over them; in a user's own
+    forward through a model that keeps the lean layers it does not, so ``backward(retain_graph=True)``
+    twice gives the same gradients twice."""
+    model = make_model("qwen2", tied=True)
+    owned: list[bool] = []
+    original = lean_layers.swiglu_down
+    monkeypatch.setattr(lean_layers, "swiglu_down",
+                        lambda *a, **kw: owned.append(kw.get("inputs_owned", False)) or original(*a, **kw))
+    run_dtree(copy.deepcopy(model), copy_model=False, mode="retain", group_tokens=8)
+    assert owned and all(owned)
+    owned.clear()
+    mine, _ = lean(model)
+    ids = torch.tensor([[1, 5, 9, 2, 7, 3]])
+    loss = mine(input_ids=ids).logits.float().square().mean()
+    first = torch.autograd.grad(loss, list(mine.parameters()), retain_graph=True)
+    second = torch.autograd.grad(loss, list(mine.parameters()))
+    assert owned and not any(owned)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+
+
 @pytest.mark.parametrize("mode", ["retain", "recompute"])
 def test_the_runtime_runs_lean_layers_during_its_steps_only(mode):
     """By default (``lean_layers=True``) every forward of a dtree step runs the lean

@@ -105,17 +105,22 @@ def test_keeps_gate_up_and_weight_only():
     assert sum(t.numel() for t in hf if t.shape == gate.shape) == 4 * gate.numel()
 
 
-def _consumed_grads(gate, up, w, b, dy, chunk_rows=None):
+def _consumed_grads(gate, up, w, b, dy, chunk_rows=None, owned=False):
     """Grads through ``swiglu_down(output_unused=True)`` (a re-run's form, whose backward
-    writes over its gate and up: they are made here, as a re-run makes them) and the
-    addresses of the gate and up it was given and of their gradients."""
+    writes over its gate and up: they are made here, as a re-run makes them), or with
+    ``owned`` through ``swiglu_down(inputs_owned=True)`` (a step's form: the output computed),
+    and the addresses of the gate and up it was given and of their gradients."""
     leaves = [t.detach().requires_grad_(True) if t is not None else None for t in (gate, up, w, b)]
     g_in, u_in = leaves[0] * 1, leaves[1] * 1  # non-leaf, like the projections' outputs
     seen = {"gate": g_in.data_ptr(), "up": u_in.data_ptr()}
     g_in.register_hook(lambda g: seen.__setitem__("dgate", g.data_ptr()))
     u_in.register_hook(lambda g: seen.__setitem__("dup", g.data_ptr()))
-    y = sw.swiglu_down(g_in, u_in, leaves[2], leaves[3], output_unused=True, chunk_rows=chunk_rows)
-    assert not y.any()
+    if owned:
+        y = sw.swiglu_down(g_in, u_in, leaves[2], leaves[3], chunk_rows=chunk_rows, inputs_owned=True)
+        assert torch.equal(y, sw.swiglu_down(gate, up, w, b))
+    else:
+        y = sw.swiglu_down(g_in, u_in, leaves[2], leaves[3], output_unused=True, chunk_rows=chunk_rows)
+        assert not y.any()
     y.backward(dy)
     return [t.grad if t is not None else None for t in leaves], seen
 
@@ -160,6 +165,18 @@ def test_consuming_backward_takes_the_callers_chunk_rows(dtype, monkeypatch):
         torch.testing.assert_close(a, e, rtol=1e-12 if dtype == torch.float64 else 1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="chunk_rows must be None or >= 0"):
         sw.swiglu_down(gate, up, w, b, output_unused=True, chunk_rows=-1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_owned_inputs_give_the_same_bits_written_over_gate_and_up(dtype):
+    """``inputs_owned`` (a step's graph, :mod:`dtree.ops.backward_once`) in one chunk: the forward's
+    output and every gradient bit for bit those of the backward that keeps its inputs, the input
+    gradients written over ``gate`` and ``up``."""
+    gate, up, w, b, dy = _inputs((2, 19, 60), 24, dtype)
+    want = _grads(sw.swiglu_down, gate, up, w, b, dy=dy)[1:]
+    got, seen = _consumed_grads(gate, up, w, b, dy, chunk_rows=0, owned=True)
+    assert all(torch.equal(a, e) for a, e in zip(got, want))
+    assert seen["dgate"] == seen["gate"] and seen["dup"] == seen["up"]
 
 
 def test_bad_shapes():

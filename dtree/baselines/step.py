@@ -53,6 +53,7 @@ from ..forest.forest import Forest
 from ..losses import Normalization, PerTokenFn, TokenLoss, weighted_terms
 from ..models import AttendFn, TreeModule, adapt
 from ..models.checkpointing import checkpointed_layers, decoder_layers
+from ..ops.backward_once import backward_once_scope
 from ..ops.logprobs import as_output_head, compute_dtype
 from ..ops.registry import resolve_backend
 
@@ -274,7 +275,8 @@ class MicroBatchTrainer:
         # checkpointing re-runs layers there
         scope = getattr(self.model, "dtree_scope", None)
         for call, dev in zip(calls, uploaded):
-            with torch.enable_grad(), scope() if scope is not None else contextlib.nullcontext():
+            # each call's graph is back-propagated once, by split.backward (dtree.ops.backward_once)
+            with torch.enable_grad(), backward_once_scope(), scope() if scope is not None else contextlib.nullcontext():
                 attend = _plain_causal(self._attend(call.batch.layout), type(self).__name__)
                 with (checkpointed_layers(self.module, rerun_chunk_rows=self.rerun_chunk_rows) if self.checkpoint
                       else contextlib.nullcontext()):

@@ -78,6 +78,7 @@ from ..losses import LogprobLoss, Normalization, SequenceLoss, TokenLoss
 from ..models import TreeModule, adapt, unwrap
 from ..models.checkpointing import decoder_layers
 from ..models.lean_layers import lean_layers_during
+from ..ops.backward_once import backward_once_scope
 from ..plan.memory_policy import MemoryPlan
 from ..plan.model_view import ModelView, model_view
 from ..plan.schedule import Schedule
@@ -228,9 +229,10 @@ class TreeRuntime:
         """A call's body: the model viewed once (:func:`dtree.plan.model_view.model_view`:
         its modules and parameters, which the checks, the plan, the lean layers and the
         step's gradient stash all read) and checked (:meth:`_check_call`), inside
-        :meth:`_released`; yields (the view, the memory report's dict)."""
+        :meth:`_released`; yields (the view, the memory report's dict). A training call's graphs are
+        back-propagated once, by the walk (:mod:`dtree.ops.backward_once`)."""
         view = model_view(self.module)
-        with self._released(view.modules) as after:
+        with self._released(view.modules) as after, backward_once_scope(training):
             self._check_call(training, view)
             yield view, after
 

@@ -51,14 +51,15 @@ import functools
 import inspect
 import sys
 import types
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
+from ..ops.backward_once import backward_runs_once
+from ..ops.rerun import in_rerun, rerun_chunk_rows
 from ..ops.rms_norm import rms_norm
 from ..ops.rotary import RotaryFunction
 from ..ops.rotary.interface import rotary_supported
-from ..ops.rerun import in_rerun, rerun_chunk_rows
 from ..ops.shared_input_linear import shared_input_linear
 from ..ops.swiglu import silu_mul, swiglu_down
 from .instance_attrs import remove_instance_attrs, set_instance_attrs
@@ -102,15 +103,20 @@ def _norm_forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
 
 
 def _mlp_forward(self, x: torch.Tensor) -> torch.Tensor:
-    if is_plain_linear(self.gate_proj) and is_plain_linear(self.up_proj):  # one backward node: dx summed in the matmuls
+    # fresh outputs of one op: only the down projection's backward reads them
+    fused_inputs = is_plain_linear(self.gate_proj) and is_plain_linear(self.up_proj)
+    if fused_inputs:  # one backward node: dx summed in the matmuls
         gate, up = shared_input_linear(x, ((self.gate_proj.weight, self.gate_proj.bias),
                                            (self.up_proj.weight, self.up_proj.bias)))
     else:
         gate, up = self.gate_proj(x), self.up_proj(x)
     down = self.down_proj
     if is_plain_linear(down):
-        # in a re-run only the residual add reads the output
-        return swiglu_down(gate, up, down.weight, down.bias, output_unused=in_rerun(), chunk_rows=rerun_chunk_rows())
+        if in_rerun():  # only the residual add reads the output
+            return swiglu_down(gate, up, down.weight, down.bias, output_unused=True, chunk_rows=rerun_chunk_rows())
+        # a step's graph (dtree.ops.backward_once): gradients over gate and up, in one chunk
+        owned = fused_inputs and backward_runs_once()
+        return swiglu_down(gate, up, down.weight, down.bias, inputs_owned=owned, chunk_rows=0 if owned else None)
     return down(silu_mul(gate, up))
 
 

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from ..models import ModelSpec, TreeModule
 from ..models.checkpointing import checkpointed_layers
 from ..models.layer_recompute import graph_nodes, rerun_graph_hooks
+from ..ops.backward_once import backward_once_scope
 from ..ops.segment_states import StateLayout
 from ..ops.stack_attention.segment_layout import SegmentLayout
 from ..stacks.group_attention import GroupAttention
@@ -233,7 +234,7 @@ def _probe_call(
 
     handle = emb.register_forward_hook(leaf) if emb is not None else None
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), backward_once_scope():  # as a step's calls: _backward_peak runs once
             return model.dtree_hidden_states(ids, positions, attend)
     finally:
         if handle is not None:

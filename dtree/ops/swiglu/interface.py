@@ -22,11 +22,12 @@ product's gradient::
     dup   = cast(dp * cast(s))
     dgate = cast(float32(cast(dp * up)) * sig * (1 + gate * (1 - sig)))
 
-In a checkpointed layer's re-run (``output_unused``, :mod:`dtree.ops.rerun`) the saved
-``gate`` and ``up`` are the re-run's own, read by this backward only, which runs once:
-the backward then writes ``dgate`` and ``dup`` over them and takes the rows in chunks of
-:data:`CONSUMING_CHUNK_ROWS`, each chunk's ``dp`` in one reused ``[rows, I]`` buffer
-that then holds its product for the weight gradient (summed over chunks in float32: on
+Where the saved ``gate`` and ``up`` are read by this backward only, which runs once
+(``inputs_owned``: a step's graph, :mod:`dtree.ops.backward_once`, the lean MLP's default in
+one chunk; ``output_unused``: a checkpointed layer's re-run, :mod:`dtree.ops.rerun`), the
+backward writes ``dgate`` and ``dup`` over them and takes the rows in chunks of
+``chunk_rows`` (:data:`CONSUMING_CHUNK_ROWS` unless given), each chunk's ``dp`` in one reused
+``[rows, I]`` buffer that then holds its product for the weight gradient (summed over chunks in float32: on
 CUDA inside the matmul, :func:`sum_chunk_in_matmul`). During a step the down projection's weight gradient
 is added into ``param.grad`` inside its matmul, or the chunks' sum rounded into it once
 (:mod:`dtree.ops.weight_grads`).
@@ -220,14 +221,16 @@ class SiluMulFunction(torch.autograd.Function):
 
 class SwiGLUDownFunction(torch.autograd.Function):
     """``linear(silu(gate) * up, weight, bias)`` keeping ``gate``, ``up`` and ``weight``;
-    the product is recomputed in backward (for ``weight``'s gradient)."""
+    the product is recomputed in backward (for ``weight``'s gradient): in its own pass, or,
+    where the inputs are owned, in the pass that writes their gradients over them."""
 
     @staticmethod
-    def forward(ctx, gate, up, weight, bias, output_unused: bool = False, chunk_rows: int | None = None):
+    def forward(ctx, gate, up, weight, bias, output_unused: bool = False, chunk_rows: int | None = None,
+                inputs_owned: bool = False):
         ctx.save_for_backward(gate, up, weight)
         ctx.grad_target = grad_target(weight)
         ctx.has_bias = bias is not None
-        ctx.consume_inputs = output_unused  # a re-run's gate and up: only this backward reads them
+        ctx.consume_inputs = output_unused or inputs_owned  # only this backward reads gate and up
         ctx.chunk_rows = chunk_rows
         if output_unused:  # a checkpointed layer's re-run (dtree.ops.rerun): only the saved tensors count
             return gate.new_zeros(()).expand(*gate.shape[:-1], weight.shape[0])
@@ -243,7 +246,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
             db = dy2.sum(0)
         if ctx.consume_inputs and (need_gate or need_up) and _consumable(dy2, gate, up):
             dgate, dup, dw = _consuming_backward(dy2, gate, up, weight, need_w, ctx.chunk_rows, ctx.grad_target)
-            return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None
+            return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None, None
         product = None
         if need_w:
             product = _forward(gate, up)
@@ -251,7 +254,7 @@ class SwiGLUDownFunction(torch.autograd.Function):
         if need_gate or need_up:
             dp = dy2.mm(weight.to(dy2.dtype)).view(gate.shape)
             dgate, dup = _backward(dp, gate, up, owned=True, spare=product)
-        return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None
+        return (dgate if need_gate else None), (dup if need_up else None), dw, db, None, None, None
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -263,19 +266,20 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 def swiglu_down(
     gate: torch.Tensor, up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-    output_unused: bool = False, chunk_rows: int | None = None,
+    output_unused: bool = False, chunk_rows: int | None = None, inputs_owned: bool = False,
 ) -> torch.Tensor:
     """``linear(silu(gate) * up, weight, bias)``: gate, up [..., I], weight [H, I], bias
-    [H] or None -> [..., H]; keeps gate, up and the weight only. ``output_unused``: the
-    caller drops the output (a checkpointed layer's re-run, :mod:`dtree.ops.rerun`):
-    the same saved tensors, a zero view returned, no matmul; and ``gate`` and ``up``
-    belong to this op's backward, which writes their gradients over them (pass no
-    tensor anything else reads later), ``chunk_rows`` rows at a time (0: all at once;
-    None: :data:`CONSUMING_CHUNK_ROWS`)."""
+    [H] or None -> [..., H]; keeps gate, up and the weight only. ``inputs_owned``: ``gate``
+    and ``up`` belong to this op's backward, which runs once (:mod:`dtree.ops.backward_once`)
+    and writes their gradients over them (pass no tensor anything else reads later),
+    ``chunk_rows`` rows at a time (0: all at once; None: :data:`CONSUMING_CHUNK_ROWS`), the
+    product over the down projection's input gradient. ``output_unused``: the caller drops the
+    output too (a checkpointed layer's re-run, :mod:`dtree.ops.rerun`): the same saved
+    tensors, a zero view returned, no matmul; it implies ``inputs_owned``."""
     if chunk_rows is not None and chunk_rows < 0:
         raise ValueError(f"swiglu_down: chunk_rows must be None or >= 0, got {chunk_rows}")
     if gate.shape != up.shape or weight.dim() != 2 or weight.shape[1] != gate.shape[-1]:
         raise ValueError(
             f"swiglu_down: gate {tuple(gate.shape)}, up {tuple(up.shape)} and weight {tuple(weight.shape)} do not match"
         )
-    return SwiGLUDownFunction.apply(gate, up, weight, bias, output_unused, chunk_rows)
+    return SwiGLUDownFunction.apply(gate, up, weight, bias, output_unused, chunk_rows, inputs_owned)
