@@ -7,7 +7,7 @@ baselines' steps) build their graphs and back-propagate each once, and mark that
 :func:`backward_once_scope`; outside it (a user's own forward through a model that keeps
 dtree's lean layers) ops keep their saved inputs intact.
 
-The lean SwiGLU MLP (:func:`dtree.models.lean_layers`) uses it: its ``gate`` and ``up``
+The lean SwiGLU MLP (:mod:`dtree.models.lean_layers`) uses it: its ``gate`` and ``up``
 come from one projection op and are read by the down projection's backward only, which then
 writes their gradients over them and the SiLU product over the down projection's input
 gradient (:func:`dtree.ops.swiglu.swiglu_down`'s ``inputs_owned``): one elementwise pass
