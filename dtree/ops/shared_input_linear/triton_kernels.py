@@ -32,7 +32,7 @@ from ..backends import triton_runs_on as runs_on
 from ..fast_launch import cdiv, fast_launch
 from ..weight_grads import GradOutput
 
-__all__ = ["column_sums", "row_splits", "runs_on"]
+__all__ = ["column_sums", "runs_on"]
 
 _INTERPRET = os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 _BLOCK_C = 32 if _INTERPRET else 128
@@ -105,7 +105,7 @@ def _column_sums_finish_kernel(
     _store_sums(dst, cols, cmask, total, add)
 
 
-def row_splits(m: int) -> tuple[int, int]:
+def _row_splits(m: int) -> tuple[int, int]:
     """(splits, rows per split) for ``m`` rows: about :data:`_ROWS_PER_PROGRAM` rows each, at
     most :data:`_MAX_SPLITS` splits, each a whole number of ``_BLOCK_R``-row tiles."""
     splits = max(1, min(_MAX_SPLITS, cdiv(m, _ROWS_PER_PROGRAM)))
@@ -144,7 +144,7 @@ def _launch(grads: list[torch.Tensor], sums: list[torch.Tensor], adds: list[bool
     blocks = sum(cdiv(n, _BLOCK_C) for n in widths)
     if not blocks:
         return
-    splits, rows = row_splits(m)
+    splits, rows = _row_splits(m)
     partial = torch.empty((splits, sum(widths)), dtype=torch.float32, device=grads[0].device) if splits > 1 else None
     warps = 1 if _INTERPRET else 4
     fast_launch(
