@@ -164,6 +164,7 @@ def callers(profiler: cProfile.Profile, name: str) -> list[str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_setup_arguments(p)
     p.add_argument("--steps", type=int, default=8, help="timed steps (fresh forests), then as many profiled")
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--callers", action="append", default=None, metavar="NAME",

@@ -82,6 +82,30 @@ def test_queue_depth_marks_each_group_on_cpu(tmp_path):
     assert "## synchronizations in one step" in report
 
 
+def test_host_profile_takes_the_workload_options_on_cpu(tmp_path):
+    """``benchmarks/host_profile.py --smoke --workload case1``: the shared setup options parse
+    (its parser once lacked them and refused every run) and the report names the workload."""
+    r = subprocess.run([sys.executable, "benchmarks/host_profile.py", "--smoke", "--workload", "case1", "--steps", "1",
+                        "--top", "5"], check=False, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = (tmp_path / "host_profile_case1.md").read_text()
+    assert report.startswith("# Host time of a dtree step: case1 (grpo), cpu"), report[:300]
+
+
+def test_host_speed_times_each_op_and_both_thread_arms_on_cpu(tmp_path):
+    """``benchmarks/host_speed.py --smoke``: a row per op with a positive cost, both thread arms
+    stepped on every forest, and their paired ratio."""
+    r = subprocess.run([sys.executable, "benchmarks/host_speed.py", "--smoke", "--forests", "2", "--rounds", "1"],
+                       check=False, cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "OUT": str(tmp_path)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    report = (tmp_path / "host_speed_case1.md").read_text()
+    ops = [line for line in report.splitlines() if line.startswith("| ") and line.count("|") == 3 and "us |" not in line]
+    assert len(ops) == 6 and all(float(line.split("|")[2]) > 0 for line in ops), ops
+    assert "| 1 intra-op thread |" in report and "intra-op threads (default) |" in report, report
+    assert "Paired ratio (one thread / default), median: **" in report
+
+
 def test_head_chunk_cost_times_every_policy_chunk_on_cpu(tmp_path):
     """``benchmarks/head_chunk_cost.py --smoke``: a row per (rows, chunk) of the policy's chunks
     and the fitted penalties beside the policy's."""
