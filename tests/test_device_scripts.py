@@ -11,7 +11,8 @@
 ``benchmarks/session_ac_gpu.sh``, ``benchmarks/session_ad_gpu.sh``, ``benchmarks/session_ae_gpu.sh``,
 ``benchmarks/session_af_gpu.sh``, ``benchmarks/session_ag_gpu.sh``, ``benchmarks/session_ah_gpu.sh``,
 ``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, ``benchmarks/session_ak_gpu.sh``,
-``benchmarks/session_al_gpu.sh``, ``benchmarks/session_am_gpu.sh``, ``benchmarks/session_an_gpu.sh``, sharing
+``benchmarks/session_al_gpu.sh``, ``benchmarks/session_am_gpu.sh``, ``benchmarks/session_an_gpu.sh``,
+``benchmarks/session_ao_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -132,6 +133,9 @@ RUNS = [
     ("session_am_gpu.sh", {"PART": "host_ab"}, ()),
     ("session_an_gpu.sh", {"PART": "check"}, ()),  # kernel_origins counts CPU ops on a CPU: plumbing only
     ("session_an_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
+    ("session_ao_gpu.sh", {"PART": "diag"}, ()),  # gpu_gaps has no kernels to profile on a CPU: plumbing only
+    ("session_ao_gpu.sh", {"PART": "depth"}, (".",)),
+    ("session_ao_gpu.sh", {"PART": "speed"}, (".",)),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -142,7 +146,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_an_gpu.sh", "check")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_ao_gpu.sh", "speed")}
 SAMPLED = 2
 
 
