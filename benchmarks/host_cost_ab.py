@@ -9,6 +9,9 @@
   interface at every call (``no_flash4_replay``; the same as the default where flash-attn-4
   is absent);
 
+* the launch keys read by code generated per call site (``fast_launch._reader``) instead of
+  the reference binding (``reference_keys``: ``_KernelTable.read_reference`` at every launch);
+
 and one candidate, not a default: Python's garbage collector paused for the step
 (``gc_paused``: does a collection inside a host-bound step explain its outliers?).
 
@@ -19,7 +22,7 @@ Parts:
 * per step: the default and each change turned off, timed INTERLEAVED: every round runs
   one step of each variant on the round's fresh forest, in an order that rotates; grpo
   case 1, the 64k agentic tree with the default plan, at the mask's memory
-  (``memory=14.5``) and ``memory="low"``, and the 64k tree in 4,096-token calls with
+  (``memory=14.5`` with HF's layers, ``memory=12.5`` with the lean ones) and ``memory="low"``, and the 64k tree in 4,096-token calls with
   nothing checkpointed (the host-bound plan of session F). Reported: median
   wall, main-thread and process CPU, and the median of the paired ratios (variant wall /
   default wall, so > 1 means the change helps).
@@ -57,6 +60,7 @@ CASES = {  # name: (workload, its parameters, runtime options)
     "case1": ("grpo", {"num_prompts": 1, "prompt_len": 2048, "group_size": 8, "answer_len": 512}, {}),
     "agentic64k": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {}),
     "agentic64k_14.5GiB": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {"memory": 14.5}),
+    "agentic64k_12.5GiB": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {"memory": 12.5}),
     "agentic64k_low": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536}, {"memory": "low"}),
     "agentic64k_4096_calls": ("agentic", {"num_trees": 1, "target_unique_tokens": 65536},
                               {"group_tokens": 4096, "checkpoint_layers": 0}),
@@ -67,7 +71,7 @@ SMOKE = {
                                         "turn_len": (4, 40), "target_unique_tokens": 400}, {"group_tokens": 128}),
 }
 ROUNDS = {"case1": 20}  # 4 elsewhere
-VARIANTS = ("default", "no_flash4_replay", "no_fast_launch", "hf_rotary", "gc_paused")
+VARIANTS = ("default", "no_flash4_replay", "no_fast_launch", "hf_rotary", "reference_keys", "gc_paused")
 
 
 def _flash4_replay():
@@ -83,7 +87,7 @@ def _flash4_replay():
 @contextlib.contextmanager
 def variant(name: str):
     """The default, one change turned off, or the candidate, for the block."""
-    saved = fl._ENABLED, lean_layers._rotary_module
+    saved = fl._ENABLED, lean_layers._rotary_module, fl._KernelTable.read
     replay = _flash4_replay() if name == "no_flash4_replay" else None
     replaying = replay is not None and replay.enabled
     if name == "gc_paused":
@@ -95,17 +99,20 @@ def variant(name: str):
         fl._ENABLED = False
     elif name == "hf_rotary":
         lean_layers._rotary_module = lambda attention: None
+    elif name == "reference_keys":
+        fl._KernelTable.read = fl._KernelTable.read_reference
     try:
         yield
     finally:
-        fl._ENABLED, lean_layers._rotary_module = saved
+        fl._ENABLED, lean_layers._rotary_module, fl._KernelTable.read = saved
         if replay is not None:
             replay.enabled = replaying
         gc.enable()
 
 
 def launch_host_us(launches: int = 3000) -> dict:
-    """Host microseconds per launch of one small Triton kernel, both ways."""
+    """Host microseconds per launch of one small Triton kernel: ``kernel[grid]``, ``fast_launch``,
+    and ``fast_launch`` keyed by the reference binding."""
     from dtree.ops.rms_norm import triton_kernels as rt
 
     x = torch.randn(1, 1536, device="cuda", dtype=torch.bfloat16)
@@ -113,20 +120,31 @@ def launch_host_us(launches: int = 3000) -> dict:
     args = (x, w, y, r, x.stride(0), y.stride(0), 1536, 1e-6)
     meta = {"BLOCK_N": 2048, "num_warps": rt._warps(2048)}
     out = {}
+
+    def fast():
+        fl.fast_launch(rt._rms_norm_fwd_kernel, (1,), *args, **meta)
+
     for name, launch in (("kernel[grid]", lambda: rt._rms_norm_fwd_kernel[(1,)](*args, **meta)),
-                         ("fast_launch", lambda: fl.fast_launch(rt._rms_norm_fwd_kernel, (1,), *args, **meta))):
-        for _ in range(50):
-            launch()
-        samples = []
-        for _ in range(5):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for _ in range(launches // 5):
-                launch()
-            torch.cuda.synchronize()
-            samples.append(1e6 * (time.perf_counter() - t0) / (launches // 5))
-        out[name] = statistics.median(samples)
+                         ("fast_launch", fast), ("fast_launch, reference keys", fast)):
+        ways = contextlib.nullcontext() if name != "fast_launch, reference keys" else variant("reference_keys")
+        with ways:
+            out[name] = _per_launch_us(launch, launches)
     return out
+
+
+def _per_launch_us(launch, launches: int) -> float:
+    """Median host microseconds of ``launch()`` over five batches (after 50 warm-up calls)."""
+    for _ in range(50):
+        launch()
+    samples = []
+    for _ in range(5):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(launches // 5):
+            launch()
+        torch.cuda.synchronize()
+        samples.append(1e6 * (time.perf_counter() - t0) / (launches // 5))
+    return statistics.median(samples)
 
 
 def interleaved(model, device, spec, case, rounds: int, variants: tuple[str, ...] = VARIANTS) -> dict:

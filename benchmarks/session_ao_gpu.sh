@@ -12,12 +12,25 @@
 #   PART=speed  this host's cost per call of a view, an allocation, a launch (benchmarks/host_speed.py), and case 1's
 #               steps with torch's default intra-op threads against one, alternating on fresh forests;
 #
+# Then one change: dtree's Triton launches read their argument classes through code generated once per call site
+# (dtree.ops.fast_launch._reader) instead of binding every argument and classing it in a Python call each (the
+# reference, still there):
+#
+#   PART=check  the GPU tests (pytest -m gpu) of the Triton kernels launched through fast_launch, the lean layers and
+#               whole steps; benchmarks/host_cost_ab.py with the reference keys against the generated readers, per
+#               launch and per step, interleaved on fresh forests: case 1, the 64k tree at the mask's memory and low;
+#   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the
+#               default (bench_cases.sh's vs_mask64k); then GRPO case 1: dtree, tree-mask:whole+ckpt, linearized.
+#
 #     PART=diag bash benchmarks/session_ao_gpu.sh              # reports in $OUT (default /tmp/dtree_session_ao)
 #     SMOKE=1 PART=speed bash benchmarks/session_ao_gpu.sh     # the tiny model on the CPU: plumbing only
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_ao}
-source benchmarks/bench_cases.sh  # script, SMOKE_FLAG
+source benchmarks/bench_cases.sh  # script, bench, gpu_tests, vs_mask64k, CASE1, SMOKE_FLAG
+TOUCHED="tests/test_fast_launch.py tests/test_rms_norm.py tests/test_swiglu.py tests/test_rotary.py tests/test_stack_ops_triton.py
+ tests/test_shared_input_linear.py tests/test_logprobs_triton.py tests/test_lean_layers.py tests/test_runtime_gpu.py
+ tests/test_masked_call.py"
 
 sampled_case1() {  # sampled_case1 TAG: case 1's host time under py-spy (the sampled script's plumbing alone on CI)
   if [ -n "$SMOKE_FLAG" ]; then
@@ -48,6 +61,17 @@ case "${PART:-diag}" in
     script host_speed 300 --workload case1 --forests 8 --rounds 2
     cat "$OUT/host_speed.log" | tail -25
     ;;
-  *) echo "PART must be diag, depth or speed"; exit 2 ;;
+  check)
+    gpu_tests gpu_tests.txt 240 "" $TOUCHED -rfE
+    cases=case1,agentic64k_12.5GiB,agentic64k_low
+    [ -n "$SMOKE_FLAG" ] && cases=case1
+    timeout 300 python benchmarks/host_cost_ab.py $SMOKE_FLAG --cases $cases --variants reference_keys --rounds 8 \
+      --out "$OUT" 2>&1 | tail -4
+    ;;
+  steps)
+    vs_mask64k
+    bench case1 200 $CASE1 --steps ${CASE1_STEPS:-10} --configs "dtree,tree-mask:whole+ckpt,linearized"
+    ;;
+  *) echo "PART must be diag, depth, speed, check or steps"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -136,6 +136,8 @@ RUNS = [
     ("session_ao_gpu.sh", {"PART": "diag"}, ()),  # gpu_gaps has no kernels to profile on a CPU: plumbing only
     ("session_ao_gpu.sh", {"PART": "depth"}, (".",)),
     ("session_ao_gpu.sh", {"PART": "speed"}, (".",)),
+    ("session_ao_gpu.sh", {"PART": "check"}, (".",)),
+    ("session_ao_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -146,7 +148,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_ao_gpu.sh", "speed")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_ao_gpu.sh", "check")}
 SAMPLED = 2
 
 

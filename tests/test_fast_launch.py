@@ -53,7 +53,9 @@ def _vary(kernel, args: tuple, kwargs: dict, rng: np.random.Generator) -> tuple[
 
 def _classes_are_sound(calls, variants: int = 40) -> int:
     """For every recorded launch and ``variants`` variations of it: launches of one fast
-    class have one Triton specialization. Returns the number of classes seen."""
+    class have one Triton specialization, and the table's generated reader gives the
+    reference binding and key (:meth:`_KernelTable.bind`, :meth:`_KernelTable.key`).
+    Returns the number of classes seen."""
     rng = np.random.default_rng(0)
     seen: dict[tuple, str] = {}
     for kernel, args, kwargs in calls:
@@ -61,6 +63,7 @@ def _classes_are_sound(calls, variants: int = 40) -> int:
         for i in range(variants + 1):
             a, kw = (args, kwargs) if i == 0 else _vary(kernel, args, kwargs, rng)
             values, options = table.bind(a, kw)
+            assert table.read(a, kw, 0) == (values, table.key(values, options, 0)), kernel.fn.__name__
             fast = (kernel.fn.__name__, options, tuple(map(fl.argument_class, values, table.constexpr)))
             _, spec, _ = _binder(kernel)(*a, **kw)
             triton_key = repr(spec)
@@ -150,6 +153,60 @@ def test_bind_orders_parameters_and_separates_options():
     assert values == [*range(11), 11, 8, True]  # BLOCK_N before NEED_DW, as declared
     assert options == (("num_warps", 4),)
     assert table.bind(args, {"BLOCK_N": 8}) is None  # a missing parameter goes to Triton, which raises
+
+
+class _Signature:
+    """What :class:`fl._KernelTable` reads of a jitted function: parameters a..e (``e``
+    constexpr, ``d`` and ``e`` with defaults)."""
+
+    def __init__(self):
+        import inspect
+
+        kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+        params = [inspect.Parameter(n, kind) for n in "abc"]
+        params += [inspect.Parameter("d", kind, default=7), inspect.Parameter("e", kind, default=64)]
+        self.signature = inspect.Signature(params)
+        self.constexprs = [4]
+        self.fn = _Signature
+
+
+_VALUES = [1, 2, 16, 48, -16, 2**31 - 1, 2**31, 2**63 - 1, 2**63, 2**64 + 16, True, False, 0.5, None, "x"]
+
+
+def test_a_reader_gives_the_reference_binding_and_key_for_every_value():
+    """Every way of passing the arguments (positional, keywords in either order, defaults, launch
+    options), every kind of value (tensors aligned or not, of two dtypes and a subclass, ints across
+    Triton's classes, bools, floats, None), and values of another type than the reader's first
+    launch (the reference answers): always the reference's values and key."""
+    table = fl._KernelTable(_Signature())
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    tensors = [buf, buf[1:], buf[8:], buf.float(), torch.nn.Parameter(buf.clone())]
+    rng = np.random.default_rng(0)
+    pool = tensors + _VALUES
+    for _ in range(600):
+        a, b, c = (pool[int(i)] for i in rng.integers(0, len(pool), 3))
+        extra = {"num_warps": 4} if rng.integers(0, 2) else {}
+        for args, kwargs in [((a, b, c), extra), ((a,), {"c": c, "b": b, **extra}), ((a, b), {"c": c, "d": b}),
+                             ((a, b, c, a), {"e": int(rng.integers(0, 3)), **extra})]:
+            values, options = table.bind(args, kwargs)
+            assert table.read(args, kwargs, 1) == (values, table.key(values, options, 1)), (args, kwargs)
+    assert 1 <= len(table.readers) <= 8  # one per way of passing, whatever the values' types
+    assert table.read((buf,), {}, 0) is None and table.bind((buf,), {}) is None  # b and c missing: Triton raises
+
+
+def test_keys_tell_apart_what_argument_classes_tell_apart():
+    """The flattened key of a launch is as fine as the tuple of :func:`fl.argument_class`:
+    two launches share a key exactly where they share every argument's class."""
+    table = fl._KernelTable(_Signature())
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    pool = [buf, buf[1:], buf[8:], buf.float(), *_VALUES]
+    by_key: dict[tuple, tuple] = {}
+    for a in pool:
+        for b in pool:
+            values, options = table.bind((a, b, 3), {"e": 32})
+            classes = (options, tuple(map(fl.argument_class, values, table.constexpr)))
+            assert by_key.setdefault(table.key(values, options, 0), classes) == classes
+    assert len(by_key) == len({v for v in by_key.values()})
 
 
 def test_falls_back_to_triton_without_a_jit_function_or_a_gpu():

@@ -23,12 +23,21 @@ kernel Triton would have picked. The reference is ``kernel[grid]`` itself: every
 launch of a class goes through it (compiling if needed) and its compiled kernel is the
 one kept; so do launches with a callable grid, under the interpreter, with Triton's
 launch hooks installed (proton), or with ``DTREE_FAST_LAUNCH=0`` in the environment.
+
+The class itself is computed two ways. :meth:`_KernelTable.bind` with :func:`argument_class`
+per value is the reference (~10 us for a 26-argument launch on a desktop CPU, ~3x that
+on the GPU machines' hosts, where GRPO case 1's steps are host-bound: ``PERF_NOTES.md``,
+session AO). For each way a call site passes its arguments (how many positionally, which
+keywords in which order) a reader is generated once (:func:`_reader`): straight-line code
+that reads the same values and builds the same key, guarded by each value's type at its
+first launch (a launch of other types takes the reference): ~2.5 us.
 """
 
 from __future__ import annotations
 
 import inspect
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,18 +47,53 @@ _MAX_CLASSES = 4096  # per kernel: beyond this the table restarts (values of non
 
 
 class _KernelTable:
-    """One jitted function's parameter layout and its compiled kernel per argument class."""
+    """One jitted function's parameter layout, its compiled kernel per argument class and
+    its readers (one per way of passing the arguments; None where :meth:`bind` fails)."""
 
-    __slots__ = ("compiled", "constexpr", "defaults", "hits", "names", "positions")
+    __slots__ = ("compiled", "constexpr", "defaults", "hits", "name", "names", "positions", "readers")
 
     def __init__(self, kernel) -> None:
         params = list(kernel.signature.parameters.values())
+        self.name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")
         self.names = tuple(p.name for p in params)
         self.positions = {name: i for i, name in enumerate(self.names)}
         self.constexpr = tuple(i in set(kernel.constexprs) for i in range(len(params)))
         self.defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty}
         self.compiled: dict[tuple, Any] = {}
+        self.readers: dict[tuple, Callable | None] = {}
         self.hits = 0
+
+    def read(self, args: tuple, kwargs: dict, device: int) -> tuple[list, tuple] | None:
+        """:meth:`read_reference`'s answer, through the generated reader of this way of
+        passing the arguments (the reference where a value's type differs from the reader's
+        first launch)."""
+        way = (len(args), tuple(kwargs))
+        reader = self.readers.get(way, _UNSET)
+        if reader is _UNSET:
+            bound = self.bind(args, kwargs)
+            reader = self.readers[way] = None if bound is None else _reader(self, way, bound[0])
+        got = reader(args, kwargs, device) if reader is not None else None
+        return got if got is not None else self.read_reference(args, kwargs, device)
+
+    def read_reference(self, args: tuple, kwargs: dict, device: int) -> tuple[list, tuple] | None:
+        """(the parameters' values in declaration order, the launch's key on ``device``) from
+        :meth:`bind` and :meth:`key`; None where :meth:`bind` is (Triton's own call raises)."""
+        bound = self.bind(args, kwargs)
+        if bound is None:
+            return None
+        return bound[0], self.key(bound[0], bound[1], device)
+
+    def key(self, values: list, options: tuple, device: int) -> tuple:
+        """The reference key of a launch: the device, the options, then every value's
+        :func:`argument_class`, flattened (each class's first item says how many follow)."""
+        key = [device, options]
+        for value, constexpr in zip(values, self.constexpr):
+            cls = argument_class(value, constexpr)
+            if type(cls) is tuple:
+                key.extend(cls)
+            else:
+                key.append(cls)
+        return tuple(key)
 
     def bind(self, args: tuple, kwargs: dict) -> tuple[list, tuple] | None:
         """(every parameter's value in declaration order, the launch options), or None
@@ -78,6 +122,48 @@ def argument_class(value: Any, constexpr: bool = False) -> Any:
     if kind is float:
         return float
     return (kind, value)
+
+
+_UNSET = object()
+_INT_BOUNDS = (-(2**31), 2**31, -(2**63), 2**63)
+
+
+def _reader(table: _KernelTable, way: tuple[int, tuple], values: list) -> Callable:
+    """Generated code for one way of passing ``table``'s arguments (``way``: the number
+    passed positionally, the keywords in call order): ``read(args, kwargs, device)`` ->
+    (values, key) equal to :meth:`_KernelTable.bind` and :meth:`_KernelTable.key`'s, or
+    None when a non-constexpr value's type differs from ``values``' (the first launch's)."""
+    count, keywords = way
+    sources = [f"args[{i}]" if i < count else f"kwargs[{n!r}]" if n in keywords else f"_defaults[{n!r}]"
+               for i, n in enumerate(table.names)]
+    env: dict[str, Any] = {"_defaults": table.defaults, "_int": int, "_float": float}
+    guards, items = [], []
+    lo32, hi32, lo64, hi64 = _INT_BOUNDS
+    for i, (value, constexpr) in enumerate(zip(values, table.constexpr)):
+        env[f"_t{i}"] = kind = type(value)
+        v = f"v{i}"
+        if constexpr:  # argument_class(value, constexpr=True)
+            items.append(f"type({v}), {v}")
+            continue
+        guards.append(f"type({v}) is _t{i}")
+        if isinstance(value, torch.Tensor):
+            items.append(f"{v}.dtype, {v}.data_ptr() % 16 == 0")
+        elif kind is int:
+            items.append(f"_int, {v} == 1, {v} % 16 == 0, {lo32} <= {v} < {hi32}, {lo64} <= {v} < {hi64}")
+        elif kind is float:
+            items.append("_float")
+        else:
+            items.append(f"_t{i}, {v}")
+    options = "".join(f"({k!r}, kwargs[{k!r}]), " for k in keywords if k not in table.positions)
+    names = "".join(f"v{i}, " for i in range(len(sources)))
+    bound = "".join(f", {name}={name}" for name in env)  # the environment as defaults: local, not global, loads
+    lines = [f"def read_{table.name}(args, kwargs, device{bound}):",
+             f"    ({names}) = ({''.join(s + ', ' for s in sources)})",
+             f"    if not ({' and '.join(guards) or 'True'}):",
+             "        return None",
+             f"    return [{names}], (device, ({options}), {''.join(item + ', ' for item in items)})"]
+    exec("\n".join(lines), env)  # noqa: S102 - code built above from the table's own parameter names
+    return env[f"read_{table.name}"]
 
 
 _TABLES: dict[int, tuple[Any, _KernelTable]] = {}
@@ -128,13 +214,12 @@ def fast_launch(kernel, grid: tuple, *args, **kwargs) -> None:
         _RUNTIME_KNOBS.extend((knobs.runtime, torch.cuda.is_available()))
     runtime, cuda = _RUNTIME_KNOBS
     table = _table(kernel) if _ENABLED and cuda and type(grid) is tuple else None
-    bound = table.bind(args, kwargs) if table is not None else None
-    if bound is None or _hooks_installed(runtime):
+    device = torch.cuda.current_device() if table is not None else None
+    read = table.read(args, kwargs, device) if table is not None else None
+    if read is None or _hooks_installed(runtime):
         kernel[grid](*args, **kwargs)
         return
-    values, options = bound
-    device = torch.cuda.current_device()
-    key = (device, options, tuple(map(argument_class, values, table.constexpr)))
+    values, key = read
     compiled = table.compiled.get(key)
     if compiled is None:
         compiled = kernel[grid](*args, **kwargs)
