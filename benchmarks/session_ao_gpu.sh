@@ -22,6 +22,10 @@
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the
 #               default (bench_cases.sh's vs_mask64k); then GRPO case 1: dtree, tree-mask:whole+ckpt, linearized.
 #
+#   PART=first  case 1's first run over each fresh forest against a second over the same forest object, a deep copy
+#               and a run after empty_cache() (benchmarks/first_encounter.py): dtree bench meets every forest once and
+#               ran case 1 at 0.155 s where host_cost_ab.py, which steps each forest twice, ran it at 0.131 s.
+#
 #     PART=diag bash benchmarks/session_ao_gpu.sh              # reports in $OUT (default /tmp/dtree_session_ao)
 #     SMOKE=1 PART=speed bash benchmarks/session_ao_gpu.sh     # the tiny model on the CPU: plumbing only
 set -uo pipefail
@@ -72,6 +76,10 @@ case "${PART:-diag}" in
     vs_mask64k
     bench case1 200 $CASE1 --steps ${CASE1_STEPS:-10} --configs "dtree,tree-mask:whole+ckpt,linearized"
     ;;
-  *) echo "PART must be diag, depth, speed, check or steps"; exit 2 ;;
+  first)
+    script first_encounter 300 --workload case1 --forests 6
+    tail -n 40 "$OUT/first_encounter.log"
+    ;;
+  *) echo "PART must be diag, depth, speed, check, steps or first"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
