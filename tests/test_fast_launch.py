@@ -191,6 +191,9 @@ def test_a_reader_gives_the_reference_binding_and_key_for_every_value():
             values, options = table.bind(args, kwargs)
             assert table.read(args, kwargs, 1) == (values, table.key(values, options, 1)), (args, kwargs)
     assert 1 <= len(table.readers) <= 8  # one per way of passing, whatever the values' types
+    anonymous = _Signature()
+    anonymous.fn = type("F", (), {"__name__": "<lambda>"})  # not an identifier: the reader gets another name
+    assert fl._KernelTable(anonymous).read((buf, 1, 2.0), {}, 0)[0] == [buf, 1, 2.0, 7, 64]
     assert table.read((buf,), {}, 0) is None and table.bind((buf,), {}) is None  # b and c missing: Triton raises
 
 

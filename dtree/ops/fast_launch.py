@@ -54,7 +54,8 @@ class _KernelTable:
 
     def __init__(self, kernel) -> None:
         params = list(kernel.signature.parameters.values())
-        self.name = getattr(getattr(kernel, "fn", None), "__name__", "kernel")
+        name = getattr(getattr(kernel, "fn", None), "__name__", "")
+        self.name = name if name.isidentifier() else "kernel"  # it names the generated reader
         self.names = tuple(p.name for p in params)
         self.positions = {name: i for i, name in enumerate(self.names)}
         self.constexpr = tuple(i in set(kernel.constexprs) for i in range(len(params)))
