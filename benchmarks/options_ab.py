@@ -23,6 +23,9 @@ An arm's ``blas=cublas|cublaslt`` is not a runtime option but the process's BLAS
 steps (``torch.backends.cuda.preferred_blas_library``, set before each of them; CUDA only); an arm
 that names none runs the process's own. Likewise ``packing=frontier_order|first_fit_decreasing|fewest``:
 how the schedule packs sibling units into calls (``dtree.plan.unit_bins.PACK``; ``fewest`` is dtree's).
+And ``head=keep|recompute``: whether the LM head keeps a one-chunk call's logits for its backward
+where the walk says the backward follows (``keep``, dtree's) or recomputes them there as before
+session AP (``recompute``: every ``keep_logits`` the loss asks for turned off).
 ``--kernels``: after the rounds, one profiled step per arm on a fresh forest: its launches, the
 CUDA memsets among them, its kernels' busy time and the host time before its first kernel.
 
@@ -45,6 +48,7 @@ from benchmarks.host_profile import add_setup_arguments, kernel_busy, script_par
 from dtree.bench.configs import parse_assignments
 from dtree.bench.measure import emit_report, host_timed_step
 from dtree.bench.report import environment
+from dtree.losses import token_loss
 from dtree.plan import unit_bins
 
 GIB = 2.0**30
@@ -52,7 +56,8 @@ PLAN_KEYS = ("group_tokens", "checkpoint_layers", "path_checkpoint_layers", "kee
              "offload_checkpoints", "logprob_chunk", "predicted_total_gib")
 
 
-PROCESS_SETTINGS = ("blas", "packing")  # arm keys that set the process up for the arm's steps (not runtime options)
+PROCESS_SETTINGS = ("blas", "packing", "head")  # arm keys that set the process up for the arm's steps (not runtime options)
+HEADS = ("keep", "recompute")
 _DEFAULTS: dict = {}  # the process's own settings, for arms that name none
 
 
@@ -75,9 +80,22 @@ def enter_arm(arm: dict, device: torch.device) -> None:
     if packing is not None and packing not in unit_bins.PACKERS:
         raise SystemExit(f"--arm packing={packing}: one of {sorted(unit_bins.PACKERS)}")
     unit_bins.PACK = _DEFAULTS["packing"] if packing is None else unit_bins.PACKERS[packing]
+    _DEFAULTS.setdefault("head", token_loss.token_logprobs)
+    head = arm.get("head", "keep")
+    if head not in HEADS:
+        raise SystemExit(f"--arm head={head}: one of {HEADS}")
+    token_loss.token_logprobs = _DEFAULTS["head"] if head == "keep" else _recomputing(_DEFAULTS["head"])
     if device.type == "cuda":
         _DEFAULTS.setdefault("blas", torch.backends.cuda.preferred_blas_library())
         torch.backends.cuda.preferred_blas_library(arm.get("blas", _DEFAULTS["blas"]))
+
+
+def _recomputing(token_logprobs):
+    """``token_logprobs`` that never keeps the head's logits (``head=recompute``)."""
+    def recomputing(*args, **kwargs):
+        return token_logprobs(*args, **{**kwargs, "keep_logits": False})
+
+    return recomputing
 
 
 def timed(runtime, forest, loss, model, device, empty_cache: bool = False) -> dict:

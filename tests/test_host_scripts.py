@@ -185,6 +185,32 @@ def test_an_arm_that_names_no_blas_library_runs_the_processs_own():
         torch.backends.cuda.preferred_blas_library(own)
 
 
+def test_a_head_arm_recomputes_the_logits_and_the_next_arm_keeps_them_again():
+    """``options_ab.enter_arm``'s ``head=recompute``: the loss's head op is asked never to keep
+    its logits (a one-chunk call's backward then makes its product again), and an arm that names
+    no head runs dtree's own op again; a name outside keep/recompute stops the script."""
+    from benchmarks.options_ab import enter_arm, parse_arm
+    from dtree.losses import token_loss
+    from dtree.ops.logprobs import OutputHead
+
+    own = token_loss.token_logprobs
+    hidden = torch.randn(6, 8, requires_grad=True)
+    head = OutputHead(weight=torch.randn(11, 8, requires_grad=True))
+    labels = torch.randint(0, 11, (6,))
+    kept = []
+    try:
+        for arm in ("head=recompute", "memory=low", "head=keep"):
+            enter_arm(parse_arm(arm), torch.device("cpu"))
+            logp, _ = token_loss.token_logprobs(hidden, head, labels, 8, keep_logits=True)
+            kept.append(logp.grad_fn.logits is not None)  # the autograd node is the op's ctx
+        assert kept == [False, True, True]
+        assert token_loss.token_logprobs is own
+        with pytest.raises(SystemExit, match="head=fast"):
+            enter_arm(parse_arm("head=fast"), torch.device("cpu"))
+    finally:
+        token_loss.token_logprobs = own
+
+
 def test_every_workload_has_a_smoke_form_and_its_size():
     """``benchmarks/host_profile.py``'s workloads: each has a ``--smoke`` form, and the agentic
     trees' full forms hold about the unique tokens their names say."""

@@ -40,6 +40,7 @@ def _check(head, h, y, chunk, tol, **kw):
     """Values and gradients (w.r.t. hidden and every trainable tensor of the head) of
     the op against the reference, with random seeds on log-probs and entropies."""
     got = token_logprobs(h, head, y, chunk, **kw)
+    kw.pop("keep_logits", None)
     want = token_logprobs_reference(h, head, y, chunk, **kw)
     with_entropy = kw.get("with_entropy", False)
     assert (got[1] is None) == (want[1] is None) == (not with_entropy)
@@ -71,7 +72,10 @@ TRANSFORMS = [
 @pytest.mark.parametrize("n, chunk", [(1, 4), (13, 4), (13, 13), (50, 7), (0, 3)])
 @pytest.mark.parametrize("transform", range(len(TRANSFORMS)))
 @pytest.mark.parametrize("with_entropy", [False, True])
-def test_fused_matches_reference(n, chunk, transform, with_entropy):
+@pytest.mark.parametrize("keep_logits", [False, True])
+def test_fused_matches_reference(n, chunk, transform, with_entropy, keep_logits):
+    """(_check's later backward passes through the same graph recompute what the first one
+    found kept and overwrote.)"""
     bias = transform != 1
     kw = dict(TRANSFORMS[transform])
     temperature = kw.pop("temperature", 1.0)
@@ -79,7 +83,30 @@ def test_fused_matches_reference(n, chunk, transform, with_entropy):
     w = torch.randn(V, H, dtype=torch.float64, requires_grad=True)
     b = torch.randn(V, dtype=torch.float64, requires_grad=True) if bias else None
     head = OutputHead(weight=w, bias=b, **kw)
-    _check(head, h, y, chunk, 1e-10, temperature=temperature, with_entropy=with_entropy)
+    _check(head, h, y, chunk, 1e-10, temperature=temperature, with_entropy=with_entropy, keep_logits=keep_logits)
+
+
+@pytest.mark.parametrize("n, chunk", [(13, 13), (13, 4)])
+def test_kept_logits_are_the_recomputed_ones(monkeypatch, n, chunk):
+    """The torch op keeps a one-chunk forward's logits for its backward (no product there)
+    and gives the recomputing backward's gradients bit for bit."""
+    from dtree.ops.logprobs import interface
+
+    h, y = _inputs(n, torch.float32, seed=3)
+    w = torch.randn(V, H, requires_grad=True)
+    head = OutputHead(weight=w, bias=torch.randn(V, requires_grad=True), final_softcap=3.0)
+    products = []
+    linear = interface.F.linear
+    monkeypatch.setattr(interface.F, "linear", lambda *a: products.append(1) or linear(*a))
+    grads = []
+    for keep in (False, True):
+        logp, ent = token_logprobs(h, head, y, chunk, with_entropy=True, keep_logits=keep)
+        before = len(products)
+        grads.append(torch.autograd.grad((logp * 0.3).sum() + ent.sum(), [h, w, head.bias]))
+        backward_products = len(products) - before
+        assert backward_products == (0 if keep and n <= chunk else -(-n // chunk))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.parametrize("transform", range(len(TRANSFORMS)))

@@ -234,7 +234,7 @@ def _case_runtime_with_the_fused_head(mode: str, group_tokens):
     original = fh.token_logprobs_triton
 
     def spy(*args, **kwargs):
-        calls.append(kwargs.get("chunk_size"))
+        calls.append((kwargs.get("chunk_size"), kwargs.get("keep_logits")))
         return original(*args, **kwargs)
 
     predicate = ops_logprobs.fused_head_kernel
@@ -246,7 +246,11 @@ def _case_runtime_with_the_fused_head(mode: str, group_tokens):
         out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens, logprob_chunk=5)
     finally:
         ops_logprobs.fused_head_kernel, fh.token_logprobs_triton = predicate, original
-    assert calls and set(calls) == {5}
+    assert calls and {chunk for chunk, _ in calls} == {5}
+    # leaf calls and calls re-run in the backward keep a one-chunk head's logits; retained ones never
+    assert any(keep for _, keep in calls), calls
+    if mode == "auto":  # one segment per call: the retained groups' calls keep nothing
+        assert not all(keep for _, keep in calls), calls
     assert_exact(tree_model, ref_model, out, ref_loss)
 
 
@@ -338,6 +342,38 @@ def test_backward_slices_are_contiguous_and_bounded(monkeypatch, rows, chunk):
     starts = [(ptr - weight.data_ptr()) // (12 * weight.element_size()) for _, _, ptr in seen]
     assert starts == sorted(starts) and starts[0] == 0
     assert len(seen) == (1 if rows <= chunk else -(-1000 // fh.vocab_slice(rows, 1000, chunk)))
+
+
+@pytest.mark.parametrize("rows,chunk", [(40, 40), (23, 64), (63, 17)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_kept_logits_give_the_same_gradients_bit_for_bit(monkeypatch, rows, chunk, dtype):
+    """``keep_logits``: rows that fit one chunk keep the forward's logits, and the backward
+    makes no product of its own; every gradient is bit for bit the recomputing one's, a second
+    backward through the same graph (its kept logits overwritten by the first) recomputes and
+    agrees too; more rows than a chunk recompute as before."""
+    inputs = make_problem(rows, 12, 1000, dtype=dtype, seed=4)
+    kw = {**TRANSFORMS["all"], "chunk_size": chunk, "impl": "torch"}
+    want = run(fh.token_logprobs_triton, *inputs, kw, "both")
+    products = []
+    original = fh._logits_into
+    monkeypatch.setattr(fh, "_logits_into", lambda *a: products.append(a[0].shape) or original(*a))
+    logp, ent = fh.token_logprobs_triton(inputs[0], inputs[1], inputs[3], inputs[2], with_entropy=True,
+                                         keep_logits=True, **kw)
+    forward_products = len(products)
+    gen = torch.Generator().manual_seed(1)
+    g, ge = (torch.randn(logp.shape, generator=gen).to(logp) for _ in range(2))
+    total = (logp * g).sum() + (ent * ge).sum()
+    for attempt in range(2):
+        grads = torch.autograd.grad(total, inputs[:3], retain_graph=attempt == 0)
+        for name, a, b in zip(NAMES[2:], grads, want[2:]):
+            assert torch.equal(a, b), f"{name}, backward {attempt}"
+        recomputed = len(products) - forward_products
+        if rows <= chunk:
+            assert recomputed == attempt, f"backward {attempt}: {recomputed} products"
+        else:
+            assert recomputed >= 1
+        forward_products = len(products)
+    assert torch.equal(logp, want[0]) and torch.equal(ent, want[1])
 
 
 def test_empty_rows():
@@ -449,11 +485,13 @@ def test_gpu_float32_matches_float64():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("keep_logits", [False, True])
 @pytest.mark.parametrize("rows", [16384, 2000])
-def test_gpu_backward_peak(rows):
+def test_gpu_backward_peak(rows, keep_logits):
     """The allocator's peak over the op's forward and backward against what the memory
     policy plans for it (:func:`dtree.plan.memory_model.head_bytes`): qwen2.5-1.5b's head
-    in bf16 at 4,096-row chunks, 16k rows (the vocabulary in slices) and 2,000 (one)."""
+    in bf16 at 4,096-row chunks, 16k rows (the vocabulary in slices) and 2,000 (one; with
+    ``keep_logits`` the forward's buffer is the backward's)."""
     from types import SimpleNamespace
 
     from dtree.plan.memory_model import head_bytes
@@ -462,12 +500,25 @@ def test_gpu_backward_peak(rows):
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    logp, _ = fh.token_logprobs_triton(hidden, weight, labels, chunk_size=4096, impl="triton")
+    logp, _ = fh.token_logprobs_triton(hidden, weight, labels, chunk_size=4096, impl="triton", keep_logits=keep_logits)
     logp.sum().backward()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     planned = head_bytes(SimpleNamespace(vocab_size=151936, hidden_size=1536), 2, 4096, rows, fused=True)
     assert 0.85 * planned <= peak <= 1.02 * planned, f"peak {peak / 2**30:.3f} GiB, planned {planned / 2**30:.3f} GiB"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [4096, 700])
+def test_gpu_kept_logits_give_the_same_gradients_bit_for_bit(rows):
+    """bf16 on the GPU, qwen2.5-1.5b's head: the kept logits are the recomputed ones, so the
+    gradients are the same bits (one chunk; cuBLAS makes the same product both times)."""
+    inputs = make_problem(rows, 1536, 151936, dtype=torch.bfloat16, device="cuda", seed=5)
+    kw = {**TRANSFORMS["all"], "chunk_size": 4096, "impl": "triton"}
+    want = run(fh.token_logprobs_triton, *inputs, kw, "both")
+    got = run(fh.token_logprobs_triton, *inputs, {**kw, "keep_logits": True}, "both")
+    for name, a, b in zip(NAMES, got, want):
+        assert torch.equal(a, b), name
 
 
 @pytest.mark.gpu

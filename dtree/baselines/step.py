@@ -286,7 +286,7 @@ class MicroBatchTrainer:
                 terms = weighted_terms(
                     per_token, split.head_in, None, dev["labels"], dev["loss_pred"], dev["weights"],
                     dev["fields"], output_layer, self.logprob_chunk,
-                    temperature=loss.temperature, with_entropy=loss.needs_entropy,
+                    temperature=loss.temperature, with_entropy=loss.needs_entropy, keep_logits=True,
                 )
                 call_loss = terms.sum()
                 split.backward(call_loss)

@@ -184,9 +184,11 @@ class TreeWalk:
 
     # ------------------------------------------------------------------ training
     def _group_loss(
-        self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list
+        self, g: int, hidden: torch.Tensor, per_token: PerToken, term_log: list, backward_now: bool
     ) -> tuple[torch.Tensor, HeadSplit] | None:
-        """(group ``g``'s loss, the split its backward runs through), or None without loss terms."""
+        """(group ``g``'s loss, the split its backward runs through), or None without loss terms.
+        ``backward_now``: its backward runs right after (not after its descendants'): the LM
+        head may keep its logits until then."""
         terms, a = self.plan.terms, self.plan.arrays
         e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
         if e1 == e0:
@@ -196,17 +198,18 @@ class TreeWalk:
         weighted = weighted_terms(
             per_token.fn, split.head_in, None, a.labels[p0:p1], a.loss_pred[e0:e1], a.weights[e0:e1],
             {n: f[e0:e1] for n, f in a.fields.items()}, self.plan.head, self.plan.logprob_chunk,
-            temperature=per_token.temperature, with_entropy=per_token.with_entropy,
+            temperature=per_token.temperature, with_entropy=per_token.with_entropy, keep_logits=backward_now,
         )
         term_log.append((e0, weighted.detach()))
         return weighted.sum(), split
 
     def _run_group(
-        self, g: int, push: bool, rng_seed: int | None, per_token: PerToken, term_log: list, checkpoint: int
+        self, g: int, push: bool, rng_seed: int | None, per_token: PerToken, term_log: list, checkpoint: int,
+        backward_now: bool,
     ) -> _GroupState:
         with torch.enable_grad(), rng.seeded(rng_seed, self.plan.device):
             hidden = self.hidden(g, push=push, checkpoint=checkpoint)
-            with_loss = self._group_loss(g, hidden, per_token, term_log)
+            with_loss = self._group_loss(g, hidden, per_token, term_log, backward_now)
         if with_loss is not None:
             loss, split = with_loss
             return _GroupState(loss=loss, hidden=None, split=split)
@@ -226,8 +229,8 @@ class TreeWalk:
         total = torch.zeros((), dtype=compute_dtype(self.plan.dtype), device=self.plan.device)
         calls = live_tokens = peak = recomputed = 0
 
-        def run(g: int, push: bool, rng_seed: int | None, checkpoint: int) -> _GroupState:
-            state = self._run_group(g, push, rng_seed, per_token, term_log, checkpoint)
+        def run(g: int, push: bool, rng_seed: int | None, checkpoint: int, backward_now: bool) -> _GroupState:
+            state = self._run_group(g, push, rng_seed, per_token, term_log, checkpoint, backward_now)
             self._prepare_after(g)  # its kernels are queued: the next call's tables now, not at its first layer
             return state
 
@@ -240,15 +243,15 @@ class TreeWalk:
                     if group.is_leaf:  # once, with grad, and backward at once
                         if group.in_call_ancestors:  # its segments read each other through the stack
                             self.zero_grad(g)
-                        state = run(
-                            g, push=group.in_call_ancestors, rng_seed=rng_seed, checkpoint=self.plan.checkpoint_layers
-                        )
+                        state = run(g, push=group.in_call_ancestors, rng_seed=rng_seed,
+                                    checkpoint=self.plan.checkpoint_layers, backward_now=True)
                         peak = max(peak, live_tokens + group.num_tokens)
                         total = _finish_group(state, total)
                         self.release(g)
                     elif live_tokens + group.num_tokens <= self.plan.retain_budget:
                         self.zero_grad(g)
-                        live[g] = run(g, push=True, rng_seed=rng_seed, checkpoint=self.plan.path_checkpoint_layers)
+                        live[g] = run(g, push=True, rng_seed=rng_seed, checkpoint=self.plan.path_checkpoint_layers,
+                                      backward_now=False)
                         live_tokens += group.num_tokens
                         peak = max(peak, live_tokens)
                     else:
@@ -270,7 +273,7 @@ class TreeWalk:
                     # gradients: no push, no zeroing. The RNG seed replays the forward's dropout
                     # masks, so the graph is of those K/V.
                     seed = rng_seeds.pop(g)
-                    state = self._run_group(g, False, seed, per_token, term_log, self.plan.checkpoint_layers)
+                    state = self._run_group(g, False, seed, per_token, term_log, self.plan.checkpoint_layers, True)
                     peak = max(peak, live_tokens + group.num_tokens)
                 total = _finish_group(state, total)
                 self.release(g)

@@ -263,6 +263,7 @@ def weighted_terms(
     *,
     temperature: float = 1.0,
     with_entropy: bool = False,
+    keep_logits: bool = False,
 ) -> torch.Tensor:
     """Weighted loss terms of one model call, the same in dtree and its baselines.
 
@@ -278,12 +279,18 @@ def weighted_terms(
         temperature: log-probs (and entropies) of ``softmax(logits / temperature)``.
         with_entropy: pass ``fields["entropy"]`` [E], the differentiable entropy of each
             term's predictive distribution, computed in the same chunked LM-head pass.
+        keep_logits: the call's backward follows its loss at once (a leaf call, a call
+            re-run in the backward, a baseline's call): the LM head keeps its logits for it
+            where the rows fit one chunk (:func:`~dtree.ops.logprobs.token_logprobs`).
 
     Returns:
         [E] ``per_token(logp, fields) * weights``; their sum is the call's loss.
     """
     rows = hidden if pred_hidden_row is None else hidden[pred_hidden_row]
-    logp, ent = token_logprobs(rows, output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy)
+    logp, ent = token_logprobs(
+        rows, output_layer, labels, logprob_chunk, temperature=temperature, with_entropy=with_entropy,
+        keep_logits=keep_logits,
+    )
     logp = logp[loss_pred]
     if with_entropy:
         fields = {**fields, "entropy": ent[loss_pred]}

@@ -117,7 +117,8 @@ def _logits_into(out: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, 
 
 class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, tf: LogitTransform, with_entropy: bool, chunk: int, fused: bool):
+    def forward(ctx, hidden, weight, bias, labels, tf: LogitTransform, with_entropy: bool, chunk: int, fused: bool,
+                keep_logits: bool):
         n, v = hidden.shape[0], weight.shape[0]
         row_stats = _row_stats_triton if fused else _row_stats_torch
         cdt = compute_dtype(hidden.dtype)
@@ -132,6 +133,9 @@ class _FusedLogprobs(torch.autograd.Function):
             logp[a:b], norm[a:b] = lp, ls
             if with_entropy:
                 entropy[a:b] = ent
+        # one chunk: its buffer holds every row's logits, which the backward's one vocabulary
+        # slice (vocab_slice: the whole vocabulary) would recompute with the same matmul
+        ctx.logits = buf if keep_logits and n <= chunk else None
         del buf
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(hidden, weight, bias, labels, norm, entropy)
@@ -143,9 +147,10 @@ class _FusedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy=None):
         hidden, weight, bias, labels, norm, entropy = ctx.saved_tensors
+        kept, ctx.logits = ctx.logits, None  # overwritten in place below: a second backward recomputes
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if grad_logp is None and grad_entropy is None:
-            return None, None, None, None, None, None, None, None
+            return (None,) * 9
         dlogits = _dlogits_triton if ctx.fused else _dlogits_torch
         n, v = hidden.shape[0], weight.shape[0]
         cdt = norm.dtype
@@ -162,11 +167,14 @@ class _FusedLogprobs(torch.autograd.Function):
         ge = grad_entropy.to(cdt).contiguous() if grad_entropy is not None else None
         # every slice a contiguous [n, b - a] view of one buffer (a narrower last slice as a strided
         # view of a [n, width] buffer made its bf16 gradients 3x less accurate on an H200, session M)
-        buf = torch.empty(n * width, dtype=hidden.dtype, device=hidden.device)
+        buf = torch.empty(n * width, dtype=hidden.dtype, device=hidden.device) if kept is None else None
         for a in range(0, v, width):
             b = min(v, a + width)
             w = weight[a:b]
-            d = _logits_into(buf[: n * (b - a)].view(n, b - a), hidden, w, bias[a:b] if bias is not None else None)
+            if kept is None:
+                d = _logits_into(buf[: n * (b - a)].view(n, b - a), hidden, w, bias[a:b] if bias is not None else None)
+            else:  # width == v: the forward's logits, the same bits
+                d = kept
             dlogits(d, labels, norm, entropy, g, ge, ctx.tf, a)
             if need_w:
                 torch.mm(d.t(), hidden, out=grad_w[a:b])
@@ -177,12 +185,12 @@ class _FusedLogprobs(torch.autograd.Function):
                     _accumulate_mm(grad_h, d, w)
                 else:
                     torch.mm(d, w, out=grad_h)
-        del buf
+        del buf, kept, d
         if grad_h is not None:
             grad_h = grad_h.to(hidden.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None, None
 
 
 def vocab_slice(rows: int, vocab: int, chunk: int) -> int:
@@ -234,6 +242,7 @@ def token_logprobs_triton(
     with_entropy: bool = False,
     chunk_size: int = 4096,
     impl: str = "auto",
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs of ``labels`` (and the entropy) under ``softmax(transform(hidden @ weight.T + bias))``.
 
@@ -258,6 +267,12 @@ def token_logprobs_triton(
             float16/bfloat16/float32), ``"torch"`` (the same chunks and matmuls with the
             elementwise stages in torch), or ``"auto"``: triton where it runs, else torch
             (float64 inputs, CPU without the interpreter).
+        keep_logits: where every row fits one chunk (``N <= chunk_size``), keep the
+            forward's ``[N, V]`` logits for the backward instead of recomputing them (one
+            matmul of ``2 N H V`` FLOPs less; the same gradients bit for bit). The buffer
+            then lives until the backward has run, so pass True only where the backward
+            follows the loss at once (as a training call's does); the backward needs an
+            equal buffer at that point anyway.
 
     Returns:
         (logp [N], entropy [N] or None), float32 (float64 for float64 inputs), both
@@ -284,7 +299,8 @@ def token_logprobs_triton(
         empty = hidden.new_zeros(0, dtype=compute_dtype(hidden.dtype))
         return empty, (empty.clone() if with_entropy else None)
     out = _FusedLogprobs.apply(
-        hidden.contiguous(), weight, bias, labels.contiguous(), tf, bool(with_entropy), int(chunk_size), fused
+        hidden.contiguous(), weight, bias, labels.contiguous(), tf, bool(with_entropy), int(chunk_size), fused,
+        bool(keep_logits),
     )
     return (out[0], out[1]) if with_entropy else (out, None)
 

@@ -12,8 +12,9 @@ the logits then go through the head's transform and the sampling temperature::
 
 :func:`token_logprobs` runs that chunk by chunk: the forward keeps only each row's
 log-sum-exp (and entropy), and the backward recomputes a chunk's logits to form its
-gradient. Peak memory is O(chunk x vocab) instead of O(rows x vocab), which for a 152k
-vocabulary is the difference between 0.6 GB and tens of GB on a long tree. On the
+gradient (``keep_logits``: a call whose rows fit one chunk keeps them instead). Peak
+memory is O(chunk x vocab) instead of O(rows x vocab), which for a 152k vocabulary is
+the difference between 0.6 GB and tens of GB on a long tree. On the
 module path the backward re-runs the module on the chunk with grad and backpropagates
 through it (as reentrant ``torch.utils.checkpoint`` does), so the head's own trainable
 parameters (LoRA on ``lm_head``) get their gradients; random ops in the module (LoRA
@@ -116,7 +117,8 @@ def as_output_head(layer) -> OutputHead:
 
 
 def _forward_chunks(raw_logits, hidden, labels, transform: LogitTransform, chunk_size: int, with_entropy: bool):
-    """(logp [N], entropy [N] or None, lse [N]) in the compute dtype, chunk by chunk."""
+    """(logp [N], entropy [N] or None, lse [N], the last chunk's transformed logits [n, V]) in
+    the compute dtype, chunk by chunk."""
     n = hidden.shape[0]
     cdt = compute_dtype(hidden.dtype)
     logp = torch.empty(n, dtype=cdt, device=hidden.device)
@@ -132,7 +134,7 @@ def _forward_chunks(raw_logits, hidden, labels, transform: LogitTransform, chunk
         logp[a:b] = z.gather(-1, labels[a:b, None]).squeeze(-1) - lse[a:b]
         if ent is not None:
             ent[a:b] = lse[a:b] - torch.sub(z, lse[a:b, None]).exp_().mul_(z).sum(-1)
-    return logp, ent, lse
+    return logp, ent, lse, (z if n else None)
 
 
 def _dlogits(z, lse, ent, labels, g_lp, g_ent, transform: LogitTransform) -> torch.Tensor:
@@ -161,13 +163,16 @@ def _entropy_output(ctx, ent, like: torch.Tensor) -> torch.Tensor:
 
 
 class _FusedHeadLogprobs(torch.autograd.Function):
-    """The fused path: logits = hidden @ weight.T + bias, recomputed per chunk in backward."""
+    """The fused path: logits = hidden @ weight.T + bias, recomputed per chunk in backward
+    (``keep_logits`` and one chunk: the forward's, kept)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, transform: LogitTransform, chunk_size: int, with_entropy: bool):
-        logp, ent, lse = _forward_chunks(
+    def forward(ctx, hidden, weight, bias, labels, transform: LogitTransform, chunk_size: int, with_entropy: bool,
+                keep_logits: bool):
+        logp, ent, lse, last = _forward_chunks(
             lambda h: F.linear(h, weight, bias), hidden, labels, transform, chunk_size, with_entropy
         )
+        ctx.logits = last if keep_logits and hidden.shape[0] <= chunk_size else None
         ctx.save_for_backward(hidden, weight, bias, labels, lse, ent)
         ctx.transform, ctx.chunk_size = transform, chunk_size
         ctx.set_materialize_grads(False)
@@ -176,11 +181,12 @@ class _FusedHeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_lp, g_ent):
         hidden, weight, bias, labels, lse, ent = ctx.saved_tensors
+        kept, ctx.logits = ctx.logits, None
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         if ent is None:
             g_ent = None
         if (g_lp is None and g_ent is None) or not (need_h or need_w or need_b):
-            return None, None, None, None, None, None, None
+            return (None,) * 8
         n, cdt = hidden.shape[0], lse.dtype
         grad_h = torch.empty_like(hidden) if need_h else None
         # float32 accumulation across chunks
@@ -188,7 +194,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
         grad_b = torch.zeros(bias.shape, dtype=cdt, device=bias.device) if (need_b and bias is not None) else None
         for a in range(0, n, ctx.chunk_size):
             b = min(n, a + ctx.chunk_size)
-            z = ctx.transform.apply(F.linear(hidden[a:b], weight, bias).to(cdt))
+            z = kept if kept is not None else ctx.transform.apply(F.linear(hidden[a:b], weight, bias).to(cdt))
             dy = _dlogits(
                 z, lse[a:b], None if ent is None else ent[a:b], labels[a:b],
                 None if g_lp is None else g_lp[a:b].to(cdt), None if g_ent is None else g_ent[a:b].to(cdt),
@@ -205,7 +211,7 @@ class _FusedHeadLogprobs(torch.autograd.Function):
             grad_w = grad_w.to(weight.dtype)
         if grad_b is not None:
             grad_b = grad_b.to(bias.dtype)
-        return grad_h, grad_w, grad_b, None, None, None, None
+        return grad_h, grad_w, grad_b, None, None, None, None, None
 
 
 class _ModuleHeadLogprobs(torch.autograd.Function):
@@ -225,7 +231,7 @@ class _ModuleHeadLogprobs(torch.autograd.Function):
                 states.append(rng.capture(h.device))
             return module(h)
 
-        logp, ent, lse = _forward_chunks(raw_logits, hidden, labels, transform, chunk_size, with_entropy)
+        logp, ent, lse, _ = _forward_chunks(raw_logits, hidden, labels, transform, chunk_size, with_entropy)
         ctx.save_for_backward(hidden, labels, lse, ent)
         ctx.module, ctx.params, ctx.states = module, params, states
         ctx.transform, ctx.chunk_size = transform, chunk_size
@@ -296,6 +302,7 @@ def token_logprobs(
     temperature: float = 1.0,
     with_entropy: bool = False,
     impl: str = "auto",
+    keep_logits: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``log p(labels[i] | hidden[i])`` (and the entropy of each row's distribution),
     in chunks of ``chunk_size`` rows.
@@ -310,6 +317,10 @@ def token_logprobs(
         impl: ``"auto"`` (the fused Triton op where :func:`fused_head_kernel` says so,
             else the chunked torch op), ``"torch"``, or ``"triton"`` (fused heads only;
             CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        keep_logits: a fused head whose ``N`` rows fit one chunk keeps that chunk's logits
+            from the forward to the backward instead of recomputing them there (one
+            ``2 N H V``-FLOP matmul less, the same gradients bit for bit); True only where the
+            backward follows at once, since the ``[N, V]`` buffer lives until it runs.
 
     Returns:
         ``(logp [N], entropy [N] or None)``, float32 (float64 for float64 inputs), both
@@ -327,12 +338,15 @@ def token_logprobs(
         return token_logprobs_triton(
             hidden, head.weight, labels, head.bias, logit_scale=head.logit_scale, softcap=head.final_softcap,
             temperature=temperature, with_entropy=with_entropy, chunk_size=chunk_size, impl="triton",
+            keep_logits=keep_logits,
         )
     if hidden.shape[0] == 0:
         empty = hidden.new_zeros(0, dtype=compute_dtype(hidden.dtype))
         return empty, (empty.clone() if with_entropy else None)
     if head.fused:
-        logp, ent = _FusedHeadLogprobs.apply(hidden, head.weight, head.bias, labels, transform, chunk_size, with_entropy)
+        logp, ent = _FusedHeadLogprobs.apply(
+            hidden, head.weight, head.bias, labels, transform, chunk_size, with_entropy, keep_logits
+        )
     else:
         params = [p for p in head.module.parameters() if p.requires_grad]
         logp, ent = _ModuleHeadLogprobs.apply(hidden, labels, head.module, transform, chunk_size, with_entropy, *params)

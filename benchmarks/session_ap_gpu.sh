@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Session AP on one Hopper GPU (flash-attn-4 installed as in ../shared/tools/fa4_wheels.sh), in one device call each.
+# The change: a training call whose loss rows fit one LM-head chunk keeps the head's forward logits for its backward
+# (token_logprobs(keep_logits=True), asked for by the walk where the call's backward follows its loss at once: leaf
+# calls, calls re-run in the backward, the baselines' calls) instead of recomputing them there with a second
+# [rows, H] x [H, V] product: the same bits, one 2*rows*H*V-FLOP matmul less (GRPO case 1: 4,096 rows x 151,936 x 1536,
+# 1.9 TFLOP, ~2.4 ms of its ~110 ms of kernels).
+#
+#   PART=check  the GPU tests (pytest -m gpu) of the head op and of whole steps; then benchmarks/options_ab.py on GRPO
+#               case 1, head=keep against head=recompute interleaved on 20 fresh forests (each arm's kernels profiled);
+#   PART=ab64   the same on the 64k agentic tree (4 forests): the default plan kept / recomputed, and the default plan
+#               with 16,384-row head chunks (its calls' rows in one chunk, so kept); then memory=12.5 kept / recomputed;
+#   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the
+#               default (bench_cases.sh's vs_mask64k); then GRPO case 1: dtree, tree-mask:whole+ckpt, linearized.
+#
+#     PART=check bash benchmarks/session_ap_gpu.sh             # reports in $OUT (default /tmp/dtree_session_ap)
+#     SMOKE=1 PART=ab64 bash benchmarks/session_ap_gpu.sh      # the tiny model on the CPU: plumbing only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/dtree_session_ap}
+source benchmarks/bench_cases.sh  # script, bench, gpu_tests, vs_mask64k, CASE1, SMOKE_FLAG
+TOUCHED="tests/test_logprobs_triton.py tests/test_runtime_gpu.py tests/test_baselines.py tests/test_determinism.py tests/test_lean_layers.py"
+
+ab() {  # ab WORKLOAD ROUNDS TAG ARMS...: benchmarks/options_ab.py, its table printed
+  local workload=$1 rounds=$2 tag=$3
+  shift 3
+  local arms=()
+  for arm in "$@"; do arms+=(--arm "$arm"); done
+  [ -n "$SMOKE_FLAG" ] && rounds=2
+  OUT="$OUT" timeout 420 python benchmarks/options_ab.py $SMOKE_FLAG --workload "$workload" "${arms[@]}" \
+    --rounds "$rounds" --warmup 2 --tag "$tag" --kernels >"$OUT/options_ab_$tag.log" 2>&1
+  echo "options_ab $tag: exit $?"
+  grep -E "^\| [0-9]+ \|" "$OUT/options_ab_$tag.log" | cut -c1-240
+}
+
+case "${PART:-check}" in
+  check)
+    gpu_tests gpu_tests.txt 300 "" $TOUCHED -rfE
+    ab case1 20 case1 head=keep head=recompute
+    ;;
+  ab64)
+    ab agentic64k 4 agentic64k head=keep head=recompute logprob_chunk=16384
+    ab agentic64k 3 agentic64k_12.5GiB memory=12.5 memory=12.5,head=recompute
+    ;;
+  steps)
+    vs_mask64k
+    bench case1 200 $CASE1 --steps ${CASE1_STEPS:-10} --configs "dtree,tree-mask:whole+ckpt,linearized"
+    ;;
+  *) echo "PART must be check, ab64 or steps"; exit 2 ;;
+esac
+rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
