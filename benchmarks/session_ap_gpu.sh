@@ -13,6 +13,11 @@
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the
 #               default (bench_cases.sh's vs_mask64k); then GRPO case 1: dtree, tree-mask:whole+ckpt, linearized.
 #
+# Then where the host walks the model's modules in a step (session AO's profile of case 1 counted 9,616 module visits
+# and 339 parameter walks a step, ~6 ms of host time there, before and between kernels):
+#
+#   PART=walks  benchmarks/module_walks.py on GRPO case 1 and the 64k tree at memory=12.5: every walk's caller.
+#
 #     PART=check bash benchmarks/session_ap_gpu.sh             # reports in $OUT (default /tmp/dtree_session_ap)
 #     SMOKE=1 PART=ab64 bash benchmarks/session_ap_gpu.sh      # the tiny model on the CPU: plumbing only
 set -uo pipefail
@@ -46,6 +51,13 @@ case "${PART:-check}" in
     vs_mask64k
     bench case1 200 $CASE1 --steps ${CASE1_STEPS:-10} --configs "dtree,tree-mask:whole+ckpt,linearized"
     ;;
-  *) echo "PART must be check, ab64 or steps"; exit 2 ;;
+  walks)
+    script module_walks 200 --workload case1 --steps 3
+    cat "$OUT/module_walks.log" | head -40
+    OUT="$OUT" timeout 300 python benchmarks/module_walks.py $SMOKE_FLAG --workload agentic64k --opt memory=12.5 \
+      --steps 2 >"$OUT/module_walks_64k.log" 2>&1; echo "module_walks 64k: exit $?"
+    head -40 "$OUT/module_walks_64k.log"
+    ;;
+  *) echo "PART must be check, ab64, steps or walks"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json
