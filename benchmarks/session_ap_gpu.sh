@@ -18,6 +18,11 @@
 #
 #   PART=walks  benchmarks/module_walks.py on GRPO case 1 and the 64k tree at memory=12.5: every walk's caller.
 #
+# Then whether the 64k tree's default plan gains from one head chunk per call (its 3 calls have ~22k loss rows each, more
+# than PART=ab64's 16,384-row chunks: nothing was kept there):
+#
+#   PART=chunks the default against logprob_chunk=32768 kept and recomputed, interleaved on 3 fresh forests.
+#
 #     PART=check bash benchmarks/session_ap_gpu.sh             # reports in $OUT (default /tmp/dtree_session_ap)
 #     SMOKE=1 PART=ab64 bash benchmarks/session_ap_gpu.sh      # the tiny model on the CPU: plumbing only
 set -uo pipefail
@@ -58,6 +63,9 @@ case "${PART:-check}" in
       --steps 2 >"$OUT/module_walks_64k.log" 2>&1; echo "module_walks 64k: exit $?"
     head -40 "$OUT/module_walks_64k.log"
     ;;
-  *) echo "PART must be check, ab64, steps or walks"; exit 2 ;;
+  chunks)
+    ab agentic64k 3 agentic64k_chunks head=keep logprob_chunk=32768 logprob_chunk=32768,head=recompute
+    ;;
+  *) echo "PART must be check, ab64, steps, walks or chunks"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

@@ -142,6 +142,7 @@ RUNS = [
     ("session_ap_gpu.sh", {"PART": "ab64"}, ()),
     ("session_ap_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
     ("session_ap_gpu.sh", {"PART": "walks"}, ()),
+    ("session_ap_gpu.sh", {"PART": "chunks"}, ()),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
