@@ -118,7 +118,7 @@ def test_layer_kernel_classes_match_triton_specialization(monkeypatch):
     weight = torch.zeros(1000, 64, dtype=torch.bfloat16, requires_grad=True)
     hidden = torch.zeros(37, 64, dtype=torch.bfloat16, requires_grad=True)
     labels = torch.zeros(37, dtype=torch.int64)
-    logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels, lt.LogitTransform(), True, 32, True)
+    logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels, lt.LogitTransform(), True, 32, True, False)
     torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
     dq, dkv = torch.zeros(37, 1536, dtype=torch.bfloat16), torch.zeros(37, 256, dtype=torch.bfloat16)
     bt.column_sums([dq, dkv, dkv], [torch.bfloat16] * 3)  # one row split: the sums in one launch

@@ -137,7 +137,7 @@ def test_logprob_kernels_compile_once(monkeypatch, vocab):
     tf = lt.LogitTransform()
     for start, rows in [(0, 64), (1, 37), (3, 48), (17, 100)]:  # label slices at any offset, as the runtime's
         hidden = torch.zeros(rows, 64, dtype=torch.bfloat16, requires_grad=True)
-        logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels[start : start + rows], tf, True, 32, True)
+        logp, ent = fh._FusedLogprobs.apply(hidden, weight, None, labels[start : start + rows], tf, True, 32, True, False)
         torch.autograd.backward([logp, ent], [torch.zeros_like(logp), torch.zeros_like(ent)])
     keys = _keys(calls)
     assert set(keys) == {"_row_stats_kernel", "_dlogits_kernel"}
