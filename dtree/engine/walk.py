@@ -273,7 +273,8 @@ class TreeWalk:
                     # gradients: no push, no zeroing. The RNG seed replays the forward's dropout
                     # masks, so the graph is of those K/V.
                     seed = rng_seeds.pop(g)
-                    state = self._run_group(g, False, seed, per_token, term_log, self.plan.checkpoint_layers, True)
+                    state = self._run_group(g, False, seed, per_token, term_log, self.plan.checkpoint_layers,
+                                            backward_now=True)
                     peak = max(peak, live_tokens + group.num_tokens)
                 total = _finish_group(state, total)
                 self.release(g)

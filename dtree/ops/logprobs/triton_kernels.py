@@ -21,7 +21,8 @@ How (per chunk of ``chunk_size`` rows; ``[N, V]`` is never written):
   and ``1 - p`` of a peaked row loses it all (measured: 7e-6 at |z| ~ 100).
 * backward, per slice of ``[v0, v1)`` vocabulary columns for all rows (a ``[N, v1 - v0]``
   buffer no larger than the forward's ``[chunk, V]``): the slice's logits are recomputed
-  (cuBLAS) and :func:`_dlogits_kernel` turns them, in place, into ``dL/dx`` in the model
+  (cuBLAS; with ``keep_logits`` and every row in one chunk, the forward's are kept
+  instead) and :func:`_dlogits_kernel` turns them, in place, into ``dL/dx`` in the model
   dtype, for gradients arriving on ``logp`` and on ``entropy``; then
   ``dW[v0:v1] = dx.T @ hidden`` (one product over all rows: written once, no ``[V, H]``
   accumulator), ``db[v0:v1] = dx.sum(0)`` and ``dh += dx @ weight[v0:v1]`` (cuBLAS,
