@@ -9,7 +9,7 @@
 # dtree's lean layers, sessions Q on) and STEPS, and defines bench (one `dtree bench` run into
 # $OUT/DIR, its report rows printed), vs_mask64k, half256k and capped256k_origins (the comparisons against the mask and
 # the capped 256k step's kernels, as sessions AG and AH ran them), script (one benchmarks/*.py diagnostic, its log in $OUT), memory_profile (benchmarks/profile_memory.py on the 64k tree), gpu_tests
-# (a selection of the GPU tests into $OUT) and micro (one benchmarks/micro_batches.py run, likewise).
+# (a selection of the GPU tests into $OUT), ab (benchmarks/options_ab.py's arms interleaved) and micro (one benchmarks/micro_batches.py run, likewise).
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 mkdir -p "$OUT"
 BENCH="python -m dtree bench --model qwen2.5-1.5b"
@@ -66,6 +66,18 @@ gpu_tests() {  # gpu_tests FILE TIMEOUT KEYWORDS TESTS...: the GPU tests (-m gpu
   local file=$1 limit=$2 keywords=$3
   shift 3
   timeout "$limit" python -m pytest -q -p no:cacheprovider -m gpu "$@" -k "$keywords" 2>&1 | tee "$OUT/$file" | tail -3
+}
+
+ab() {  # ab WORKLOAD ROUNDS TAG ARMS...: benchmarks/options_ab.py (AB_LIMIT s, default 420), its table printed
+  local workload=$1 rounds=$2 tag=$3
+  shift 3
+  local arms=()
+  for arm in "$@"; do arms+=(--arm "$arm"); done
+  [ -n "$SMOKE_FLAG" ] && rounds=2
+  OUT="$OUT" timeout "${AB_LIMIT:-420}" python benchmarks/options_ab.py $SMOKE_FLAG --workload "$workload" "${arms[@]}" \
+    --rounds "$rounds" --warmup 2 --tag "$tag" --kernels >"$OUT/options_ab_$tag.log" 2>&1
+  echo "options_ab $tag: exit $?"
+  grep -E "^\| [0-9]+ \|" "$OUT/options_ab_$tag.log" | cut -c1-240
 }
 
 micro() {  # micro DIR TIMEOUT ARGS...: benchmarks/micro_batches.py, its report in $OUT/DIR, its table printed

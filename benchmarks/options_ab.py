@@ -53,7 +53,7 @@ from dtree.plan import unit_bins
 
 GIB = 2.0**30
 PLAN_KEYS = ("group_tokens", "checkpoint_layers", "path_checkpoint_layers", "keep_attention_outputs",
-             "offload_checkpoints", "logprob_chunk", "predicted_total_gib")
+             "offload_checkpoints", "logprob_chunk", "kept_head_rows", "predicted_total_gib")
 
 
 PROCESS_SETTINGS = ("blas", "packing", "head")  # arm keys that set the process up for the arm's steps (not runtime options)

@@ -28,20 +28,8 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/dtree_session_ap}
-source benchmarks/bench_cases.sh  # script, bench, gpu_tests, vs_mask64k, CASE1, SMOKE_FLAG
+source benchmarks/bench_cases.sh  # script, bench, gpu_tests, ab, vs_mask64k, CASE1, SMOKE_FLAG
 TOUCHED="tests/test_logprobs_triton.py tests/test_runtime_gpu.py tests/test_baselines.py tests/test_determinism.py tests/test_lean_layers.py"
-
-ab() {  # ab WORKLOAD ROUNDS TAG ARMS...: benchmarks/options_ab.py, its table printed
-  local workload=$1 rounds=$2 tag=$3
-  shift 3
-  local arms=()
-  for arm in "$@"; do arms+=(--arm "$arm"); done
-  [ -n "$SMOKE_FLAG" ] && rounds=2
-  OUT="$OUT" timeout 420 python benchmarks/options_ab.py $SMOKE_FLAG --workload "$workload" "${arms[@]}" \
-    --rounds "$rounds" --warmup 2 --tag "$tag" --kernels >"$OUT/options_ab_$tag.log" 2>&1
-  echo "options_ab $tag: exit $?"
-  grep -E "^\| [0-9]+ \|" "$OUT/options_ab_$tag.log" | cut -c1-240
-}
 
 case "${PART:-check}" in
   check)

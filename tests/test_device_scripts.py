@@ -12,7 +12,7 @@
 ``benchmarks/session_af_gpu.sh``, ``benchmarks/session_ag_gpu.sh``, ``benchmarks/session_ah_gpu.sh``,
 ``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, ``benchmarks/session_ak_gpu.sh``,
 ``benchmarks/session_al_gpu.sh``, ``benchmarks/session_am_gpu.sh``, ``benchmarks/session_an_gpu.sh``,
-``benchmarks/session_ao_gpu.sh``, ``benchmarks/session_ap_gpu.sh``, sharing
+``benchmarks/session_ao_gpu.sh``, ``benchmarks/session_ap_gpu.sh``, ``benchmarks/session_aq_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -143,6 +143,9 @@ RUNS = [
     ("session_ap_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
     ("session_ap_gpu.sh", {"PART": "walks"}, ()),
     ("session_ap_gpu.sh", {"PART": "chunks"}, ()),
+    ("session_aq_gpu.sh", {"PART": "check"}, ()),  # options_ab's own smoke runs
+    ("session_aq_gpu.sh", {"PART": "capped"}, ()),
+    ("session_aq_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -153,7 +156,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_ap_gpu.sh", "ab64")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_aq_gpu.sh", "check")}
 SAMPLED = 2
 
 

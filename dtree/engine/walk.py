@@ -188,16 +188,20 @@ class TreeWalk:
     ) -> tuple[torch.Tensor, HeadSplit] | None:
         """(group ``g``'s loss, the split its backward runs through), or None without loss terms.
         ``backward_now``: its backward runs right after (not after its descendants'): the LM
-        head may keep its logits until then."""
+        head may keep its logits until then, in one chunk of all its rows where the plan has
+        room for them (:mod:`dtree.plan.head_keep`)."""
         terms, a = self.plan.terms, self.plan.arrays
         e0, e1 = int(terms.loss_offsets[g]), int(terms.loss_offsets[g + 1])
         if e1 == e0:
             return None
         p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
+        chunk = self.plan.logprob_chunk
+        if backward_now and chunk < p1 - p0 <= self.plan.kept_head_rows:
+            chunk = p1 - p0
         split = HeadSplit(hidden, a.pred_hidden_row[p0:p1])
         weighted = weighted_terms(
             per_token.fn, split.head_in, None, a.labels[p0:p1], a.loss_pred[e0:e1], a.weights[e0:e1],
-            {n: f[e0:e1] for n, f in a.fields.items()}, self.plan.head, self.plan.logprob_chunk,
+            {n: f[e0:e1] for n, f in a.fields.items()}, self.plan.head, chunk,
             temperature=per_token.temperature, with_entropy=per_token.with_entropy, keep_logits=backward_now,
         )
         term_log.append((e0, weighted.detach()))

@@ -188,6 +188,7 @@ class MemoryPlan:
     step_grad_bytes: float = 0.0  # the gradients the step allocates (alive from its first backward on)
     grad_guard: bool | str = True  # where the step keeps param.grad's old values (dtree.engine.grad_guard)
     offload_checkpoints: bool = False  # checkpointed layers' inputs wait on the host (dtree.models.host_checkpoints)
+    kept_head_rows: int = 0  # calls of at most these loss rows keep their head's logits (dtree.plan.head_keep)
 
     def retain_tokens(self) -> float:
         """Tokens whose graphs fit in ``retain_bytes``."""
@@ -224,6 +225,7 @@ class MemoryPlan:
                 "recompute" if self.path_checkpoint_layers == RECOMPUTE else self.path_checkpoint_layers
             ),
             "logprob_chunk": self.logprob_chunk,
+            "kept_head_rows": self.kept_head_rows,
             "keep_attention_outputs": self.keep_attention_outputs,
             "grad_guard": {True: "device", False: "in place"}.get(self.grad_guard, self.grad_guard),
             "offload_checkpoints": self.offload_checkpoints,
@@ -313,13 +315,14 @@ def grads_at_peak(step_grads, calls, freed, head_excess):
 
 
 def backward_peak(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: int,
-                  alive: float = 0.0, grads: float = 0.0) -> tuple[float, float]:
+                  alive: float = 0.0, grads: float = 0.0, one_chunk: bool = False) -> tuple[float, float]:
     """(live bytes at the peak of a call's backward, the gradients among them): a call of ``tokens``
     (``rows`` predictions) with ``checkpoint`` layers checkpointed, on top of ``retained`` bytes of
     path graphs; ``alive``: the step's gradients alive as it starts (``grads``, the step's
-    gradients, once an earlier backward allocated them). See :func:`grads_at_peak`."""
+    gradients, once an earlier backward allocated them). See :func:`grads_at_peak`. ``one_chunk``:
+    its LM head runs its rows in one chunk (its logits kept for the backward) whatever ``fig.chunk``."""
     cb = fig.call_bytes
-    head = head_bytes(fig.spec, fig.itemsize, fig.chunk, rows, fig.fused_head)
+    head = head_bytes(fig.spec, fig.itemsize, max(fig.chunk, rows) if one_chunk else fig.chunk, rows, fig.fused_head)
     layer = tokens * cb.backward(checkpoint)
     counted = alive if alive >= grads else float(grads_at_peak(
         grads, 1, tokens * cb.freed_at_last_layer(checkpoint), max(0.0, head - layer)))
@@ -328,23 +331,26 @@ def backward_peak(fig: _Figures, retained: float, tokens: int, rows: int, checkp
 
 def simulate_peak(
     sched: Schedule, rows: list[int], retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
-    grads: float = 0.0,
+    grads: float = 0.0, kept_head_rows: int = 0,
 ) -> tuple[float, dict]:
     """The most live bytes over ``sched``'s walk (as :class:`dtree.engine.walk.TreeWalk` runs it:
     groups with children retained outermost first while their tokens fit ``retain_budget``, the
     others recomputed at their backward) and where it is: ``(bytes, {"group", "tokens",
     "retained_tokens", "gradients"})``. ``rows``: predictions per group. ``grads``: the bytes of
     the gradients the step allocates, in its first backward (:func:`backward_peak`); ``"gradients"``:
-    those counted at the peak."""
+    those counted at the peak. ``kept_head_rows``: the calls whose backward follows their forward (leaf
+    calls, recomputed groups) run their LM head in one chunk where their rows are at most this
+    (:mod:`dtree.plan.head_keep`)."""
     live_tokens, retained = 0, 0.0
     kept: dict[int, float] = {}
     best, where = 0.0, {}
     path_per_token = fig.call_bytes.call(path_checkpoint)
     alive = 0.0  # the step's gradients alive at the next backward
 
-    def visit(g: int, tokens: int, k: int) -> None:
+    def visit(g: int, tokens: int, k: int, backward_now: bool = True) -> None:
         nonlocal best, where, alive
-        peak, counted = backward_peak(fig, retained, tokens, rows[g], k, alive, grads)
+        one_chunk = backward_now and rows[g] <= kept_head_rows
+        peak, counted = backward_peak(fig, retained, tokens, rows[g], k, alive, grads, one_chunk)
         if peak > best:
             best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": counted}
         alive = grads
@@ -362,7 +368,7 @@ def simulate_peak(
         elif not group.is_leaf:
             if g in kept:  # its backward: the head and the layers, over its own kept graph
                 retained -= kept[g]
-                visit(g, n, path_checkpoint)
+                visit(g, n, path_checkpoint, backward_now=False)
                 live_tokens -= n
                 kept.pop(g)
             else:  # recomputed: run again with grad

@@ -32,6 +32,7 @@ from ..ops.stack_attention.output_memo import KEEPING_BACKENDS
 from ..stacks.step_stacks import StepStacks
 from . import memory_policy
 from .backend_choice import Placement, pick_backend, pick_recurrence
+from .head_keep import keep_head_logits
 from .loss_terms import LossTerms, all_predictions, select_loss_terms
 from .memory_model import refine
 from .memory_probe import CallBytes, attention_is_plain, measure_call_bytes
@@ -258,6 +259,7 @@ class StepPlan:
     state_grads: tuple[bool, ...] | None
     kv_window: bool = False  # leaf calls run in the stacks' KV window (dtree.ops.stack_ops.kv_window)
     rerun_chunk_rows: int = 0
+    kept_head_rows: int = 0  # a backward_now call of at most these loss rows: its head in one chunk, logits kept
 
 
 class StepPlanner:
@@ -344,6 +346,8 @@ class StepPlanner:
                         stack_slots=sizes.kv, grad_slots=sizes.grads,
                         held_grads=self.stack.grad_tokens if self.stack is not None else 0,
                         window_slots=sizes.window, held_window=self.stack.window_tokens if self.stack is not None else 0)
+        if self.config.logprob_chunk is None and not self.deterministic:  # the user's chunk, the same kernels
+            memory = keep_head_logits(memory, sched, np.diff(terms.pred_offsets), retain_tokens)
         self.memory_plan, self._last = memory, (memory, sched, states)
         return memory, sched, terms, states
 
@@ -420,6 +424,7 @@ class StepPlanner:
             keep_attention_outputs=memory.keep_attention_outputs and root is not None,
             offload_checkpoints=memory.offload_checkpoints and root is not None,
             rerun_chunk_rows=memory_policy.rerun_chunk_rows(self.config.memory, self.config.rerun_chunk_rows),
+            kept_head_rows=memory.kept_head_rows,
             progress=self.config.progress, deterministic=self.deterministic, kv_window=sizes.window > 0,
             state_grads=None if grads is None else grads(),  # custom modules: every read takes gradients
         )

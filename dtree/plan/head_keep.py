@@ -1,0 +1,60 @@
+"""Which calls run their LM head in one chunk and keep its logits for the backward.
+
+The fused head (:mod:`dtree.ops.logprobs`) makes a call's ``[rows, V]`` logits in its forward
+and, over more rows than one chunk, again in its backward: that recompute is what keeps the
+head's memory at one ``[chunk, V]`` buffer. A call whose backward follows its forward at once
+(a leaf call, a recomputed group's re-run: the walk's ``backward_now``) can instead run all its
+rows as one chunk and keep the forward's buffer (``token_logprobs(keep_logits=True)``): the same
+gradients, one ``[rows, H] x [H, V]`` product and the float32 sums over vocabulary slices fewer, for
+``(rows - chunk) x V`` more bytes at its backward's peak. On the 64k agentic tree's default plan
+(~22k loss rows a call) that was 1.422 against 1.451 s of kernels for 3.8 GiB more (session AP,
+``benchmarks/PERF_NOTES.md``).
+
+Since it only removes work, the step takes it wherever the memory is there: after the schedule
+is known, :func:`keep_head_logits` gives the refined plan the largest row threshold whose
+simulated peak (:func:`dtree.plan.memory_model.simulate_peak`, each call with its own loss rows)
+still fits the plan's budget. The walk then runs a ``backward_now`` call of ``rows`` loss rows,
+``logprob_chunk < rows <= kept_head_rows``, in one chunk (:meth:`dtree.engine.walk.TreeWalk._group_loss`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import replace
+
+from .memory_model import RECOMPUTE, MemoryPlan, _Figures, simulate_peak
+from .schedule import Schedule
+
+__all__ = ["keep_head_logits"]
+
+
+def keep_head_logits(plan: MemoryPlan, sched: Schedule, rows: Sequence[int], retain_tokens: float) -> MemoryPlan:
+    """``plan`` (refined: :func:`dtree.plan.memory_model.refine`) with the most loss rows a call
+    may keep its head's logits for (:attr:`MemoryPlan.kept_head_rows`) and the peak predicted with
+    them: the largest of the calls' row counts over ``plan.logprob_chunk`` whose simulated peak fits
+    ``plan.budget_bytes``, else ``plan`` as it is (a plan without figures, one over its budget, or
+    one whose calls all fit a chunk).
+
+    Args:
+        rows: [G] the loss rows of each group of ``sched`` (predictions its loss terms read; every
+            prediction for a log-prob plan, which bounds the loss rows of any later pass over it).
+        retain_tokens: tokens of groups with children the walk retains (as :func:`refine` got).
+    """
+    if (plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes)
+            or "kv_stack" not in plan.parts or plan.predicted_peak_bytes > plan.budget_bytes):
+        return plan
+    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
+    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
+    grow = plan.parts["kv_stack"]
+    rows = [int(r) for r in rows]
+    for threshold in sorted({r for r in rows if r > plan.logprob_chunk}, reverse=True):
+        peak, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig,
+                                    plan.step_grad_bytes, kept_head_rows=threshold)
+        if peak + grow <= plan.budget_bytes:
+            gradients = where.get("gradients", 0.0)
+            parts = {"gradients": gradients, "kv_stack": grow, "activations": peak - gradients}
+            return replace(plan, kept_head_rows=threshold, predicted_peak_bytes=sum(parts.values()), parts=parts,
+                           reason=plan.reason + f"; calls of up to {threshold} loss rows keep their head's logits: "
+                           f"peak at group {where.get('group')} ({where.get('tokens')} tokens)")
+    return plan
