@@ -4,13 +4,15 @@ it, exact against HF per path."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 
 import numpy as np
 import pytest
 from hf_models import make_model
-from setups import assert_exact, reference, run_dtree
+from reference import grad_errors, path_logprobs
+from setups import FP32_TOL, assert_exact, reference, run_dtree
 
 import dtree
 from dtree.engine import walk as walk_module
@@ -145,3 +147,41 @@ def test_the_walk_runs_kept_calls_in_one_chunk_exactly(monkeypatch, mode, group_
     assert any(chunk == 1 < rows for rows, chunk, _ in seen), (seen, t)
     assert out.metrics["memory_plan"]["kept_head_rows"] == t
     assert_exact(tree_model, ref_model, out, ref_loss)
+
+
+def test_the_two_pass_path_decides_on_its_training_pass_rows(monkeypatch):
+    """A loss that is not a sum of per-token terms runs a log-prob pass, then a training pass over
+    the same schedule with its own loss terms: only the training pass is given calls that keep their
+    logits, decided on its own rows per call; every gradient against HF per path."""
+    asked = []
+
+    def keep(memory, sched, rows, retain_tokens):
+        rows = [int(r) for r in rows]
+        asked.append(rows)
+        return dataclasses.replace(memory, logprob_chunk=1, kept_head_rows=max(rows))
+
+    seen = []
+    original = walk_module.weighted_terms
+
+    def spy(fn, head_in, *args, **kwargs):
+        seen.append((head_in.shape[0], args[6], kwargs["keep_logits"]))
+        return original(fn, head_in, *args, **kwargs)
+
+    monkeypatch.setattr(step_plan, "keep_head_logits", keep)
+    monkeypatch.setattr(walk_module, "weighted_terms", spy)
+    seqs = [[1, 2, 3, 4, 8, 9], [1, 2, 3, 5, 6], [1, 2, 7, 10, 11, 12, 13]]
+
+    def loss_fn(lps, forest):
+        return sum(lp.mean() ** 2 for lp in lps) / len(lps)
+
+    model = make_model("mistral")
+    tree_model, ref_model = copy.deepcopy(model), copy.deepcopy(model)
+    out = dtree.TreeRuntime(tree_model, chunk_size=2, group_tokens=4).forward_backward(
+        dtree.Forest.from_sequences(seqs), loss_fn)
+    loss_fn([path_logprobs(ref_model, s) for s in seqs], None).backward()
+    assert len(asked) == 1 and seen  # the training pass only
+    assert sorted(r for r, _, _ in seen) == sorted(r for r in asked[0] if r)
+    assert any(keep_logits and chunk == rows > 1 for rows, chunk, keep_logits in seen), seen
+    assert out.metrics["memory_plan"]["kept_head_rows"] == max(asked[0])
+    errs = grad_errors(tree_model, ref_model)
+    assert max(errs.values()) < FP32_TOL, errs

@@ -53,17 +53,26 @@ def test_checkpoint_layers_on_cuda_match_per_path(mode, checkpoint_layers):
     assert abs(out.loss - ref_loss) < 1e-4 * abs(ref_loss)
 
 
-@pytest.mark.parametrize("memory", ["auto", "low"])
+@pytest.mark.parametrize("memory", ["auto", "low", "auto-kept"])
 def test_bf16_runtime_with_the_fused_head_by_the_flash_rule(memory, monkeypatch):
     """bf16 on CUDA: the LM head runs the fused Triton op (counted) and, with
-    ``memory="low"``, every layer is checkpointed. Every gradient's error against the
-    float32 model per path is at most 3x (the loss's 2x) that of the bf16 model per
-    path, plus a floor."""
+    ``memory="low"``, every layer is checkpointed; ``auto-kept``: the policy's head chunks are
+    32 rows, so the plan (``dtree.plan.head_keep``) runs calls of more loss rows in one chunk, their
+    logits kept. Every gradient's error against the float32 model per path is at most 3x (the
+    loss's 2x) that of the bf16 model per path, plus a floor."""
     from dtree.ops.logprobs import fused_head as fh
+    from dtree.plan import memory_policy
 
     calls = []
     original = fh.token_logprobs_triton
-    monkeypatch.setattr(fh, "token_logprobs_triton", lambda *a, **k: calls.append(1) or original(*a, **k))
+
+    def counted(*a, **k):
+        calls.append((a[0].shape[0], k.get("chunk_size"), k.get("keep_logits")))
+        return original(*a, **k)
+
+    monkeypatch.setattr(fh, "token_logprobs_triton", counted)
+    if memory == "auto-kept":
+        monkeypatch.setattr(memory_policy, "LOGPROB_CHUNKS", (32,))
     torch.manual_seed(0)
     seqs = [s for case in EDGE_CASES.values() for s in case]
     seqs += [torch.randint(0, 97, (300,)).tolist()]
@@ -73,10 +82,13 @@ def test_bf16_runtime_with_the_fused_head_by_the_flash_rule(memory, monkeypatch)
     model = copy.deepcopy(base).to(torch.bfloat16)
     exact_loss, _ = linearized_step(exact, seqs)
     bf16_loss, _ = linearized_step(bf16_ref, seqs)
-    rt = dtree.TreeRuntime(model, chunk_size=64, memory=memory)
+    rt = dtree.TreeRuntime(model, chunk_size=64, memory=memory.removesuffix("-kept"))
     out = rt.forward_backward(dtree.Forest.from_sequences(seqs), dtree.losses.nll())
     assert calls, "the fused LM-head op did not run"
     plan = out.metrics["memory_plan"]
+    if memory == "auto-kept":
+        assert plan["logprob_chunk"] == 32 and plan["kept_head_rows"] > 32
+        assert any(keep and chunk == rows > 32 for rows, chunk, keep in calls), calls
     assert plan["checkpoint_layers"] == 2 if memory == "low" else 0 <= plan["checkpoint_layers"] <= 2
     assert plan["bytes_per_token"]["source"] == "measured"  # the probe ran on the GPU
     assert rt.stack is None and not out.metrics["memory"]["freed_after_step"]  # the stack dropped, the cache kept

@@ -37,8 +37,9 @@ def keep_head_logits(plan: MemoryPlan, sched: Schedule, rows: Sequence[int], ret
     one whose calls all fit a chunk).
 
     Args:
-        rows: [G] the loss rows of each group of ``sched`` (predictions its loss terms read; every
-            prediction for a log-prob plan, which bounds the loss rows of any later pass over it).
+        rows: [G] the loss rows of each group of ``sched`` (the predictions its loss terms read): the
+            rows the walk runs, so each call's decision is the simulated one (a second pass over the same
+            schedule, with other terms, decides again: ``StepPlanner._with_kept_head``).
         retain_tokens: tokens of groups with children the walk retains (as :func:`refine` got).
     """
     if (plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes)

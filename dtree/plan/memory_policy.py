@@ -14,7 +14,9 @@ Per step, :func:`plan_step` decides
   checkpointed (``path_checkpoint_layers``: their layer inputs are cheap, 86 KB per
   token on qwen2.5-1.5b, so a path of 10k tokens costs under 1 GB), or recomputed at
   their backward;
-* ``logprob_chunk``: rows per LM-head chunk.
+* ``logprob_chunk``: rows per LM-head chunk (after scheduling, calls whose backward follows their
+  forward may run all their loss rows in one chunk where the budget has room:
+  :mod:`dtree.plan.head_keep`).
 
 So activation memory is bounded by one path plus one call, not by the tree, and the
 policy recomputes only what does not fit.

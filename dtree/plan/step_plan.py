@@ -315,12 +315,15 @@ class StepPlanner:
         slots of a step over ``forest``, in that order: the plan sizes the calls, the schedule
         packs them, the state slots follow the schedule, and the plan's peak is then predicted
         from the schedule (:func:`dtree.plan.memory_model.refine`). ``same_schedule``: the last
-        step's plan, schedule and state slots, with new loss terms (the two-pass path).
+        step's plan, schedule and state slots, with new loss terms (the two-pass path) and the calls that keep
+        their LM head's logits decided on them (:meth:`_with_kept_head`).
         ``view``: the model this step (:func:`dtree.plan.model_view.model_view`); ``releasing``:
         :func:`plan_memory`'s."""
         if same_schedule:
             memory, sched, states = self._last
-            return memory, sched, select_loss_terms(sched.predictions, forest, weights), states
+            terms = select_loss_terms(sched.predictions, forest, weights)
+            self.memory_plan = memory = self._with_kept_head(memory, sched, terms, weights is not None)
+            return memory, sched, terms, states
         view = view or model_view(self.module)
         self.sync(view)
         head = as_output_head(self.model.dtree_output_layer())
@@ -346,10 +349,19 @@ class StepPlanner:
                         stack_slots=sizes.kv, grad_slots=sizes.grads,
                         held_grads=self.stack.grad_tokens if self.stack is not None else 0,
                         window_slots=sizes.window, held_window=self.stack.window_tokens if self.stack is not None else 0)
-        if self.config.logprob_chunk is None and not self.deterministic:  # the user's chunk, the same kernels
-            memory = keep_head_logits(memory, sched, np.diff(terms.pred_offsets), retain_tokens)
-        self.memory_plan, self._last = memory, (memory, sched, states)
+        self._last = (memory, sched, states)
+        self.memory_plan = memory = self._with_kept_head(memory, sched, terms, weights is not None)
         return memory, sched, terms, states
+
+    def _with_kept_head(self, memory: memory_policy.MemoryPlan, sched: Schedule, terms: LossTerms, training: bool
+                        ) -> memory_policy.MemoryPlan:
+        """``memory`` with the calls that keep their LM head's logits in one chunk, from these loss
+        terms' rows per call (:func:`dtree.plan.head_keep.keep_head_logits`), in a training step whose
+        chunk the user left to the policy and outside deterministic mode (the same kernels every step)."""
+        if not training or self.config.logprob_chunk is not None or self.deterministic:
+            return memory
+        retain = memory.retain_budget(self.config.mode, self.config.retain_budget_tokens)
+        return keep_head_logits(memory, sched, np.diff(terms.pred_offsets), retain)
 
     def _leaf_calls_can_window(self, view: ModelView) -> bool:
         """Whether this step's leaf calls may run in a KV window (with every layer checkpointed,
