@@ -115,19 +115,10 @@ def test_plans_it_cannot_price_or_that_are_over_budget_are_left_alone():
     assert keep_head_logits(base, sched, small, math.inf) is base
 
 
-@pytest.mark.parametrize("mode, group_tokens", [("auto", 0), ("auto", 12), ("recompute", 12)])
-def test_the_walk_runs_kept_calls_in_one_chunk_exactly(monkeypatch, mode, group_tokens):
-    """A plan whose calls of at most ``t`` loss rows keep their logits: those that run their
-    backward at once get one chunk of their rows, the rest the plan's one-row chunks; every
-    gradient against HF per path."""
+def _planned_with(monkeypatch, keep) -> list[tuple[int, int, bool]]:
+    """Steps planned with ``keep`` in place of :func:`keep_head_logits`; returns the list their walks'
+    LM-head calls are recorded in: (rows, chunk, keep_logits) each."""
     seen = []
-    threshold = {}
-
-    def keep(memory, sched, rows, retain_tokens):
-        over = sorted({int(r) for r in rows if r > 1})
-        threshold["t"] = over[(len(over) - 1) // 2]  # some calls keep, some do not
-        return dataclasses.replace(memory, logprob_chunk=1, kept_head_rows=threshold["t"])
-
     original = walk_module.weighted_terms
 
     def spy(fn, head_in, *args, **kwargs):
@@ -136,6 +127,22 @@ def test_the_walk_runs_kept_calls_in_one_chunk_exactly(monkeypatch, mode, group_
 
     monkeypatch.setattr(step_plan, "keep_head_logits", keep)
     monkeypatch.setattr(walk_module, "weighted_terms", spy)
+    return seen
+
+
+@pytest.mark.parametrize("mode, group_tokens", [("auto", 0), ("auto", 12), ("recompute", 12)])
+def test_the_walk_runs_kept_calls_in_one_chunk_exactly(monkeypatch, mode, group_tokens):
+    """A plan whose calls of at most ``t`` loss rows keep their logits: those that run their
+    backward at once get one chunk of their rows, the rest the plan's one-row chunks; every
+    gradient against HF per path."""
+    threshold = {}
+
+    def keep(memory, sched, rows, retain_tokens):
+        over = sorted({int(r) for r in rows if r > 1})
+        threshold["t"] = over[(len(over) - 1) // 2]  # some calls keep, some do not
+        return dataclasses.replace(memory, logprob_chunk=1, kept_head_rows=threshold["t"])
+
+    seen = _planned_with(monkeypatch, keep)
     model = make_model("qwen2", tied=True)
     ref_model, ref_loss = reference(model)
     out, tree_model = run_dtree(model, mode=mode, group_tokens=group_tokens)
@@ -160,15 +167,7 @@ def test_the_two_pass_path_decides_on_its_training_pass_rows(monkeypatch):
         asked.append(rows)
         return dataclasses.replace(memory, logprob_chunk=1, kept_head_rows=max(rows))
 
-    seen = []
-    original = walk_module.weighted_terms
-
-    def spy(fn, head_in, *args, **kwargs):
-        seen.append((head_in.shape[0], args[6], kwargs["keep_logits"]))
-        return original(fn, head_in, *args, **kwargs)
-
-    monkeypatch.setattr(step_plan, "keep_head_logits", keep)
-    monkeypatch.setattr(walk_module, "weighted_terms", spy)
+    seen = _planned_with(monkeypatch, keep)
     seqs = [[1, 2, 3, 4, 8, 9], [1, 2, 3, 5, 6], [1, 2, 7, 10, 11, 12, 13]]
 
     def loss_fn(lps, forest):
