@@ -12,6 +12,8 @@
 #   PART=capped the same for memory=12.5 against memory=12.5,logprob_chunk=4096 (3 forests);
 #   PART=caps   memory=12.5 against 12.85 (the mask's 12.51 GiB over the cap's 3% margin: a peak still under the mask's)
 #               and memory=12.5,logprob_chunk=4096, interleaved on 5 fresh forests;
+#   PART=idle   where the capped step (memory=12.5) leaves the GPU idle, by the step's phase (benchmarks/gpu_idle.py), and
+#               the plan's host time (benchmarks/plan_profile.py);
 #   PART=steps  in one process (dtree bench) the 64k tree: tree-mask:whole+ckpt against memory=12.5, low and the
 #               default (bench_cases.sh's vs_mask64k); then GRPO case 1: dtree, tree-mask:whole+ckpt, linearized.
 #
@@ -32,6 +34,10 @@ case "${PART:-check}" in
   capped)
     ab agentic64k 3 agentic64k_12.5GiB memory=12.5 memory=12.5,logprob_chunk=4096
     ;;
+  idle)
+    script gpu_idle 240 --workload agentic64k --opt memory=$AT_MASK --tag at_mask
+    script plan_profile 150 --workload agentic64k --opt memory=$AT_MASK
+    ;;
   caps)
     ab agentic64k 5 agentic64k_caps memory=12.5 memory=12.85 memory=12.5,logprob_chunk=4096
     ;;
@@ -39,6 +45,6 @@ case "${PART:-check}" in
     vs_mask64k
     bench case1 200 $CASE1 --steps ${CASE1_STEPS:-10} --configs "dtree,tree-mask:whole+ckpt,linearized"
     ;;
-  *) echo "PART must be check, capped, caps or steps"; exit 2 ;;
+  *) echo "PART must be check, capped, caps, idle or steps"; exit 2 ;;
 esac
 rm -f "$OUT"/*/*.png "$OUT"/*/*.json "$OUT"/*.json

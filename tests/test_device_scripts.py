@@ -146,6 +146,7 @@ RUNS = [
     ("session_aq_gpu.sh", {"PART": "check"}, ()),  # options_ab's own smoke runs
     ("session_aq_gpu.sh", {"PART": "capped"}, ()),
     ("session_aq_gpu.sh", {"PART": "caps"}, ()),
+    ("session_aq_gpu.sh", {"PART": "idle"}, ()),
     ("session_aq_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
