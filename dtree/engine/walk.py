@@ -49,6 +49,7 @@ from ..models.checkpointing import LayerCheckpointing
 from ..ops.logprobs import compute_dtype, token_logprobs
 from ..ops.stack_attention import SegmentLayout, prepare_stack_attention
 from ..plan.loss_terms import prediction_lin
+from ..plan.memory_model import call_head_chunk
 from ..plan.schedule import FORWARD, Schedule
 from ..plan.step_plan import StepPlan
 from ..stacks.group_attention import GradPattern, GroupAttention
@@ -195,9 +196,7 @@ class TreeWalk:
         if e1 == e0:
             return None
         p0, p1 = int(terms.pred_offsets[g]), int(terms.pred_offsets[g + 1])
-        chunk = self.plan.logprob_chunk
-        if backward_now and chunk < p1 - p0 <= self.plan.kept_head_rows:
-            chunk = p1 - p0
+        chunk = call_head_chunk(self.plan.logprob_chunk, p1 - p0, self.plan.kept_head_rows, backward_now)
         split = HeadSplit(hidden, a.pred_hidden_row[p0:p1])
         weighted = weighted_terms(
             per_token.fn, split.head_in, None, a.labels[p0:p1], a.loss_pred[e0:e1], a.weights[e0:e1],

@@ -21,9 +21,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import replace
 
-from .memory_model import RECOMPUTE, MemoryPlan, _Figures, simulate_peak
+from .memory_model import MemoryPlan, with_simulated_peak
 from .schedule import Schedule
 
 __all__ = ["keep_head_logits"]
@@ -45,17 +44,10 @@ def keep_head_logits(plan: MemoryPlan, sched: Schedule, rows: Sequence[int], ret
     if (plan.call_bytes is None or plan.spec is None or math.isinf(plan.predicted_peak_bytes)
             or "kv_stack" not in plan.parts or plan.predicted_peak_bytes > plan.budget_bytes):
         return plan
-    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
-    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
-    grow = plan.parts["kv_stack"]
     rows = [int(r) for r in rows]
     for threshold in sorted({r for r in rows if r > plan.logprob_chunk}, reverse=True):
-        peak, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig,
-                                    plan.step_grad_bytes, kept_head_rows=threshold)
-        if peak + grow <= plan.budget_bytes:
-            gradients = where.get("gradients", 0.0)
-            parts = {"gradients": gradients, "kv_stack": grow, "activations": peak - gradients}
-            return replace(plan, kept_head_rows=threshold, predicted_peak_bytes=sum(parts.values()), parts=parts,
-                           reason=plan.reason + f"; calls of up to {threshold} loss rows keep their head's logits: "
-                           f"peak at group {where.get('group')} ({where.get('tokens')} tokens)")
+        kept = with_simulated_peak(plan, sched, rows, retain_tokens, plan.parts["kv_stack"], threshold,
+                                   f"calls of up to {threshold} loss rows keep their head's logits: ")
+        if kept.predicted_peak_bytes <= plan.budget_bytes:
+            return kept
     return plan

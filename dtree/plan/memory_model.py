@@ -49,8 +49,8 @@ SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segmen
 
 __all__ = [
     "MemoryPlan", "RECOMPUTE", "RERUN_MATMUL_SHARE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
-    "layer_activation_bytes", "layer_input_bytes", "backward_peak", "grads_at_peak", "refine", "simulate_peak", "stack_grad_slot_bytes",
-    "stack_slot_bytes", "state_slot_bytes", "window_slot_bytes",
+    "layer_activation_bytes", "layer_input_bytes", "backward_peak", "call_head_chunk", "grads_at_peak", "refine", "simulate_peak", "stack_grad_slot_bytes",
+    "stack_slot_bytes", "state_slot_bytes", "window_slot_bytes", "with_simulated_peak",
 ]
 
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
@@ -314,15 +314,23 @@ def grads_at_peak(step_grads, calls, freed, head_excess):
     return np.where(np.asarray(calls) > 1, step_grads, one_call)
 
 
+def call_head_chunk(chunk: int, rows: int, kept_head_rows: int, backward_now: bool) -> int:
+    """The LM-head chunk of a call of ``rows`` loss rows under a plan of ``chunk``-row chunks: all its rows
+    in one (its logits kept for the backward) where its backward follows its forward at once and they are
+    at most ``kept_head_rows`` (:mod:`dtree.plan.head_keep`), else ``chunk``. The walk runs it and
+    :func:`simulate_peak` prices it."""
+    return rows if backward_now and chunk < rows <= kept_head_rows else chunk
+
+
 def backward_peak(fig: _Figures, retained: float, tokens: int, rows: int, checkpoint: int,
-                  alive: float = 0.0, grads: float = 0.0, one_chunk: bool = False) -> tuple[float, float]:
+                  alive: float = 0.0, grads: float = 0.0, chunk: int | None = None) -> tuple[float, float]:
     """(live bytes at the peak of a call's backward, the gradients among them): a call of ``tokens``
     (``rows`` predictions) with ``checkpoint`` layers checkpointed, on top of ``retained`` bytes of
     path graphs; ``alive``: the step's gradients alive as it starts (``grads``, the step's
-    gradients, once an earlier backward allocated them). See :func:`grads_at_peak`. ``one_chunk``:
-    its LM head runs its rows in one chunk (its logits kept for the backward) whatever ``fig.chunk``."""
+    gradients, once an earlier backward allocated them). See :func:`grads_at_peak`. ``chunk``:
+    its LM head's rows per chunk (None: ``fig.chunk``; :func:`call_head_chunk`)."""
     cb = fig.call_bytes
-    head = head_bytes(fig.spec, fig.itemsize, max(fig.chunk, rows) if one_chunk else fig.chunk, rows, fig.fused_head)
+    head = head_bytes(fig.spec, fig.itemsize, fig.chunk if chunk is None else chunk, rows, fig.fused_head)
     layer = tokens * cb.backward(checkpoint)
     counted = alive if alive >= grads else float(grads_at_peak(
         grads, 1, tokens * cb.freed_at_last_layer(checkpoint), max(0.0, head - layer)))
@@ -349,8 +357,8 @@ def simulate_peak(
 
     def visit(g: int, tokens: int, k: int, backward_now: bool = True) -> None:
         nonlocal best, where, alive
-        one_chunk = backward_now and rows[g] <= kept_head_rows
-        peak, counted = backward_peak(fig, retained, tokens, rows[g], k, alive, grads, one_chunk)
+        chunk = call_head_chunk(fig.chunk, rows[g], kept_head_rows, backward_now)
+        peak, counted = backward_peak(fig, retained, tokens, rows[g], k, alive, grads, chunk)
         if peak > best:
             best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": counted}
         alive = grads
@@ -408,11 +416,20 @@ def refine(
     grow += max(0, grads - (held[0] if held_grads is None else held_grads)) * grad_bytes
     grow += max(0, state_slots - held[1]) * state_slot_bytes(plan.spec, plan.itemsize)
     grow += max(0, window_slots - held_window) * window_slot_bytes(plan.spec, plan.itemsize)
+    rows = [int(n) for n in sched.predictions.pred_offsets[1:] - sched.predictions.pred_offsets[:-1]]
+    return with_simulated_peak(plan, sched, rows, retain_tokens, float(grow))
+
+
+def with_simulated_peak(plan: MemoryPlan, sched: Schedule, rows: list[int], retain_tokens: float, grow: float,
+                        kept_head_rows: int = 0, note: str = "") -> MemoryPlan:
+    """``plan`` (with figures) with ``kept_head_rows`` and its predicted peak: :func:`simulate_peak` over
+    ``sched`` (``rows`` loss rows per group, the path's groups retained under ``retain_tokens``) plus
+    the stacks' growth ``grow``; ``note`` goes into the reason before where the peak is."""
     fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
     path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
-    rows = [int(n) for n in sched.predictions.pred_offsets[1:] - sched.predictions.pred_offsets[:-1]]
-    peak, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig, plan.step_grad_bytes)
+    peak, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig, plan.step_grad_bytes,
+                                kept_head_rows)
     gradients = where.get("gradients", 0.0)
-    parts = {"gradients": gradients, "kv_stack": float(grow), "activations": peak - gradients}
-    return replace(plan, predicted_peak_bytes=sum(parts.values()), parts=parts,
-                   reason=plan.reason + f"; peak at group {where.get('group')} ({where.get('tokens')} tokens)")
+    parts = {"gradients": gradients, "kv_stack": grow, "activations": peak - gradients}
+    return replace(plan, kept_head_rows=kept_head_rows, predicted_peak_bytes=sum(parts.values()), parts=parts,
+                   reason=plan.reason + f"; {note}peak at group {where.get('group')} ({where.get('tokens')} tokens)")
