@@ -11,15 +11,18 @@ import math
 import numpy as np
 import pytest
 from hf_models import make_model
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from reference import grad_errors, path_logprobs
 from setups import FP32_TOL, assert_exact, reference, run_dtree
+from strategies import sequence_batches
 
 import dtree
 from dtree.engine import walk as walk_module
 from dtree.models import ModelSpec
 from dtree.plan import memory_model as mm
 from dtree.plan import step_plan
-from dtree.plan.head_keep import keep_head_logits
+from dtree.plan.head_keep import keep_head_logits, keep_head_logits_reference, threshold_peaks
 from dtree.plan.memory_probe import CallBytes
 from dtree.plan.schedule import FORWARD, build_schedule
 
@@ -113,6 +116,34 @@ def test_plans_it_cannot_price_or_that_are_over_budget_are_left_alone():
     assert keep_head_logits(over, sched, rows, math.inf) is over
     small = [min(r, CHUNK) for r in rows]  # every call fits one chunk already
     assert keep_head_logits(base, sched, small, math.inf) is base
+
+
+@settings(max_examples=40, deadline=None)
+@given(seqs=sequence_batches(max_sequences=7, max_len=14), data=st.data())
+def test_one_walk_finds_what_simulating_each_threshold_finds(seqs, data):
+    """:func:`keep_head_logits` (every threshold priced from one walk) against its reference (a
+    simulation per threshold, largest first): the same plan, field for field, on random trees, call
+    sizes, loss rows, checkpointing, retained paths, gradients and budgets, the budgets at each
+    threshold's own peak included; and each priced peak is the simulated one."""
+    sched = build_schedule(dtree.Forest.from_sequences(seqs), data.draw(st.integers(2, 6)),
+                           data.draw(st.sampled_from([0, 3, 8, 20])))
+    rows = data.draw(st.lists(st.integers(0, 3 * CHUNK), min_size=len(sched.groups), max_size=len(sched.groups)))
+    retain = data.draw(st.sampled_from([0.0, 5.0, math.inf]))
+    base = dataclasses.replace(_plan(sched, retain), checkpoint_layers=data.draw(st.integers(0, 2)),
+                               step_grad_bytes=data.draw(st.sampled_from([0.0, 3e5, 3e6])))
+    base = mm.with_simulated_peak(base, sched, rows, retain, base.parts["kv_stack"])
+    thresholds = sorted({r for r in rows if r > CHUNK}, reverse=True)
+    fig, path = mm.plan_walk(base)
+    peaks = threshold_peaks(base, sched, rows, retain, thresholds)
+    for t, peak in zip(thresholds, peaks):
+        assert peak == mm.simulate_peak(sched, rows, retain, base.checkpoint_layers, path, fig,
+                                        base.step_grad_bytes, t)[0]
+    grow = base.parts["kv_stack"]
+    budgets = [base.predicted_peak_bytes, base.predicted_peak_bytes / 2, math.inf]
+    budgets += [p + grow for p in peaks] + [np.nextafter(p + grow, 0.0) for p in peaks]
+    for budget in budgets:
+        plan = dataclasses.replace(base, budget_bytes=budget)
+        assert keep_head_logits(plan, sched, rows, retain) == keep_head_logits_reference(plan, sched, rows, retain)
 
 
 def _planned_with(monkeypatch, keep) -> list[tuple[int, int, bool]]:

@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -48,9 +50,11 @@ from .schedule import FORWARD, Schedule, SlotExtents
 SMALL_CALL_TOKENS = 4096  # the call size planned for group_tokens=0 (one segment per call)
 
 __all__ = [
-    "MemoryPlan", "RECOMPUTE", "RERUN_MATMUL_SHARE", "StepShape", "attention_rerun_rate", "call_count", "call_overhead_tokens", "cost_rates", "head_bytes",
-    "layer_activation_bytes", "layer_input_bytes", "backward_peak", "call_head_chunk", "grads_at_peak", "refine", "simulate_peak", "stack_grad_slot_bytes",
-    "stack_slot_bytes", "state_slot_bytes", "window_slot_bytes", "with_simulated_peak",
+    "RECOMPUTE", "RERUN_MATMUL_SHARE", "MemoryPlan", "PeakVisit", "StepShape", "attention_rerun_rate",
+    "backward_peak", "call_count", "call_head_chunk", "call_overhead_tokens", "cost_rates", "grads_at_peak",
+    "head_bytes", "layer_activation_bytes", "layer_input_bytes", "peak_visits", "plan_walk", "refine",
+    "simulate_peak", "stack_grad_slot_bytes", "stack_slot_bytes", "state_slot_bytes", "window_slot_bytes",
+    "with_simulated_peak"
 ]
 
 RECOMPUTE = -1  # path_checkpoint_layers of a plan that recomputes the groups with children
@@ -99,10 +103,7 @@ class StepShape:
 
     def stack_need(self, group_tokens: int) -> tuple[int, int] | None:
         """(KV slots, gradient slots) of the schedule of ``group_tokens``-token calls; None: not known."""
-        for budget, kv, grads in self.stack_needs:
-            if budget == group_tokens:
-                return kv, grads
-        return None
+        return next(((kv, grads) for budget, kv, grads in self.stack_needs if budget == group_tokens), None)
 
     def packing(self, group_tokens: int) -> SlotExtents | None:
         """What the schedule of ``group_tokens``-token calls packs; None: not known."""
@@ -337,50 +338,62 @@ def backward_peak(fig: _Figures, retained: float, tokens: int, rows: int, checkp
     return retained + tokens * cb.call(checkpoint) + max(head, layer) + counted, counted
 
 
-def simulate_peak(
-    sched: Schedule, rows: list[int], retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
-    grads: float = 0.0, kept_head_rows: int = 0,
-) -> tuple[float, dict]:
-    """The most live bytes over ``sched``'s walk (as :class:`dtree.engine.walk.TreeWalk` runs it:
-    groups with children retained outermost first while their tokens fit ``retain_budget``, the
-    others recomputed at their backward) and where it is: ``(bytes, {"group", "tokens",
-    "retained_tokens", "gradients"})``. ``rows``: predictions per group. ``grads``: the bytes of
-    the gradients the step allocates, in its first backward (:func:`backward_peak`); ``"gradients"``:
-    those counted at the peak. ``kept_head_rows``: the calls whose backward follows their forward (leaf
-    calls, recomputed groups) run their LM head in one chunk where their rows are at most this
-    (:mod:`dtree.plan.head_keep`)."""
+class PeakVisit(NamedTuple):
+    """One call's backward in :func:`simulate_peak`'s walk: :func:`backward_peak`'s figures but the rows and chunk."""
+
+    group: int
+    tokens: int
+    checkpoint: int
+    backward_now: bool  # a leaf call, or a group recomputed at its backward (not a retained one)
+    retained: float  # bytes of the path's retained graphs alive under it
+    retained_tokens: int
+    alive: float  # the step's gradients alive as it starts
+
+
+def peak_visits(sched: Schedule, retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
+                grads: float = 0.0) -> Iterator[PeakVisit]:
+    """The calls' backwards of ``sched``'s walk in order, as :class:`dtree.engine.walk.TreeWalk` runs it: groups
+    with children retained outermost first while their tokens fit ``retain_budget``, the others recomputed."""
     live_tokens, retained = 0, 0.0
     kept: dict[int, float] = {}
-    best, where = 0.0, {}
     path_per_token = fig.call_bytes.call(path_checkpoint)
     alive = 0.0  # the step's gradients alive at the next backward
-
-    def visit(g: int, tokens: int, k: int, backward_now: bool = True) -> None:
-        nonlocal best, where, alive
-        chunk = call_head_chunk(fig.chunk, rows[g], kept_head_rows, backward_now)
-        peak, counted = backward_peak(fig, retained, tokens, rows[g], k, alive, grads, chunk)
-        if peak > best:
-            best, where = peak, {"group": g, "tokens": tokens, "retained_tokens": live_tokens, "gradients": counted}
-        alive = grads
-
     for kind, g in sched.events:
         group = sched.groups[g]
         n = group.num_tokens
         if kind == FORWARD:
             if group.is_leaf:
-                visit(g, n, checkpoint)
+                yield PeakVisit(g, n, checkpoint, True, retained, live_tokens, alive)
+                alive = grads
             elif live_tokens + n <= retain_budget:
                 live_tokens += n
                 kept[g] = n * path_per_token
                 retained += kept[g]
         elif not group.is_leaf:
             if g in kept:  # its backward: the head and the layers, over its own kept graph
-                retained -= kept[g]
-                visit(g, n, path_checkpoint, backward_now=False)
+                retained -= kept.pop(g)
+                yield PeakVisit(g, n, path_checkpoint, False, retained, live_tokens, alive)
                 live_tokens -= n
-                kept.pop(g)
             else:  # recomputed: run again with grad
-                visit(g, n, checkpoint)
+                yield PeakVisit(g, n, checkpoint, True, retained, live_tokens, alive)
+            alive = grads
+
+
+def simulate_peak(
+    sched: Schedule, rows: list[int], retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
+    grads: float = 0.0, kept_head_rows: int = 0,
+) -> tuple[float, dict]:
+    """The most live bytes over ``sched``'s walk (:func:`peak_visits`) and where: ``(bytes, {"group",
+    "tokens", "retained_tokens", "gradients"})``. ``rows``: predictions per group; ``grads``: the step's
+    gradients' bytes (:func:`backward_peak`), ``"gradients"`` those counted at the peak; ``kept_head_rows``:
+    see :func:`call_head_chunk` (:mod:`dtree.plan.head_keep`)."""
+    best, where = 0.0, {}
+    for v in peak_visits(sched, retain_budget, checkpoint, path_checkpoint, fig, grads):
+        chunk = call_head_chunk(fig.chunk, rows[v.group], kept_head_rows, v.backward_now)
+        peak, counted = backward_peak(fig, v.retained, v.tokens, rows[v.group], v.checkpoint, v.alive, grads, chunk)
+        if peak > best:
+            best = peak
+            where = {"group": v.group, "tokens": v.tokens, "retained_tokens": v.retained_tokens, "gradients": counted}
     return best, where
 
 
@@ -388,11 +401,8 @@ def call_count(unique: int, group_tokens: int) -> float:
     """Model calls a schedule makes for ``unique`` tokens at a budget (groups are not
     full: 1.25x the ideal count, plus the group that holds the trunk); a budget of 0 (one
     segment per call) counts as the policy's small call."""
-    if group_tokens <= 0:
-        group_tokens = SMALL_CALL_TOKENS
-    if unique <= group_tokens:
-        return 1.0
-    return math.ceil(1.25 * unique / group_tokens) + 1.0
+    group_tokens = group_tokens if group_tokens > 0 else SMALL_CALL_TOKENS
+    return 1.0 if unique <= group_tokens else math.ceil(1.25 * unique / group_tokens) + 1.0
 
 
 def refine(
@@ -420,13 +430,18 @@ def refine(
     return with_simulated_peak(plan, sched, rows, retain_tokens, float(grow))
 
 
+def plan_walk(plan: MemoryPlan) -> tuple[_Figures, int]:
+    """The figures and path checkpointing :func:`simulate_peak` walks ``plan``'s schedule with."""
+    return (_Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk),
+            plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0)
+
+
 def with_simulated_peak(plan: MemoryPlan, sched: Schedule, rows: list[int], retain_tokens: float, grow: float,
                         kept_head_rows: int = 0, note: str = "") -> MemoryPlan:
     """``plan`` (with figures) with ``kept_head_rows`` and its predicted peak: :func:`simulate_peak` over
     ``sched`` (``rows`` loss rows per group, the path's groups retained under ``retain_tokens``) plus
     the stacks' growth ``grow``; ``note`` goes into the reason before where the peak is."""
-    fig = _Figures(plan.spec, plan.itemsize, plan.call_bytes, plan.fused_head, plan.logprob_chunk)
-    path = plan.path_checkpoint_layers if plan.path_checkpoint_layers != RECOMPUTE else 0
+    fig, path = plan_walk(plan)
     peak, where = simulate_peak(sched, rows, retain_tokens, plan.checkpoint_layers, path, fig, plan.step_grad_bytes,
                                 kept_head_rows)
     gradients = where.get("gradients", 0.0)
