@@ -12,7 +12,8 @@
 ``benchmarks/session_af_gpu.sh``, ``benchmarks/session_ag_gpu.sh``, ``benchmarks/session_ah_gpu.sh``,
 ``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, ``benchmarks/session_ak_gpu.sh``,
 ``benchmarks/session_al_gpu.sh``, ``benchmarks/session_am_gpu.sh``, ``benchmarks/session_an_gpu.sh``,
-``benchmarks/session_ao_gpu.sh``, ``benchmarks/session_ap_gpu.sh``, ``benchmarks/session_aq_gpu.sh``, sharing
+``benchmarks/session_ao_gpu.sh``, ``benchmarks/session_ap_gpu.sh``, ``benchmarks/session_aq_gpu.sh``,
+``benchmarks/session_as_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -148,6 +149,7 @@ RUNS = [
     ("session_aq_gpu.sh", {"PART": "caps"}, ()),
     ("session_aq_gpu.sh", {"PART": "idle"}, ()),
     ("session_aq_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
+    ("session_as_gpu.sh", {"PART": "depth"}, (".",)),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -158,7 +160,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_aq_gpu.sh", "check")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_as_gpu.sh", "depth")}
 SAMPLED = 2
 
 

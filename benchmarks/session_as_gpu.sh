@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Session AS on one Hopper GPU (flash-attn-4 installed as in ../shared/tools/fa4_wheels.sh), in one device call.
+# Where the capped 64k step's ~85 ms of wall time over its kernels goes, measured without a profiler: session AQ's
+# profiled step charged 51 ms of idle GPU time to the backward's ~6 us launch gaps, 28 ms to the plan, 27 ms to the
+# forwards and 19 ms to the step's code between phases (134.6 ms in a 1.788 s profiled step, 1.736 s unprofiled), and
+# a profiler makes every launch dearer on the host. Then the GPU tests of the changed plan code (the step whose plan
+# keeps its calls' head logits).
+#
+#   PART=depth  benchmarks/queue_depth.py on the 64k tree at the mask's memory (memory=12.5) and in the default plan:
+#               how far the host runs ahead of the GPU at each call's forward, loss and backward, and at every 4th
+#               decoder layer (the re-runs' in the backward included); then the GPU tests of test_runtime_gpu.py's
+#               fused-head steps and of test_head_keep.py.
+#
+#     PART=depth bash benchmarks/session_as_gpu.sh             # reports in $OUT (default /tmp/dtree_session_as)
+#     SMOKE=1 PART=depth bash benchmarks/session_as_gpu.sh     # the tiny model on the CPU: plumbing only
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/dtree_session_as}
+source benchmarks/bench_cases.sh  # script, gpu_tests, AT_MASK, SMOKE_FLAG
+
+case "${PART:-depth}" in
+  depth)
+    script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 --layer-every 4 --tag at_mask
+    script queue_depth 200 --workload agentic64k --steps 1 --layer-every 4 --tag default
+    gpu_tests gpu_tests.txt 200 "fused_head or head" tests/test_runtime_gpu.py tests/test_head_keep.py -rfE
+    ;;
+  *) echo "PART must be depth"; exit 2 ;;
+esac
