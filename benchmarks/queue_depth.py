@@ -81,6 +81,47 @@ def _instrumented(marks: _Marks):
     return undo
 
 
+def _backward_marks(marks: _Marks):
+    """Patches marking, inside each call's backward, the LM head's part and the decoder's
+    (:class:`dtree.engine.head_first.HeadSplit`), the fused head's backward, and every
+    checkpointed layer's backward (its re-run and its graph's backward, on the autograd
+    thread); returns a function that undoes them."""
+    from dtree.engine.head_first import HeadSplit
+    from dtree.models.layer_recompute import _LayerRecompute
+    from dtree.ops.logprobs.fused_head import _FusedLogprobs
+
+    split_backward, layer_backward, head_backward = HeadSplit.backward, _LayerRecompute.backward, _FusedLogprobs.backward
+    layers = [0]
+
+    def marked_split(self, loss):
+        marks.mark("    head+decoder backward")
+        out = split_backward(self, loss)
+        marks.mark("    decoder backward queued")
+        return out
+
+    def marked_layer(ctx, *grads):
+        layers[0] += 1
+        marks.mark(f"      layer backward #{layers[0]}")
+        return layer_backward(ctx, *grads)
+
+    def marked_head(ctx, *grads):
+        marks.mark("      fused head backward")
+        out = head_backward(ctx, *grads)
+        marks.mark("      fused head backward queued")
+        return out
+
+    HeadSplit.backward = marked_split
+    _LayerRecompute.backward = staticmethod(marked_layer)
+    _FusedLogprobs.backward = staticmethod(marked_head)
+
+    def undo() -> None:
+        HeadSplit.backward = split_backward
+        _LayerRecompute.backward = staticmethod(layer_backward)
+        _FusedLogprobs.backward = staticmethod(head_backward)
+
+    return undo
+
+
 def _layer_marks(model, marks: _Marks, every: int):
     """Forward pre-hooks marking every ``every``-th decoder layer; returns their handles."""
     from dtree.models.layer_list import find_decoder_layers
@@ -129,9 +170,10 @@ def compiled_variants() -> dict[str, int]:
     return counts
 
 
-def depth_table(rt, model, forest, loss, device, layer_every: int = 0) -> list[str]:
+def depth_table(rt, model, forest, loss, device, layer_every: int = 0, backward_marks: bool = False) -> list[str]:
     marks = _Marks(device.type == "cuda")
     undo = _instrumented(marks)
+    undo_backward = _backward_marks(marks) if backward_marks else (lambda: None)
     handles = _layer_marks(model, marks, layer_every) if layer_every else []
     before = step_counts(device)
     variants = compiled_variants()
@@ -144,6 +186,7 @@ def depth_table(rt, model, forest, loss, device, layer_every: int = 0) -> list[s
         sync_device(device)
     finally:
         undo()
+        undo_backward()
         for h in handles:
             h.remove()
     after = step_counts(device)
@@ -195,12 +238,14 @@ def main() -> int:
     p.add_argument("--tag", default="")
     p.add_argument("--repeat", action="store_true", help="measure each forest twice (the second run has no first uses)")
     p.add_argument("--layer-every", type=int, default=0, help="also mark every N-th decoder layer's forward")
+    p.add_argument("--backward-marks", action="store_true",
+                   help="also mark the head's and the decoder's backward of each call and every checkpointed layer's")
     args = p.parse_args()
     model, device, rt, loss, forests, kind, options = script_setup(args, 3 + args.steps + 1)
     out = [f"# Queue depth at each group: {args.workload}, options {options or 'default'}", ""]
     measured = [f for f in forests[3:3 + args.steps] for _ in range(2 if args.repeat else 1)]
     for i, forest in enumerate(measured):
-        out += [f"## step {i}", ""] + depth_table(rt, model, forest, loss, device, args.layer_every) + [""]
+        out += [f"## step {i}", ""] + depth_table(rt, model, forest, loss, device, args.layer_every, args.backward_marks) + [""]
     out += ["## synchronizations in one step", ""] + sync_sites(rt, model, forests[-1], loss, device)
     emit_report("\n".join(out), f"queue_depth_{args.workload}{'_' + args.tag if args.tag else ''}.md")
     return 0

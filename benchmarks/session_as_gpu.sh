@@ -10,6 +10,8 @@
 #               how far the host runs ahead of the GPU at each call's forward, loss and backward, and at every 4th
 #               decoder layer (the re-runs' in the backward included); then the GPU tests of test_runtime_gpu.py's
 #               fused-head steps and of test_head_keep.py.
+#   PART=marks  the capped step again with marks inside each call's backward (--backward-marks): the LM head's part, the
+#               fused head's backward, every checkpointed layer's backward, the decoder's part queued.
 #
 #     PART=depth bash benchmarks/session_as_gpu.sh             # reports in $OUT (default /tmp/dtree_session_as)
 #     SMOKE=1 PART=depth bash benchmarks/session_as_gpu.sh     # the tiny model on the CPU: plumbing only
@@ -24,5 +26,8 @@ case "${PART:-depth}" in
     script queue_depth 200 --workload agentic64k --steps 1 --layer-every 4 --tag default
     gpu_tests gpu_tests.txt 200 "fused_head or head" tests/test_runtime_gpu.py tests/test_head_keep.py -rfE
     ;;
-  *) echo "PART must be depth"; exit 2 ;;
+  marks)
+    script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 --backward-marks --tag at_mask_marks
+    ;;
+  *) echo "PART must be depth or marks"; exit 2 ;;
 esac
