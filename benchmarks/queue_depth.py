@@ -83,11 +83,13 @@ def _instrumented(marks: _Marks):
 
 def _backward_marks(marks: _Marks):
     """Patches marking, inside each call's backward, the LM head's part and the decoder's
-    (:class:`dtree.engine.head_first.HeadSplit`), the fused head's backward, and every
+    (:class:`dtree.engine.head_first.HeadSplit`), the fused head's backward and its matmuls and
+    dL/dlogits launches (the head's forward's too), and every
     checkpointed layer's backward (its re-run and its graph's backward, on the autograd
     thread); returns a function that undoes them."""
     from dtree.engine.head_first import HeadSplit
     from dtree.models.layer_recompute import _LayerRecompute
+    from dtree.ops.logprobs import fused_head
     from dtree.ops.logprobs.fused_head import _FusedLogprobs
 
     split_backward, layer_backward, head_backward = HeadSplit.backward, _LayerRecompute.backward, _FusedLogprobs.backward
@@ -113,11 +115,23 @@ def _backward_marks(marks: _Marks):
     HeadSplit.backward = marked_split
     _LayerRecompute.backward = staticmethod(marked_layer)
     _FusedLogprobs.backward = staticmethod(marked_head)
+    parts = {name: getattr(fused_head, name) for name in ("_logits_into", "_dlogits_triton", "_accumulate_mm")}
+
+    def marked_part(name, fn):
+        def run(*args, **kwargs):
+            marks.mark(f"        {name}")
+            return fn(*args, **kwargs)
+        return run
+
+    for name, fn in parts.items():
+        setattr(fused_head, name, marked_part(name, fn))
 
     def undo() -> None:
         HeadSplit.backward = split_backward
         _LayerRecompute.backward = staticmethod(layer_backward)
         _FusedLogprobs.backward = staticmethod(head_backward)
+        for name, fn in parts.items():
+            setattr(fused_head, name, fn)
 
     return undo
 
