@@ -12,6 +12,9 @@
 #               fused-head steps and of test_head_keep.py.
 #   PART=marks  the capped step again with marks inside each call's backward (--backward-marks): the LM head's part, the
 #               fused head's backward, every checkpointed layer's backward, the decoder's part queued.
+#   PART=loading the same with CUDA_MODULE_LOADING=EAGER (every kernel of the process loaded when CUDA starts, none
+#               on its first launch inside a step) and, apart, without expandable segments (no memory mapped inside a
+#               step): which of the two makes the host wait inside the fused head's backward.
 #
 #     PART=depth bash benchmarks/session_as_gpu.sh             # reports in $OUT (default /tmp/dtree_session_as)
 #     SMOKE=1 PART=depth bash benchmarks/session_as_gpu.sh     # the tiny model on the CPU: plumbing only
@@ -29,5 +32,11 @@ case "${PART:-depth}" in
   marks)
     script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 --backward-marks --tag at_mask_marks
     ;;
-  *) echo "PART must be depth or marks"; exit 2 ;;
+  loading)
+    CUDA_MODULE_LOADING=EAGER script queue_depth 300 --workload agentic64k --opt memory=$AT_MASK --steps 2 \
+      --backward-marks --tag at_mask_eager
+    PYTORCH_CUDA_ALLOC_CONF= script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 \
+      --backward-marks --tag at_mask_no_expandable
+    ;;
+  *) echo "PART must be depth, marks or loading"; exit 2 ;;
 esac

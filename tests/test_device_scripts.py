@@ -151,6 +151,7 @@ RUNS = [
     ("session_aq_gpu.sh", {"PART": "steps", "CASE1_STEPS": "2"}, ("at_mask64k", "case1")),
     ("session_as_gpu.sh", {"PART": "depth"}, (".",)),
     ("session_as_gpu.sh", {"PART": "marks"}, (".",)),
+    ("session_as_gpu.sh", {"PART": "loading"}, (".",)),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
