@@ -35,7 +35,7 @@ case "${PART:-depth}" in
   loading)
     CUDA_MODULE_LOADING=EAGER script queue_depth 300 --workload agentic64k --opt memory=$AT_MASK --steps 2 \
       --backward-marks --tag at_mask_eager
-    PYTORCH_CUDA_ALLOC_CONF= script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 \
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 \
       --backward-marks --tag at_mask_no_expandable
     ;;
   *) echo "PART must be depth, marks or loading"; exit 2 ;;
