@@ -82,6 +82,44 @@ def _head_backward(rows: int, hidden: int, device, vocab: int = 151936, chunk: i
     return Backward()
 
 
+def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int, hidden: int,
+                     width: int = 88832, seed: int = 0) -> list[str]:
+    """The head backward's three products at ``count`` row counts never used before in the process
+    (as a fresh forest's calls have), each with ~``queue_ms`` queued ahead, then at the same row
+    counts again: how many launches waited for the queue in each pass."""
+    import random
+
+    bf = torch.bfloat16
+    rows = random.Random(seed).sample(range(4001, 12000), count)
+    w = torch.randn(width, hidden, device=device, dtype=bf)
+    grad_w = torch.empty(width, hidden, device=device, dtype=bf)
+    products = {
+        "mm(d.t(), h, out=grad_w)": lambda d, h, acc: torch.mm(d.t(), h, out=grad_w),
+        "addmm(acc, d, w, out_dtype=float32, out=acc)": lambda d, h, acc: torch.addmm(
+            acc, d, w, out_dtype=torch.float32, out=acc),
+        "mm(d, w, out=h)": lambda d, h, acc: torch.mm(d, w, out=h),
+    }
+    lines = ["", f"## Fresh row counts: {count} of them, each product with ~{queue_ms:.0f} ms queued ahead", "",
+             "| product | pass | launches that waited | host ms (max) |", "|---|---|---|---|"]
+    for name, product in products.items():
+        for attempt in ("first use of each row count", "the same row counts again"):
+            waited, worst = 0, 0.0
+            for n in rows:
+                d = torch.randn(n, width, device=device, dtype=bf)
+                h = torch.randn(n, hidden, device=device, dtype=bf)
+                acc = torch.zeros(n, hidden, device=device)
+                torch.cuda.synchronize()
+                _queue(queue_ms, filler, per_mm)
+                t0 = time.perf_counter()
+                product(d, h, acc)
+                ms = (time.perf_counter() - t0) * 1e3
+                waited += ms > queue_ms / 2
+                worst = max(worst, ms)
+                torch.cuda.synchronize()
+            lines.append(f"| `{name}` | {attempt} | {waited} of {count} | {worst:.1f} |")
+    return lines
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--rows", type=int, default=7000)
@@ -89,6 +127,7 @@ def main() -> int:
     p.add_argument("--hidden", type=int, default=1536)
     p.add_argument("--queue-ms", type=float, default=100.0)
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--fresh", type=int, default=12, help="row counts never used before, for the fresh-shape table")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no GPU: nothing to measure")
@@ -131,6 +170,7 @@ def main() -> int:
         h, q = host[len(host) // 2], left[len(left) // 2]
         lines.append(f"| `{name}` | {h:.2f} | {q:.1f} | {'yes' if h > args.queue_ms / 2 else 'no'} |")
         torch.cuda.synchronize()
+    lines += fresh_shape_rows(device, args.queue_ms, filler, per_mm, args.fresh, args.hidden)
     emit_report("\n".join(lines), "host_blocking_ops.md")
     return 0
 
