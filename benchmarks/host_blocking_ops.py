@@ -83,14 +83,15 @@ def _head_backward(rows: int, hidden: int, device, vocab: int = 151936, chunk: i
 
 
 def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int, hidden: int,
-                     width: int = 88832, seed: int = 0) -> list[str]:
+                     width: int = 88832, seed: int = 0, multiple: int = 1) -> list[str]:
     """The head backward's three products at ``count`` row counts never used before in the process
-    (as a fresh forest's calls have), each with ~``queue_ms`` queued ahead, then at the same row
-    counts again: how many launches waited for the queue in each pass."""
+    (as a fresh forest's calls have; rounded up to ``multiple``), each with ~``queue_ms`` queued ahead,
+    then at the same row counts again: how many launches waited for the queue in each pass, and in
+    which order (1: waited) on the first."""
     import random
 
     bf = torch.bfloat16
-    rows = random.Random(seed).sample(range(4001, 12000), count)
+    rows = [-(-n // multiple) * multiple for n in random.Random(seed).sample(range(4001, 12000), count)]
     w = torch.randn(width, hidden, device=device, dtype=bf)
     grad_w = torch.empty(width, hidden, device=device, dtype=bf)
     products = {
@@ -99,11 +100,12 @@ def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int,
             acc, d, w, out_dtype=torch.float32, out=acc),
         "mm(d, w, out=h)": lambda d, h, acc: torch.mm(d, w, out=h),
     }
-    lines = ["", f"## Fresh row counts: {count} of them, each product with ~{queue_ms:.0f} ms queued ahead", "",
-             "| product | pass | launches that waited | host ms (max) |", "|---|---|---|---|"]
+    lines = ["", f"## Fresh row counts: {count} of them (multiples of {multiple}), each product with ~{queue_ms:.0f} ms "
+             f"queued ahead; BLAS library {torch.backends.cuda.preferred_blas_library()}", "",
+             "| product | pass | launches that waited | host ms (max) | which waited, in order |", "|---|---|---|---|---|"]
     for name, product in products.items():
         for attempt in ("first use of each row count", "the same row counts again"):
-            waited, worst = 0, 0.0
+            waited, worst, order = 0, 0.0, ""
             for n in rows:
                 d = torch.randn(n, width, device=device, dtype=bf)
                 h = torch.randn(n, hidden, device=device, dtype=bf)
@@ -114,9 +116,10 @@ def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int,
                 product(d, h, acc)
                 ms = (time.perf_counter() - t0) * 1e3
                 waited += ms > queue_ms / 2
+                order += "1" if ms > queue_ms / 2 else "0"
                 worst = max(worst, ms)
                 torch.cuda.synchronize()
-            lines.append(f"| `{name}` | {attempt} | {waited} of {count} | {worst:.1f} |")
+            lines.append(f"| `{name}` | {attempt} | {waited} of {count} | {worst:.1f} | {order} |")
     return lines
 
 
@@ -128,11 +131,17 @@ def main() -> int:
     p.add_argument("--queue-ms", type=float, default=100.0)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--fresh", type=int, default=12, help="row counts never used before, for the fresh-shape table")
+    p.add_argument("--multiple", type=int, default=1, help="round the fresh row counts up to a multiple of this")
+    p.add_argument("--blas", default=None, choices=["cublas", "cublaslt"], help="torch's preferred BLAS library")
+    p.add_argument("--tag", default="", help="appended to the report's file name")
+    p.add_argument("--only-fresh", action="store_true", help="only the fresh-shape table")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("no GPU: nothing to measure")
         return 0
     device = torch.device("cuda")
+    if args.blas:
+        torch.backends.cuda.preferred_blas_library(args.blas)
     filler = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16),) * 2
     for _ in range(3):
         torch.mm(*filler)
@@ -152,7 +161,7 @@ def main() -> int:
              f"hidden {args.hidden}; an 8192^3 bf16 matmul {per_mm:.2f} ms")
     lines = [f"# Host time of ops with ~{args.queue_ms:.0f} ms of work queued ahead of them", "", setup, "",
              "| op | host ms (median of reps) | queue left after it (ms) | waits? |", "|---|---|---|---|"]
-    for name, fn in ops.items():
+    for name, fn in ({} if args.only_fresh else ops).items():
         host, left = [], []
         for _ in range(args.reps):
             getattr(fn, "prepare", lambda: None)()
@@ -170,8 +179,8 @@ def main() -> int:
         h, q = host[len(host) // 2], left[len(left) // 2]
         lines.append(f"| `{name}` | {h:.2f} | {q:.1f} | {'yes' if h > args.queue_ms / 2 else 'no'} |")
         torch.cuda.synchronize()
-    lines += fresh_shape_rows(device, args.queue_ms, filler, per_mm, args.fresh, args.hidden)
-    emit_report("\n".join(lines), "host_blocking_ops.md")
+    lines += fresh_shape_rows(device, args.queue_ms, filler, per_mm, args.fresh, args.hidden, multiple=args.multiple)
+    emit_report("\n".join(lines), f"host_blocking_ops{args.tag}.md")
     return 0
 
 
