@@ -100,8 +100,9 @@ def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int,
             acc, d, w, out_dtype=torch.float32, out=acc),
         "mm(d, w, out=h)": lambda d, h, acc: torch.mm(d, w, out=h),
     }
-    lines = ["", f"## Fresh row counts: {count} of them (multiples of {multiple}), each product with ~{queue_ms:.0f} ms "
-             f"queued ahead; BLAS library {torch.backends.cuda.preferred_blas_library()}", "",
+    title = (f"## Fresh row counts: {count} of them (multiples of {multiple}), each product with ~{queue_ms:.0f} ms "
+             f"queued ahead; BLAS library {torch.backends.cuda.preferred_blas_library()}")
+    lines = ["", title, "",
              "| product | pass | launches that waited | host ms (max) | which waited, in order |", "|---|---|---|---|---|"]
     for name, product in products.items():
         for attempt in ("first use of each row count", "the same row counts again"):
