@@ -135,9 +135,10 @@ def main() -> int:
     p.add_argument("--multiple", type=int, default=1, help="round the fresh row counts up to a multiple of this")
     p.add_argument("--blas", default=None, choices=["cublas", "cublaslt"], help="torch's preferred BLAS library")
     p.add_argument("--tag", default="", help="appended to the report's file name")
+    p.add_argument("--smoke", action="store_true", help="the CPU plumbing run: nothing to measure there")
     p.add_argument("--only-fresh", action="store_true", help="only the fresh-shape table")
     args = p.parse_args()
-    if not torch.cuda.is_available():
+    if args.smoke or not torch.cuda.is_available():
         print("no GPU: nothing to measure")
         return 0
     device = torch.device("cuda")

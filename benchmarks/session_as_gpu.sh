@@ -15,6 +15,9 @@
 #   PART=loading the same with CUDA_MODULE_LOADING=EAGER (every kernel of the process loaded when CUDA starts, none
 #               on its first launch inside a step) and, apart, without expandable segments (no memory mapped inside a
 #               step): which of the two makes the host wait inside the fused head's backward.
+#   PART=first  benchmarks/host_blocking_ops.py (cuBLAS products at row counts never used before, then again) and
+#               benchmarks/first_encounter.py on the capped 64k step: each fresh forest run twice, the second run meeting
+#               only shapes the first met.
 #
 #     PART=depth bash benchmarks/session_as_gpu.sh             # reports in $OUT (default /tmp/dtree_session_as)
 #     SMOKE=1 PART=depth bash benchmarks/session_as_gpu.sh     # the tiny model on the CPU: plumbing only
@@ -38,5 +41,9 @@ case "${PART:-depth}" in
     PYTORCH_CUDA_ALLOC_CONF=expandable_segments:False script queue_depth 240 --workload agentic64k --opt memory=$AT_MASK --steps 2 \
       --backward-marks --tag at_mask_no_expandable
     ;;
-  *) echo "PART must be depth, marks or loading"; exit 2 ;;
+  first)
+    script host_blocking_ops 200 --only-fresh --fresh 40 --reps 1
+    script first_encounter 420 --workload agentic64k --opt memory=$AT_MASK --forests 4 --no-profile
+    ;;
+  *) echo "PART must be depth, marks, loading or first"; exit 2 ;;
 esac
