@@ -18,6 +18,9 @@
 #   PART=first  benchmarks/host_blocking_ops.py (cuBLAS products at row counts never used before, then again) and
 #               benchmarks/first_encounter.py on the capped 64k step: each fresh forest run twice, the second run meeting
 #               only shapes the first met.
+#   PART=prewarm first_encounter.py again with the LM head's forward and backward run once at every 64th row count from
+#               256 to 16,640 before the timed runs (--prewarm-head): how much of the first run's extra time the head's
+#               new shapes are.
 #
 #     PART=depth bash benchmarks/session_as_gpu.sh             # reports in $OUT (default /tmp/dtree_session_as)
 #     SMOKE=1 PART=depth bash benchmarks/session_as_gpu.sh     # the tiny model on the CPU: plumbing only
@@ -45,5 +48,9 @@ case "${PART:-depth}" in
     script host_blocking_ops 200 --only-fresh --fresh 40 --reps 1
     script first_encounter 420 --workload agentic64k --opt memory=$AT_MASK --forests 4 --no-profile
     ;;
-  *) echo "PART must be depth, marks, loading or first"; exit 2 ;;
+  prewarm)
+    script first_encounter 420 --workload agentic64k --opt memory=$AT_MASK --forests 4 --no-profile \
+      --prewarm-head ${PREWARM:-256:16641:64}
+    ;;
+  *) echo "PART must be depth, marks, loading, first or prewarm"; exit 2 ;;
 esac

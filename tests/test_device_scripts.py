@@ -153,6 +153,7 @@ RUNS = [
     ("session_as_gpu.sh", {"PART": "marks"}, (".",)),
     ("session_as_gpu.sh", {"PART": "loading"}, (".",)),
     ("session_as_gpu.sh", {"PART": "first"}, ()),
+    ("session_as_gpu.sh", {"PART": "prewarm", "PREWARM": "8:40:8"}, ()),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
