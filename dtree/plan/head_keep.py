@@ -32,7 +32,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .memory_model import MemoryPlan, backward_peak, peak_visits, plan_walk, with_simulated_peak
+from .memory_model import MemoryPlan, peak_visits, plan_walk, with_simulated_peak
 from .schedule import Schedule
 
 __all__ = ["keep_head_logits", "keep_head_logits_reference", "threshold_peaks"]
@@ -81,11 +81,11 @@ def threshold_peaks(plan: MemoryPlan, sched: Schedule, rows: list[int], retain_t
     fixed, over_rows, in_chunks, in_one = 0.0, [], [], []
     for v in peak_visits(sched, retain_tokens, plan.checkpoint_layers, path, fig, grads):
         r = rows[v.group]
-        as_planned = backward_peak(fig, v.retained, v.tokens, r, v.checkpoint, v.alive, grads, fig.chunk)[0]
+        as_planned = v.peak(fig, r, grads, fig.chunk)[0]
         if v.backward_now and r > fig.chunk:
             over_rows.append(r)
             in_chunks.append(as_planned)
-            in_one.append(backward_peak(fig, v.retained, v.tokens, r, v.checkpoint, v.alive, grads, r)[0])
+            in_one.append(v.peak(fig, r, grads, r)[0])
         else:
             fixed = max(fixed, as_planned)
     order = np.argsort(over_rows, kind="stable")

@@ -20,16 +20,14 @@ started (weights, optimizer state, the KV stack kept from the last step):
   layer's backward (``tokens x CallBytes.backward(checkpoint)``), which never overlap
   (the head's backward finishes before the last layer's starts).
 
-Figures from the H100 session of 2026-11-23 (qwen2.5-1.5b, bf16; ``benchmarks/results/
-h100/session_b/memory_profile_*``): eager decoder layers keep 2.73 MB per token (54.05
-GiB for a 21,266-token call), checkpointed ones their inputs, 86 KB per token; the KV
-stack 86 KB per slot (bf16 values, float32 gradients); the fused LM head at 4,096-row
-chunks 2.05 GiB (the ``[c, V]`` logits buffer 1.16, the float32 weight-gradient
-accumulator 0.87) plus 0.43 GiB for its weight gradient in the model dtype, returned
-before it is added into ``.grad`` (the policy before this one left that out). Since
-session M the fused head's backward runs vocabulary slices over all rows and writes the
-weight's gradient once: no ``[V, H]`` accumulator, a float32 ``[rows, H]`` one instead
-(0.09 GiB at 16k rows).
+Figures from the H100 session of 2026-11-23 (qwen2.5-1.5b, bf16;
+``benchmarks/results/h100/session_b/memory_profile_*``): eager decoder layers keep 2.73 MB per token (54.05 GiB for a
+21,266-token call), checkpointed ones their inputs, 86 KB per token; the KV stack 86 KB per slot (bf16 values, float32
+gradients); the fused LM head at 4,096-row chunks 2.05 GiB (the ``[c, V]`` logits buffer 1.16, the float32
+weight-gradient accumulator 0.87) plus 0.43 GiB for its weight gradient in the model dtype, returned before it is
+added into ``.grad`` (the policy before this one left that out). Since session M the fused head's backward runs
+vocabulary slices over all rows and writes the weight's gradient once: no ``[V, H]`` accumulator, a float32
+``[rows, H]`` one instead (0.09 GiB at 16k rows).
 """
 
 from __future__ import annotations
@@ -316,10 +314,9 @@ def grads_at_peak(step_grads, calls, freed, head_excess):
 
 
 def call_head_chunk(chunk: int, rows: int, kept_head_rows: int, backward_now: bool) -> int:
-    """The LM-head chunk of a call of ``rows`` loss rows under a plan of ``chunk``-row chunks: all its rows
-    in one (its logits kept for the backward) where its backward follows its forward at once and they are
-    at most ``kept_head_rows`` (:mod:`dtree.plan.head_keep`), else ``chunk``. The walk runs it and
-    :func:`simulate_peak` prices it."""
+    """The LM-head chunk of a call of ``rows`` loss rows under ``chunk``-row chunks: all its rows in one (its logits
+    kept for the backward) where its backward follows its forward at once and they are at most ``kept_head_rows``
+    (:mod:`dtree.plan.head_keep`), else ``chunk``. The walk runs it; :func:`simulate_peak` prices it."""
     return rows if backward_now and chunk < rows <= kept_head_rows else chunk
 
 
@@ -348,6 +345,10 @@ class PeakVisit(NamedTuple):
     retained: float  # bytes of the path's retained graphs alive under it
     retained_tokens: int
     alive: float  # the step's gradients alive as it starts
+
+    def peak(self, fig: _Figures, rows: int, grads: float, chunk: int) -> tuple[float, float]:
+        """:func:`backward_peak` of this call with ``rows`` loss rows, its LM head in ``chunk``-row chunks."""
+        return backward_peak(fig, self.retained, self.tokens, rows, self.checkpoint, self.alive, grads, chunk)
 
 
 def peak_visits(sched: Schedule, retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
@@ -383,14 +384,13 @@ def simulate_peak(
     sched: Schedule, rows: list[int], retain_budget: float, checkpoint: int, path_checkpoint: int, fig: _Figures,
     grads: float = 0.0, kept_head_rows: int = 0,
 ) -> tuple[float, dict]:
-    """The most live bytes over ``sched``'s walk (:func:`peak_visits`) and where: ``(bytes, {"group",
-    "tokens", "retained_tokens", "gradients"})``. ``rows``: predictions per group; ``grads``: the step's
-    gradients' bytes (:func:`backward_peak`), ``"gradients"`` those counted at the peak; ``kept_head_rows``:
-    see :func:`call_head_chunk` (:mod:`dtree.plan.head_keep`)."""
+    """The most live bytes over ``sched``'s walk (:func:`peak_visits`) and where: ``(bytes, {"group", "tokens",
+    "retained_tokens", "gradients"})``. ``rows``: predictions per group; ``grads``: the step's gradients' bytes
+    (:func:`backward_peak`), ``"gradients"`` those counted at the peak; ``kept_head_rows``: :func:`call_head_chunk`."""
     best, where = 0.0, {}
     for v in peak_visits(sched, retain_budget, checkpoint, path_checkpoint, fig, grads):
         chunk = call_head_chunk(fig.chunk, rows[v.group], kept_head_rows, v.backward_now)
-        peak, counted = backward_peak(fig, v.retained, v.tokens, rows[v.group], v.checkpoint, v.alive, grads, chunk)
+        peak, counted = v.peak(fig, rows[v.group], grads, chunk)
         if peak > best:
             best = peak
             where = {"group": v.group, "tokens": v.tokens, "retained_tokens": v.retained_tokens, "gradients": counted}
