@@ -62,7 +62,7 @@ from ..ops.rotary import RotaryFunction
 from ..ops.rotary.interface import rotary_supported
 from ..ops.shared_input_linear import shared_input_linear
 from ..ops.swiglu import silu_mul, swiglu_down
-from .instance_attrs import remove_instance_attrs, set_instance_attrs
+from .instance_attrs import module_attr, remove_instance_attrs, set_instance_attrs
 from .plain_linear import is_plain_linear
 from .shared_projections import is_shared_attention, restore_projections, swap_projections
 
@@ -293,9 +293,10 @@ def remove_lean_layers(model: torch.nn.Module) -> None:
 
 def _compiled(m: torch.nn.Module) -> bool:
     """Whether module ``m`` runs through ``torch.compile`` (a swapped ``forward`` in it
-    would only make it recompile)."""
-    return getattr(m, "_dtree_compiled", False) or getattr(m, "_compiled_call_impl", None) is not None \
-        or hasattr(m, "_orig_mod")
+    would only make it recompile): compiled by dtree or by ``Module.compile``, or a
+    ``torch.compile`` wrapper (its ``_orig_mod`` submodule)."""
+    return bool(module_attr(m, "_dtree_compiled", False)) or module_attr(m, "_compiled_call_impl") is not None \
+        or "_orig_mod" in m._modules
 
 
 @contextlib.contextmanager
@@ -315,7 +316,7 @@ def lean_layers_during(
         return
     norms, mlps, attentions, attention = [], [], [], None
     for m in model.modules() if modules is None else modules:  # once: this runs at every step
-        if getattr(m, "_dtree_lean", False) or _compiled(m):
+        if module_attr(m, "_dtree_lean", False) or _compiled(m):
             yield None
             return
         if "forward" not in vars(m):

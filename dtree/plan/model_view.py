@@ -16,6 +16,7 @@ import torch
 
 from ..models import unwrap
 from ..models.checkpointing import decoder_layers
+from ..models.instance_attrs import module_attr
 
 __all__ = ["ModelView", "model_view"]
 
@@ -49,13 +50,27 @@ def _can_checkpoint_layers(module: torch.nn.Module) -> bool:
     return True
 
 
+def _parameters(modules: tuple[torch.nn.Module, ...]) -> tuple[torch.nn.Parameter, ...]:
+    """``module.parameters()`` from its walked ``modules`` (``module.modules()``, in that order):
+    each module's own parameters in turn, a shared one (tied embeddings) once, where it first
+    appears; no second walk of the module tree."""
+    seen: set[int] = set()
+    out = []
+    for m in modules:
+        for p in m._parameters.values():
+            if p is not None and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+    return tuple(out)
+
+
 def model_view(module: torch.nn.Module) -> ModelView:
     """``module`` as a step's plan reads it (see :class:`ModelView`)."""
     modules = tuple(module.modules())
     return ModelView(
         modules=modules,
-        parameters=tuple(module.parameters()),
-        hf_checkpointing=any(getattr(m, "gradient_checkpointing", False) is True and m.training for m in modules),
+        parameters=_parameters(modules),
+        hf_checkpointing=any(module_attr(m, "gradient_checkpointing", False) is True and m.training for m in modules),
         can_checkpoint=_can_checkpoint_layers(module),
         training=any(m.training for m in modules),
     )
