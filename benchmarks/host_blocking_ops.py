@@ -82,10 +82,14 @@ def _head_backward(rows: int, hidden: int, device, vocab: int = 151936, chunk: i
     return Backward()
 
 
+LAYER_INTERMEDIATE = 8960  # qwen2.5-1.5b
+
+
 def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int, hidden: int,
                      width: int = 88832, seed: int = 0, multiple: int = 1) -> list[str]:
-    """The head backward's three products at ``count`` row counts never used before in the process
-    (as a fresh forest's calls have; rounded up to ``multiple``), each with ~``queue_ms`` queued ahead,
+    """The head backward's three products and two of a decoder layer's (its gate/up projection's forward and
+    weight gradient, whose row and inner counts are a call's tokens) at ``count`` row counts never used before
+    in the process (as a fresh forest's calls have; rounded up to ``multiple``), each with ~``queue_ms`` queued ahead,
     then at the same row counts again: how many launches waited for the queue in each pass, and in
     which order (1: waited) on the first."""
     import random
@@ -94,11 +98,14 @@ def fresh_shape_rows(device, queue_ms: float, filler, per_mm: float, count: int,
     rows = [-(-n // multiple) * multiple for n in random.Random(seed).sample(range(4001, 12000), count)]
     w = torch.randn(width, hidden, device=device, dtype=bf)
     grad_w = torch.empty(width, hidden, device=device, dtype=bf)
+    up = torch.randn(2 * LAYER_INTERMEDIATE, hidden, device=device, dtype=bf)  # a decoder layer's gate and up
     products = {
         "mm(d.t(), h, out=grad_w)": lambda d, h, acc: torch.mm(d.t(), h, out=grad_w),
         "addmm(acc, d, w, out_dtype=float32, out=acc)": lambda d, h, acc: torch.addmm(
             acc, d, w, out_dtype=torch.float32, out=acc),
         "mm(d, w, out=h)": lambda d, h, acc: torch.mm(d, w, out=h),
+        "layer: mm(h, up.t())": lambda d, h, acc: torch.mm(h, up.t()),
+        "layer: mm(d[:, :2I].t(), h)": lambda d, h, acc: torch.mm(d[:, : up.shape[0]].t(), h),
     }
     title = (f"## Fresh row counts: {count} of them (multiples of {multiple}), each product with ~{queue_ms:.0f} ms "
              f"queued ahead; BLAS library {torch.backends.cuda.preferred_blas_library()}")

@@ -13,7 +13,7 @@
 ``benchmarks/session_ai_gpu.sh``, ``benchmarks/session_aj_gpu.sh``, ``benchmarks/session_ak_gpu.sh``,
 ``benchmarks/session_al_gpu.sh``, ``benchmarks/session_am_gpu.sh``, ``benchmarks/session_an_gpu.sh``,
 ``benchmarks/session_ao_gpu.sh``, ``benchmarks/session_ap_gpu.sh``, ``benchmarks/session_aq_gpu.sh``,
-``benchmarks/session_as_gpu.sh``, sharing
+``benchmarks/session_as_gpu.sh``, ``benchmarks/session_at_gpu.sh``, sharing
 ``benchmarks/bench_cases.sh``) run end to end on CPU with ``SMOKE=1``: every configuration
 they name parses and runs, and each writes its reports."""
 
@@ -154,6 +154,9 @@ RUNS = [
     ("session_as_gpu.sh", {"PART": "loading"}, (".",)),
     ("session_as_gpu.sh", {"PART": "first"}, ()),
     ("session_as_gpu.sh", {"PART": "prewarm", "PREWARM": "8:40:8"}, ()),
+    ("session_at_gpu.sh", {"PART": "host", "CASE1_STEPS": "2"}, ("ab_new_case1_1",)),
+    ("session_at_gpu.sh", {"PART": "marks", "STEPS_AT": "1"}, (".",)),
+    ("session_at_gpu.sh", {"PART": "blas"}, ()),
     ("session_y_gpu.sh", {"PART": "scale", "SCALE_STEPS": "1"}, ("scale256k",)),
     ("session_x_gpu.sh", {"PART": "rerun"}, ("new64k",)),
     ("session_w_gpu.sh", {"PART": "tight"}, ("tight64k",)),
@@ -164,7 +167,7 @@ RUNS = [
 # By default the current scripts run, and of the earlier sessions' a seeded sample (DTREE_TEST_SEED, default 0): they
 # repeat the same `dtree bench` and benchmarks/*.py invocations, and all of them took ~4 of the suite's 19 minutes on
 # CI's two cores. `-m slow` runs every one.
-CURRENT = {("vs_mask_gpu.sh", None), ("session_as_gpu.sh", "depth")}
+CURRENT = {("vs_mask_gpu.sh", None), ("session_at_gpu.sh", "host")}
 SAMPLED = 2
 
 
