@@ -32,10 +32,12 @@ def remove_instance_attrs(module: torch.nn.Module, *names: str) -> None:
 
 def module_attr(module: torch.nn.Module, name: str, default=None):
     """``getattr(module, name, default)`` for a plain attribute (not a parameter, buffer or
-    submodule, nor a property): the instance's ``__dict__``, else its class's. Where neither has
-    it, ``getattr`` goes through ``nn.Module.__getattr__``, which raises (and ``getattr``
-    catches) an AttributeError: ~2 us a module, ~1,100 of them a step over a 28-layer model's
-    per-step checks (its marks, flags and compile state), all before the first kernel."""
+    submodule, nor a property): the instance's ``__dict__``, else its class's, read once per
+    class (a class default; dtree, torch and transformers set these names on instances). Where
+    neither has it, ``getattr`` goes through ``nn.Module.__getattr__``, which raises (and
+    ``getattr`` catches) an AttributeError: ~2 us a module, ~1,100 of them a step over a
+    28-layer model's per-step checks (its marks, flags and compile state), all before the
+    first kernel."""
     attrs = module.__dict__
     return attrs[name] if name in attrs else _class_attr(type(module), name, default)
 
