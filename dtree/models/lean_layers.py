@@ -280,7 +280,7 @@ def _swap(
 
 
 def _restore(modules: list[torch.nn.Module]) -> None:
-    restore_projections([m for m in modules if hasattr(m, "_dtree_handover")])
+    restore_projections([m for m in modules if "_dtree_handover" in m.__dict__])  # set there by swap_projections
     for m in modules:
         if "forward" in vars(m):  # the norms and MLPs (the projections are back already)
             remove_instance_attrs(m, "forward", "_dtree_lean")
