@@ -357,12 +357,11 @@ class HFTreeModel:
         for m in self.model.modules():
             if not m.training:
                 continue
-            p, where = module_attr(m, "attention_dropout", 0.0), "{}.attention_dropout"
+            p, where = module_attr(m, "attention_dropout", 0.0), f"{type(m).__name__}.attention_dropout"
             adapted = families.attention_dropout(m)  # the probability dropout of an adapted family's attention
             if adapted is not None:
-                p, where = adapted, "{}'s attention dropout p"
+                p, where = adapted, f"{type(m).__name__}'s attention dropout p"
             if isinstance(p, (int, float)) and p > 0:
-                where = where.format(type(m).__name__)
                 raise ValueError(
                     f"attention dropout ({where}={p}) is not supported by dtree's stack attention: build the model "
                     "with config.attention_dropout=0 (or set attention_dropout = 0 on every attention module), or call "
